@@ -1,0 +1,149 @@
+"""Engine configuration (seed: 配置): plain values that build anywhere, without a model or a GPU.
+
+    max_concurrency          C, execution lanes, 1..8
+    max_context              logical context limit of one request (None = the model's limit)
+    kv_capacity              Main-KV pool in tokens, rounded up to 64-token pages
+                             (None = solve the largest page count that fits the memory budget)
+    context_cache.device_state_slots    extra Device StateImage slots beyond C (default C)
+    context_cache.host_capacity_bytes   shared pinned Host backing for StateImages, KV, pause
+                             snapshots and transfer destinations (default 8 GiB + 8 × the
+                             model's Host StateImage size)
+
+Checks that need the model (the Main-KV curve, the memory budget) happen when the Native layer
+resolves the layout; they raise the same ConfigError with the numbers.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from pathlib import Path
+
+import msgspec
+
+from ninfer.errors import ConfigError
+
+PAGE_SIZE = 64
+GIB = 1 << 30
+DTYPES = ("float64", "float32", "bfloat16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _range_error(field: str, value, allowed: str) -> ConfigError:
+    return ConfigError(f"{field}={value!r} is out of range: allowed {allowed}")
+
+
+class ContextCacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    device_state_slots: int | None = None
+    host_capacity_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.device_state_slots is not None and self.device_state_slots < 0:
+            raise _range_error("context_cache.device_state_slots", self.device_state_slots, ">= 0 (default C)")
+        if self.host_capacity_bytes is not None and self.host_capacity_bytes < 0:
+            raise _range_error("context_cache.host_capacity_bytes", self.host_capacity_bytes, ">= 0")
+
+
+class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    max_concurrency: int = 4
+    max_context: int | None = None
+    kv_capacity: int | None = None
+    context_cache: ContextCacheConfig = msgspec.field(default_factory=ContextCacheConfig)
+    dtype: str = "float32"
+    device: str = "auto"
+    # Memory budget for kv_capacity=None: explicit bytes, else this fraction of free GPU memory
+    # (on the CPU: 1 GiB unless given).
+    memory_budget_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    # Scheduling knobs (vLLM/SGLang users expect them).
+    prefill_chunk_tokens: int = 256
+    request_timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_concurrency <= 8:
+            raise _range_error("max_concurrency", self.max_concurrency, "1..8")
+        if self.max_context is not None and self.max_context < 1:
+            raise _range_error("max_context", self.max_context, ">= 1 (None = the model's limit)")
+        if self.kv_capacity is not None and self.kv_capacity < 1:
+            raise _range_error("kv_capacity", self.kv_capacity, ">= 1 token (None = solve from the memory budget)")
+        if self.dtype not in DTYPES:
+            raise _range_error("dtype", self.dtype, " | ".join(DTYPES))
+        if self.device not in DEVICES:
+            raise _range_error("device", self.device, " | ".join(DEVICES))
+        if self.memory_budget_bytes is not None and self.memory_budget_bytes < 1:
+            raise _range_error("memory_budget_bytes", self.memory_budget_bytes, ">= 1")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise _range_error("gpu_memory_utilization", self.gpu_memory_utilization, "(0, 1]")
+        if self.prefill_chunk_tokens < 1:
+            raise _range_error("prefill_chunk_tokens", self.prefill_chunk_tokens, ">= 1")
+        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
+            raise _range_error("request_timeout_s", self.request_timeout_s, "> 0 seconds (None = no timeout)")
+
+    # ---- derived values ----------------------------------------------------------------
+    @property
+    def device_state_slots(self) -> int:
+        """Extra Device StateImage slots beyond the C basic ones (default C)."""
+        extra = self.context_cache.device_state_slots
+        return self.max_concurrency if extra is None else extra
+
+    def kv_pages(self) -> int | None:
+        """Explicit kv_capacity rounded up to 64-token pages (None when it is to be solved)."""
+        return None if self.kv_capacity is None else math.ceil(self.kv_capacity / PAGE_SIZE)
+
+    def host_capacity(self, host_state_image_bytes: int) -> int:
+        """Host backing bytes: explicit, else 8 GiB + 8 × the model's Host StateImage size."""
+        explicit = self.context_cache.host_capacity_bytes
+        return explicit if explicit is not None else 8 * GIB + 8 * host_state_image_bytes
+
+    def resolve_max_context(self, model_max_positions: int) -> int:
+        if self.max_context is None:
+            return model_max_positions
+        if self.max_context > model_max_positions:
+            raise _range_error("max_context", self.max_context,
+                               f"1..{model_max_positions} (the model's max_position_embeddings)")
+        return self.max_context
+
+    # ---- construction ------------------------------------------------------------------
+    @staticmethod
+    def from_dict(raw: dict) -> "EngineConfig":
+        try:
+            return msgspec.convert(raw, EngineConfig)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(f"invalid engine config: {exc}") from None
+
+    @staticmethod
+    def from_toml(path: str | Path) -> "EngineConfig":
+        p = Path(path)
+        try:
+            raw = tomllib.loads(p.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {p}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{p}: invalid TOML ({exc})") from None
+        try:
+            return EngineConfig.from_dict(raw)
+        except ConfigError as exc:
+            raise ConfigError(f"{p}: {exc}") from None
+
+    @staticmethod
+    def coerce(config: "EngineConfig | str | Path | dict | None") -> "EngineConfig":
+        """Accept the forms the public API takes: an EngineConfig, a TOML path, a dict or None."""
+        if config is None:
+            return EngineConfig()
+        if isinstance(config, EngineConfig):
+            return config
+        if isinstance(config, dict):
+            return EngineConfig.from_dict(config)
+        if isinstance(config, (str, Path)):
+            return EngineConfig.from_toml(config)
+        raise ConfigError(f"config must be an EngineConfig, a TOML path, a dict or None, not {type(config).__name__}")
+
+
+def kv_page_bounds(max_context: int, max_concurrency: int) -> tuple[int, int]:
+    """The Main-KV capacity curve in pages: [max(⌈max_context/64⌉, C), C·⌈max_context/64⌉].
+
+    The lower bound lets one request own the whole context alone and gives C lanes a page
+    each; the upper bound is C full contexts (capacity is not split per lane).
+    """
+    per_request = math.ceil(max_context / PAGE_SIZE)
+    return max(per_request, max_concurrency), max_concurrency * per_request

@@ -1,0 +1,34 @@
+"""Exception types of the public contract (see API.md).
+
+Every error a user can cause carries a one-line message that names the offending thing
+(field, tensor, file) and, where there is one, the allowed range.
+"""
+
+from __future__ import annotations
+
+
+class NInferError(Exception):
+    """Base class of every error NInfer raises on purpose."""
+
+
+class ConfigError(NInferError, ValueError):
+    """An engine configuration value is out of range or inconsistent.
+
+    The message names the field and the allowed range, e.g.
+    ``max_concurrency=9 is out of range: allowed 1..8``.
+    """
+
+
+class ModelLoadError(NInferError):
+    """A model directory is missing, unsupported or inconsistent (config or weights)."""
+
+
+class CapacityContractError(NInferError):
+    """The sole remaining request cannot get a legal unit after all legal reclaim.
+
+    Raised instead of waiting for a releaser that does not exist (seed: 容量合同错误).
+    """
+
+
+class RequestError(NInferError, ValueError):
+    """Bad input for one request (it fails alone; nothing else is lost)."""

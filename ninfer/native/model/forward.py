@@ -1,0 +1,136 @@
+"""Explicit forward metadata and the cache tensors the model reads and writes.
+
+Variable-length convention (defined once, used everywhere): the N sequences of one call are
+packed back to back into T tokens::
+
+    input_ids  [T]     seq 0 tokens | seq 1 tokens | ... | seq N-1 tokens
+    cu         [N+1]   cu[i] .. cu[i+1] are the rows of sequence i
+    starts     [N]     absolute position of sequence i's first row (its execution_frontier)
+    positions  [T]     starts[i] + 0 .. q_len-1
+
+A sequence with q_len == 1 is a decode row (batched recurrent step); longer ones are prefill
+or replay chunks (chunked form). Either way the state in ``state_slots[i]`` is read as the
+initial state and overwritten with the final state, and the new K/V are written to the pages
+of ``page_tables[i]`` before attention reads them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ninfer.native.model.config import PAGE_SIZE, ModelConfig
+
+
+@dataclass
+class SeqInput:
+    """One sequence's slice of a call."""
+
+    token_ids: list[int]
+    start: int                      # positions start .. start + len(token_ids) - 1
+    page_table: list[int]           # covers at least start + len(token_ids) positions
+    state_slot: int = 0             # row of the state tensors (ignored for pure attention)
+    logits: str = "last"            # "last" | "all" | "none"
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor         # [T] long
+    positions: torch.Tensor         # [T] long
+    cu: list[int]                   # [N+1]
+    starts: list[int]               # [N]
+    page_tables: list[torch.Tensor]  # N x [n_pages] long
+    state_slots: torch.Tensor       # [N] long
+    slot_mapping: torch.Tensor      # [T] long, flat KV slot of every new token
+    logits_rows: torch.Tensor       # [M] long, rows whose hidden/logits are returned
+    decode_seqs: list[int] = field(default_factory=list)   # sequences with q_len == 1
+    chunk_seqs: list[int] = field(default_factory=list)    # sequences with q_len > 1
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.starts)
+
+    @staticmethod
+    def build(seqs: list[SeqInput], device: torch.device | str = "cpu") -> "ForwardBatch":
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        rows: list[int] = []
+        cu = [0]
+        for s in seqs:
+            n = len(s.token_ids)
+            if n == 0:
+                raise ValueError("a sequence in a forward batch needs at least one token")
+            end = s.start + n
+            if len(s.page_table) * PAGE_SIZE < end:
+                raise ValueError(f"page table of {len(s.page_table)} pages cannot hold position {end - 1}")
+            base = cu[-1]
+            ids.extend(s.token_ids)
+            for p in range(s.start, end):
+                pos.append(p)
+                slots.append(s.page_table[p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE)
+            if s.logits == "all":
+                rows.extend(range(base, base + n))
+            elif s.logits == "last":
+                rows.append(base + n - 1)
+            cu.append(base + n)
+        lt = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+        return ForwardBatch(
+            input_ids=lt(ids),
+            positions=lt(pos),
+            cu=cu,
+            starts=[s.start for s in seqs],
+            page_tables=[lt(s.page_table) for s in seqs],
+            state_slots=lt([s.state_slot for s in seqs]),
+            slot_mapping=lt(slots),
+            logits_rows=lt(rows),
+            decode_seqs=[i for i, s in enumerate(seqs) if len(s.token_ids) == 1],
+            chunk_seqs=[i for i, s in enumerate(seqs) if len(s.token_ids) > 1],
+        )
+
+
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Recurrent-state storage dtype: fp32 unless the model runs in fp64 (mamba_ssm_dtype)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@dataclass
+class ModelCache:
+    """The tensors a forward pass reads and writes.
+
+    k, v:  [La, P, 64, Hkv, D]      Main KV pages of the La attention layers
+    conv:  [Ll, S, C, K-1]          conv states of the Ll GDN layers, per state slot
+    ssm:   [Ll, S, Hv, Dk, Dv]      recurrent states, per state slot (fp32 / fp64)
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    conv: torch.Tensor
+    ssm: torch.Tensor
+
+    @staticmethod
+    def allocate(cfg: ModelConfig, num_pages: int, num_slots: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> "ModelCache":
+        la, ll = len(cfg.attention_layers), len(cfg.linear_layers)
+        kv_shape = (la, num_pages, PAGE_SIZE, cfg.num_key_value_heads, cfg.head_dim)
+        conv_shape = (ll, num_slots, cfg.conv_dim, cfg.linear_conv_kernel_dim - 1)
+        ssm_shape = (ll, num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                     cfg.linear_value_head_dim)
+        return ModelCache(
+            k=torch.zeros(kv_shape, dtype=dtype, device=device),
+            v=torch.zeros(kv_shape, dtype=dtype, device=device),
+            conv=torch.zeros(conv_shape, dtype=dtype, device=device),
+            ssm=torch.zeros(ssm_shape, dtype=state_dtype(dtype), device=device),
+        )
+
+    def reset_slot(self, slot: int) -> None:
+        """Zero a state slot: the state of an empty prefix (position 0)."""
+        self.conv[:, slot].zero_()
+        self.ssm[:, slot].zero_()
+
+
+@dataclass
+class ForwardOutput:
+    hidden: torch.Tensor   # [M, H] pre-final-norm hidden of the logits rows (continuation hidden)
+    logits: torch.Tensor   # [M, V] in the accumulation dtype

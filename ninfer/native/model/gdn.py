@@ -1,0 +1,141 @@
+"""Gated DeltaNet core: causal depthwise conv with carried state, and the gated delta rule.
+
+Per value head h, with state S: [Dk, Dv], decay g_t (log space, <= 0) and rate beta_t::
+
+    S   <- exp(g_t) * S
+    S   <- S + k_t ⊗ beta_t (v_t - S^T k_t)         (delta rule)
+    o_t  = S^T q_t                                  (q_t already scaled by Dk^-0.5)
+
+Two exact forms of the same recurrence, both taking an explicit initial state and returning
+the final state (so any prefill may be cut anywhere and continued):
+
+* ``chunk_gated_delta_rule`` — prefill: UT/WY transform inside 64-token blocks, one state
+  hand-over per block.
+* ``recurrent_gated_delta_rule`` — decode: one step per token, batched over rows.
+
+q and k are L2-normalised inside (as the reference implementation does); all math runs in the
+accumulation dtype (fp32, or fp64 for a float64 model). Key heads are shared by
+``Hv // Hk`` consecutive value heads.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ninfer.native.model.ops import acc_dtype, l2norm
+
+CHUNK = 64
+
+
+def causal_conv1d(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv + SiLU over one sequence, continuing from ``state``.
+
+    x: [T, C] new inputs; state: [C, K-1] the previous K-1 inputs (zeros at position 0);
+    weight: [C, K]. Returns y: [T, C] and the new state [C, K-1] (the last K-1 inputs).
+
+        inputs:  s_0 .. s_{K-2} | x_0 x_1 ... x_{T-1}
+        y_t   =  sum_j w[:, j] * window_t[j]   where window_t ends at x_t
+    """
+    k = weight.shape[1]
+    xs = torch.cat([state.to(x.dtype), x.t()], dim=1)  # [C, K-1+T]
+    y = F.conv1d(xs[None], weight[:, None, :], groups=weight.shape[0])[0]  # [C, T]
+    return F.silu(y).t(), xs[:, xs.shape[1] - (k - 1):].clone()
+
+
+def causal_conv1d_step(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step for N rows. x: [N, C]; state: [N, C, K-1]; weight: [C, K].
+
+    Returns y: [N, C] and the new state [N, C, K-1].
+    """
+    xs = torch.cat([state.to(x.dtype), x[:, :, None]], dim=2)  # [N, C, K]
+    y = F.silu((xs * weight[None]).sum(-1))
+    return y, xs[:, :, 1:].clone()
+
+
+def _prep(q, k, v, g, beta, acc):
+    """Expand key heads to value heads, normalise and scale q/k, cast to the accumulation dtype."""
+    rep = v.shape[-2] // k.shape[-2]
+    if rep > 1:
+        q = q.repeat_interleave(rep, dim=-2)
+        k = k.repeat_interleave(rep, dim=-2)
+    q, k = l2norm(q.to(acc)), l2norm(k.to(acc))
+    q = q * (q.shape[-1] ** -0.5)
+    return q, k, v.to(acc), g.to(acc), beta.to(acc)
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token form for N rows of T steps each (decode: T == 1).
+
+    q, k: [N, T, Hk, Dk]; v: [N, T, Hv, Dv]; g, beta: [N, T, Hv]; state: [N, Hv, Dk, Dv].
+    Returns o: [N, T, Hv, Dv] (input dtype of v) and the final state [N, Hv, Dk, Dv]
+    (accumulation dtype).
+    """
+    out_dtype = v.dtype
+    acc = acc_dtype(v.dtype)
+    q, k, v, g, beta = _prep(q, k, v, g, beta, acc)
+    s = state.to(acc)
+    outs = []
+    for t in range(q.shape[1]):
+        s = s * g[:, t].exp()[..., None, None]
+        kv_mem = (s * k[:, t, :, :, None]).sum(-2)                      # [N, Hv, Dv]
+        delta = (v[:, t] - kv_mem) * beta[:, t, :, None]
+        s = s + k[:, t, :, :, None] * delta[:, :, None, :]
+        outs.append((s * q[:, t, :, :, None]).sum(-2))
+    return torch.stack(outs, dim=1).to(out_dtype), s
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor, chunk: int = CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked (UT-transform) form over one sequence.
+
+    q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g, beta: [T, Hv]; state: [Hv, Dk, Dv].
+    Returns o: [T, Hv, Dv] (dtype of v) and the final state [Hv, Dk, Dv] (accumulation dtype).
+
+    Inside a block of C tokens with cumulative log decay G_i = g_1 + ... + g_i:
+        D[i, j]  = exp(G_i - G_j) for j <= i, else 0
+        (I + strict_lower((beta k) k^T ∘ D)) U = beta v,   ... W = beta k exp(G)
+        v'       = U - W S
+        o        = (q exp(G)) S + ((q k^T) ∘ D) v'
+        S_next   = exp(G_C) S + (k exp(G_C - G))^T v'
+    """
+    out_dtype = v.dtype
+    acc = acc_dtype(v.dtype)
+    T = v.shape[0]
+    q, k, v, g, beta = _prep(q, k, v, g, beta, acc)
+    # [H, T, D] layout; pad T up to a multiple of the block (padding: k = 0, beta = 0, g = 0).
+    q, k, v = (x.transpose(0, 1) for x in (q, k, v))
+    g, beta = g.t(), beta.t()
+    pad = (-T) % chunk
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+    H, n = v.shape[0], (T + pad) // chunk
+    q, k, v = (x.reshape(H, n, chunk, -1) for x in (q, k, v))
+    g, beta = g.reshape(H, n, chunk), beta.reshape(H, n, chunk)
+
+    G = g.cumsum(-1)                                                    # [H, n, C]
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=v.device).tril()
+    decay = (G[..., :, None] - G[..., None, :]).masked_fill(~lower, float("-inf")).exp()
+    kb = k * beta[..., None]
+    system = (kb @ k.transpose(-1, -2)) * decay                          # unit diagonal ignored
+    u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, kb * G.exp()[..., None], upper=False, unitriangular=True)
+    intra = (q @ k.transpose(-1, -2)) * decay
+    q_dec = q * G.exp()[..., None]
+    k_dec = k * (G[..., -1:] - G).exp()[..., None]
+    block_decay = G[..., -1].exp()[..., None, None]                      # [H, n, 1, 1]
+
+    s = state.to(acc)
+    out = torch.empty_like(v)
+    for i in range(n):
+        v_new = u[:, i] - w[:, i] @ s
+        out[:, i] = q_dec[:, i] @ s + intra[:, i] @ v_new
+        s = s * block_decay[:, i] + k_dec[:, i].transpose(-1, -2) @ v_new
+    out = out.reshape(H, n * chunk, -1)[:, :T].transpose(0, 1)
+    return out.to(out_dtype), s

@@ -1,0 +1,258 @@
+"""The hybrid decoder (Qwen3-Next; Qwen3 as the degenerate case) over paged KV and state slots.
+
+One ``forward`` serves every unit kind: a batch of decode rows plus prefill/replay chunks,
+described by an explicit ``ForwardBatch`` (no globals read deep in the layers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import torch
+import torch.nn.functional as F
+
+from ninfer.errors import ModelLoadError
+from ninfer.native.model import gdn
+from ninfer.native.model.attention import paged_attention, write_kv
+from ninfer.native.model.config import LINEAR, ModelConfig, load_config
+from ninfer.native.model.forward import ForwardBatch, ForwardOutput, ModelCache
+from ninfer.native.model.moe import MoeWeights, sparse_moe
+from ninfer.native.model.ops import Rope, acc_dtype, gated_rms_norm, rms_norm, silu_mlp
+from ninfer.native.model.weights import count_mtp_layers, load_tensors, weight_files
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype in DTYPES.values():
+            return dtype
+    elif dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ModelLoadError(f"dtype {dtype!r} is not supported (supported: {', '.join(DTYPES)})")
+
+
+@dataclass
+class AttentionWeights:
+    q_proj: torch.Tensor            # [H*D*(2 if gated else 1), hidden]
+    k_proj: torch.Tensor            # [Hkv*D, hidden]
+    v_proj: torch.Tensor
+    o_proj: torch.Tensor            # [hidden, H*D]
+    q_norm: torch.Tensor            # [D]
+    k_norm: torch.Tensor
+    biases: tuple | None = None     # (q, k, v, o) when attention_bias
+
+
+@dataclass
+class GdnWeights:
+    in_proj_qkvz: torch.Tensor      # rows permuted to [q_all | k_all | v_all | z_all]
+    in_proj_ba: torch.Tensor        # rows permuted to [b_all | a_all]
+    conv: torch.Tensor              # [C, K]
+    dt_bias: torch.Tensor           # [Hv]
+    a_log: torch.Tensor             # [Hv]
+    norm: torch.Tensor              # [Dv]
+    out_proj: torch.Tensor          # [hidden, Hv*Dv]
+
+
+@dataclass
+class LayerWeights:
+    kind: str
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    mixer: AttentionWeights | GdnWeights
+    mlp: MoeWeights | tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _qkvz_permutation(c: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row orders turning the checkpoint's per-key-head grouping into contiguous q|k|v|z, b|a.
+
+    Checkpoint layout per key head g (r = Hv/Hk value heads per group):
+        qkvz: [q_g (Dk) | k_g (Dk) | v_g (r*Dv) | z_g (r*Dv)]      ba: [b_g (r) | a_g (r)]
+    """
+    dk, dv, hk = c.linear_key_head_dim, c.linear_value_head_dim, c.linear_num_key_heads
+    r = c.linear_num_value_heads // hk
+    width = 2 * dk + 2 * r * dv
+    parts: list[list[int]] = [[], [], [], []]
+    for gi in range(hk):
+        base = gi * width
+        parts[0].extend(range(base, base + dk))
+        parts[1].extend(range(base + dk, base + 2 * dk))
+        parts[2].extend(range(base + 2 * dk, base + 2 * dk + r * dv))
+        parts[3].extend(range(base + 2 * dk + r * dv, base + width))
+    qkvz = torch.tensor(parts[0] + parts[1] + parts[2] + parts[3])
+    ba = torch.tensor([gi * 2 * r + j for gi in range(hk) for j in range(r)]
+                      + [gi * 2 * r + r + j for gi in range(hk) for j in range(r)])
+    return qkvz, ba
+
+
+def _mlp_weights(t: dict[str, torch.Tensor], p: str, c: ModelConfig, moe: bool):
+    if not moe:
+        return (t[f"{p}.gate_proj.weight"], t[f"{p}.up_proj.weight"], t[f"{p}.down_proj.weight"])
+    e_range = range(c.num_experts)
+    gate_up = torch.stack([torch.cat([t[f"{p}.experts.{e}.gate_proj.weight"],
+                                      t[f"{p}.experts.{e}.up_proj.weight"]]) for e in e_range])
+    down = torch.stack([t[f"{p}.experts.{e}.down_proj.weight"] for e in e_range])
+    w = MoeWeights(router=t[f"{p}.gate.weight"], gate_up=gate_up, down=down,
+                   top_k=c.num_experts_per_tok, norm_topk_prob=c.norm_topk_prob)
+    if c.shared_expert_intermediate_size > 0:
+        w.shared_gate_proj = t[f"{p}.shared_expert.gate_proj.weight"]
+        w.shared_up_proj = t[f"{p}.shared_expert.up_proj.weight"]
+        w.shared_down_proj = t[f"{p}.shared_expert.down_proj.weight"]
+        w.shared_gate = t[f"{p}.shared_expert_gate.weight"]
+    return w
+
+
+def _layer_weights(t: dict[str, torch.Tensor], p: str, c: ModelConfig, kind: str, moe: bool) -> LayerWeights:
+    if kind == LINEAR:
+        a = f"{p}.linear_attn"
+        perm_qkvz, perm_ba = _qkvz_permutation(c)
+        mixer: AttentionWeights | GdnWeights = GdnWeights(
+            in_proj_qkvz=t[f"{a}.in_proj_qkvz.weight"][perm_qkvz].contiguous(),
+            in_proj_ba=t[f"{a}.in_proj_ba.weight"][perm_ba].contiguous(),
+            conv=t[f"{a}.conv1d.weight"][:, 0, :].contiguous(),
+            dt_bias=t[f"{a}.dt_bias"], a_log=t[f"{a}.A_log"], norm=t[f"{a}.norm.weight"],
+            out_proj=t[f"{a}.out_proj.weight"],
+        )
+    else:
+        a = f"{p}.self_attn"
+        biases = None
+        if c.attention_bias:
+            biases = tuple(t[f"{a}.{n}_proj.bias"] for n in "qkvo")
+        mixer = AttentionWeights(
+            q_proj=t[f"{a}.q_proj.weight"], k_proj=t[f"{a}.k_proj.weight"],
+            v_proj=t[f"{a}.v_proj.weight"], o_proj=t[f"{a}.o_proj.weight"],
+            q_norm=t[f"{a}.q_norm.weight"], k_norm=t[f"{a}.k_norm.weight"], biases=biases,
+        )
+    return LayerWeights(kind=kind, input_norm=t[f"{p}.input_layernorm.weight"],
+                        post_norm=t[f"{p}.post_attention_layernorm.weight"], mixer=mixer,
+                        mlp=_mlp_weights(t, f"{p}.mlp", c, moe))
+
+
+class HybridModel:
+    """Weights + math of one resident model. Stateless: all state lives in a ModelCache."""
+
+    def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
+        self.cfg = cfg
+        self.dtype = dtype
+        self.acc = acc_dtype(dtype)
+        self.device = torch.device(device)
+        t = {k: v.to(self.device) for k, v in tensors.items()}
+        self.embed = t["model.embed_tokens.weight"]
+        self.final_norm = t["model.norm.weight"]
+        self.lm_head = self.embed if cfg.tie_word_embeddings else t["lm_head.weight"]
+        self.layers = [_layer_weights(t, f"model.layers.{i}", cfg, kind, cfg.is_moe_layer(i))
+                       for i, kind in enumerate(cfg.layer_types)]
+        # Kept for the MTP backend (later wave); never used by the main forward.
+        self.mtp_tensors = {k: v for k, v in t.items() if k.startswith("mtp.")}
+        self.rope = Rope(cfg.rotary_dim, cfg.rope_theta, dtype, self.device)
+        # layer index -> index into the per-kind cache tensors
+        self.cache_index = {}
+        for kind_layers in (cfg.attention_layers, cfg.linear_layers):
+            self.cache_index.update({layer: j for j, layer in enumerate(kind_layers)})
+
+    # ---- loading ------------------------------------------------------------------------
+    @staticmethod
+    def load(model_dir: str | Path, dtype: str | torch.dtype = "float32",
+             device: torch.device | str = "cpu") -> "HybridModel":
+        path = Path(model_dir)
+        tdtype = parse_dtype(dtype)
+        cfg = load_config(path)
+        files = weight_files(path)
+        if not cfg.mtp_num_hidden_layers:
+            # Qwen3-Next checkpoints ship mtp.* weights without a config key.
+            cfg = msgspec.structs.replace(cfg, mtp_num_hidden_layers=count_mtp_layers(files))
+        return HybridModel(cfg, load_tensors(path, cfg, tdtype, files), tdtype, device)
+
+    def new_cache(self, num_pages: int, num_slots: int) -> ModelCache:
+        return ModelCache.allocate(self.cfg, num_pages, num_slots, self.dtype, self.device)
+
+    # ---- forward ------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch, cache: ModelCache) -> ForwardOutput:
+        c = self.cfg
+        x = F.embedding(batch.input_ids, self.embed)
+        cos, sin = self.rope.cos_sin(batch.positions)
+        for i, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.input_norm, c.rms_norm_eps, c.zero_centered_norm)
+            j = self.cache_index[i]
+            if layer.kind == LINEAR:
+                h = self._gdn(layer.mixer, h, batch, cache, j)
+            else:
+                h = self._attention(layer.mixer, h, cos, sin, batch, cache, j)
+            x = x + h
+            h = rms_norm(x, layer.post_norm, c.rms_norm_eps, c.zero_centered_norm)
+            x = x + (sparse_moe(h, layer.mlp) if isinstance(layer.mlp, MoeWeights) else silu_mlp(h, *layer.mlp))
+        hidden = x[batch.logits_rows]
+        return ForwardOutput(hidden=hidden, logits=self.logits(hidden))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Pre-norm hidden [M, H] -> logits [M, V] (accumulation dtype)."""
+        normed = rms_norm(hidden, self.final_norm, self.cfg.rms_norm_eps, self.cfg.zero_centered_norm)
+        return F.linear(normed, self.lm_head).to(self.acc)
+
+    def _attention(self, w: AttentionWeights, x: torch.Tensor, cos, sin, batch: ForwardBatch,
+                   cache: ModelCache, j: int) -> torch.Tensor:
+        c = self.cfg
+        T, D = x.shape[0], c.head_dim
+        bq, bk, bv, bo = w.biases or (None, None, None, None)
+        q = F.linear(x, w.q_proj, bq)
+        gate = None
+        if c.attn_output_gate:
+            q, gate = q.view(T, -1, 2 * D).chunk(2, dim=-1)
+            gate = gate.reshape(T, -1)
+        q = rms_norm(q.reshape(T, -1, D), w.q_norm, c.rms_norm_eps, c.zero_centered_norm)
+        k = rms_norm(F.linear(x, w.k_proj, bk).view(T, -1, D), w.k_norm, c.rms_norm_eps, c.zero_centered_norm)
+        v = F.linear(x, w.v_proj, bv).view(T, -1, D)
+        q, k = Rope.apply(q, cos, sin), Rope.apply(k, cos, sin)
+        write_kv(cache.k[j], cache.v[j], batch.slot_mapping, k, v)
+        out = torch.empty_like(q)
+        for s in range(batch.num_seqs):
+            lo, hi = batch.cu[s], batch.cu[s + 1]
+            out[lo:hi] = paged_attention(q[lo:hi], cache.k[j], cache.v[j], batch.page_tables[s],
+                                         batch.starts[s], D ** -0.5)
+        out = out.reshape(T, -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return F.linear(out, w.o_proj, bo)
+
+    def _gdn(self, w: GdnWeights, x: torch.Tensor, batch: ForwardBatch, cache: ModelCache, j: int) -> torch.Tensor:
+        c = self.cfg
+        T = x.shape[0]
+        hk, hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+        qkvz = F.linear(x, w.in_proj_qkvz)
+        mixed, z = qkvz[:, :c.conv_dim], qkvz[:, c.conv_dim:]
+        b, a = F.linear(x, w.in_proj_ba).chunk(2, dim=-1)
+        beta = torch.sigmoid(b)
+        g = -w.a_log.to(self.acc).exp() * F.softplus(a.to(self.acc) + w.dt_bias.to(self.acc))
+        conv_states, ssm_states = cache.conv[j], cache.ssm[j]
+        core = torch.empty(T, hv, dv, dtype=x.dtype, device=x.device)
+
+        def split(m: torch.Tensor):
+            q, k, v = m.split([c.linear_key_dim, c.linear_key_dim, c.linear_value_dim], dim=-1)
+            return q.unflatten(-1, (hk, dk)), k.unflatten(-1, (hk, dk)), v.unflatten(-1, (hv, dv))
+
+        if batch.decode_seqs:
+            seqs = batch.decode_seqs
+            rows = torch.tensor([batch.cu[s] for s in seqs], dtype=torch.long, device=x.device)
+            slots = batch.state_slots[seqs]
+            y, new_conv = gdn.causal_conv1d_step(mixed[rows], conv_states[slots], w.conv)
+            q, k, v = split(y)
+            o, new_ssm = gdn.recurrent_gated_delta_rule(
+                q[:, None], k[:, None], v[:, None], g[rows][:, None], beta[rows][:, None], ssm_states[slots])
+            core[rows] = o[:, 0]
+            conv_states[slots] = new_conv.to(conv_states.dtype)
+            ssm_states[slots] = new_ssm.to(ssm_states.dtype)
+        for s in batch.chunk_seqs:
+            lo, hi = batch.cu[s], batch.cu[s + 1]
+            slot = int(batch.state_slots[s])
+            y, new_conv = gdn.causal_conv1d(mixed[lo:hi], conv_states[slot], w.conv)
+            q, k, v = split(y)
+            o, new_ssm = gdn.chunk_gated_delta_rule(q, k, v, g[lo:hi], beta[lo:hi], ssm_states[slot])
+            core[lo:hi] = o
+            conv_states[slot] = new_conv.to(conv_states.dtype)
+            ssm_states[slot] = new_ssm.to(ssm_states.dtype)
+        out = gated_rms_norm(core, z.view(T, hv, dv), w.norm, c.rms_norm_eps)
+        return F.linear(out.reshape(T, hv * dv), w.out_proj)

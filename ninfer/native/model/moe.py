@@ -1,0 +1,50 @@
+"""Sparse MoE MLP with a sigmoid-gated shared expert (pure-torch reference)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ninfer.native.model.ops import acc_dtype, silu_mlp
+
+
+@dataclass
+class MoeWeights:
+    """router: [E, H]; gate_up: [E, 2I, H] (gate rows then up rows); down: [E, H, I];
+    shared_*: the shared expert's SwiGLU weights; shared_gate: [1, H]."""
+
+    router: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    top_k: int
+    norm_topk_prob: bool
+    shared_gate_proj: torch.Tensor | None = None
+    shared_up_proj: torch.Tensor | None = None
+    shared_down_proj: torch.Tensor | None = None
+    shared_gate: torch.Tensor | None = None
+
+
+def sparse_moe(x: torch.Tensor, w: MoeWeights) -> torch.Tensor:
+    """x: [T, H] -> [T, H]. Routing softmax in the accumulation dtype, top-k, optional
+    renormalisation; each token's output is the weighted sum of its experts plus the gated
+    shared expert."""
+    acc = acc_dtype(x.dtype)
+    probs = torch.softmax(F.linear(x, w.router).to(acc), dim=-1)
+    top_w, top_i = torch.topk(probs, w.top_k, dim=-1)                 # [T, k]
+    if w.norm_topk_prob:
+        top_w = top_w / top_w.sum(-1, keepdim=True)
+    top_w = top_w.to(x.dtype)
+    out = torch.zeros_like(x)
+    inter = w.down.shape[-1]
+    for e in torch.unique(top_i).tolist():
+        tok, slot = torch.where(top_i == e)
+        gate_up = F.linear(x[tok], w.gate_up[e])
+        h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        y = F.linear(h, w.down[e]) * top_w[tok, slot, None]
+        out.index_add_(0, tok, y)
+    if w.shared_gate_proj is not None:
+        shared = silu_mlp(x, w.shared_gate_proj, w.shared_up_proj, w.shared_down_proj)
+        out = out + torch.sigmoid(F.linear(x, w.shared_gate)) * shared
+    return out

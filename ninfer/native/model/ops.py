@@ -1,0 +1,82 @@
+"""Pure-torch reference ops shared by the layers: norms, RoPE, dense MLP.
+
+Precision policy (one place): ``acc_dtype(dtype)`` is the accumulation dtype — float64 for a
+float64 model (so the oracle is exact), float32 otherwise (as the reference implementation
+does for bf16/fp32). Results are cast back to the model dtype at the same points as the
+Hugging Face implementation so fp32 logits agree to ~1e-6.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
+    """RMSNorm over the last dim.
+
+    x: [..., D]; weight: [D]. ``zero_centered`` (Qwen3-Next) scales by (1 + w) in the
+    accumulation dtype and then casts; plain (Qwen3) casts first and then scales by w.
+    """
+    acc = acc_dtype(x.dtype)
+    xf = x.to(acc)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if zero_centered:
+        return (xf * (1.0 + weight.to(acc))).to(x.dtype)
+    return weight * xf.to(x.dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Norm-then-gate RMSNorm of the GDN output: w * norm(x) * silu(gate).
+
+    x, gate: [..., Dv]; weight: [Dv].
+    """
+    acc = acc_dtype(x.dtype)
+    xf = x.to(acc)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    y = weight * xf.to(x.dtype)
+    return (y * F.silu(gate.to(acc))).to(x.dtype)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def silu_mlp(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor) -> torch.Tensor:
+    """SwiGLU MLP. x: [T, H]; gate_w, up_w: [I, H]; down_w: [H, I] -> [T, H]."""
+    return F.linear(F.silu(F.linear(x, gate_w)) * F.linear(x, up_w), down_w)
+
+
+class Rope:
+    """Rotary embedding on the first ``rotary_dim`` dims of each head (rotate-half layout).
+
+    For float64 models the angles are computed in float64; otherwise in float32 exactly as
+    the reference implementation does (inv_freq and position × inv_freq in fp32).
+    """
+
+    def __init__(self, rotary_dim: int, theta: float, dtype: torch.dtype, device: torch.device):
+        self.rotary_dim = rotary_dim
+        self.dtype = dtype
+        acc = acc_dtype(dtype)
+        self.acc = acc
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=acc, device=device) / rotary_dim))
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] -> cos, sin: [T, rotary_dim] in the model dtype."""
+        freqs = positions.to(self.acc)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [T, Hx, D]; cos, sin: [T, R] with R <= D -> [T, Hx, D]."""
+        r = cos.shape[-1]
+        rot, rest = x[..., :r], x[..., r:]
+        half = r // 2
+        rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+        out = rot * cos[:, None, :] + rotated * sin[:, None, :]
+        return torch.cat((out, rest), dim=-1)

@@ -1,0 +1,96 @@
+"""Sampling: penalties, greedy / temperature / top-k / top-p, keyed randomness, stop rules.
+
+Exactness contract: the token drawn at a logical position depends only on the logits, the
+committed history and (seed, position, purpose) — never on batch composition, on how often the
+position was recomputed, or on any global RNG. Replay after a pause therefore re-derives the
+same token, and the oracle (an isolated run) draws the same numbers as the engine.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from enum import IntEnum
+
+import torch
+
+from ninfer.sampling_params import SamplingParams
+
+MASK64 = (1 << 64) - 1
+
+
+class Purpose(IntEnum):
+    """Why a random number is drawn; distinct purposes never share a stream."""
+
+    SAMPLE = 1
+    DRAFT = 2       # later wave: speculative drafts
+    ACCEPT = 3      # later wave: speculative acceptance
+
+
+def _mix64(z: int) -> int:
+    """splitmix64 finaliser: a bijective avalanche over 64-bit integers."""
+    z = (z + 0x9E3779B97F4A7C15) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return z ^ (z >> 31)
+
+
+def keyed_uniform(seed: int, position: int, purpose: int = Purpose.SAMPLE) -> float:
+    """A uniform draw in [0, 1) that is a pure function of (seed, position, purpose)."""
+    h = _mix64(_mix64(_mix64(seed & MASK64) ^ (position & MASK64)) ^ (int(purpose) & MASK64))
+    return (h >> 11) * (1.0 / (1 << 53))
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
+                    output_ids: list[int]) -> torch.Tensor:
+    """logits: [V] (float64). Returns penalised logits (a new tensor when any penalty is on)."""
+    if params.repetition_penalty != 1.0 and (prompt_ids or output_ids):
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=logits.device)
+        vals = logits[seen]
+        rp = params.repetition_penalty
+        logits = logits.clone()
+        logits[seen] = torch.where(vals > 0, vals / rp, vals * rp)
+    if (params.presence_penalty or params.frequency_penalty) and output_ids:
+        counts = Counter(output_ids)
+        ids = torch.tensor(list(counts), dtype=torch.long, device=logits.device)
+        cnt = torch.tensor(list(counts.values()), dtype=logits.dtype, device=logits.device)
+        logits = logits.clone()
+        logits[ids] -= params.frequency_penalty * cnt + params.presence_penalty
+    return logits
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, position: int,
+                 prompt_ids: list[int], output_ids: list[int]) -> int:
+    """Choose the token at logical ``position`` from one row of logits [V].
+
+    Greedy picks the lowest id among the maxima. Otherwise candidates are ordered by
+    (probability desc, id asc) — a total order, so ties cannot make two runs differ — then
+    filtered by top-k and top-p, and the keyed uniform selects by inverse CDF.
+    """
+    x = apply_penalties(logits.to(torch.float64), params, prompt_ids, output_ids)
+    if params.temperature == 0.0:
+        return int(torch.argmax(x))
+    probs = torch.softmax(x / params.temperature, dim=-1)
+    order = torch.sort(probs, descending=True, stable=True)
+    p, ids = order.values, order.indices
+    if params.top_k and params.top_k < p.numel():
+        p, ids = p[: params.top_k], ids[: params.top_k]
+    if params.top_p < 1.0:
+        cum = torch.cumsum(p, 0)
+        keep = int(torch.searchsorted(cum, torch.tensor([params.top_p], dtype=cum.dtype, device=cum.device))) + 1
+        p, ids = p[:keep], ids[:keep]
+    cdf = torch.cumsum(p, 0)
+    u = keyed_uniform(params.seed, position) * float(cdf[-1])
+    idx = int(torch.searchsorted(cdf, torch.tensor([u], dtype=cdf.dtype, device=cdf.device), right=True))
+    return int(ids[min(idx, ids.numel() - 1)])
+
+
+def stop_reason(token: int, n_generated: int, params: SamplingParams, eos_ids: tuple[int, ...]) -> str | None:
+    """'stop' if ``token`` ends the request, 'length' if the budget is spent, else None.
+
+    ``n_generated`` counts ``token`` itself. The stop token stays in the output ids.
+    """
+    if token in params.stop_token_ids or (not params.ignore_eos and token in eos_ids):
+        return "stop"
+    if n_generated >= params.max_tokens:
+        return "length"
+    return None

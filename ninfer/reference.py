@@ -1,0 +1,79 @@
+"""The oracle: an isolated, uncached, one-request run of the model math.
+
+Every later test compares the engine against this. It shares only the model math and the
+sampler with the engine — no Program, no stores, no cache — and needs only config and weights
+(no tokenizer files). The whole prompt is computed in one prefill, then one token per step.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import torch
+
+from ninfer.errors import RequestError
+from ninfer.native.model.config import PAGE_SIZE, load_eos_ids
+from ninfer.native.model.forward import ForwardBatch, SeqInput
+from ninfer.native.model.model import HybridModel, parse_dtype
+from ninfer.native.sampler import sample_token, stop_reason
+from ninfer.sampling_params import SamplingParams
+
+_LOCK = threading.Lock()
+_MODELS: dict[tuple, tuple[HybridModel, tuple[int, ...]]] = {}
+_MAX_CACHED = 4
+
+
+def load_cached(model_dir: str | Path, dtype: str) -> tuple[HybridModel, tuple[int, ...]]:
+    """Load a model once per (directory, dtype, file mtimes); returns (model, eos ids)."""
+    path = Path(model_dir).resolve()
+    stamp = tuple(sorted((f.name, f.stat().st_mtime_ns) for f in path.glob("*.json"))) if path.is_dir() else ()
+    key = (str(path), str(parse_dtype(dtype)), stamp)
+    with _LOCK:
+        if key not in _MODELS:
+            model = HybridModel.load(path, dtype)
+            if len(_MODELS) >= _MAX_CACHED:
+                _MODELS.pop(next(iter(_MODELS)))
+            _MODELS[key] = (model, load_eos_ids(path, model.cfg))
+        return _MODELS[key]
+
+
+def generate_with_model(model: HybridModel, eos_ids: tuple[int, ...], prompt: list[int],
+                        params: SamplingParams) -> list[int]:
+    """Prefill ``prompt`` in one call, then decode until a stop rule fires."""
+    vocab = model.cfg.vocab_size
+    if not prompt:
+        raise RequestError("prompt_token_ids must not be empty")
+    bad = next((t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab), None)
+    if bad is not None:
+        raise RequestError(f"prompt token id {bad!r} is out of range: allowed 0..{vocab - 1}")
+    params.validate(vocab)
+    total = len(prompt) + params.max_tokens
+    pages = list(range((total + PAGE_SIZE - 1) // PAGE_SIZE))
+    cache = model.new_cache(len(pages), 1)
+    out: list[int] = []
+    step = SeqInput(token_ids=list(prompt), start=0, page_table=pages)
+    while True:
+        logits = model.forward(ForwardBatch.build([step], model.device), cache).logits[-1]
+        position = len(prompt) + len(out)
+        tok = sample_token(logits, params, position, prompt, out)
+        out.append(tok)
+        if stop_reason(tok, len(out), params, eos_ids):
+            return out
+        step = SeqInput(token_ids=[tok], start=position, page_table=pages)
+
+
+def reference_generate(model_dir: str | Path, prompt_token_ids: list[int], max_tokens: int = 16,
+                       temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
+                       dtype: str = "float32", stop_token_ids: list[int] | None = None,
+                       ignore_eos: bool = False, presence_penalty: float = 0.0,
+                       frequency_penalty: float = 0.0, repetition_penalty: float = 1.0) -> list[int]:
+    """Isolated, uncached generation of one request: the output-invariance oracle."""
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+        stop_token_ids=tuple(stop_token_ids or ()), ignore_eos=ignore_eos,
+        presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+        repetition_penalty=repetition_penalty,
+    )
+    model, eos = load_cached(model_dir, dtype)
+    return generate_with_model(model, eos, list(prompt_token_ids), params)

@@ -1,0 +1,60 @@
+"""Per-request sampling parameters (plain values; travel inside protocol messages)."""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+from ninfer.errors import RequestError
+
+MAX_SEED = 2**63 - 1
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """How one request samples and when it stops.
+
+    temperature == 0 is greedy. top_k == 0 and top_p == 1 disable those filters. Penalties
+    follow the usual OpenAI/vLLM meaning: presence/frequency act on generated tokens,
+    repetition (multiplicative, 1 = off) on prompt and generated tokens. Randomness is keyed
+    by (seed, logical position, purpose), so recomputing a position draws the same number.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def validate(self, vocab_size: int | None = None) -> "SamplingParams":
+        """Raise RequestError naming the field and its allowed range; return self."""
+
+        def bad(field: str, value, allowed: str) -> None:
+            raise RequestError(f"{field}={value!r} is out of range: allowed {allowed}")
+
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            bad("max_tokens", self.max_tokens, ">= 1")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            bad("temperature", self.temperature, ">= 0")
+        if not (0 < self.top_p <= 1):
+            bad("top_p", self.top_p, "(0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            bad("top_k", self.top_k, ">= 0 (0 = off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not math.isfinite(v) or not -2 <= v <= 2:
+                bad(name, v, "[-2, 2]")
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            bad("repetition_penalty", self.repetition_penalty, "> 0")
+        if not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED:
+            bad("seed", self.seed, f"0..{MAX_SEED}")
+        if vocab_size is not None:
+            for t in self.stop_token_ids:
+                if not 0 <= t < vocab_size:
+                    bad("stop_token_ids", t, f"token ids in 0..{vocab_size - 1}")
+        return self

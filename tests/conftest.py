@@ -1,0 +1,26 @@
+"""Shared fixtures: one thread per process (DESIGN.md §8) and the tiny model directories."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(int(os.environ.get("NINFER_TORCH_THREADS", "1")))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """The default tiny hybrid model (qwen3_next), with tokenizer and chat template."""
+    from ninfer.tiny.build import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny_next"), seed=0, arch="qwen3_next"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory) -> str:
+    """The pure-attention tiny model (qwen3)."""
+    from ninfer.tiny.build import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny_qwen3"), seed=1, arch="qwen3"))
