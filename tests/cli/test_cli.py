@@ -1,0 +1,69 @@
+"""The command line as a user runs it: make a tiny model, run the demo, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+
+def _ninfer(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", "ninfer.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli") / "tiny"
+    r = _ninfer("make-tiny-model", str(d), "--seed", "3")
+    assert r.returncode == 0, r.stderr
+    return d
+
+
+def test_make_tiny_model_writes_a_hf_directory(made):
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                 "generation_config.json"):
+        assert (made / name).is_file(), name
+    cfg = json.loads((made / "config.json").read_text())
+    assert cfg["model_type"] == "qwen3_next" and "linear_attention" in cfg["layer_types"]
+
+
+def test_make_tiny_model_is_deterministic(made, tmp_path):
+    r = _ninfer("make-tiny-model", str(tmp_path / "again"), "--seed", "3")
+    assert r.returncode == 0, r.stderr
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert (tmp_path / "again" / name).read_bytes() == (made / name).read_bytes(), name
+
+
+def test_demo_runs_on_the_made_model(made):
+    r = _ninfer("demo", "--model", str(made))
+    assert r.returncode == 0, r.stderr
+    assert "tool result" in r.stdout and "tok/s" in r.stdout
+
+
+def test_demo_builds_the_model_when_missing(tmp_path):
+    r = _ninfer("demo", "--model", str(tmp_path / "fresh"))
+    assert r.returncode == 0, r.stderr
+    assert "building the tiny model" in r.stdout
+    assert (tmp_path / "fresh" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda c: c.update(model_type="mamba"), "model_type 'mamba' is not supported"),
+    (lambda c: c.update(linear_num_value_heads=3), "linear_num_value_heads (3) must be a multiple"),
+], ids=["model_type", "inconsistent"])
+def test_bad_model_directory_gives_one_line(made, tmp_path, edit, needle):
+    d = tmp_path / "bad"
+    shutil.copytree(made, d)
+    cfg = json.loads((d / "config.json").read_text())
+    edit(cfg)
+    (d / "config.json").write_text(json.dumps(cfg))
+    r = _ninfer("demo", "--model", str(d))
+    assert r.returncode == 2
+    assert needle in r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
