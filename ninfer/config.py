@@ -60,6 +60,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omi
     request_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.context_cache, dict):     # EngineConfig(context_cache={...})
+            self.context_cache = msgspec.convert(self.context_cache, ContextCacheConfig)
         if not 1 <= self.max_concurrency <= 8:
             raise _range_error("max_concurrency", self.max_concurrency, "1..8")
         if self.max_context is not None and self.max_context < 1:

@@ -1,0 +1,127 @@
+"""The Program's tensors and the byte-exact copies between Device slots/pages and Host extents.
+
+Device (model dtype unless noted)::
+
+    k, v    [La, P, 64, Hkv, D]     Main KV pages
+    conv    [Ll, S, C, K-1]         per state slot
+    ssm     [Ll, S, Hv, Dk, Dv]     per state slot (fp32 / fp64)
+    hidden  [S, H]                  continuation hidden per state slot
+
+Host: one uint8 backing. A StateImage occupies one extent laid out as
+``conv | ssm | hidden`` (each part 16-byte aligned); a KV page one extent ``k | v``.
+Copies are plain byte copies, so a restored image is bit-identical to the saved one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ninfer.native.model.forward import ModelCache
+from ninfer.native.model.model import HybridModel
+from ninfer.native.stores import Extent
+
+Job = Callable[[], None]
+
+
+def _a16(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Memory:
+    def __init__(self, model: HybridModel, pages: int, slots: int, host_bytes: int):
+        self.model = model
+        self.device = model.device
+        self.cache: ModelCache = model.new_cache(pages, slots)
+        self.hidden = torch.zeros(slots, model.cfg.hidden_size, dtype=model.dtype, device=self.device)
+        pin = self.device.type == "cuda"
+        # CPU: an untouched torch.empty costs address space, not resident memory.
+        self.host = torch.empty(host_bytes, dtype=torch.uint8, pin_memory=pin)
+        c = self.cache
+        self._conv_bytes = _bytes(c.conv[:, 0])
+        self._ssm_bytes = _bytes(c.ssm[:, 0])
+        self._hid_bytes = _bytes(self.hidden[0])
+        self.image_bytes = _a16(self._conv_bytes) + _a16(self._ssm_bytes) + _a16(self._hid_bytes)
+        self._page_half = _bytes(c.k[:, 0])
+        self.page_bytes = 2 * _a16(self._page_half)
+
+    # -- host views -----------------------------------------------------------------------
+    def _view(self, offset: int, like: torch.Tensor) -> torch.Tensor:
+        return self.host[offset: offset + _bytes(like)].view(like.dtype).view(like.shape)
+
+    def _image_views(self, ext: Extent) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        c, o = self.cache, ext.offset
+        conv = self._view(o, c.conv[:, 0])
+        o += _a16(self._conv_bytes)
+        ssm = self._view(o, c.ssm[:, 0])
+        o += _a16(self._ssm_bytes)
+        return conv, ssm, self._view(o, self.hidden[0])
+
+    def _page_views(self, ext: Extent) -> tuple[torch.Tensor, torch.Tensor]:
+        k = self._view(ext.offset, self.cache.k[:, 0])
+        return k, self._view(ext.offset + _a16(self._page_half), self.cache.v[:, 0])
+
+    # -- state slots ----------------------------------------------------------------------
+    def zero_slot(self, slot: int) -> None:
+        self.cache.reset_slot(slot)
+        self.hidden[slot].zero_()
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        c = self.cache
+        c.conv[:, dst] = c.conv[:, src]
+        c.ssm[:, dst] = c.ssm[:, src]
+        self.hidden[dst] = self.hidden[src]
+
+    def slot_to_host(self, slot: int, ext: Extent, snapshot_now: bool) -> Job:
+        """D2H of a StateImage. ``snapshot_now`` clones the source at submission (the writer
+        keeps computing in that slot); on CUDA stream order gives the same guarantee."""
+        c = self.cache
+        src = (c.conv[:, slot], c.ssm[:, slot], self.hidden[slot])
+        if snapshot_now and self.device.type != "cuda":
+            src = tuple(t.clone() for t in src)
+        dst = self._image_views(ext)
+
+        def job() -> None:
+            for d, s in zip(dst, src):
+                d.copy_(s, non_blocking=True)
+        return job
+
+    def host_to_slot(self, ext: Extent, slot: int) -> Job:
+        src = self._image_views(ext)
+        c = self.cache
+
+        def job() -> None:
+            c.conv[:, slot].copy_(src[0], non_blocking=True)
+            c.ssm[:, slot].copy_(src[1], non_blocking=True)
+            self.hidden[slot].copy_(src[2], non_blocking=True)
+        return job
+
+    # -- KV pages -------------------------------------------------------------------------
+    def copy_page_prefix(self, src: int, dst: int, n: int) -> None:
+        """COW: the written prefix (positions 0..n-1) of one page into another."""
+        c = self.cache
+        c.k[:, dst, :n] = c.k[:, src, :n]
+        c.v[:, dst, :n] = c.v[:, src, :n]
+
+    def page_to_host(self, page: int, ext: Extent) -> Job:
+        k, v = self._page_views(ext)
+        c = self.cache
+
+        def job() -> None:
+            k.copy_(c.k[:, page], non_blocking=True)
+            v.copy_(c.v[:, page], non_blocking=True)
+        return job
+
+    def host_to_page(self, ext: Extent, page: int) -> Job:
+        k, v = self._page_views(ext)
+        c = self.cache
+
+        def job() -> None:
+            c.k[:, page].copy_(k, non_blocking=True)
+            c.v[:, page].copy_(v, non_blocking=True)
+        return job

@@ -1,0 +1,135 @@
+"""What the stores hold: KV blocks, StateImages, checkpoints and active sequences.
+
+Sharing model (one rule makes the tail page safe without eager copies)::
+
+    block of 64 positions:  [ written 0 .. filled-1 | free filled .. 63 ]
+    a holder covering frontier F needs positions < F of its last block to stay unchanged.
+
+Appending at ``filled`` never changes a position below it, so the one sequence holding the
+block's *append claim* may keep writing into a partly filled block that checkpoints share
+(seed: saving an inner input point copies no KV and no extra tail page). Any other writer whose
+frontier is inside the block copies the written prefix first (COW). Full blocks are immutable.
+
+Every object that a late message could name carries (id, generation): ids are reused only with
+a new generation, so a stale reference is detected and ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from itertools import count
+
+from ninfer.native.model.config import PAGE_SIZE
+from ninfer.native.stores import Extent, Reservation
+from ninfer.sampling_params import SamplingParams
+
+_generation = count(1)
+
+
+def next_generation() -> int:
+    return next(_generation)
+
+
+@dataclass(eq=False)
+class KvBlock:
+    """One 64-token page of one KV kind, shared by directories (sequences and checkpoints)."""
+
+    bid: int
+    kind: str
+    holders: set[int] = field(default_factory=set)   # directory ids (checkpoint / sequence)
+    filled: int = 0                                  # positions written, contiguous from 0
+    page: int | None = None                          # Device replica: pool id
+    host: Extent | None = None                       # Host replica
+    host_filled: int = 0                             # positions the Host replica holds
+    appender: int | None = None                      # sequence allowed to append at `filled`
+    leases: int = 0                                  # copies / computes reading it now
+    version: int = field(default_factory=next_generation)
+
+    def touch(self) -> None:
+        self.version = next_generation()
+
+
+@dataclass(eq=False)
+class StateImage:
+    """Every GDN recurrent + conv state and the continuation hidden of one exact position."""
+
+    slot: int | None = None          # Device replica (state pool id)
+    host: Extent | None = None       # Host replica
+    leases: int = 0
+
+
+class CkptKind(str, Enum):
+    CACHE = "cache"          # restore point kept for reuse (input point, anchor, marker, E)
+    SNAPSHOT = "snapshot"    # pause snapshot of a sequence's execution position
+
+
+@dataclass(eq=False)
+class Checkpoint:
+    """An exact restorable position: input identity + frontier + immutable StateImage + the
+    typed KV coverage [0, frontier)."""
+
+    cid: int
+    generation: int
+    kind: CkptKind
+    tokens: tuple[int, ...]          # input identity: token ids of positions 0..frontier-1
+    digest: bytes                    # tokens + media + execution identity
+    image: StateImage
+    blocks: dict[str, list[KvBlock]]  # per KV kind, covering [0, frontier)
+    owners: dict[str, int] = field(default_factory=dict)   # logical holders (opaque tokens)
+    version: int = field(default_factory=next_generation)
+
+    @property
+    def frontier(self) -> int:
+        return len(self.tokens)
+
+    def touch(self) -> None:
+        self.version = next_generation()
+
+
+class SeqState(str, Enum):
+    MATERIALIZING = "materializing"  # bind transaction in flight
+    BOUND = "bound"                  # owns a writer slot: may execute units
+    PAUSED = "paused"                # lane given back; resumes by Snapshot or Replay
+    RELEASED = "released"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """The active execution of one request: committed ledger and its frontiers.
+
+        ledger:  prompt tokens | committed output tokens
+        execution_frontier = positions whose KV/state are computed
+        ledger[execution_frontier] = the committed next input (when it exists)
+    """
+
+    sid: int
+    generation: int
+    ledger: list[int]
+    prompt_len: int
+    params: SamplingParams
+    eos_ids: tuple[int, ...]
+    frontier: int = 0
+    blocks: dict[str, list[KvBlock]] = field(default_factory=dict)
+    slot: int | None = None
+    state: SeqState = SeqState.MATERIALIZING
+    reservation: Reservation = field(default_factory=Reservation)
+    snapshot: Checkpoint | None = None      # while paused by Snapshot
+    finished: str | None = None
+    cancel_requested: bool = False          # release once the in-flight read-back completes
+
+    @property
+    def ledger_frontier(self) -> int:
+        return self.frontier + 1
+
+    @property
+    def n_generated(self) -> int:
+        return len(self.ledger) - self.prompt_len
+
+    @property
+    def outputs(self) -> list[int]:
+        return self.ledger[self.prompt_len:]
+
+
+def pages_for(positions: int) -> int:
+    return (positions + PAGE_SIZE - 1) // PAGE_SIZE

@@ -1,0 +1,63 @@
+"""Device layout and the Main-KV capacity curve (seed: 配置)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ninfer.config import EngineConfig
+from ninfer.errors import ConfigError
+from ninfer.native.layout import MAIN, MTP, resolve_layout
+from ninfer.native.model.model import HybridModel
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def cfg(tiny_model):
+    return HybridModel.load(tiny_model, "float32").cfg
+
+
+def test_explicit_capacity_rounds_to_pages(cfg):
+    lay = resolve_layout(cfg, EngineConfig(max_concurrency=2, max_context=1000, kv_capacity=1100), CPU)
+    assert lay.kv_pages[MAIN] == 18                # ceil(1100 / 64)
+    assert lay.kv_pages[MTP] == 0                  # backend pools are typed and zero-sized here
+    assert lay.state_slots == 2 + 2                # C basic + default C extra
+    assert lay.kv_page_bytes[MAIN] == 2 * 2 * 64 * 2 * 64 * 4   # K+V × 2 attention layers × 64 tok × 2 heads × 64 dims × fp32
+
+
+@pytest.mark.parametrize("kv,msg", [
+    (64 * 15, "allowed 16..32 pages"),            # below ceil(1000 / 64) = 16
+    (64 * 33, "allowed 16..32 pages"),            # above C × 16
+])
+def test_explicit_capacity_outside_the_curve(cfg, kv, msg):
+    with pytest.raises(ConfigError, match=msg):
+        resolve_layout(cfg, EngineConfig(max_concurrency=2, max_context=1000, kv_capacity=kv), CPU)
+
+
+def test_lower_bound_is_at_least_c_pages(cfg):
+    with pytest.raises(ConfigError, match="allowed 8..8 pages"):
+        resolve_layout(cfg, EngineConfig(max_concurrency=8, max_context=64, kv_capacity=64 * 7), CPU)
+    assert resolve_layout(cfg, EngineConfig(max_concurrency=8, max_context=64, kv_capacity=64 * 8), CPU).main_pages == 8
+
+
+def test_solved_capacity_fits_the_budget(cfg):
+    ec = EngineConfig(max_concurrency=4, max_context=4096, memory_budget_bytes=20 << 20)
+    lay = resolve_layout(cfg, ec, CPU)
+    used = lay.main_pages * lay.kv_page_bytes[MAIN] + lay.state_slots * lay.state_image_bytes + lay.workspace_bytes
+    assert used <= 20 << 20 and 64 < lay.main_pages < 256
+    assert (lay.main_pages + 1) * lay.kv_page_bytes[MAIN] + used - lay.main_pages * lay.kv_page_bytes[MAIN] > 20 << 20
+    big = resolve_layout(cfg, EngineConfig(max_concurrency=4, max_context=4096, memory_budget_bytes=1 << 40), CPU)
+    assert big.main_pages == 4 * 64                # clipped to the top of the curve
+
+
+def test_budget_too_small_names_the_numbers(cfg):
+    with pytest.raises(ConfigError, match=r"at least 64 KV pages .* budget 1048576 B"):
+        resolve_layout(cfg, EngineConfig(max_context=4096, memory_budget_bytes=1 << 20), CPU)
+    with pytest.raises(ConfigError, match="does not fit the memory budget"):
+        resolve_layout(cfg, EngineConfig(max_context=4096, kv_capacity=4096, memory_budget_bytes=1 << 20), CPU)
+
+
+def test_host_default_is_8gib_plus_8_images(cfg):
+    lay = resolve_layout(cfg, EngineConfig(max_context=1024, kv_capacity=1024), CPU)
+    assert lay.host_capacity_bytes == (8 << 30) + 8 * lay.state_image_bytes

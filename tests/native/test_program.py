@@ -1,0 +1,374 @@
+"""The Program in float64: every way of reaching a position — fresh, continued from a checkpoint
+(Move / Fork, Device / Host, aligned / unaligned), exact hit, generation end, Snapshot, Replay —
+gives the tokens of the isolated oracle. Every test ends with nothing held."""
+
+from __future__ import annotations
+
+import pytest
+
+from ninfer.native.layout import MAIN, STATE
+from ninfer.native.program import BindMode, NativeError, UnitKind, UnitRow
+from ninfer.native.reclaim import Delete, DemoteBlocks, DemoteState
+from ninfer.native.transfer import FaultHook
+from ninfer.reference import reference_generate
+from tests.factories import random_prompt
+from tests.native.program_driver import make_program, new_seq, run_batch, run_to_end, settle_transfers, step
+
+
+@pytest.fixture
+def prog(tiny_model):
+    p = make_program(tiny_model, max_concurrency=4, kv_capacity=2048,
+                     context_cache={"host_capacity_bytes": 32 << 20})
+    yield p
+    p.check_integrity(idle=True)
+    assert p.is_empty(), "something leaked"
+    p.shutdown()
+
+
+@pytest.fixture
+def oracle(tiny_model):
+    def run(prompt, n=8, **kw):
+        return reference_generate(tiny_model, prompt, max_tokens=n, dtype="float64", ignore_eos=True, **kw)
+    return run
+
+
+def _capture_at(prog, prompt, owner="rec", where="auto"):
+    """Prefill ``prompt`` in one unit and save its end as a checkpoint; release the sequence."""
+    s = new_seq(prog, prompt, 4)
+    assert prog.bind(s, None).ok
+    assert not prog.reserve_unit(s, len(prompt))
+    [res] = prog.execute([UnitRow(s, len(prompt), UnitKind.PREFILL, capture_owner=owner, capture_where=where)])
+    prog.settle(s)
+    settle_transfers(prog)
+    prog.release(s)
+    assert res.captured is not None and res.captured.frontier == len(prompt)
+    return res.captured
+
+
+def _demote_all(prog, ck):
+    f = prog.quote()
+    cf = f.checkpoints[ck.cid]
+    res = prog.commit([DemoteState(ck.cid, ck.generation, cf.version),
+                       DemoteBlocks(ck.cid, ck.generation, cf.blocks, tuple(f.blocks[b].version for b in cf.blocks))])
+    assert res.ok, res.reason
+    settle_transfers(prog)
+    assert ck.image.slot is None and all(b.page is None for b in ck.blocks[MAIN])
+
+
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 129])
+def test_fresh_sequence_matches_oracle(prog, oracle, n):
+    prompt = random_prompt(n, seed=n)
+    s = new_seq(prog, prompt, 10)
+    assert prog.bind(s, None).ok
+    assert run_to_end(prog, s, chunk=40) == oracle(prompt, 10)
+    prog.release(s)
+
+
+def test_batched_rows_with_one_chunk_per_call(prog, oracle):
+    prompts = [random_prompt(n, seed=100 + n) for n in (5, 70, 129, 3)]
+    seqs = [new_seq(prog, p, 12, temperature=0.8, seed=i) for i, p in enumerate(prompts)]
+    for s in seqs:
+        assert prog.bind(s, None).ok
+    run_batch(prog, seqs, chunk=33)
+    for i, (p, s) in enumerate(zip(prompts, seqs)):
+        assert s.outputs == oracle(p, 12, temperature=0.8, seed=i)
+        prog.release(s)
+
+
+@pytest.mark.parametrize("where", ["device", "host"])
+@pytest.mark.parametrize("mode", [BindMode.FORK, BindMode.MOVE])
+@pytest.mark.parametrize("frontier,suffix", [(64, 10), (100, 30), (128, 1), (70, 70)],
+                         ids=["aligned", "unaligned", "aligned-2", "unaligned-long"])
+def test_continue_from_checkpoint(prog, oracle, where, mode, frontier, suffix):
+    full = random_prompt(frontier + suffix, seed=frontier)
+    ck = _capture_at(prog, full[:frontier])
+    if where == "host":
+        _demote_all(prog, ck)
+    s = new_seq(prog, full, 8)
+    out = prog.bind(s, ck, mode, first_tokens=suffix, mover="rec")
+    assert out.ok and (out.tid is not None) == (where == "host")
+    settle_transfers(prog)
+    assert run_to_end(prog, s) == oracle(full)
+    prog.release(s)
+    if mode is BindMode.FORK:
+        assert ck.cid in prog.checkpoints
+        prog.release_owner(ck, "rec")
+    else:
+        assert ck.cid not in prog.checkpoints
+
+
+def test_two_forks_of_one_unaligned_point_copy_the_tail(prog, oracle):
+    """Both branches share the full pages; the second writer must copy the partly filled tail
+    (the first one claimed the append right), and neither disturbs the other."""
+    base = random_prompt(100, seed=5)
+    ck = _capture_at(prog, base)
+    a, b = base + random_prompt(20, seed=6), base + random_prompt(20, seed=7)
+    sa, sb = new_seq(prog, a, 6), new_seq(prog, b, 6)
+    assert prog.bind(sa, ck, BindMode.FORK, first_tokens=20).ok
+    assert prog.bind(sb, ck, BindMode.FORK, first_tokens=20).ok
+    assert sa.blocks[MAIN][0] is sb.blocks[MAIN][0]          # full page shared
+    run_batch(prog, [sa, sb], chunk=64)
+    assert sa.blocks[MAIN][1] is not sb.blocks[MAIN][1]      # tail copied by one of them
+    assert sa.outputs == oracle(a, 6) and sb.outputs == oracle(b, 6)
+    # the checkpoint itself is still exact: a third continuation matches too
+    c = base + random_prompt(3, seed=8)
+    sc = new_seq(prog, c, 6)
+    assert prog.bind(sc, ck, BindMode.FORK, first_tokens=3).ok
+    assert run_to_end(prog, sc) == oracle(c, 6)
+    for s in (sa, sb, sc):
+        prog.release(s)
+    prog.release_owner(ck, "rec")
+
+
+def test_inner_input_point_copies_no_kv(prog, oracle):
+    """Saving a point inside a partly filled page adds a state image and no page; the writer
+    keeps appending in place."""
+    prompt = random_prompt(90, seed=9)
+    s = new_seq(prog, prompt, 8)
+    assert prog.bind(s, None).ok
+    used_before = prog.pools[MAIN].used
+    assert not prog.reserve_unit(s, 90)
+    [r] = prog.execute([UnitRow(s, 90, UnitKind.PREFILL, capture_owner="in")])
+    prog.settle(s)
+    assert prog.pools[MAIN].used == used_before + 2           # just the sequence's own pages
+    assert r.captured.blocks[MAIN] == s.blocks[MAIN]
+    assert run_to_end(prog, s) == oracle(prompt)
+    prog.release(s)
+    prog.release_owner(r.captured, "in")
+
+
+@pytest.mark.parametrize("where", ["device", "host"])
+def test_exact_hit_samples_from_continuation_hidden(prog, oracle, where):
+    prompt = random_prompt(77, seed=11)
+    ck = _capture_at(prog, prompt)
+    if where == "host":
+        _demote_all(prog, ck)
+    s = new_seq(prog, prompt, 8, temperature=1.0, seed=3)
+    assert prog.bind(s, ck, BindMode.FORK, first_tokens=0).ok
+    settle_transfers(prog)
+    [r] = prog.execute([UnitRow(s, 0, UnitKind.CONTROL)])      # nothing to compute: just sample
+    assert len(r.committed) == 1 and s.frontier == 77
+    assert run_to_end(prog, s) == oracle(prompt, 8, temperature=1.0, seed=3)
+    prog.release(s)
+    prog.release_owner(ck, "rec")
+
+
+def test_generation_end_serves_the_next_turn(prog, oracle):
+    turn1 = random_prompt(50, seed=12)
+    s = new_seq(prog, turn1, 10)
+    assert prog.bind(s, None).ok
+    out1 = run_to_end(prog, s)
+    e = prog.freeze(s, owner="rec")
+    assert e.frontier == len(turn1) + len(out1) - 1          # the last output is committed, not computed
+    turn2 = turn1 + out1 + random_prompt(15, seed=13)
+    s2 = new_seq(prog, turn2, 8)
+    assert prog.bind(s2, e, BindMode.MOVE, first_tokens=16, mover="rec").ok
+    assert run_to_end(prog, s2) == oracle(turn2)
+    prog.release(s2)
+
+
+@pytest.mark.parametrize("demote", [False, True], ids=["snapshot-on-device", "snapshot-on-host"])
+def test_pause_by_snapshot_and_resume(prog, oracle, demote):
+    prompt = random_prompt(80, seed=14)
+    s = new_seq(prog, prompt, 12, temperature=0.9, seed=5)
+    assert prog.bind(s, None).ok
+    step(prog, s, chunk=50)                   # mid-prefill
+    step(prog, s, chunk=50)                   # prefill done, first token
+    step(prog, s)                             # a decode
+    snap = prog.pause(s)
+    assert snap is not None and s.slot is None
+    if demote:
+        _demote_all(prog, snap)
+    assert prog.bind(s, snap, BindMode.MOVE, first_tokens=1, mover=f"seq:{s.sid}").ok
+    settle_transfers(prog)
+    assert run_to_end(prog, s) == oracle(prompt, 12, temperature=0.9, seed=5)
+    prog.release(s)
+
+
+@pytest.mark.parametrize("from_point", [False, True], ids=["replay-from-root", "replay-from-input-point"])
+def test_destructive_pause_then_replay(prog, oracle, from_point):
+    prompt = random_prompt(70, seed=15)
+    ck = _capture_at(prog, prompt[:40]) if from_point else None
+    s = new_seq(prog, prompt, 12, temperature=0.7, seed=9)
+    assert prog.bind(s, None).ok
+    for _ in range(6):
+        step(prog, s, chunk=30)
+    paused_at = s.frontier
+    committed = list(s.outputs)
+    assert prog.pause(s, destructive=True) is None
+    assert prog.bind(s, ck, BindMode.FORK, first_tokens=10).ok
+    while s.frontier < paused_at:             # Replay: recompute, never re-sample
+        r = step(prog, s, chunk=25, stop_at=paused_at)
+        assert r.committed == []
+    assert s.outputs == committed
+    assert run_to_end(prog, s) == oracle(prompt, 12, temperature=0.7, seed=9)
+    prog.release(s)
+    if ck is not None:
+        prog.release_owner(ck, "rec")
+
+
+def test_multi_pool_reservation_is_atomic(prog):
+    s = new_seq(prog, random_prompt(10, seed=1), 4)
+    free = {k: prog.pools[k].available for k in (MAIN, STATE)}
+    # a bind needing more pages than exist: nothing stays reserved, the shortfall is exact
+    big = new_seq(prog, random_prompt(10, seed=2), 4)
+    big.ledger = random_prompt(prog.layout.main_pages * 64 + 70, seed=3)
+    out = prog.bind(big, None, first_tokens=len(big.ledger))
+    assert not out.ok and out.shortfall == {MAIN: 2}
+    assert {k: prog.pools[k].available for k in (MAIN, STATE)} == free
+    prog.release(big)
+    prog.release(s)
+
+
+def test_stale_commit_is_refused_and_changes_nothing(prog):
+    ck = _capture_at(prog, random_prompt(30, seed=4))
+    f = prog.quote()
+    prog.add_owner(ck, "other")                    # holders changed after the quote
+    res = prog.commit([Delete(ck.cid, ck.generation, f.checkpoints[ck.cid].version)])
+    assert not res.ok and "stale" in res.reason
+    assert ck.cid in prog.checkpoints
+    prog.release_owner(ck, "other")
+    f = prog.quote()
+    res = prog.commit([Delete(ck.cid, ck.generation, f.checkpoints[ck.cid].version)])
+    assert res.ok and res.freed[STATE] == 1 and ck.cid not in prog.checkpoints
+
+
+def test_late_duplicate_and_reordered_completions_change_nothing(tiny_model, oracle):
+    hook = FaultHook(duplicate=True, reverse=True, delay=2)
+    prog = make_program(tiny_model, kv_capacity=2048, context_cache={"host_capacity_bytes": 32 << 20}, hook=hook)
+    prompt = random_prompt(66, seed=21)
+    ck = _capture_at(prog, prompt[:64], where="host")   # a Host capture is a transaction
+    assert ck.image.slot is None and ck.image.host is not None and ck.image.leases == 0
+    f = prog.quote()
+    cf = f.checkpoints[ck.cid]
+    res = prog.commit([DemoteBlocks(ck.cid, ck.generation, cf.blocks, tuple(f.blocks[b].version for b in cf.blocks))])
+    assert res.ok and res.tid is not None
+    tx = prog.tx
+    settle_transfers(prog)                                    # duplicates arrive too: ignored
+    assert prog.publish(tx.tid, tx.generation) is False       # a late copy of the same completion
+    assert prog.publish(tx.tid, tx.generation + 1) is False   # a reused descriptor's generation
+    assert all(b.page is None for b in ck.blocks[MAIN])
+    s = new_seq(prog, prompt, 6)
+    assert prog.bind(s, ck, BindMode.FORK, first_tokens=2).ok
+    settle_transfers(prog)
+    assert run_to_end(prog, s) == oracle(prompt, 6)
+    prog.release(s)
+    prog.release_owner(ck, "rec")
+    prog.check_integrity(idle=True)
+    assert prog.is_empty()
+    prog.shutdown()
+
+
+def test_cancel_during_read_back_waits_for_the_reader(tiny_model):
+    hook = FaultHook(delay=3)
+    prog = make_program(tiny_model, kv_capacity=2048, context_cache={"host_capacity_bytes": 32 << 20}, hook=hook)
+    prompt = random_prompt(64, seed=22)
+    ck = _capture_at(prog, prompt)
+    _demote_all(prog, ck)
+    s = new_seq(prog, prompt + [1, 2], 4)
+    out = prog.bind(s, ck, BindMode.FORK, first_tokens=2)
+    assert out.tid is not None
+    prog.release(s)                                  # cancel while the copy is in flight
+    assert s.cancel_requested and prog.tx is not None
+    settle_transfers(prog)
+    prog.release_owner(ck, "rec")
+    prog.check_integrity(idle=True)
+    assert prog.is_empty()
+    prog.shutdown()
+
+
+def test_move_refused_when_others_hold_the_source(prog):
+    ck = _capture_at(prog, random_prompt(20, seed=30))
+    prog.add_owner(ck, "public")
+    s = new_seq(prog, random_prompt(20, seed=30) + [5], 4)
+    with pytest.raises(NativeError, match="cannot be moved"):
+        prog.bind(s, ck, BindMode.MOVE, first_tokens=1, mover="rec")
+    prog.release(s)
+    prog.release_owner(ck, "public")
+    prog.release_owner(ck, "rec")
+
+
+def test_adoption_verifies_exact_tokens(prog):
+    ck = _capture_at(prog, random_prompt(20, seed=31))
+    other = random_prompt(25, seed=32)
+    s = new_seq(prog, other, 4)
+    with pytest.raises(NativeError, match="not an exact prefix"):
+        prog.bind(s, ck, BindMode.FORK, first_tokens=5)
+    prog.release(s)
+    prog.release_owner(ck, "rec")
+
+
+def test_dropped_completion_is_recovered_after_timeout(tiny_model, oracle):
+    hook = FaultHook()
+    prog = make_program(tiny_model, kv_capacity=2048, context_cache={"host_capacity_bytes": 32 << 20}, hook=hook)
+    prompt = random_prompt(40, seed=23)
+    ck = _capture_at(prog, prompt)
+    f = prog.quote()
+    cf = f.checkpoints[ck.cid]
+    tid_next = None
+    hook.drop = set(range(0, 10**6))             # every completion from now on is lost
+    res = prog.commit([DemoteState(ck.cid, ck.generation, cf.version)])
+    assert res.ok and res.tid is not None
+    tid_next = res.tid
+    assert prog.wait_transfers(0.5) == []        # nothing is delivered ...
+    overdue = prog.overdue()                     # ... but the copy did finish
+    assert overdue and overdue[0][0] == tid_next
+    assert prog.publish(*overdue[0])
+    assert ck.image.slot is None and ck.image.host is not None
+    hook.drop = set()
+    s = new_seq(prog, prompt + [7], 5)
+    assert prog.bind(s, ck, BindMode.FORK, first_tokens=1).ok
+    settle_transfers(prog)
+    assert run_to_end(prog, s) == oracle(prompt + [7], 5)
+    prog.release(s)
+    prog.release_owner(ck, "rec")
+    prog.check_integrity(idle=True)
+    assert prog.is_empty()
+    prog.shutdown()
+
+
+def test_capture_falls_back_to_host_then_skips(tiny_model):
+    """Device slot first, Host if the Device has none, skip if neither."""
+    prog = make_program(tiny_model, max_concurrency=1, kv_capacity=1024,
+                        context_cache={"device_state_slots": 0, "host_capacity_bytes": 1 << 20})
+    prompt = random_prompt(30, seed=24)
+    s = new_seq(prog, prompt, 3)
+    assert prog.bind(s, None).ok                 # the only slot is the writer's
+    assert not prog.reserve_unit(s, 10)
+    [r] = prog.execute([UnitRow(s, 10, UnitKind.PREFILL, capture_owner="a")])
+    prog.settle(s)
+    settle_transfers(prog)
+    assert r.captured is not None and r.captured.image.slot is None and r.captured.image.host is not None
+    filler = prog.host.allocate(prog.host.largest_free(), kind="test")   # Host now full
+    assert not prog.reserve_unit(s, 10)
+    [r2] = prog.execute([UnitRow(s, 10, UnitKind.PREFILL, capture_owner="b")])
+    prog.settle(s)
+    assert r2.captured is None and r2.capture_skipped
+    prog.host.release(filler)
+    prog.release(s)
+    prog.release_owner(r.captured, "a")
+    prog.check_integrity(idle=True)
+    assert prog.is_empty()
+    prog.shutdown()
+
+
+def test_bind_uses_what_permitted_retirements_free(tiny_model, oracle):
+    """A bind short of a state slot succeeds by retiring an old point it is allowed to give
+    up; a bind that would still be short retires nothing."""
+    prog = make_program(tiny_model, max_concurrency=1, kv_capacity=1024,
+                        context_cache={"device_state_slots": 1, "host_capacity_bytes": 0})
+    p = random_prompt(50, seed=25)
+    old = _capture_at(prog, p[:20], owner="old")          # takes the one extra slot
+    blocker = new_seq(prog, random_prompt(5, seed=26), 2)
+    assert prog.bind(blocker, None).ok                     # takes the other slot
+    s = new_seq(prog, p, 4)
+    out = prog.bind(s, None, first_tokens=50)
+    assert not out.ok and out.shortfall == {STATE: 1}
+    out = prog.bind(s, None, first_tokens=50, retire=[(old, "old")])
+    assert out.ok and old.cid not in prog.checkpoints
+    assert run_to_end(prog, s) == oracle(p, 4)
+    for q in (s, blocker):
+        prog.release(q)
+    prog.check_integrity(idle=True)
+    assert prog.is_empty()
+    prog.shutdown()
