@@ -14,6 +14,7 @@ from ninfer.sampling_params import SamplingParams
 __version__ = "0.1.0"
 
 _LAZY = {
+    "Engine": "ninfer.engine.api",
     "reference_generate": "ninfer.reference",
     "render_chat": "ninfer.frontend.render",
     "make_tiny_model": "ninfer.tiny.build",

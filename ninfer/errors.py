@@ -32,3 +32,8 @@ class CapacityContractError(NInferError):
 
 class RequestError(NInferError, ValueError):
     """Bad input for one request (it fails alone; nothing else is lost)."""
+
+
+class IntegrityError(NInferError, AssertionError):
+    """The books of a store or of the engine do not balance (a leak, a double free, a
+    negative count). ``engine.check_integrity()`` raises it."""

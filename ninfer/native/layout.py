@@ -16,11 +16,7 @@ from ninfer.errors import ConfigError
 from ninfer.native.model.config import PAGE_SIZE, ModelConfig
 from ninfer.native.model.forward import state_dtype
 
-MAIN = "main"           # Main KV pool
-MTP = "mtp"             # backend KV pools (later wave); zero-sized until the backend is enabled
-DFLASH = "dflash"
-STATE = "state"         # Device StateImage slots
-KV_KINDS = (MAIN, MTP, DFLASH)
+from ninfer.protocol import DFLASH, KV_KINDS, MAIN, MTP, STATE  # noqa: E402,F401  (pool kinds)
 CPU_DEFAULT_BUDGET = 1 << 30
 
 

@@ -123,6 +123,8 @@ class Program:
         self.tx: Transaction | None = None
         self._slot_owner: dict[int, object] = {}     # state slot -> Sequence | Checkpoint | StateImage
         self._orphans: set[StateImage] = set()       # images of deleted checkpoints still being read
+        self.bytes_h2d = 0                           # observation: copies submitted each way
+        self.bytes_d2h = 0
 
     # ==== identity =====================================================================
     def input_digest(self, tokens: tuple[int, ...] | list[int], media: bytes = b"") -> bytes:
@@ -307,6 +309,7 @@ class Program:
                 self.mem.copy_slot(img.slot, seq.slot)
             else:
                 reads.append(self.mem.host_to_slot(img.host, seq.slot))
+                self.bytes_h2d += self.mem.image_bytes
                 if mode is BindMode.MOVE:
                     detached, img.host = img.host, None
                 else:
@@ -321,6 +324,7 @@ class Program:
                     b.leases += 1           # in-flight read-back: nobody may rely on it yet
                     leased.append(b)
                     reads.append(self.mem.host_to_page(b.host, b.page))
+                    self.bytes_h2d += self.mem.page_bytes
                     b.touch()
         self._claim_tail(seq)
         if mode is BindMode.MOVE:
@@ -467,6 +471,7 @@ class Program:
             image.host = dest[1]
             image.leases += 1          # not a query source until the copy is published
             job = self.mem.slot_to_host(seq.slot, dest[1], snapshot_now=True)
+            self.bytes_d2h += self.mem.image_bytes
 
             self._begin_tx("capture", [job], lambda: self.unlease(image))
         return ck

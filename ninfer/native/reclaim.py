@@ -19,88 +19,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import msgspec
-
-from ninfer.native.layout import MAIN, STATE
+from ninfer.protocol import (  # noqa: F401  (re-exported for native callers)
+    MAIN, STATE, Action, BlockFact, CheckpointFact, CommitResult, Delete, DemoteBlocks, DemoteState, Facts,
+    PoolFact,
+)
 
 if TYPE_CHECKING:
     from ninfer.native.objects import Checkpoint, KvBlock
     from ninfer.native.program import Program
-
-
-class PoolFact(msgspec.Struct, array_like=True, frozen=True):
-    kind: str
-    total: int
-    free: int
-    reserved: int
-
-    @property
-    def available(self) -> int:
-        return self.free - self.reserved
-
-
-class BlockFact(msgspec.Struct, array_like=True, frozen=True):
-    bid: int
-    version: int
-    kind: str
-    holders: tuple[int, ...]      # checkpoint ids; sequences appear as negative ids
-    pinned: bool                  # a bound/materializing sequence holds it, or a read is in flight
-    device: bool
-    host: bool                    # a Host replica holding every written position exists
-    filled: int
-
-
-class CheckpointFact(msgspec.Struct, array_like=True, frozen=True):
-    cid: int
-    generation: int
-    version: int
-    kind: str
-    frontier: int
-    owners: tuple[str, ...]
-    image_device: bool
-    image_host: bool
-    leased: bool
-    blocks: tuple[int, ...]       # main KV blocks covering [0, frontier)
-
-
-class Facts(msgspec.Struct, frozen=True):
-    pools: dict[str, PoolFact]
-    host_capacity: int
-    host_free: tuple[tuple[int, int], ...]    # (offset, size) of free extents, by offset
-    image_bytes: int                          # one StateImage on the Host
-    page_bytes: int                           # one Main-KV page on the Host
-    checkpoints: dict[int, CheckpointFact]
-    blocks: dict[int, BlockFact]
-    tx_busy: bool
-
-
-class Delete(msgspec.Struct, tag="delete", frozen=True):
-    cid: int
-    generation: int
-    version: int
-
-
-class DemoteState(msgspec.Struct, tag="demote_state", frozen=True):
-    cid: int
-    generation: int
-    version: int
-
-
-class DemoteBlocks(msgspec.Struct, tag="demote_blocks", frozen=True):
-    cid: int
-    generation: int
-    bids: tuple[int, ...]
-    versions: tuple[int, ...]
-
-
-Action = Delete | DemoteState | DemoteBlocks
-
-
-class CommitResult(msgspec.Struct, frozen=True):
-    ok: bool
-    reason: str = ""
-    tid: int | None = None        # migrations in flight; capacity arrives when published
-    freed: dict[str, int] = {}    # Device units freed immediately
 
 
 # ---- quote ------------------------------------------------------------------------------
@@ -139,6 +65,9 @@ def _current(prog: "Program", cid: int, generation: int) -> "Checkpoint | None":
 
 
 def _verify(prog: "Program", actions: list[Action]) -> str:
+    deleted = {a.cid for a in actions if isinstance(a, Delete)}
+    if any(a.cid in deleted for a in actions if not isinstance(a, Delete)):
+        return "a checkpoint is both deleted and migrated in one commit"
     for a in actions:
         ck = _current(prog, a.cid, a.generation)
         if ck is None:
@@ -211,6 +140,7 @@ def _migrate(prog: "Program", migrations: list[Action]):
                 img.host = prog.host.allocate(prog.mem.image_bytes, kind="state")
                 img.leases += 1
                 jobs.append(prog.mem.slot_to_host(img.slot, img.host, snapshot_now=False))
+                prog.bytes_d2h += prog.mem.image_bytes
                 moving_images.append(ck)
         else:
             for bid in a.bids:
@@ -226,6 +156,7 @@ def _migrate(prog: "Program", migrations: list[Action]):
                 b.host_filled = b.filled
                 b.leases += 1
                 jobs.append(prog.mem.page_to_host(b.page, b.host))
+                prog.bytes_d2h += prog.mem.page_bytes
                 moving_blocks.append(b)
 
     def after() -> None:

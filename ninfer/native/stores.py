@@ -14,11 +14,8 @@ import heapq
 from bisect import bisect_left
 from dataclasses import dataclass, field
 
-from ninfer.errors import NInferError
-
-
-class IntegrityError(NInferError, AssertionError):
-    """A store's books do not balance (a leak, a double free, a negative count)."""
+from ninfer.errors import IntegrityError
+from ninfer.placement import ALIGN, align, place_first_fit  # noqa: F401  (re-exported)
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -132,12 +129,6 @@ def settle(pools: dict[str, IdPool], res: Reservation) -> None:
 
 # ---- Host arena ---------------------------------------------------------------------------
 
-ALIGN = 256
-
-
-def align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
 
 @dataclass
 class Extent:
@@ -232,21 +223,3 @@ class HostArena:
             _check(e.offset == pos and e.size > 0, f"host: gap or overlap at {e.offset}")
             pos += e.size
         _check(pos == self.capacity, "host: extents do not cover the capacity exactly")
-
-
-def place_first_fit(free: list[tuple[int, int]], sizes: list[int]) -> list[int] | None:
-    """Simulate first-fit placement of ``sizes`` (in order) into free extents given as
-    (offset, size) sorted by offset; return the chosen offsets or None if one does not fit."""
-    holes = [list(h) for h in free]
-    offsets = []
-    for s in sizes:
-        need = align(max(s, 1))
-        for h in holes:
-            if h[1] >= need:
-                offsets.append(h[0])
-                h[0] += need
-                h[1] -= need
-                break
-        else:
-            return None
-    return offsets

@@ -63,6 +63,7 @@ class TransferEngine:
         self.hook = hook or FaultHook()
         self._done: deque[Completion] = deque()
         self._finished: set[Completion] = set()     # copies really done, delivered or not
+        self.on_done: Callable[[], None] | None = None   # wakes an idle controller
         self._signal = threading.Event()
         self._inflight = 0
         self._lock = threading.Lock()
@@ -104,6 +105,8 @@ class TransferEngine:
             self._done.append(done)
             self._finished.add(done)
         self._signal.set()
+        if self.on_done is not None:
+            self.on_done()
 
     # -- completion ---------------------------------------------------------------------
     def drain(self) -> list[Completion]:

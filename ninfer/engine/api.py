@@ -1,0 +1,233 @@
+"""The Python client surface of API.md: ``Engine.start``, ``generate``/``chat``, handles.
+
+The in-process engine runs the EngineCore on one control thread; client calls hand it work
+through a queue and receive events through per-request queues. Nothing else touches the core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ninfer import protocol as P
+from ninfer.config import EngineConfig
+from ninfer.engine.request import RequestSpec
+from ninfer.errors import NInferError, RequestError
+from ninfer.sampling_params import SamplingParams
+
+
+@dataclass
+class UsageView:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    prefill_tokens: int = 0
+    replay_tokens: int = 0
+
+
+@dataclass
+class TimingsView:
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    max_output_gap_s: float = 0.0
+    queue_s: float | None = None
+
+
+@dataclass
+class Output:
+    """A terminal result (API.md: out.token_ids, text, finish_reason, error, usage, timings,
+    pauses)."""
+
+    rid: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    error: dict | None
+    usage: UsageView
+    timings: TimingsView
+    pauses: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class StreamEvent:
+    """Newly committed tokens of one request; no event is ever repeated."""
+
+    rid: str
+    index: int
+    token_ids: list[int]
+    text: str = ""
+
+
+class RequestHandle:
+    def __init__(self, engine: "Engine", rid: str):
+        self._engine = engine
+        self.rid = rid
+        self._q: queue.Queue = queue.Queue()
+        self._final: Output | None = None
+        self._done = threading.Event()
+        self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self._lock = threading.Lock()
+
+    # called on the engine's control thread
+    def _deliver(self, item) -> None:
+        if isinstance(item, Output):
+            with self._lock:
+                self._final = item
+                self._done.set()
+                waiters, self._async_waiters = self._async_waiters, []
+            for loop, fut in waiters:
+                loop.call_soon_threadsafe(lambda f=fut: f.done() or f.set_result(None))
+        self._q.put(item)
+
+    def __iter__(self) -> Iterator[StreamEvent]:
+        while True:
+            item = self._q.get()
+            if isinstance(item, Output):
+                return
+            yield item
+
+    def result(self, timeout: float | None = None) -> Output:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.rid} did not finish within {timeout} s")
+        return self._final
+
+    def cancel(self) -> None:
+        self._engine._cancel(self.rid)
+
+    async def result_async(self) -> Output:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        with self._lock:
+            if self._final is not None:
+                return self._final
+            self._async_waiters.append((loop, fut))
+        await fut
+        return self._final
+
+    async def aiter(self) -> AsyncIterator[StreamEvent]:
+        loop = asyncio.get_running_loop()
+        while True:
+            item = await loop.run_in_executor(None, self._q.get)
+            if isinstance(item, Output):
+                return
+            yield item
+
+
+class Engine:
+    """Handle to a running engine. ``Engine.start`` builds the in-process deployment (the same
+    messages as Ray, one process) or the Ray one."""
+
+    def __init__(self, model_dir: str, config: EngineConfig, transport: str, hook=None):
+        from ninfer.actors.runtime import InprocRuntime
+        from ninfer.frontend.render import ChatTokenizer
+
+        self.model_dir = str(model_dir)
+        self.config = config
+        self.transport = transport
+        try:
+            self._tok = ChatTokenizer(model_dir)
+        except NInferError:
+            self._tok = None
+        if transport != "inproc":
+            raise RequestError(f"transport {transport!r} is not available yet (use 'inproc')")
+        self._rt = InprocRuntime(model_dir, config, self._on_event, hook=hook)
+        self.info = self._rt.info
+        self._handles: dict[str, RequestHandle] = {}
+        self._lock = threading.Lock()
+        self._counter = 0
+
+    @staticmethod
+    def start(model: str | Path, config: EngineConfig | str | Path | dict | None = None,
+              dtype: str | None = None, transport: str = "inproc", **kw) -> "Engine":
+        cfg = EngineConfig.coerce(config)
+        if dtype is not None:
+            import msgspec
+            cfg = msgspec.structs.replace(cfg, dtype=dtype)
+        return Engine(str(model), cfg, transport, **kw)
+
+    # ---- requests -------------------------------------------------------------------------
+    def generate(self, prompt_token_ids: list[int], max_tokens: int = 16, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop_token_ids: list[int] | None = None,
+                 ignore_eos: bool = False, session_id: str | None = None, anchors: list[int] | None = None,
+                 cache_markers: list[int] | None = None, presence_penalty: float = 0.0,
+                 frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
+                 recovery_frontier: int | None = None, request_id: str | None = None) -> RequestHandle:
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+            stop_token_ids=tuple(stop_token_ids or ()), ignore_eos=ignore_eos,
+            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+            repetition_penalty=repetition_penalty)
+        spec = RequestSpec(prompt=list(prompt_token_ids), params=params, session_id=session_id,
+                           anchors=list(anchors or []), markers=list(cache_markers or []),
+                           recovery_frontier=recovery_frontier, rid=request_id or "")
+        return self._submit(spec)
+
+    def chat(self, messages: list[dict], tools: list[dict] | None = None, max_tokens: int = 16,
+             temperature: float = 0.0, seed: int = 0, session_id: str | None = None,
+             cache_markers: list[int] | None = None, **kw) -> RequestHandle:
+        if self._tok is None:
+            raise RequestError("this model directory has no tokenizer; use generate(prompt_token_ids=...)")
+        prompt = self._tok.encode(self._tok.render(messages, tools, add_generation_prompt=True))
+        return self.generate(prompt, max_tokens=max_tokens, temperature=temperature, seed=seed,
+                             session_id=session_id, cache_markers=cache_markers, **kw)
+
+    def _submit(self, spec: RequestSpec) -> RequestHandle:
+        with self._lock:
+            self._counter += 1
+            if not spec.rid:
+                spec.rid = f"req-{self._counter}"
+            if spec.rid in self._handles:
+                raise RequestError(f"request id {spec.rid!r} is already in use")
+            handle = RequestHandle(self, spec.rid)
+            self._handles[spec.rid] = handle
+        try:
+            self._rt.submit(spec)
+        except RequestError:
+            with self._lock:
+                self._handles.pop(spec.rid, None)
+            raise
+        return handle
+
+    def _cancel(self, rid: str) -> None:
+        self._rt.cancel(rid)
+
+    def _on_event(self, ev: P.Event) -> None:
+        handle = self._handles.get(ev.rid)
+        if handle is None:
+            return
+        if isinstance(ev, P.TokensEvent):
+            handle._deliver(StreamEvent(ev.rid, ev.index, list(ev.token_ids), self._text(ev.token_ids)))
+            return
+        with self._lock:
+            self._handles.pop(ev.rid, None)
+        handle._deliver(Output(
+            rid=ev.rid, token_ids=list(ev.token_ids), text=self._text(ev.token_ids),
+            finish_reason=ev.finish_reason, error=ev.error, usage=UsageView(**ev.usage),
+            timings=TimingsView(**ev.timings), pauses=list(ev.pauses)))
+
+    def _text(self, ids: list[int]) -> str:
+        return self._tok.decode(ids) if self._tok is not None and ids else ""
+
+    # ---- engine-wide ----------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        return self._rt.call("stats")
+
+    def check_integrity(self) -> None:
+        self._rt.call("check_integrity")
+
+    def drop_caches(self) -> None:
+        self._rt.call("drop_caches")
+
+    def shutdown(self) -> None:
+        self._rt.shutdown()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

@@ -1,0 +1,50 @@
+"""The next unit of a request, computed from its mirrored frontiers (one progress counter per
+request: ``execution_frontier`` against the ledger — chunked prefill, cache hits, Replay and
+decode share this one code path).
+
+    frontier < replay_target            Replay chunk (recompute committed history; no sampling)
+    frontier < P - 1 (no output yet)    Prefill chunk, cut at the next save point
+    frontier == ledger_len - 1          Decode row (computes the committed next input, samples)
+    frontier == ledger_len              Control row with no tokens: sample from the
+                                        continuation hidden (an exact hit)
+
+A chunk never crosses a save point: the unit ends exactly on it, so the state there can be
+captured right after (prefill chunk ends themselves are never save points).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ninfer.engine.request import Request
+
+
+@dataclass
+class Unit:
+    n_tokens: int
+    kind: str               # "prefill" | "replay" | "decode" | "control"
+    save_index: int | None  # index into req.save_points of the point this unit ends on
+
+
+def next_unit(req: Request, frontier: int, ledger_len: int, chunk: int) -> Unit:
+    if req.replay_target is not None and frontier < req.replay_target:
+        return Unit(min(chunk, req.replay_target - frontier), "replay", None)
+    if frontier == ledger_len:
+        return Unit(0, "control", None)
+    if frontier == ledger_len - 1 and req.outputs:
+        return Unit(1, "decode", None)
+    end = min(frontier + chunk, ledger_len)
+    save = None
+    for i, sp in enumerate(req.save_points):
+        if frontier < sp.frontier <= end:
+            end, save = sp.frontier, i
+            break
+    return Unit(end - frontier, "prefill", save)
+
+
+def account(req: Request, unit: Unit) -> None:
+    """Initial prefill and Replay are counted separately; only work really executed counts."""
+    if unit.kind == "replay":
+        req.usage.replay_tokens += unit.n_tokens
+    elif unit.kind == "prefill" or (unit.kind == "decode" and not req.outputs):
+        req.usage.prefill_tokens += unit.n_tokens

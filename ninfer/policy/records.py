@@ -1,0 +1,173 @@
+"""Logical cache records (seed: 续接记录与公共共享条目) and the checkpoints they name.
+
+    PrivateRecord   one history: its generation end E, one input-side restore point, up to
+                    four explicit anchors; a session name is a lookup hint and named entry
+    PublicEntry     a shared marker position others may fork from
+
+Several logical uses may name one physical checkpoint (a private input point and a public
+marker at the same frontier share one StateImage). On the worker every use is an *owner*
+string of that checkpoint; the checkpoint lives while any owner holds it.
+
+    owner strings:  r<id>.E   r<id>.in   r<id>.a   m<id>   w:<rid>   (seq:<sid> = pause snapshot)
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from ninfer.protocol import CkptRef
+
+MAX_ANCHORS = 4
+MAX_MARKERS = 4
+
+
+class Level:
+    NORMAL = "normal"
+    REUSE = "reuse"
+
+
+@dataclass(eq=False)
+class CkptInfo:
+    """Controller-side mirror of one Native checkpoint."""
+
+    ref: CkptRef
+    tokens: tuple[int, ...]
+    owners: set[str] = field(default_factory=set)
+
+    @property
+    def cid(self) -> int:
+        return self.ref.cid
+
+    @property
+    def frontier(self) -> int:
+        return self.ref.frontier
+
+
+@dataclass(eq=False)
+class Evidence:
+    """Real demand: (time of the latest real adoption or repeat demand, proven frontier)."""
+
+    demand_time: float | None = None
+    proven_frontier: int = 0
+
+
+@dataclass(eq=False)
+class PrivateRecord:
+    id: int
+    session: str | None
+    publication_order: int = -1
+    e: int | None = None                    # cid of the generation end
+    input_point: int | None = None          # cid of the input-side restore point
+    anchors: list[int] = field(default_factory=list)   # cids, oldest published first
+    active: str | None = None               # rid of the request continuing it now
+    level: str = Level.NORMAL
+    evidence: Evidence = field(default_factory=Evidence)
+
+    def owner(self, role: str) -> str:
+        return f"r{self.id}.{role}"
+
+    def points(self) -> list[tuple[str, int]]:
+        """(role, cid) of every restore point this record holds."""
+        out = [("E", self.e), ("in", self.input_point)] + [("a", c) for c in self.anchors]
+        return [(r, c) for r, c in out if c is not None]
+
+    @property
+    def empty(self) -> bool:
+        return self.e is None and self.input_point is None and not self.anchors
+
+
+@dataclass(eq=False)
+class PublicEntry:
+    id: int
+    cid: int
+    frontier: int
+    level: str = Level.NORMAL
+    evidence: Evidence = field(default_factory=Evidence)
+
+    @property
+    def owner(self) -> str:
+        return f"m{self.id}"
+
+
+class RecordTable:
+    """Records, entries, the session index and the checkpoint mirror, kept consistent."""
+
+    def __init__(self):
+        self._ids = itertools.count(1)
+        self.ckpts: dict[int, CkptInfo] = {}
+        self.records: dict[int, PrivateRecord] = {}
+        self.entries: dict[int, PublicEntry] = {}
+        self.sessions: dict[str, int] = {}          # session -> record id (newest publication)
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def add_ckpt(self, ref: CkptRef, tokens: tuple[int, ...], owner: str) -> CkptInfo:
+        info = self.ckpts.get(ref.cid)
+        if info is None:
+            info = self.ckpts[ref.cid] = CkptInfo(ref, tokens)
+        info.owners.add(owner)
+        return info
+
+    def drop_owner(self, cid: int, owner: str) -> bool:
+        """Forget one logical use; True if the checkpoint has no owner left (deleted)."""
+        info = self.ckpts.get(cid)
+        if info is None:
+            return True
+        info.owners.discard(owner)
+        if not info.owners:
+            del self.ckpts[cid]
+            return True
+        return False
+
+    def forget_ckpt(self, cid: int) -> list[str]:
+        """A physical delete: every logical use of the checkpoint disappears with it."""
+        info = self.ckpts.pop(cid, None)
+        owners = sorted(info.owners) if info else []
+        for rec in list(self.records.values()):
+            if rec.e == cid:
+                rec.e = None
+            if rec.input_point == cid:
+                rec.input_point = None
+            if cid in rec.anchors:
+                rec.anchors.remove(cid)
+            self.prune(rec)
+        for ent in [e for e in self.entries.values() if e.cid == cid]:
+            del self.entries[ent.id]
+        return owners
+
+    # -- records ---------------------------------------------------------------------------
+    def new_record(self, session: str | None, insert: bool = True) -> PrivateRecord:
+        """A record; ``insert=False`` makes a tentative one (inserted when the request binds)."""
+        rec = PrivateRecord(id=next(self._ids), session=session)
+        if insert:
+            self.records[rec.id] = rec
+        return rec
+
+    def new_entry(self, cid: int, frontier: int, insert: bool = True) -> PublicEntry:
+        ent = PublicEntry(id=next(self._ids), cid=cid, frontier=frontier)
+        if insert:
+            self.entries[ent.id] = ent
+        return ent
+
+    def prune(self, rec: PrivateRecord) -> None:
+        """Empty logical records are deleted promptly (metadata stays bounded)."""
+        if rec.empty and rec.active is None and rec.id in self.records:
+            del self.records[rec.id]
+            if rec.session is not None and self.sessions.get(rec.session) == rec.id:
+                del self.sessions[rec.session]
+
+    def publish_session(self, rec: PrivateRecord, order: int) -> None:
+        """A session name points at the newest publication; an older request finishing late
+        never overwrites a newer one."""
+        rec.publication_order = max(rec.publication_order, order)
+        if rec.session is None:
+            return
+        cur = self.records.get(self.sessions.get(rec.session, -1))
+        if cur is None or cur is rec or cur.publication_order <= order:
+            self.sessions[rec.session] = rec.id
+
+    def record_of(self, cid: int) -> list[tuple[PrivateRecord, str]]:
+        return [(r, role) for r in self.records.values() for role, c in r.points() if c == cid]
+
+    def entries_of(self, cid: int) -> list[PublicEntry]:
+        return [e for e in self.entries.values() if e.cid == cid]

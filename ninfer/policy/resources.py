@@ -1,0 +1,319 @@
+"""ResourceManager: what is kept, where, and for whom (seed: ResourceManager 行).
+
+It owns the private records and public entries, finds restore sources for admissions and
+Replay resumes, plans the save opportunities of a request, keeps the books when checkpoints
+are captured, frozen, moved or deleted, and plans reclaim. Physical facts come only from the
+worker (checkpoint refs, quotes); nothing here touches a tensor.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from ninfer import protocol as P
+from ninfer.engine.request import Request
+from ninfer.policy.cost import CostModel
+from ninfer.policy.records import MAX_ANCHORS, CkptInfo, Level, PrivateRecord, PublicEntry, RecordTable
+
+
+@dataclass
+class SavePoint:
+    frontier: int
+    owners: list[str]                 # the first captures, the rest are added as owners
+    kinds: list[str]                  # "in" | "a" | "m"
+    entries: dict[str, PublicEntry] = field(default_factory=dict)   # marker owner -> entry
+
+
+@dataclass
+class Admission:
+    """How a request (re)enters execution: its source and what happens to records."""
+
+    source: CkptInfo | None
+    mode: str = "fork"
+    mover: str | None = None
+    record: PrivateRecord | None = None
+    takeover: bool = False
+    cached: int = 0                   # real cross-request reuse (tokens)
+    retire: list[P.Retire] = field(default_factory=list)
+
+    @property
+    def frontier(self) -> int:
+        return self.source.frontier if self.source else 0
+
+
+@dataclass
+class CacheStats:
+    queries: int = 0
+    hits: int = 0
+    reused_tokens: int = 0
+    queried_tokens: int = 0
+    lost_hits: int = 0                # prefix matched deeper, but its checkpoint is missing
+    lost_tokens: int = 0
+    captures: int = 0
+    captures_skipped: int = 0
+    summary_hits: int = 0             # demand-summary matches (retention only; never a cache hit)
+
+
+class ResourceManager:
+    def __init__(self, info: P.WorkerInfo, cost: CostModel | None = None):
+        self.info = info
+        self.cost = cost or CostModel()
+        self.table = RecordTable()
+        self.stats = CacheStats()
+        self.host_blocks: set[int] = set()          # placement hints for the cost model
+        self.remembered: dict[tuple[int, ...], int] = {}   # deleted points' tokens -> frontier (bounded)
+
+    # ==== sources ======================================================================
+    def candidates(self, tokens: list[int], limit: int) -> list[CkptInfo]:
+        """Complete cache points on the hit path: exact token prefixes no deeper than limit."""
+        out = []
+        for info in self.table.ckpts.values():
+            f = info.frontier
+            if info.ref.kind == "cache" and 0 < f <= limit and tuple(tokens[:f]) == info.tokens:
+                out.append(info)
+        return out
+
+    def _h2d_bytes(self, info: CkptInfo) -> int:
+        image = 0 if info.ref.device else self.info.image_bytes
+        return image   # block placement is refined from quotes (host_blocks) when known
+
+    def _rank_key(self, info: CkptInfo, req: Request, target: int):
+        """Cost first; ties by bytes moved, deeper position, legal session hint, private use,
+        newer publication order, stable sequence (seed order)."""
+        h2d = self._h2d_bytes(info)
+        recs = self.table.record_of(info.cid)
+        session = any(r.session is not None and r.session == req.spec.session_id for r, _ in recs)
+        order = max((r.publication_order for r, _ in recs), default=-1)
+        return (self.cost.source_cost(h2d, target - info.frontier), h2d, -info.frontier,
+                not session, not recs, -order, info.cid)
+
+    def choose(self, req: Request, target: int, limit: int) -> CkptInfo | None:
+        cands = self.candidates(req.ledger, limit)
+        if not cands:
+            return None
+        best = min(cands, key=lambda c: self._rank_key(c, req, target))
+        root_cost = self.cost.source_cost(0, target)
+        return best if self._rank_key(best, req, target)[0] <= root_cost else None
+
+    def plan_admission(self, req: Request) -> Admission:
+        """Fresh admission: the best source for the prompt, takeover or branch, Move or Fork."""
+        prompt = req.prompt
+        P_len = len(prompt)
+        src = self.choose(req, P_len, P_len)
+        if src is None:
+            return Admission(source=None, record=self._branch(req))
+        recs = self.table.record_of(src.cid)
+        rec, role = next(((r, role) for r, role in recs if self._may_take_over(r, req)), (None, None))
+        adm = Admission(source=src, cached=src.frontier)
+        if rec is not None:
+            adm.record, adm.takeover = rec, True
+            if role == "E" and src.owners == {rec.owner("E")}:
+                adm.mode, adm.mover = "move", rec.owner("E")
+        else:
+            adm.record = self._branch(req)
+        return adm
+
+    def _branch(self, req: Request) -> PrivateRecord:
+        """A tentative new record; it enters the table only if the request binds."""
+        return self.table.new_record(req.spec.session_id, insert=False)
+
+    def _may_take_over(self, rec: PrivateRecord, req: Request) -> bool:
+        """A non-active record that may be updated is taken over; an occupied relation or a
+        cross-entry case (a different named session) branches instead."""
+        if rec.active is not None:
+            return False
+        return rec.session is None or req.spec.session_id in (None, rec.session)
+
+    def _count_query(self, req: Request, src: CkptInfo | None) -> None:
+        s = self.stats
+        s.queries += 1
+        s.queried_tokens += len(req.prompt)
+        if src is not None:
+            s.hits += 1
+            s.reused_tokens += src.frontier
+        deeper = max((f for toks, f in self.remembered.items()
+                      if f > (src.frontier if src else 0) and f <= len(req.prompt)
+                      and tuple(req.prompt[:f]) == toks), default=0)
+        if deeper:
+            s.lost_hits += 1
+            s.lost_tokens += deeper - (src.frontier if src else 0)
+
+    def plan_replay(self, req: Request) -> Admission:
+        """Replay resume: any complete point on the committed ledger up to the paused frontier
+        (own Snapshot is handled before this). Never counted as a cache hit."""
+        target = req.replay_target or 0
+        src = self.choose(req, target, target)
+        return Admission(source=src, record=req.record)
+
+    # ==== save opportunities ===========================================================
+    def save_plan(self, req: Request, start: int) -> list[SavePoint]:
+        """Input restore point, anchors and markers inside (start, P] — never chunk ends.
+        Same frontiers merge into one capture with several owners."""
+        rec: PrivateRecord = req.record
+        P_len = len(req.prompt)
+        points: dict[int, SavePoint] = {}
+
+        def add(f: int, owner: str, kind: str, entry: PublicEntry | None = None) -> None:
+            if start < f <= P_len:
+                sp = points.setdefault(f, SavePoint(f, [], []))
+                sp.owners.append(owner)
+                sp.kinds.append(kind)
+                if entry is not None:
+                    sp.entries[owner] = entry
+
+        r = req.spec.recovery_frontier
+        if r is not None and not self._carried(rec.input_point, req.prompt, r):
+            add(r, rec.owner("in"), "in")
+        for a in req.spec.anchors:
+            add(a, rec.owner("a"), "a")
+        for m in sorted(set(req.spec.markers)):
+            if start < m <= P_len and not self._has_entry(req.prompt, m):
+                ent = self.table.new_entry(-1, m, insert=False)     # enters the table when captured
+                add(m, ent.owner, "m", ent)
+        return [points[f] for f in sorted(points)]
+
+    def _carried(self, cid: int | None, prompt: list[int], r: int) -> bool:
+        info = self.table.ckpts.get(cid) if cid is not None else None
+        return info is not None and info.frontier == r and tuple(prompt[:r]) == info.tokens
+
+    def _has_entry(self, prompt: list[int], f: int) -> bool:
+        return any(e.frontier == f and tuple(prompt[:f]) == self.table.ckpts[e.cid].tokens
+                   for e in self.table.entries.values() if e.cid in self.table.ckpts)
+
+    def on_skipped(self, sp: SavePoint) -> None:
+        """No room for an optional save: nothing is kept (tentative entries never existed)."""
+        self.stats.captures_skipped += 1
+
+    def retire_for(self, req: Request, sp: SavePoint) -> list[P.Retire]:
+        """A needed later input point retires the record's old one before its destination is
+        requested (seed: 旧点可在申请新目的之前退休；新保存失败不恢复旧点)."""
+        rec: PrivateRecord = req.record
+        if "in" not in sp.kinds or rec.input_point is None:
+            return []
+        info = self.table.ckpts.get(rec.input_point)
+        if info is None:
+            return []
+        return [P.Retire(info.cid, info.ref.generation, rec.owner("in"))]
+
+    # ==== bookkeeping ==================================================================
+    def on_bound(self, req: Request, adm: Admission) -> None:
+        """A fresh admission succeeded: count the query, take over or branch, note demand."""
+        self._count_query(req, adm.source)
+        rec = adm.record
+        self.table.records.setdefault(rec.id, rec)
+        rec.active = req.rid
+        req.record = rec
+        if adm.mode == "move" and adm.source is not None:
+            self._forget(adm.source.cid)         # consumed by the Move
+        if adm.source is not None and adm.cached:
+            self._note_demand(adm.source)
+
+    def _note_demand(self, src: CkptInfo) -> None:
+        """Real cross-request adoption refreshes evidence of the owners of the source."""
+        now = time.monotonic()
+        for rec, _ in self.table.record_of(src.cid):
+            rec.evidence.demand_time = now
+            rec.evidence.proven_frontier = src.frontier
+            rec.level = Level.REUSE
+        for ent in self.table.entries_of(src.cid):
+            ent.evidence.demand_time = now
+            ent.level = Level.REUSE
+
+    def on_captured(self, req: Request, sp: SavePoint, ref: P.CkptRef) -> list[P.Command]:
+        """Attach a new checkpoint to its uses; returns AddOwner commands for extra owners."""
+        self.stats.captures += 1
+        rec: PrivateRecord = req.record
+        tokens = tuple(req.ledger[: ref.frontier])
+        cmds: list[P.Command] = []
+        for i, (owner, kind) in enumerate(zip(sp.owners, sp.kinds)):
+            self.table.add_ckpt(ref, tokens, owner)
+            if i > 0:
+                cmds.append(P.AddOwner(ref.cid, ref.generation, owner))
+            if kind == "m":
+                ent = sp.entries[owner]
+                ent.cid = ref.cid
+                self.table.entries[ent.id] = ent
+            elif kind == "in":
+                if rec.input_point is not None and rec.input_point != ref.cid:
+                    self._drop_use(rec.input_point, owner)
+                rec.input_point = ref.cid
+            elif kind == "a":
+                rec.anchors.append(ref.cid)
+        return cmds
+
+    def anchor_overflow(self, req: Request) -> list[P.Retire]:
+        """Over four anchors: the oldest published is replaced."""
+        rec: PrivateRecord = req.record
+        out = []
+        while len(rec.anchors) >= MAX_ANCHORS:
+            cid = rec.anchors.pop(0)
+            info = self.table.ckpts.get(cid)
+            if info is not None:
+                out.append(P.Retire(cid, info.ref.generation, rec.owner("a")))
+                self.table.drop_owner(cid, rec.owner("a"))
+        return out
+
+    def on_finished(self, req: Request, e: P.CkptRef) -> list[P.Command]:
+        """Normal finish: the frozen state is the record's new E (the old E, if it survived a
+        Fork, is released by this record)."""
+        rec: PrivateRecord = req.record
+        cmds: list[P.Command] = []
+        if rec.e is not None:
+            info = self.table.ckpts.get(rec.e)
+            if info is not None:
+                cmds.append(P.ReleaseOwner(info.cid, info.ref.generation, rec.owner("E")))
+            self._drop_use(rec.e, rec.owner("E"))
+        self.table.add_ckpt(e, tuple(req.ledger[: e.frontier]), rec.owner("E"))
+        rec.e = e.cid
+        rec.active = None
+        self.table.publish_session(rec, req.ticket)
+        return cmds
+
+    def on_released(self, req: Request) -> None:
+        """Cancel / error: the record this request continued is free again (a Move may have
+        consumed its old E: other owners keep theirs)."""
+        rec: PrivateRecord | None = req.record
+        if rec is not None and rec.active == req.rid:
+            rec.active = None
+            self.table.prune(rec)
+
+    def _drop_use(self, cid: int, owner: str) -> None:
+        info = self.table.ckpts.get(cid)
+        if info is not None and self.table.drop_owner(cid, owner):
+            self._remember(info)
+
+    def _forget(self, cid: int) -> None:
+        info = self.table.ckpts.get(cid)
+        self.table.forget_ckpt(cid)
+        if info is not None:
+            self._remember(info)
+
+    def _remember(self, info: CkptInfo) -> None:
+        """Keep the token identity of deleted points (bounded) to count hits lost to a
+        missing checkpoint — the metric users of other engines ask for."""
+        self.remembered[info.tokens] = info.frontier
+        while len(self.remembered) > 256:
+            self.remembered.pop(next(iter(self.remembered)))
+
+    def on_deleted(self, cids: list[int]) -> None:
+        for cid in cids:
+            self._forget(cid)
+
+    # ==== whole-cache operations =======================================================
+    def drop_all(self) -> list[P.Command]:
+        """Release every optional cache use (for leak checks): records and entries."""
+        cmds = []
+        for info in list(self.table.ckpts.values()):
+            for owner in sorted(info.owners):
+                if owner.startswith(("r", "m")):
+                    cmds.append(P.ReleaseOwner(info.cid, info.ref.generation, owner))
+                    self.table.drop_owner(info.cid, owner)
+        for rec in list(self.table.records.values()):
+            rec.e, rec.input_point, rec.anchors = None, None, []
+            self.table.prune(rec)
+        self.table.entries.clear()
+        return cmds
+
+    def live_optional(self) -> list[CkptInfo]:
+        return [c for c in self.table.ckpts.values() if any(o.startswith(("r", "m")) for o in c.owners)]

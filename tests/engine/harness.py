@@ -1,0 +1,90 @@
+"""Drive an EngineCore synchronously (no control thread): deterministic cycles for named
+scenario tests. The worker, transport and messages are the real ones."""
+
+from __future__ import annotations
+
+import functools
+
+from ninfer import protocol as P
+from ninfer.actors.transport import InprocClient
+from ninfer.actors.worker import Worker
+from ninfer.config import EngineConfig
+from ninfer.engine.core import EngineCore
+from ninfer.engine.request import RequestSpec
+from ninfer.reference import reference_generate
+from ninfer.sampling_params import SamplingParams
+
+
+class Harness:
+    def __init__(self, model_dir: str, hook=None, dtype: str = "float64", **cfg):
+        self.model_dir = model_dir
+        self.config = EngineConfig.from_dict({"dtype": dtype, **cfg})
+        self.worker = Worker(model_dir, self.config, hook=hook)
+        self.core = EngineCore(InprocClient(self.worker), self.config, self._sink)
+        self.finals: dict[str, P.FinalEvent] = {}
+        self.streams: dict[str, list[int]] = {}
+        self.dtype = dtype
+
+    def _sink(self, ev) -> None:
+        if isinstance(ev, P.TokensEvent):
+            toks = self.streams.setdefault(ev.rid, [])
+            assert ev.index == len(toks), "an event was repeated or skipped"
+            toks.extend(ev.token_ids)
+        else:
+            self.finals[ev.rid] = ev
+
+    def submit(self, prompt: list[int], rid: str | None = None, **kw) -> str:
+        params = {k: kw.pop(k) for k in list(kw) if k in SamplingParams.__struct_fields__}
+        params.setdefault("ignore_eos", True)
+        spec = RequestSpec(prompt=list(prompt), params=SamplingParams(**params), rid=rid or "", **kw)
+        return self.core.add(spec).rid
+
+    def cycle(self) -> bool:
+        if self.core.cycle():
+            return True
+        if self.core.tx_busy:
+            self.worker.wait(1.0)
+            return True
+        return False
+
+    def run(self, until=None, max_cycles: int = 20000) -> None:
+        for _ in range(max_cycles):
+            if until is not None and until():
+                return
+            if not self.core.busy():
+                if until is None:
+                    return
+            self.cycle()
+        raise AssertionError("the engine did not reach the condition (a hang?)")
+
+    def done(self, *rids: str) -> bool:
+        return all(r in self.finals for r in rids)
+
+    def check_clean(self) -> None:
+        """Leak check: after everything drains and the caches are dropped, nothing is held."""
+        self.run()
+        self.core.drop_caches()
+        self.run()
+        self.core.check_integrity()
+        [out] = self.core.call_commands([P.Quote()])
+        f = out.facts
+        assert not f.checkpoints and not f.blocks, "something is still held after drop_caches"
+        assert all(p.available == p.total for p in f.pools.values())
+
+    def close(self) -> None:
+        self.worker.shutdown()
+
+
+@functools.lru_cache(maxsize=4096)
+def _oracle(model_dir: str, prompt: tuple, dtype: str, params: SamplingParams) -> tuple:
+    return tuple(reference_generate(
+        model_dir, list(prompt), max_tokens=params.max_tokens, temperature=params.temperature,
+        top_p=params.top_p, top_k=params.top_k, seed=params.seed, dtype=dtype,
+        stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
+        presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty))
+
+
+def oracle(model_dir: str, prompt: list[int], dtype: str = "float64", **params) -> list[int]:
+    params.setdefault("ignore_eos", True)
+    return list(_oracle(model_dir, tuple(prompt), dtype, SamplingParams(**params)))
