@@ -36,6 +36,8 @@ class TimingsView:
     e2e_s: float | None = None
     max_output_gap_s: float = 0.0
     queue_s: float | None = None
+    arrival: float | None = None           # time.monotonic() of submission
+    admitted_at: float | None = None       # time.monotonic() of the first admission
 
 
 @dataclass

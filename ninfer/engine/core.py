@@ -175,7 +175,15 @@ class EngineCore:
             plan.pre.append(cmd)
             ctx.pre.append(then)
         self._pending = []
+        timeout = self.config.request_timeout_s
+        now = time.monotonic()
         for req in list(self.requests.values()):
+            if (timeout is not None and req.first_admitted is None and req.finish_reason is None
+                    and now - req.arrival > timeout):
+                # ingress timeout: counted from the original arrival until first admission; a
+                # later pause does not restart it
+                req.error = {"type": "timeout", "message": f"not admitted within {timeout} s"}
+                req.finish_reason = "error"
             if req.cancel_requested and req.finish_reason is None:
                 self._end(req, "cancelled", plan, ctx)
             elif req.finish_reason is not None and req.finished_at is None:
@@ -228,7 +236,8 @@ class EngineCore:
             usage={"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
                    "cached_tokens": u.cached_tokens, "prefill_tokens": u.prefill_tokens,
                    "replay_tokens": u.replay_tokens},
-            timings={k: getattr(req.timings(), k) for k in ("ttft_s", "e2e_s", "max_output_gap_s", "queue_s")},
+            timings={**{k: getattr(req.timings(), k) for k in ("ttft_s", "e2e_s", "max_output_gap_s", "queue_s")},
+                     "arrival": req.arrival, "admitted_at": req.first_admitted},
             pauses=list(req.pauses), error=req.error))
 
     def fail(self, req: Request, exc: Exception) -> None:
@@ -374,7 +383,7 @@ class EngineCore:
             self.sched.recovery = req
             req.recovery_pending = True
             req.pauses[-1]["route"] = route
-            req.pauses[-1]["resumed_s"] = now - req.pauses[-1].pop("_at", now)
+            req.pauses[-1]["resumed_at"] = now
             req.snapshot = None
             if route == "snapshot":
                 self.stats.resumes_snapshot += 1

@@ -130,7 +130,7 @@ class Pressure:
         victim.replay_target = victim.frontier
         victim.phase = Phase.PAUSED
         victim.pauses.append({"route": "snapshot" if victim.snapshot else "replay",
-                              "frontier": victim.frontier, "_at": time.monotonic()})
+                              "frontier": victim.frontier, "paused_at": time.monotonic()})
         core.sched.pause(victim)
         core.stats.preemptions += 1
 
