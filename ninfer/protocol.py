@@ -57,6 +57,7 @@ class BlockFact(msgspec.Struct, array_like=True, frozen=True):
     device: bool
     host: bool                    # a Host replica holding every written position exists
     filled: int
+    host_at: tuple[int, int] | None = None     # (offset, size) of its Host extent
 
 
 class CheckpointFact(msgspec.Struct, array_like=True, frozen=True):
@@ -70,6 +71,7 @@ class CheckpointFact(msgspec.Struct, array_like=True, frozen=True):
     image_host: bool
     leased: bool
     blocks: tuple[int, ...]       # main KV blocks covering [0, frontier)
+    image_at: tuple[int, int] | None = None    # (offset, size) of its StateImage Host extent
 
 
 class Facts(msgspec.Struct, frozen=True):

@@ -31,6 +31,7 @@ from ninfer.engine.request import Phase, Request, RequestSpec
 from ninfer.engine.units import Unit, account, next_unit
 from ninfer.engine.validate import validate_spec
 from ninfer.errors import CapacityContractError, IntegrityError, RequestError
+from ninfer.policy.reclaim import Planner
 from ninfer.policy.resources import Admission, ResourceManager, SavePoint
 from ninfer.policy.scheduler import Scheduler
 
@@ -84,6 +85,7 @@ class EngineCore:
         self.tx_busy = False
         self.pools: dict[str, P.PoolState] = {}
         self.host_free = 0
+        self.host_largest = 0
         self.bytes = (0, 0)
 
     # ==== intake =========================================================================
@@ -138,6 +140,7 @@ class EngineCore:
         reply = self.client.step(plan)
         self.pools = reply.pools
         self.host_free = reply.host_free
+        self.host_largest = reply.host_largest
         self.bytes = (reply.bytes_h2d, reply.bytes_d2h)
         self.tx_busy = reply.tx_busy
         if reply.completions:
@@ -197,6 +200,7 @@ class EngineCore:
         self.sched.event(causes)        # transfer completion re-opens the scan
         if kind == "bind" and req is not None and req.phase is Phase.BINDING:
             req.phase = Phase.RUNNING
+            req.source_cid = None
 
     def _end(self, req: Request, reason: str, plan: P.StepPlan, ctx: CycleCtx, error: dict | None = None) -> None:
         """Terminal: freeze a normal finish as the record's E, release everything else."""
@@ -208,17 +212,21 @@ class EngineCore:
         elif req.sid is not None:
             plan.pre.append(P.Release(req.sid))
             ctx.pre.append(lambda out: None)
-            self.rm.on_released(req)
+            self._release_records(req)
         else:
-            self.rm.on_released(req)
+            self._release_records(req)
         self._finish(req)
+
+    def _release_records(self, req: Request) -> None:
+        for cmd in self.rm.on_released(req):
+            self.queue(cmd)
 
     def _frozen(self, req: Request, out: P.CommandOut) -> None:
         if isinstance(out, P.CkptOut) and out.ref is not None:
             for cmd in self.rm.on_finished(req, out.ref):
                 self.queue(cmd)
         else:
-            self.rm.on_released(req)
+            self._release_records(req)
 
     def _finish(self, req: Request) -> None:
         req.finished_at = time.monotonic()
@@ -251,15 +259,45 @@ class EngineCore:
         f = req.facts
         return next_unit(req, f.frontier, f.ledger_len, self.chunk)
 
-    def _row_spec(self, req: Request, unit: Unit, sid: int) -> P.RowSpec:
+    def _row_spec(self, req: Request, unit: Unit, sid: int, binding_slots: int = 0) -> P.RowSpec:
         spec = P.RowSpec(sid=sid, n_tokens=unit.n_tokens, kind=unit.kind, hold=req.recovery_pending)
-        if unit.save_index is not None and not req.recovery_pending:
+        if (unit.save_index is not None and not req.recovery_pending
+                and self._admit_capture(req, unit, binding_slots)):
             sp: SavePoint = req.save_points[unit.save_index]
             spec.capture_owner = sp.owners[0]
             spec.capture_retire = self.rm.retire_for(req, sp)
             if "a" in sp.kinds:
                 spec.capture_retire += self.rm.anchor_overflow(req)
         return spec
+
+    def _admit_capture(self, req: Request, unit: Unit, binding_slots: int) -> bool:
+        """A capture is an optional cache write: with a free Device slot or Host room it just
+        goes; otherwise the admission table decides what, if anything, it may replace. A save
+        that is not admitted is skipped — it never blocks necessary execution.
+        ``binding_slots``: slots this cycle's bind takes before the capture (its writer)."""
+        state = self.pools.get(P.STATE)
+        if state is None or state.available > binding_slots or self.host_largest >= self.info.image_bytes:
+            return True
+        sp: SavePoint = req.save_points[unit.save_index]
+        if self.tx_busy:
+            unit.declined = True       # room would come through a transaction: skip, don't wait
+            return False
+        benefit, own, owner_reuse = self.rm.capture_terms(req, sp)
+        [out] = self.call_commands([P.Quote()])
+        planner = Planner(out.facts, self.rm.table, self.pressure.protected(req), lambda owner: False)
+        actions: list[P.Action] = []
+        for _ in range(binding_slots + 1 - max(0, state.available)):   # its writer's slot too
+            more = planner.plan_capture(benefit, own, owner_reuse)
+            if more is None:
+                unit.declined = True
+                return False
+            actions += more
+        if actions:
+            [res] = self.call_commands([P.Commit(actions)])
+            if not res.result.ok:
+                return False
+            self.pressure.applied(actions, res.result)
+        return True
 
     def _plan_rows(self, plan: P.StepPlan, ctx: CycleCtx) -> None:
         for req in self.sched.rows():
@@ -277,12 +315,17 @@ class EngineCore:
             self._plan_resume(resume, plan, ctx)
             lanes -= 1
         if lanes <= 0:
+            self._keep_sources()
             return
         plan.max_new = lanes
         rank = 1000
         for req, budget in self.sched.fresh_candidates():
             adm = self.rm.plan_admission(req)
             req.record = adm.record                # tentative until the bind succeeds
+            req.source_cid = adm.source.cid if adm.source else None
+            if req.wait is not None and (adm.source is None or adm.source.cid != req.wait.cid or adm.mode == "move"):
+                plan.pre.extend(self.rm.end_wait(req))     # reselected, or handed over by the Move
+                ctx.pre.extend([lambda out: None] * (len(plan.pre) - len(ctx.pre)))
             req.save_points = self.rm.save_plan(req, adm.frontier)
             unit = next_unit(req, adm.frontier, len(req.prompt), self.chunk)
             rank += 1
@@ -290,9 +333,23 @@ class EngineCore:
                 new=P.NewSeq(req.rid, P.pack_tokens(req.prompt), len(req.prompt), req.params),
                 source=adm.source.ref if adm.source else None, mode=adm.mode,
                 first_tokens=unit.n_tokens, mover=adm.mover, retire=adm.retire,
-                unit=self._row_spec(req, unit, 0), rank=rank, fresh=True, budget=budget))
+                unit=self._row_spec(req, unit, 0, 0 if adm.mode == "move" else 1),
+                rank=rank, fresh=True, budget=budget))
             ctx.binds.append((req, "fresh", adm, unit))
             ctx.fresh.append(req)
+
+    def _keep_sources(self) -> None:
+        """No free lane: the scanned requests still keep their chosen valuable sources with
+        waiting references (seed: 没有空 lane 时仍可保留选中的恢复来源)."""
+        cands = self.sched.fresh_candidates()
+        for req, _ in cands:
+            adm = self.rm.plan_admission(req)
+            req.source_cid = adm.source.cid if adm.source else None
+            if adm.cached:
+                for cmd in self.rm.wait_on(req, adm):
+                    self.queue(cmd)
+        if cands:
+            self.sched.after_scan([], set())
 
     def _resume_candidate(self) -> Request | None:
         """The oldest paused request tries a full resume on a real capacity event (not its own
@@ -313,6 +370,7 @@ class EngineCore:
         else:
             route = "replay"
             adm = self.rm.plan_replay(req)
+            req.source_cid = adm.source.cid if adm.source else None
             source = adm.source.ref if adm.source else None
             mode, mover, start = "fork", None, adm.frontier
         unit = next_unit(req, start, ledger_len, self.chunk)
@@ -361,6 +419,9 @@ class EngineCore:
         if not out.ok:
             if out.error:
                 log.info("bind of %s refused: %s", req.rid, out.error)
+            if route == "fresh" and adm is not None and adm.cached and not out.error:
+                for cmd in self.rm.wait_on(req, adm):      # keep the valuable source and wait
+                    self.queue(cmd)
             if out.shortfall and not out.skipped:
                 ctx.short.append((req, out.shortfall, "fresh" if route == "fresh" else "resume"))
             if route != "fresh":
@@ -373,12 +434,16 @@ class EngineCore:
         req.phase = Phase.BINDING if out.tid is not None else Phase.RUNNING
         if out.tid is not None:
             self._tx[out.tid] = ("bind", req, frozenset())
+        else:
+            req.source_cid = None                          # bound: the source is in use no more
         self.sched.admit(req)
         if route == "fresh":
             if req.first_admitted is None:
                 req.first_admitted = now
             self.rm.on_bound(req, adm)
             req.usage.cached_tokens = adm.cached
+            for cmd in self.rm.end_wait(req):              # the adopted source is bound now
+                self.queue(cmd)
         else:
             self.sched.recovery = req
             req.recovery_pending = True
@@ -408,6 +473,8 @@ class EngineCore:
                 ctx.short.append((req, out.shortfall, "row"))
             return
         account(req, unit)
+        if unit.kind == "prefill" or (unit.kind == "decode" and not req.outputs):
+            self.rm.observe_prefill(req, req.frontier - unit.n_tokens, req.frontier)
         if req.replay_target is not None and req.frontier >= req.replay_target:
             req.replay_target = None
         if unit.save_index is not None:
@@ -422,11 +489,12 @@ class EngineCore:
             req.finish_reason = out.finish
 
     def _saved(self, req: Request, unit: Unit, out: P.RowOut) -> None:
+        """The unit ended on a save point: attach the capture, or count the skipped save."""
         sp = req.save_points.pop(unit.save_index)
         if out.captured is not None:
             for cmd in self.rm.on_captured(req, sp, out.captured):
                 self.queue(cmd)
-        elif out.capture_skipped:
+        elif out.capture_skipped or unit.declined:
             self.rm.on_skipped(sp)
 
     def _recovered(self, req: Request) -> None:

@@ -56,7 +56,7 @@ class Pressure:
         core = self.core
         [out] = core.call_commands([P.Quote()])
         facts = out.facts
-        planner = Planner(facts, core.rm.table, self._protected(req), self._revoker(req, necessary))
+        planner = Planner(facts, core.rm.table, self.protected(req), self._revoker(req, necessary))
         actions, covered = planner.plan(short)
         if not actions or not (covered or necessary):
             return False
@@ -78,7 +78,10 @@ class Pressure:
             if req is not None:
                 req.snapshot = None            # revoked: this request resumes by Replay
                 core.stats.revocations += 1
-        core.rm.on_deleted([c for c in deleted if c not in snapshots])
+        for rid in core.rm.on_deleted([c for c in deleted if c not in snapshots]):
+            waiter = core.requests.get(rid)
+            if waiter is not None:
+                waiter.wait = None             # revoked: it reselects its source
         for a in actions:
             if isinstance(a, P.DemoteState):
                 info = core.rm.table.ckpts.get(a.cid)
@@ -89,9 +92,11 @@ class Pressure:
             core._tx[result.tid] = ("demote", None, frozenset(causes))
         core.sched.event(causes)               # real capacity release / revocation
 
-    def _protected(self, req: Request) -> set[int]:
+    def protected(self, req: Request) -> set[int]:
         """Sources being adopted right now and the requester's own snapshot are never victims."""
         out = {r.source_cid for r in self.core.requests.values() if r.phase is Phase.BINDING and r.source_cid}
+        if req.source_cid is not None:
+            out.add(req.source_cid)            # its own source is always kept
         if req.snapshot is not None:
             out.add(req.snapshot.cid)
         return out
@@ -100,11 +105,16 @@ class Pressure:
         """Which revocable holds the requester may take: only necessary work may revoke pause
         snapshots, and only those of later tickets (seed: 可选缓存，再考虑票号更晚的暂停快照)."""
         by_sid = {r.sid: r for r in self.core.sched.paused if r.sid is not None}
+        requests = self.core.requests
 
         def may(owner: str) -> bool:
             if owner.startswith("seq:") and necessary:
                 other = by_sid.get(int(owner[4:]))
                 return other is not None and other.ticket > req.ticket
+            if owner.startswith("w:"):
+                # fresh admission may revoke only younger waiters; necessary progress any
+                other = requests.get(owner[2:])
+                return other is None or necessary or other.ticket > req.ticket
             return False
         return may
 

@@ -88,7 +88,8 @@ class Request:
     source_cid: int | None = None           # the source it adopted (protected until bound)
     wait: CkptRef | None = None             # waiting reference on a blocked valuable source
     record: object = None                   # policy: the private record it continues
-    save_points: list[tuple[int, str, str]] = field(default_factory=list)   # (frontier, kind, owner)
+    save_points: list = field(default_factory=list)       # pending SavePoints, by frontier
+    observed: set[int] = field(default_factory=set)        # candidate positions already observed
 
     @property
     def prompt(self) -> list[int]:

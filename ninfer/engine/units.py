@@ -24,6 +24,7 @@ class Unit:
     n_tokens: int
     kind: str               # "prefill" | "replay" | "decode" | "control"
     save_index: int | None  # index into req.save_points of the point this unit ends on
+    declined: bool = False  # its save was not admitted (counted as skipped once it runs)
 
 
 def next_unit(req: Request, frontier: int, ledger_len: int, chunk: int) -> Unit:

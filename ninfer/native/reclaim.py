@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ninfer.placement import place_first_fit
 from ninfer.protocol import (  # noqa: F401  (re-exported for native callers)
     MAIN, STATE, Action, BlockFact, CheckpointFact, CommitResult, Delete, DemoteBlocks, DemoteState, Facts,
     PoolFact,
@@ -40,15 +41,18 @@ def _pinned(prog: "Program", b: "KvBlock") -> bool:
 
 
 def quote(prog: "Program") -> Facts:
+    def at(ext):
+        return (ext.offset, ext.size) if ext is not None else None
+
     blocks = {
         bid: BlockFact(bid, b.version, b.kind, _holder_ids(prog, b), _pinned(prog, b), b.page is not None,
-                       b.host is not None and b.host_filled >= b.filled, b.filled)
+                       b.host is not None and b.host_filled >= b.filled, b.filled, at(b.host))
         for bid, b in prog.blocks.items()
     }
     cks = {
         cid: CheckpointFact(cid, c.generation, c.version, c.kind.value, c.frontier, tuple(sorted(c.owners)),
                             c.image.slot is not None, c.image.host is not None, c.image.leases > 0,
-                            tuple(b.bid for b in c.blocks[MAIN]))
+                            tuple(b.bid for b in c.blocks[MAIN]), at(c.image.host))
         for cid, c in prog.checkpoints.items()
     }
     pools = {k: PoolFact(k, p.size, p.free, p.reserved) for k, p in prog.pools.items()}
@@ -65,8 +69,10 @@ def _current(prog: "Program", cid: int, generation: int) -> "Checkpoint | None":
 
 
 def _verify(prog: "Program", actions: list[Action]) -> str:
-    deleted = {a.cid for a in actions if isinstance(a, Delete)}
-    if any(a.cid in deleted for a in actions if not isinstance(a, Delete)):
+    deleted = [a.cid for a in actions if isinstance(a, Delete)]
+    if len(set(deleted)) != len(deleted):
+        return "a checkpoint is deleted twice in one commit"
+    if any(a.cid in set(deleted) for a in actions if not isinstance(a, Delete)):
         return "a checkpoint is both deleted and migrated in one commit"
     for a in actions:
         ck = _current(prog, a.cid, a.generation)
@@ -98,8 +104,10 @@ def commit(prog: "Program", actions: list[Action]) -> CommitResult:
     needs_copy = _copy_sizes(prog, migrations)
     if needs_copy and prog.tx is not None:
         return CommitResult(ok=False, reason="busy: another context transaction is running")
-    if needs_copy and not prog.host.can_place([size for _, size in needs_copy]):
-        return CommitResult(ok=False, reason="host: the destinations do not fit first-fit")
+    if needs_copy:
+        holes = _holes_after(prog, {a.cid for a in actions if isinstance(a, Delete)})
+        if place_first_fit(holes, [size for _, size in needs_copy]) is None:
+            return CommitResult(ok=False, reason="host: the destinations do not fit first-fit")
     before = {k: prog.pools[k].free for k in (MAIN, STATE)}
     for a in actions:
         if isinstance(a, Delete):
@@ -108,6 +116,26 @@ def commit(prog: "Program", actions: list[Action]) -> CommitResult:
     tid = prog._begin_tx("demote", jobs, after) if jobs else None
     freed = {k: prog.pools[k].free - n for k, n in before.items()}
     return CommitResult(ok=True, tid=tid, freed=freed)
+
+
+def _holes_after(prog: "Program", deleted: set[int]) -> list[tuple[int, int]]:
+    """Free Host extents once the deleted checkpoints' exclusive Host replicas are gone
+    (adjacent extents merge, as the arena does)."""
+    extents = list(prog.host.free_extents())
+    for cid in deleted:
+        ck = prog.checkpoints[cid]
+        if ck.image.host is not None:
+            extents.append((ck.image.host.offset, ck.image.host.size))
+        for b in ck.blocks[MAIN]:
+            if b.host is not None and not b.leases and b.holders <= deleted:
+                extents.append((b.host.offset, b.host.size))
+    merged: list[list[int]] = []
+    for off, size in sorted(set(extents)):
+        if merged and merged[-1][0] + merged[-1][1] == off:
+            merged[-1][1] += size
+        else:
+            merged.append([off, size])
+    return [(o, n) for o, n in merged]
 
 
 def _copy_sizes(prog: "Program", migrations: list[Action]) -> list[tuple[object, int]]:

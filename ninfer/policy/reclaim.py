@@ -1,17 +1,24 @@
-"""Reclaim planning: choose physical actions for the current typed gap (seed: 回收与准入).
+"""Reclaim and admission planning over one quote (seed: 回收与准入; Host 放置预检).
 
-Input: one quote (physical facts with real holder sets) and the logical records. Output: a
-batch of Native actions — demotions (Device→Host, zero restore loss when the Host has room
-first-fit) and deletions — chosen in the seed's order for the scarce unit at hand:
+Input: one quote (physical facts with real holder sets and Host extents) and the logical
+records. Output: a batch of Native actions — demotions (Device→Host) and deletions.
 
-* Device State first, then Main KV; the Host destination is prechecked by placement.
-* Normal content before reuse content.
-* Normal actions by marginal restore-token loss ÷ release useful for this gap, ties by
-  retention order; reuse actions oldest real demand first.
-* Loss uses the real surviving fallback after the action: the deepest other point that is an
-  exact prefix (victims chosen together are not each other's fallback).
-* Revocable holds (younger waiters, later-ticket pause snapshots) are considered only after
-  optional cache, and only when the requester is allowed to revoke them.
+Ranking for the current typed gap (Device State first, then Main KV):
+
+* normal content before reuse content; the reuse segment is ordered by latest real demand and
+  kept to a soft target of 3/4 of each physical pool (unique footprint; the single newest
+  record may exceed it) — older reuse content beyond the target ranks as normal;
+* normal actions by marginal restore-token loss ÷ release useful for this gap, ties by
+  retention order; reuse actions oldest real demand first;
+* loss uses the real surviving fallback after the action (victims chosen together are not
+  each other's fallback); a demotion loses nothing unless its Host destination needs victims,
+  whose loss it then carries;
+* revocable holds (younger waiters, later-ticket pause snapshots) come after optional cache,
+  only when the requester may revoke them.
+
+Host placement is judged by first-fit into contiguous free extents after the victims are
+removed — byte totals do not count; victims that make the allocation fit are chosen in reclaim
+order, unneeded ones are dropped again, and if nothing admissible places it nothing is deleted.
 """
 
 from __future__ import annotations
@@ -20,10 +27,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ninfer import protocol as P
-from ninfer.policy.records import Level, RecordTable
 from ninfer.placement import place_first_fit
+from ninfer.policy.records import Level, RecordTable
 
 OPTIONAL_PREFIXES = ("r", "m")
+SOFT_TARGET = 0.75
 
 
 @dataclass
@@ -34,12 +42,20 @@ class Candidate:
     frontier: int
 
 
+def _owner_record(owner: str, table: RecordTable):
+    if owner.startswith("m"):
+        return table.entries.get(int(owner[1:]))
+    if owner.startswith("r"):
+        return table.records.get(int(owner[1:].split(".")[0]))
+    return None
+
+
 def _classify(owners: tuple[str, ...], table: RecordTable, may_revoke: Callable[[str], bool]) -> int | None:
     cls = 0
     for o in owners:
         if o.startswith(OPTIONAL_PREFIXES):
-            level = _level(o, table)
-            cls = max(cls, 1 if level == Level.REUSE else 0)
+            rec = _owner_record(o, table)
+            cls = max(cls, 1 if rec is not None and rec.level == Level.REUSE else 0)
         elif o.startswith("w:") and may_revoke(o):
             cls = max(cls, 2)
         elif o.startswith("seq:") and may_revoke(o):
@@ -49,24 +65,19 @@ def _classify(owners: tuple[str, ...], table: RecordTable, may_revoke: Callable[
     return cls
 
 
-def _level(owner: str, table: RecordTable) -> str:
-    if owner.startswith("m"):
-        ent = table.entries.get(int(owner[1:]))
-        return ent.level if ent else Level.NORMAL
-    rec = table.records.get(int(owner[1:].split(".")[0]))
-    return rec.level if rec else Level.NORMAL
-
-
 def _demand_time(owners: tuple[str, ...], table: RecordTable) -> float:
-    times = []
-    for o in owners:
-        if o.startswith("m"):
-            ent = table.entries.get(int(o[1:]))
-            times.append(ent.evidence.demand_time if ent and ent.evidence.demand_time else 0.0)
-        elif o.startswith("r"):
-            rec = table.records.get(int(o[1:].split(".")[0]))
-            times.append(rec.evidence.demand_time if rec and rec.evidence.demand_time else 0.0)
+    times = [rec.evidence.demand_time or 0.0 for o in owners if (rec := _owner_record(o, table)) is not None]
     return max(times, default=0.0)
+
+
+def merge_extents(extents: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[list[int]] = []
+    for off, size in sorted(extents):
+        if out and out[-1][0] + out[-1][1] == off:
+            out[-1][1] += size
+        else:
+            out.append([off, size])
+    return [(o, s) for o, s in out]
 
 
 class Planner:
@@ -79,7 +90,7 @@ class Planner:
         self.victims: set[int] = set()
         self.demoted_images: set[int] = set()
         self.demoted_blocks: set[int] = set()
-        self.host_free = list(facts.host_free)
+        self.host_used: list[tuple[int, int]] = []        # destinations placed by this plan
         self.cands: dict[int, Candidate] = {}
         for cid, c in facts.checkpoints.items():
             if cid in protect or c.leased:
@@ -87,8 +98,52 @@ class Planner:
             cls = _classify(c.owners, table, may_revoke)
             if cls is not None:
                 self.cands[cid] = Candidate(cid, cls, _demand_time(c.owners, table), c.frontier)
+        self._hot_protection_covers_proven_only()
+        self._apply_soft_target()
 
-    # -- facts ---------------------------------------------------------------------------
+    def _hot_protection_covers_proven_only(self) -> None:
+        """Private hot protection covers the proven position only: a deeper, not yet proven
+        point whose owner's proven position survives in another exact point of the same
+        history is handled as normal content (seed: 私有热保护对应其已证明的采用位置)."""
+        for cand in self.cands.values():
+            if cand.cls != 1:
+                continue
+            owners = self.f.checkpoints[cand.cid].owners
+            recs = [r for o in owners if o.startswith("r") and (r := _owner_record(o, self.table)) is not None]
+            if not recs or any(o.startswith("m") for o in owners):
+                continue
+            proven = max(r.evidence.proven_frontier for r in recs)
+            if cand.frontier > proven and self.fallback(cand.cid, set()) >= proven > 0:
+                cand.cls = 0
+
+    # ==== retention ======================================================================
+    def _footprint(self, cid: int) -> tuple[set, set, int]:
+        c = self.f.checkpoints[cid]
+        pages = {b for b in c.blocks if self.f.blocks[b].device}
+        slots = {cid} if c.image_device else set()
+        host = (c.image_at[1] if c.image_at else 0) + sum(
+            self.f.blocks[b].host_at[1] for b in c.blocks if self.f.blocks[b].host_at)
+        return pages, slots, host
+
+    def _apply_soft_target(self) -> None:
+        """Reuse content beyond 3/4 of any physical pool (unique footprint, newest demand
+        first) ranks as normal; the single newest record may exceed the target alone."""
+        reuse = sorted((c for c in self.cands.values() if c.cls == 1), key=lambda c: -c.demand_time)
+        pages: set = set()
+        slots: set = set()
+        host = 0
+        cap = self.f.pools
+        for i, c in enumerate(reuse):
+            p, s, h = self._footprint(c.cid)
+            pages |= p
+            slots |= s
+            host += h
+            over = (len(pages) > SOFT_TARGET * cap[P.MAIN].total or len(slots) > SOFT_TARGET * cap[P.STATE].total
+                    or (self.f.host_capacity and host > SOFT_TARGET * self.f.host_capacity))
+            if over and i > 0:
+                c.cls = 0
+
+    # ==== facts ==========================================================================
     def _tokens(self, cid: int) -> tuple[int, ...] | None:
         info = self.table.ckpts.get(cid)
         return info.tokens if info else None
@@ -106,34 +161,35 @@ class Planner:
                 best = max(best, info.frontier)
         return best
 
+    def loss(self, group: frozenset[int] | set[int]) -> int:
+        gone = self.victims | set(group)
+        return sum(self.cands[c].frontier - self.fallback(c, gone) for c in group)
+
+    def _freed_blocks(self, gone: set[int]) -> set[int]:
+        out = set()
+        for cid in gone:
+            for bid in self.f.checkpoints[cid].blocks:
+                b = self.f.blocks[bid]
+                if b.device and not b.pinned and all(h in gone for h in b.holders):
+                    out.add(bid)
+        return out
+
     def freed_by_delete(self, group: frozenset[int], pool: str) -> int:
         """Device units of ``pool`` that deleting ``group`` (with the victims already chosen)
         frees in addition — shared references are counted once."""
-        gone = self.victims | group
         if pool == P.STATE:
             return sum(1 for cid in group
                        if self.f.checkpoints[cid].image_device and cid not in self.demoted_images)
-        seen: set[int] = set()
-        for cid in group:
-            for bid in self.f.checkpoints[cid].blocks:
-                b = self.f.blocks[bid]
-                if (bid not in seen and b.device and not b.pinned and bid not in self.demoted_blocks
-                        and all(h in gone for h in b.holders)):
-                    seen.add(bid)
-        return len(seen)
+        before = self._freed_blocks(self.victims) | self.demoted_blocks
+        after = self._freed_blocks(self.victims | group) | self.demoted_blocks
+        return len(after - before)
 
     def freed_so_far(self, pool: str) -> int:
         """What the actions chosen so far (for any pool) free in ``pool``."""
         if pool == P.STATE:
             return len(self.demoted_images) + sum(
                 1 for cid in self.victims if self.f.checkpoints[cid].image_device and cid not in self.demoted_images)
-        freed = set(self.demoted_blocks)
-        for cid in self.victims:
-            for bid in self.f.checkpoints[cid].blocks:
-                b = self.f.blocks[bid]
-                if b.device and not b.pinned and all(h in self.victims for h in b.holders):
-                    freed.add(bid)
-        return len(freed)
+        return len(self._freed_blocks(self.victims) | self.demoted_blocks)
 
     def movable_blocks(self, cid: int) -> list[int]:
         """Device blocks of this checkpoint that only checkpoints hold (no resident writer)."""
@@ -142,14 +198,73 @@ class Planner:
                 if self.f.blocks[bid].device and not self.f.blocks[bid].pinned
                 and bid not in self.demoted_blocks and all(h > 0 for h in self.f.blocks[bid].holders)]
 
-    def _place(self, sizes: list[int]) -> bool:
-        placed = place_first_fit(self.host_free, sizes)
-        if placed is None:
-            return False
-        self.host_free = placed[1]
-        return True
+    # ==== Host placement ===================================================================
+    def _host_freed_by(self, gone: set[int]) -> list[tuple[int, int]]:
+        """Host extents deleting ``gone`` (plus the victims) would free."""
+        gone = gone | self.victims
+        out = []
+        for cid in gone:
+            c = self.f.checkpoints[cid]
+            if c.image_at:
+                out.append(c.image_at)
+            for bid in c.blocks:
+                b = self.f.blocks[bid]
+                if b.host_at and all(h in gone for h in b.holders) and not b.pinned:
+                    out.append(b.host_at)
+        return out
 
-    # -- planning ------------------------------------------------------------------------
+    def _holes(self, extra_victims: set[int]) -> list[tuple[int, int]]:
+        free = merge_extents(list(self.f.host_free) + self._host_freed_by(extra_victims))
+        # remove what this plan already placed (first-fit from the lowest offset)
+        placed = place_first_fit(free, [s for _, s in self.host_used])
+        return placed[1] if placed else []
+
+    def place_host(self, sizes: list[int], admissible: Callable[[Candidate], bool],
+                   budget: float | None = None) -> tuple[list[int], int] | None:
+        """Host victims (in reclaim order) that let ``sizes`` fit first-fit, pruned of the
+        unneeded; (victims, their loss) or None if no admissible set places it."""
+        if not sizes:
+            return [], 0
+        if place_first_fit(self._holes(set()), sizes) is not None:
+            return [], 0
+        migrating = self._migrating()
+        order = sorted((c for c in self.cands.values()
+                        if c.cid not in self.victims and c.cid not in migrating and admissible(c)
+                        and self.f.checkpoints[c.cid].image_at),
+                       key=lambda c: (c.cls, self.loss({c.cid}), c.demand_time, c.cid))
+        chosen: list[int] = []
+        for c in order:
+            chosen.append(c.cid)
+            if place_first_fit(self._holes(set(chosen)), sizes) is not None:
+                break
+        else:
+            return None
+        for cid in list(chosen):                     # drop actions no longer needed
+            rest = [x for x in chosen if x != cid]
+            if place_first_fit(self._holes(set(rest)), sizes) is not None:
+                chosen = rest
+        loss = self.loss(set(chosen))
+        if budget is not None and loss >= budget:
+            return None
+        return chosen, loss
+
+    def _commit_host(self, sizes: list[int], victims: list[int]) -> list[P.Action]:
+        acts = self._delete(victims)
+        placed = place_first_fit(self._holes(set()), sizes)
+        assert placed is not None
+        for off, size in zip(placed[0], sizes):
+            self.host_used.append((off, size))
+        return acts
+
+    def _delete(self, cids) -> list[P.Action]:
+        acts = []
+        for cid in sorted(cids):
+            self.victims.add(cid)
+            c = self.f.checkpoints[cid]
+            acts.append(P.Delete(cid, c.generation, c.version))
+        return acts
+
+    # ==== reclaim for a Device gap ============================================================
     def plan(self, need: dict[str, int]) -> tuple[list[P.Action], bool]:
         """Actions for the gap and whether they cover all of it."""
         actions: list[P.Action] = []
@@ -165,12 +280,15 @@ class Planner:
                 return actions, False   # cannot cover this gap; the caller decides what next
         return actions, True
 
+    def _migrating(self) -> set[int]:
+        return self.demoted_images | {cid for cid, c in self.f.checkpoints.items()
+                                      if set(c.blocks) & self.demoted_blocks}
+
     def _delete_options(self, pool: str) -> list[frozenset[int]]:
         """Victim sets worth deleting for this pool: single checkpoints, and for every Device
         block all its remaining holders together (shared content goes only when every holder
         goes; aliases deleted together are not each other's fallback)."""
-        migrating = self.demoted_images | {cid for cid, c in self.f.checkpoints.items()
-                                           if set(c.blocks) & self.demoted_blocks}
+        migrating = self._migrating()
         sets: set[frozenset[int]] = {frozenset({cid}) for cid in self.cands
                                      if cid not in self.victims and cid not in migrating}
         if pool == P.MAIN:
@@ -182,57 +300,104 @@ class Planner:
                     sets.add(rest)
         return sorted(sets, key=sorted)
 
-    def _set_loss(self, group: frozenset[int]) -> int:
-        gone = self.victims | group
-        return sum(self.cands[c].frontier - self.fallback(c, gone) for c in group)
-
-    def _best(self, pool: str, short: int):
+    def _options(self, pool: str, short: int) -> list[tuple]:
+        """(cls, demand time, loss, freed, action, host sizes, host victims) per option."""
         options = []
+        not_revocable = lambda c: c.cls <= 1            # noqa: E731  (Host victims: optional cache)
         for cid, cand in self.cands.items():
             if cid in self.victims:
                 continue
             c = self.f.checkpoints[cid]
-            # demotion: zero restore loss if the Host takes it first-fit
             if pool == P.STATE and c.image_device and cid not in self.demoted_images:
                 sizes = [] if c.image_host else [self.f.image_bytes]
-                options.append((cand.cls, cand.demand_time, 0, 1, ("demote_state", cid), sizes))
+                host = self.place_host(sizes, lambda v, cid=cid: not_revocable(v) and v.cid != cid)
+                if host is not None:
+                    options.append((cand.cls, cand.demand_time, host[1], 1, ("demote_state", cid), sizes, host[0]))
             if pool == P.MAIN:
                 blocks = self.movable_blocks(cid)[-short:]
                 if blocks:
                     sizes = [self.f.page_bytes for b in blocks if not self.f.blocks[b].host]
-                    options.append((cand.cls, cand.demand_time, 0, len(blocks),
-                                    ("demote_blocks", cid, tuple(blocks)), sizes))
+                    host = self.place_host(sizes, lambda v, cid=cid: not_revocable(v) and v.cid != cid)
+                    if host is not None:
+                        options.append((cand.cls, cand.demand_time, host[1], len(blocks),
+                                        ("demote_blocks", cid, tuple(blocks)), sizes, host[0]))
         for group in self._delete_options(pool):
             freed = self.freed_by_delete(group, pool)
             if freed:
                 cls = max(self.cands[c].cls for c in group)
                 hot = max(self.cands[c].demand_time for c in group)
-                options.append((cls, hot, self._set_loss(group), freed, ("delete", group), []))
+                options.append((cls, hot, self.loss(group), freed, ("delete", group), [], []))
+        return options
+
+    def _best(self, pool: str, short: int):
+        options = self._options(pool, short)
         if not options:
             return [], 0
 
         def key(o):
-            cls, hot, loss, freed, what, _ = o
+            cls, hot, loss, freed, what = o[:5]
             if cls == 0:
                 return (0, loss / freed, hot, str(what))
             return (cls, hot, loss / freed, str(what))
 
-        for cls, hot, loss, freed, what, sizes in sorted(options, key=key):
-            if sizes and not self._place(sizes):
-                continue
-            if what[0] == "delete":
-                acts = []
-                for cid in sorted(what[1]):
-                    self.victims.add(cid)
-                    c = self.f.checkpoints[cid]
-                    acts.append(P.Delete(cid, c.generation, c.version))
-                return acts, freed
-            cid = what[1]
+        cls, hot, loss, freed, what, sizes, host_victims = min(options, key=key)
+        acts = self._commit_host(sizes, host_victims) if sizes else []
+        if what[0] == "delete":
+            return acts + self._delete(what[1]), freed
+        cid = what[1]
+        c = self.f.checkpoints[cid]
+        if what[0] == "demote_state":
+            self.demoted_images.add(cid)
+            return acts + [P.DemoteState(cid, c.generation, c.version)], freed
+        bids = what[2]
+        self.demoted_blocks.update(bids)
+        return acts + [P.DemoteBlocks(cid, c.generation, bids, tuple(self.f.blocks[b].version for b in bids))], freed
+
+    # ==== admission of a new capture ===========================================================
+    def plan_capture(self, benefit: int, own_demand: float | None, owner_reuse: bool) -> list[P.Action] | None:
+        """Make room for one StateImage capture when neither Device nor Host has it free.
+
+        Without own repeat demand: the owner's retention level bounds what may be replaced
+        (normal owners replace normal content only) and the fixed new-coverage benefit must
+        exceed the cumulative deletion loss (Host and Device steps share the budget).
+        With own repeat demand: normal content, or reuse content whose demand is older than
+        the candidate's own, may be replaced, without a coverage budget.
+        Returns the actions, or None to skip the save (it never blocks necessary work)."""
+        if own_demand is not None:
+            admissible = lambda c: c.cls == 0 or (c.cls == 1 and c.demand_time < own_demand)  # noqa: E731
+            budget = None
+        else:
+            admissible = lambda c: c.cls == 0 or (c.cls == 1 and owner_reuse)  # noqa: E731
+            budget = benefit
+        best = None
+        taken = self.victims | self._migrating()
+        # 1. a Device slot: delete an admissible Device image, or demote one to the Host
+        for cid, cand in self.cands.items():
             c = self.f.checkpoints[cid]
-            if what[0] == "demote_state":
-                self.demoted_images.add(cid)
-                return [P.DemoteState(cid, c.generation, c.version)], freed
-            bids = what[2]
-            self.demoted_blocks.update(bids)
-            return [P.DemoteBlocks(cid, c.generation, bids, tuple(self.f.blocks[b].version for b in bids))], freed
-        return [], 0
+            if cid in taken or not c.image_device or not admissible(cand):
+                continue
+            loss = self.loss({cid})
+            if budget is None or loss < budget:
+                opt = (loss, 1, ("delete", cid), [], [])
+                best = min(best, opt, key=lambda o: (o[0], o[1], str(o[2]))) if best else opt
+            sizes = [] if c.image_host else [self.f.image_bytes]
+            host = self.place_host(sizes, lambda v, cid=cid: admissible(v) and v.cid != cid, budget)
+            if host is not None:
+                opt = (host[1], 0, ("demote", cid), sizes, host[0])
+                best = min(best, opt, key=lambda o: (o[0], o[1], str(o[2]))) if best else opt
+        # 2. the capture itself on the Host
+        host = self.place_host([self.f.image_bytes], admissible, budget)
+        if host is not None:
+            opt = (host[1], 2, ("host",), [self.f.image_bytes], host[0])
+            best = min(best, opt, key=lambda o: (o[0], o[1], str(o[2]))) if best else opt
+        if best is None:
+            return None
+        _, _, what, sizes, host_victims = best
+        acts = self._commit_host(sizes, host_victims) if sizes else []
+        if what[0] == "delete":
+            return acts + self._delete([what[1]])
+        if what[0] == "demote":
+            c = self.f.checkpoints[what[1]]
+            self.demoted_images.add(what[1])
+            return acts + [P.DemoteState(what[1], c.generation, c.version)]
+        return acts

@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from ninfer.policy.index import PrefixIndex
 from ninfer.protocol import CkptRef
 
 MAX_ANCHORS = 4
@@ -99,12 +100,15 @@ class RecordTable:
         self.records: dict[int, PrivateRecord] = {}
         self.entries: dict[int, PublicEntry] = {}
         self.sessions: dict[str, int] = {}          # session -> record id (newest publication)
+        self.index = PrefixIndex()                  # live cache points by exact prefix digest
 
     # -- checkpoints -------------------------------------------------------------------------
     def add_ckpt(self, ref: CkptRef, tokens: tuple[int, ...], owner: str) -> CkptInfo:
         info = self.ckpts.get(ref.cid)
         if info is None:
             info = self.ckpts[ref.cid] = CkptInfo(ref, tokens)
+            if ref.kind == "cache":
+                self.index.add(ref.cid, tokens)
         info.owners.add(owner)
         return info
 
@@ -116,12 +120,14 @@ class RecordTable:
         info.owners.discard(owner)
         if not info.owners:
             del self.ckpts[cid]
+            self.index.remove(cid)
             return True
         return False
 
     def forget_ckpt(self, cid: int) -> list[str]:
         """A physical delete: every logical use of the checkpoint disappears with it."""
         info = self.ckpts.pop(cid, None)
+        self.index.remove(cid)
         owners = sorted(info.owners) if info else []
         for rec in list(self.records.values()):
             if rec.e == cid:

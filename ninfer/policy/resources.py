@@ -1,19 +1,22 @@
 """ResourceManager: what is kept, where, and for whom (seed: ResourceManager 行).
 
-It owns the private records and public entries, finds restore sources for admissions and
-Replay resumes, plans the save opportunities of a request, keeps the books when checkpoints
-are captured, frozen, moved or deleted, and plans reclaim. Physical facts come only from the
-worker (checkpoint refs, quotes); nothing here touches a tensor.
+It owns the private records and public entries, the prefix index, waiting references and the
+demand evidence; it finds restore sources for admissions and Replay resumes, plans the save
+opportunities of a request, keeps the books when checkpoints are captured, frozen, moved or
+deleted, and decides captures' admission. Physical facts come only from the worker
+(checkpoint refs, quotes); nothing here touches a tensor.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from ninfer import protocol as P
 from ninfer.engine.request import Request
 from ninfer.policy.cost import CostModel
+from ninfer.policy.index import DemandSummary, digest, prefix_digests
 from ninfer.policy.records import MAX_ANCHORS, CkptInfo, Level, PrivateRecord, PublicEntry, RecordTable
 
 
@@ -52,7 +55,8 @@ class CacheStats:
     lost_tokens: int = 0
     captures: int = 0
     captures_skipped: int = 0
-    summary_hits: int = 0             # demand-summary matches (retention only; never a cache hit)
+    summary_hits: int = 0             # repeat-demand evidence used (retention only; never a hit)
+    waits: int = 0
 
 
 class ResourceManager:
@@ -61,22 +65,22 @@ class ResourceManager:
         self.cost = cost or CostModel()
         self.table = RecordTable()
         self.stats = CacheStats()
-        self.host_blocks: set[int] = set()          # placement hints for the cost model
-        self.remembered: dict[tuple[int, ...], int] = {}   # deleted points' tokens -> frontier (bounded)
+        self.summary = DemandSummary(256)
+        self.remembered: OrderedDict[tuple[int, bytes], None] = OrderedDict()   # deleted points
 
     # ==== sources ======================================================================
     def candidates(self, tokens: list[int], limit: int) -> list[CkptInfo]:
-        """Complete cache points on the hit path: exact token prefixes no deeper than limit."""
+        """Complete cache points on the hit path: the index narrows by digest, then tokens are
+        compared exactly."""
         out = []
-        for info in self.table.ckpts.values():
-            f = info.frontier
-            if info.ref.kind == "cache" and 0 < f <= limit and tuple(tokens[:f]) == info.tokens:
+        for cid in self.table.index.lookup(tokens, limit):
+            info = self.table.ckpts.get(cid)
+            if info is not None and tuple(tokens[: info.frontier]) == info.tokens:
                 out.append(info)
         return out
 
     def _h2d_bytes(self, info: CkptInfo) -> int:
-        image = 0 if info.ref.device else self.info.image_bytes
-        return image   # block placement is refined from quotes (host_blocks) when known
+        return 0 if info.ref.device else self.info.image_bytes
 
     def _rank_key(self, info: CkptInfo, req: Request, target: int):
         """Cost first; ties by bytes moved, deeper position, legal session hint, private use,
@@ -93,30 +97,26 @@ class ResourceManager:
         if not cands:
             return None
         best = min(cands, key=lambda c: self._rank_key(c, req, target))
-        root_cost = self.cost.source_cost(0, target)
-        return best if self._rank_key(best, req, target)[0] <= root_cost else None
+        return best if self._rank_key(best, req, target)[0] <= self.cost.source_cost(0, target) else None
 
     def plan_admission(self, req: Request) -> Admission:
-        """Fresh admission: the best source for the prompt, takeover or branch, Move or Fork."""
-        prompt = req.prompt
-        P_len = len(prompt)
+        """Fresh admission: the best source for the prompt, takeover or branch, Move or Fork.
+        A request waiting on a source keeps it unless it became invalid or a better one exists."""
+        P_len = len(req.prompt)
         src = self.choose(req, P_len, P_len)
         if src is None:
             return Admission(source=None, record=self._branch(req))
         recs = self.table.record_of(src.cid)
         rec, role = next(((r, role) for r, role in recs if self._may_take_over(r, req)), (None, None))
         adm = Admission(source=src, cached=src.frontier)
+        own_wait = f"w:{req.rid}"
         if rec is not None:
             adm.record, adm.takeover = rec, True
-            if role == "E" and src.owners == {rec.owner("E")}:
+            if role == "E" and src.owners - {own_wait} == {rec.owner("E")}:
                 adm.mode, adm.mover = "move", rec.owner("E")
         else:
             adm.record = self._branch(req)
         return adm
-
-    def _branch(self, req: Request) -> PrivateRecord:
-        """A tentative new record; it enters the table only if the request binds."""
-        return self.table.new_record(req.spec.session_id, insert=False)
 
     def _may_take_over(self, rec: PrivateRecord, req: Request) -> bool:
         """A non-active record that may be updated is taken over; an occupied relation or a
@@ -125,19 +125,9 @@ class ResourceManager:
             return False
         return rec.session is None or req.spec.session_id in (None, rec.session)
 
-    def _count_query(self, req: Request, src: CkptInfo | None) -> None:
-        s = self.stats
-        s.queries += 1
-        s.queried_tokens += len(req.prompt)
-        if src is not None:
-            s.hits += 1
-            s.reused_tokens += src.frontier
-        deeper = max((f for toks, f in self.remembered.items()
-                      if f > (src.frontier if src else 0) and f <= len(req.prompt)
-                      and tuple(req.prompt[:f]) == toks), default=0)
-        if deeper:
-            s.lost_hits += 1
-            s.lost_tokens += deeper - (src.frontier if src else 0)
+    def _branch(self, req: Request) -> PrivateRecord:
+        """A tentative new record; it enters the table only if the request binds."""
+        return self.table.new_record(req.spec.session_id, insert=False)
 
     def plan_replay(self, req: Request) -> Admission:
         """Replay resume: any complete point on the committed ledger up to the paused frontier
@@ -146,7 +136,38 @@ class ResourceManager:
         src = self.choose(req, target, target)
         return Admission(source=src, record=req.record)
 
+    # ==== waiting references ===========================================================
+    def wait_on(self, req: Request, adm: Admission) -> list[P.Command]:
+        """A queued request keeps its valuable source: a waiting reference protects it without
+        allocating, without a lane, without heat or hit counts."""
+        src = adm.source
+        if src is None or (req.wait is not None and req.wait.cid == src.cid):
+            return []
+        cmds = self.end_wait(req)
+        owner = f"w:{req.rid}"
+        src.owners.add(owner)
+        req.wait = src.ref
+        self.stats.waits += 1
+        return cmds + [P.AddOwner(src.cid, src.ref.generation, owner)]
+
+    def end_wait(self, req: Request) -> list[P.Command]:
+        ref, req.wait = req.wait, None
+        if ref is None:
+            return []
+        owner = f"w:{req.rid}"
+        info = self.table.ckpts.get(ref.cid)
+        if info is not None:
+            info.owners.discard(owner)
+        return [P.ReleaseOwner(ref.cid, ref.generation, owner)]
+
     # ==== save opportunities ===========================================================
+    def candidate_positions(self, req: Request) -> list[int]:
+        """Positions where this request offers a save: its input restore point, anchors, markers."""
+        pos = set(req.spec.anchors) | set(req.spec.markers)
+        if req.spec.recovery_frontier is not None:
+            pos.add(req.spec.recovery_frontier)
+        return sorted(pos)
+
     def save_plan(self, req: Request, start: int) -> list[SavePoint]:
         """Input restore point, anchors and markers inside (start, P] — never chunk ends.
         Same frontiers merge into one capture with several owners."""
@@ -165,8 +186,9 @@ class ResourceManager:
         r = req.spec.recovery_frontier
         if r is not None and not self._carried(rec.input_point, req.prompt, r):
             add(r, rec.owner("in"), "in")
-        for a in req.spec.anchors:
-            add(a, rec.owner("a"), "a")
+        for a in sorted(set(req.spec.anchors)):
+            if not any(self._carried(c, req.prompt, a) for c in rec.anchors):    # updated in place
+                add(a, rec.owner("a"), "a")
         for m in sorted(set(req.spec.markers)):
             if start < m <= P_len and not self._has_entry(req.prompt, m):
                 ent = self.table.new_entry(-1, m, insert=False)     # enters the table when captured
@@ -181,10 +203,6 @@ class ResourceManager:
         return any(e.frontier == f and tuple(prompt[:f]) == self.table.ckpts[e.cid].tokens
                    for e in self.table.entries.values() if e.cid in self.table.ckpts)
 
-    def on_skipped(self, sp: SavePoint) -> None:
-        """No room for an optional save: nothing is kept (tentative entries never existed)."""
-        self.stats.captures_skipped += 1
-
     def retire_for(self, req: Request, sp: SavePoint) -> list[P.Retire]:
         """A needed later input point retires the record's old one before its destination is
         requested (seed: 旧点可在申请新目的之前退休；新保存失败不恢复旧点)."""
@@ -196,6 +214,80 @@ class ResourceManager:
             return []
         return [P.Retire(info.cid, info.ref.generation, rec.owner("in"))]
 
+    def anchor_overflow(self, req: Request) -> list[P.Retire]:
+        """Over four anchors: the oldest published is replaced."""
+        rec: PrivateRecord = req.record
+        out = []
+        while len(rec.anchors) >= MAX_ANCHORS:
+            cid = rec.anchors.pop(0)
+            info = self.table.ckpts.get(cid)
+            if info is not None:
+                out.append(P.Retire(cid, info.ref.generation, rec.owner("a")))
+                self._drop_use(cid, rec.owner("a"))
+        return out
+
+    def capture_terms(self, req: Request, sp: SavePoint) -> tuple[int, float | None, bool]:
+        """(fixed new-coverage benefit, own repeat-demand time or None, owner is reuse) for the
+        admission of a capture at ``sp``."""
+        f = sp.frontier
+        deeper = [c.frontier for c in self.candidates(req.prompt, f) if c.frontier < f]
+        benefit = f - max(deeper, default=0)
+        obs = self.summary.get(digest(req.prompt[:f]))
+        own = obs.last if obs is not None and obs.repeated else None
+        if own is not None:
+            self.stats.summary_hits += 1
+        return benefit, own, req.record.level == Level.REUSE
+
+    # ==== evidence =====================================================================
+    def observe_prefill(self, req: Request, start: int, end: int) -> None:
+        """A new prefill commit crossing a candidate position is a real computation demand
+        (once per request per position). Two different requests computing the same position
+        prove repeat demand even with nothing cached."""
+        crossed = [p for p in self.candidate_positions(req) if start < p <= end and p not in req.observed]
+        if not crossed:
+            return
+        now = time.monotonic()
+        for f, d in prefix_digests(req.prompt, crossed).items():
+            req.observed.add(f)
+            obs = self.summary.observe(d, f, req.rid, now)
+            if obs.repeated:
+                self._promote(req.prompt[:f], f, now)
+
+    def _promote(self, tokens: list[int], f: int, now: float) -> None:
+        """Repeat demand lifts the owners of an existing point at that exact position to the
+        reuse level; an input point proves its own position."""
+        for info in self.candidates(tokens, f):
+            if info.frontier != f:
+                continue
+            for rec, role in self.table.record_of(info.cid):
+                rec.level = Level.REUSE
+                rec.evidence.demand_time = now
+                if role == "in":
+                    rec.evidence.proven_frontier = f
+            for ent in self.table.entries_of(info.cid):
+                ent.level = Level.REUSE
+                ent.evidence.demand_time = now
+
+    def _note_adoption(self, req: Request, src: CkptInfo, child: PrivateRecord, takeover: bool) -> None:
+        """Real cross-request adoption. Consume (takeover) resets the owner's (time, proven
+        frontier) from this source; a Fork child gets this adoption's time and position, while
+        the parent keeps its own pair unless the source covers its proven position; public use
+        updates the public entry. The summary records repeat demand at the adopted position."""
+        now = time.monotonic()
+        for rec, _ in self.table.record_of(src.cid):
+            if rec is child or src.frontier >= rec.evidence.proven_frontier:
+                rec.evidence.demand_time = now
+                rec.evidence.proven_frontier = src.frontier
+                rec.level = Level.REUSE
+        if not takeover:
+            child.evidence.demand_time = now
+            child.evidence.proven_frontier = src.frontier
+            child.level = Level.REUSE
+        for ent in self.table.entries_of(src.cid):
+            ent.evidence.demand_time = now
+            ent.level = Level.REUSE
+        self.summary.observe(digest(src.tokens), src.frontier, req.rid, now)
+
     # ==== bookkeeping ==================================================================
     def on_bound(self, req: Request, adm: Admission) -> None:
         """A fresh admission succeeded: count the query, take over or branch, note demand."""
@@ -204,21 +296,26 @@ class ResourceManager:
         self.table.records.setdefault(rec.id, rec)
         rec.active = req.rid
         req.record = rec
+        if adm.source is not None and adm.cached:
+            self._note_adoption(req, adm.source, rec, adm.takeover)
         if adm.mode == "move" and adm.source is not None:
             self._forget(adm.source.cid)         # consumed by the Move
-        if adm.source is not None and adm.cached:
-            self._note_demand(adm.source)
 
-    def _note_demand(self, src: CkptInfo) -> None:
-        """Real cross-request adoption refreshes evidence of the owners of the source."""
-        now = time.monotonic()
-        for rec, _ in self.table.record_of(src.cid):
-            rec.evidence.demand_time = now
-            rec.evidence.proven_frontier = src.frontier
-            rec.level = Level.REUSE
-        for ent in self.table.entries_of(src.cid):
-            ent.evidence.demand_time = now
-            ent.level = Level.REUSE
+    def _count_query(self, req: Request, src: CkptInfo | None) -> None:
+        s = self.stats
+        s.queries += 1
+        s.queried_tokens += len(req.prompt)
+        got = src.frontier if src else 0
+        if src is not None:
+            s.hits += 1
+            s.reused_tokens += got
+        fs = [f for f, _ in self.remembered if got < f <= len(req.prompt)]
+        if fs:
+            digs = prefix_digests(req.prompt, fs)
+            deeper = max((f for f in fs if (f, digs[f]) in self.remembered), default=0)
+            if deeper:
+                s.lost_hits += 1
+                s.lost_tokens += deeper - got
 
     def on_captured(self, req: Request, sp: SavePoint, ref: P.CkptRef) -> list[P.Command]:
         """Attach a new checkpoint to its uses; returns AddOwner commands for extra owners."""
@@ -240,23 +337,18 @@ class ResourceManager:
                 rec.input_point = ref.cid
             elif kind == "a":
                 rec.anchors.append(ref.cid)
+        obs = self.summary.get(digest(tokens))
+        if obs is not None and obs.repeated:
+            self._promote(list(tokens), ref.frontier, time.monotonic())
         return cmds
 
-    def anchor_overflow(self, req: Request) -> list[P.Retire]:
-        """Over four anchors: the oldest published is replaced."""
-        rec: PrivateRecord = req.record
-        out = []
-        while len(rec.anchors) >= MAX_ANCHORS:
-            cid = rec.anchors.pop(0)
-            info = self.table.ckpts.get(cid)
-            if info is not None:
-                out.append(P.Retire(cid, info.ref.generation, rec.owner("a")))
-                self.table.drop_owner(cid, rec.owner("a"))
-        return out
+    def on_skipped(self, sp: SavePoint) -> None:
+        """No room for an optional save: nothing is kept (tentative entries never existed)."""
+        self.stats.captures_skipped += 1
 
     def on_finished(self, req: Request, e: P.CkptRef) -> list[P.Command]:
         """Normal finish: the frozen state is the record's new E (the old E, if it survived a
-        Fork, is released by this record)."""
+        Fork, is released by this record). Completion does not refresh evidence."""
         rec: PrivateRecord = req.record
         cmds: list[P.Command] = []
         if rec.e is not None:
@@ -270,13 +362,14 @@ class ResourceManager:
         self.table.publish_session(rec, req.ticket)
         return cmds
 
-    def on_released(self, req: Request) -> None:
+    def on_released(self, req: Request) -> list[P.Command]:
         """Cancel / error: the record this request continued is free again (a Move may have
-        consumed its old E: other owners keep theirs)."""
+        consumed its old E: other owners keep theirs); a waiting reference ends."""
         rec: PrivateRecord | None = req.record
         if rec is not None and rec.active == req.rid:
             rec.active = None
             self.table.prune(rec)
+        return self.end_wait(req)
 
     def _drop_use(self, cid: int, owner: str) -> None:
         info = self.table.ckpts.get(cid)
@@ -290,15 +383,21 @@ class ResourceManager:
             self._remember(info)
 
     def _remember(self, info: CkptInfo) -> None:
-        """Keep the token identity of deleted points (bounded) to count hits lost to a
-        missing checkpoint — the metric users of other engines ask for."""
-        self.remembered[info.tokens] = info.frontier
+        """Keep the digest of deleted points (bounded) to count hits lost to a missing
+        checkpoint — the metric users of other engines ask for."""
+        self.remembered[(info.frontier, digest(info.tokens))] = None
         while len(self.remembered) > 256:
-            self.remembered.pop(next(iter(self.remembered)))
+            self.remembered.popitem(last=False)
 
-    def on_deleted(self, cids: list[int]) -> None:
+    def on_deleted(self, cids: list[int]) -> list[str]:
+        """Physical deletions: returns the rids whose waiting reference was revoked."""
+        revoked = []
         for cid in cids:
+            info = self.table.ckpts.get(cid)
+            if info is not None:
+                revoked += [o[2:] for o in info.owners if o.startswith("w:")]
             self._forget(cid)
+        return revoked
 
     # ==== whole-cache operations =======================================================
     def drop_all(self) -> list[P.Command]:
@@ -314,6 +413,3 @@ class ResourceManager:
             self.table.prune(rec)
         self.table.entries.clear()
         return cmds
-
-    def live_optional(self) -> list[CkptInfo]:
-        return [c for c in self.table.ckpts.values() if any(o.startswith(("r", "m")) for o in c.owners)]

@@ -1,0 +1,121 @@
+"""Prefix index and demand summary (seed: 前缀索引; 最多 256 项的需求摘要).
+
+Both key a position by the digest of its exact token prefix. Digests only *narrow* candidates:
+adoption still compares tokens (and the worker re-verifies tokens, positions, media and
+execution identity) — independently computed state is never spliced because digests match.
+
+    digest(tokens[:F]) for every indexed F of a prompt costs one pass over the prompt: the
+    running hash is copied at each frontier that some entry uses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from ninfer.protocol import pack_tokens
+
+
+def prefix_digests(tokens: list[int] | tuple[int, ...], frontiers: list[int]) -> dict[int, bytes]:
+    """{F: digest(tokens[:F])} for the given frontiers (<= len(tokens)), in one pass."""
+    out: dict[int, bytes] = {}
+    h = hashlib.blake2b(digest_size=16)
+    pos = 0
+    for f in sorted(set(frontiers)):
+        if f > len(tokens):
+            break
+        if f > pos:
+            h.update(pack_tokens(list(tokens[pos:f])))
+            pos = f
+        out[f] = h.copy().digest()
+    return out
+
+
+def digest(tokens: list[int] | tuple[int, ...]) -> bytes:
+    return prefix_digests(tokens, [len(tokens)])[len(tokens)]
+
+
+class PrefixIndex:
+    """(frontier, digest) -> checkpoint ids, for every live cache checkpoint."""
+
+    def __init__(self):
+        self._by_key: dict[tuple[int, bytes], set[int]] = {}
+        self._key_of: dict[int, tuple[int, bytes]] = {}
+        self._frontiers: dict[int, int] = {}     # frontier -> number of entries using it
+
+    def __len__(self) -> int:
+        return len(self._key_of)
+
+    def add(self, cid: int, tokens: tuple[int, ...]) -> None:
+        if cid in self._key_of:
+            return
+        key = (len(tokens), digest(tokens))
+        self._by_key.setdefault(key, set()).add(cid)
+        self._key_of[cid] = key
+        self._frontiers[key[0]] = self._frontiers.get(key[0], 0) + 1
+
+    def remove(self, cid: int) -> None:
+        key = self._key_of.pop(cid, None)
+        if key is None:
+            return
+        ids = self._by_key[key]
+        ids.discard(cid)
+        if not ids:
+            del self._by_key[key]            # empty branches are deleted promptly
+        n = self._frontiers[key[0]] - 1
+        if n:
+            self._frontiers[key[0]] = n
+        else:
+            del self._frontiers[key[0]]
+
+    def lookup(self, tokens: list[int], limit: int) -> list[int]:
+        """Candidate checkpoint ids whose (frontier, digest) matches a prefix of ``tokens``."""
+        fs = [f for f in self._frontiers if f <= limit]
+        if not fs:
+            return []
+        out: list[int] = []
+        for f, d in prefix_digests(tokens, fs).items():
+            out.extend(self._by_key.get((f, d), ()))
+        return out
+
+
+@dataclass
+class Observation:
+    frontier: int
+    requests: list[str] = field(default_factory=list)   # distinct observers (the last few)
+    last: float = 0.0
+
+    @property
+    def repeated(self) -> bool:
+        return len(self.requests) >= 2
+
+
+class DemandSummary:
+    """At most ``capacity`` candidate positions with real request observations. Summary hits
+    affect retention and admission only: never cache-hit or reused-token statistics, and the
+    summary holds no State/KV."""
+
+    def __init__(self, capacity: int = 256):
+        self.capacity = capacity
+        self._entries: OrderedDict[bytes, Observation] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def observe(self, key: bytes, frontier: int, rid: str, now: float) -> Observation:
+        """A real observation (cross-request adoption, or a new prefill commit crossing the
+        position) — once per request per position."""
+        obs = self._entries.get(key)
+        if obs is None:
+            obs = self._entries[key] = Observation(frontier)
+            while len(self._entries) > self.capacity:
+                self._entries.popitem(last=False)      # the least recently observed goes
+        if rid not in obs.requests:
+            obs.requests = (obs.requests + [rid])[-8:]
+            obs.last = now
+        self._entries.move_to_end(key)
+        return obs
+
+    def get(self, key: bytes) -> Observation | None:
+        return self._entries.get(key)
