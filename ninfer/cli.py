@@ -2,6 +2,7 @@
 
     ninfer make-tiny-model DIR [--seed N] [--arch qwen3_next|qwen3]
     ninfer demo [--model DIR]
+    ninfer bench controller|agent [--model DIR] [--out FILE]
 
 Errors a user can cause (bad directory, bad config) print one line and exit with status 2.
 """
@@ -28,6 +29,13 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args.model, dtype=args.dtype)
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from importlib import import_module
+
+    import_module(f"ninfer.benchmarks.{args.name}").run(args.model, out=args.out)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ninfer", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -43,6 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="models/tiny", help="model directory; built if missing (default models/tiny)")
     p.add_argument("--dtype", choices=["float64", "float32", "bfloat16"], default="float32")
     p.set_defaults(func=_demo)
+
+    p = sub.add_parser("bench", help="benchmarks: print a table and JSON (see bench/README.md)")
+    p.add_argument("name", choices=["controller", "agent"], help="controller: cost per steady decode cycle; "
+                   "agent: multi-turn agent prefill vs the infinite-cache floor at two capacities")
+    p.add_argument("--model", default="models/tiny", help="model directory; built if missing")
+    p.add_argument("--out", default=None, help="also write the JSON result to this file")
+    p.set_defaults(func=_bench)
     return parser
 
 

@@ -268,6 +268,7 @@ class EngineCore:
             spec.capture_retire = self.rm.retire_for(req, sp)
             if "a" in sp.kinds:
                 spec.capture_retire += self.rm.anchor_overflow(req)
+            unit.retire = list(spec.capture_retire)
         return spec
 
     def _admit_capture(self, req: Request, unit: Unit, binding_slots: int) -> bool:
@@ -419,6 +420,11 @@ class EngineCore:
         if not out.ok:
             if out.error:
                 log.info("bind of %s refused: %s", req.rid, out.error)
+                if adm is not None and adm.source is not None and "stale" in out.error:
+                    # self-healing: the worker no longer has it; forget it and reselect
+                    for cmd in self.rm.end_wait(req):
+                        self.queue(cmd)
+                    self.rm.on_deleted([adm.source.cid])
             if route == "fresh" and adm is not None and adm.cached and not out.error:
                 for cmd in self.rm.wait_on(req, adm):      # keep the valuable source and wait
                     self.queue(cmd)
@@ -491,6 +497,7 @@ class EngineCore:
     def _saved(self, req: Request, unit: Unit, out: P.RowOut) -> None:
         """The unit ended on a save point: attach the capture, or count the skipped save."""
         sp = req.save_points.pop(unit.save_index)
+        self.rm.retired(req, unit.retire)
         if out.captured is not None:
             for cmd in self.rm.on_captured(req, sp, out.captured):
                 self.queue(cmd)
@@ -533,6 +540,17 @@ class EngineCore:
             self.call_commands(cmds)
 
     def check_integrity(self) -> None:
-        [out] = self.call_commands([P.CheckIntegrity(idle=not self.requests and not self.tx_busy)])
+        """The worker's books balance, and the controller's mirror of checkpoint owners agrees
+        with the worker's real holders (when no command is pending)."""
+        idle = not self.requests and not self.tx_busy
+        out, facts = self.call_commands([P.CheckIntegrity(idle=idle), P.Quote()])
         if isinstance(out, P.Failed):
             raise IntegrityError(out.message)
+        if self._pending or self._completions:
+            return
+        real = {cid: set(c.owners) for cid, c in facts.facts.checkpoints.items() if c.kind == "cache"}
+        mirror = {cid: set(info.owners) for cid, info in self.rm.table.ckpts.items()}
+        if real != mirror:
+            diff = {cid: (real.get(cid), mirror.get(cid)) for cid in set(real) | set(mirror)
+                    if real.get(cid) != mirror.get(cid)}
+            raise IntegrityError(f"controller mirror and worker disagree on checkpoint owners: {diff}")

@@ -14,7 +14,7 @@ captured right after (prefill chunk ends themselves are never save points).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ninfer.engine.request import Request
 
@@ -25,6 +25,7 @@ class Unit:
     kind: str               # "prefill" | "replay" | "decode" | "control"
     save_index: int | None  # index into req.save_points of the point this unit ends on
     declined: bool = False  # its save was not admitted (counted as skipped once it runs)
+    retire: list = field(default_factory=list)   # holds the worker gives up when it runs
 
 
 def next_unit(req: Request, frontier: int, ledger_len: int, chunk: int) -> Unit:

@@ -215,16 +215,25 @@ class ResourceManager:
         return [P.Retire(info.cid, info.ref.generation, rec.owner("in"))]
 
     def anchor_overflow(self, req: Request) -> list[P.Retire]:
-        """Over four anchors: the oldest published is replaced."""
+        """Over four anchors: the oldest published is replaced (applied once the unit ran)."""
         rec: PrivateRecord = req.record
         out = []
-        while len(rec.anchors) >= MAX_ANCHORS:
-            cid = rec.anchors.pop(0)
+        for cid in rec.anchors[: max(0, len(rec.anchors) - MAX_ANCHORS + 1)]:
             info = self.table.ckpts.get(cid)
             if info is not None:
                 out.append(P.Retire(cid, info.ref.generation, rec.owner("a")))
-                self._drop_use(cid, rec.owner("a"))
         return out
+
+    def retired(self, req: Request, retire: list[P.Retire]) -> None:
+        """The worker released these holds when the unit ran (whether or not its save found
+        room): mirror it."""
+        rec: PrivateRecord = req.record
+        for r in retire:
+            if rec.input_point == r.cid and r.owner == rec.owner("in"):
+                rec.input_point = None
+            if r.cid in rec.anchors and r.owner == rec.owner("a"):
+                rec.anchors.remove(r.cid)
+            self._drop_use(r.cid, r.owner)
 
     def capture_terms(self, req: Request, sp: SavePoint) -> tuple[int, float | None, bool]:
         """(fixed new-coverage benefit, own repeat-demand time or None, owner is reuse) for the
@@ -332,8 +341,6 @@ class ResourceManager:
                 ent.cid = ref.cid
                 self.table.entries[ent.id] = ent
             elif kind == "in":
-                if rec.input_point is not None and rec.input_point != ref.cid:
-                    self._drop_use(rec.input_point, owner)
                 rec.input_point = ref.cid
             elif kind == "a":
                 rec.anchors.append(ref.cid)

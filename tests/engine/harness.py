@@ -63,6 +63,7 @@ class Harness:
     def check_clean(self) -> None:
         """Leak check: after everything drains and the caches are dropped, nothing is held."""
         self.run()
+        self.core.check_integrity()            # mirror == worker, before anything is dropped
         self.core.drop_caches()
         self.run()
         self.core.check_integrity()
