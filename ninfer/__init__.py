@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "Engine": "ninfer.engine.api",
+    "connect": "ninfer.engine.api",
     "reference_generate": "ninfer.reference",
     "render_chat": "ninfer.frontend.render",
     "make_tiny_model": "ninfer.tiny.build",

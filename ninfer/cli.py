@@ -26,7 +26,7 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from ninfer.demo import run_demo
 
-    return run_demo(args.model, dtype=args.dtype)
+    return run_demo(args.model, dtype=args.dtype, transport=args.transport)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="the main job: a short multi-turn agent conversation on the tiny model")
     p.add_argument("--model", default="models/tiny", help="model directory; built if missing (default models/tiny)")
     p.add_argument("--dtype", choices=["float64", "float32", "bfloat16"], default="float32")
+    p.add_argument("--transport", choices=["ray", "inproc"], default="ray",
+                   help="ray: the three actors on a local Ray (default); inproc: one process")
     p.set_defaults(func=_demo)
 
     p = sub.add_parser("bench", help="benchmarks: print a table and JSON (see bench/README.md)")

@@ -1,12 +1,11 @@
-"""``ninfer demo``: the main job on the built-in tiny model.
+"""``ninfer demo``: the main job on the built-in tiny model, through the real Ray actors.
 
-A short agent conversation — shared system prompt with tools, a user question, a tool call and
-its result, a follow-up — rendered with the model's chat template and generated turn by turn.
-The tiny model's weights are random, so its words are noise; what the demo shows is the path
-(template → exact tokens → generation) and its timings.
-
-At this stage generation runs through the reference generator (the oracle); the engine and
-its actors replace it as they land.
+Three agent sessions share a system prompt with tools. Each session asks, gets an answer,
+sends a tool call with its result (the client normalises the call, as agent frameworks do),
+and follows up. The engine is deliberately small (two lanes, a few KV pages), so younger
+requests are paused and resumed while older ones finish — and every output is checked against
+the isolated oracle. The tiny model's weights are random, so its words are noise; what the
+demo shows is the path and the numbers: cache reuse, pauses, TTFT.
 """
 
 from __future__ import annotations
@@ -16,11 +15,12 @@ from pathlib import Path
 
 import torch
 
-from ninfer.frontend.render import load_chat_tokenizer, render_chat
-from ninfer.reference import generate_with_model, load_cached
-from ninfer.sampling_params import SamplingParams
+from ninfer.engine.api import Engine
+from ninfer.frontend.render import render_chat
+from ninfer.reference import reference_generate
 
-SYSTEM = "You are a helpful travel assistant. Answer briefly and use tools when they help."
+SYSTEM = ("You are a travel assistant for a small agency. Answer briefly, prefer facts from tools, "
+          "and never invent prices. Use the weather tool for any question about packing.")
 TOOLS = [{
     "type": "function",
     "function": {
@@ -29,17 +29,9 @@ TOOLS = [{
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
     },
 }]
-
-
-def _turns() -> list[tuple[str, dict | None]]:
-    """(label, message appended before generating) — None means 'generate after the tool result'."""
-    call = {"role": "assistant", "content": None, "tool_calls": [{
-        "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
-    return [
-        ("user asks", {"role": "user", "content": "What should I pack for Paris tomorrow?"}),
-        ("tool result", [call, {"role": "tool", "content": '{"temp_c": 14, "sky": "rain"}'}]),
-        ("follow-up", {"role": "user", "content": "And for Lyon the day after?"}),
-    ]
+CITIES = ["Paris", "Lyon", "Oslo"]
+DEMO_CONFIG = {"max_concurrency": 2, "max_context": 768, "kv_capacity": 12 * 64, "prefill_chunk_tokens": 96,
+               "context_cache": {"device_state_slots": 2, "host_capacity_bytes": 8 << 20}}
 
 
 def ensure_model(model_dir: str | Path) -> Path:
@@ -52,27 +44,76 @@ def ensure_model(model_dir: str | Path) -> Path:
     return path
 
 
-def run_demo(model_dir: str | Path = "models/tiny", dtype: str = "float32", max_tokens: int = 24) -> int:
+def _turns(city: str) -> list[list[dict]]:
+    """Messages each turn appends before generating (the answer is appended by the loop)."""
+    call = {"role": "assistant", "content": None, "tool_calls": [{
+        "type": "function", "function": {"name": "get_weather", "arguments": {"city": city}}}]}
+    return [
+        [{"role": "user", "content": f"What should I pack for {city} tomorrow?"}],
+        [call, {"role": "tool", "content": '{"temp_c": 14, "sky": "rain"}'}],
+        [{"role": "user", "content": "And the day after?"}],
+    ]
+
+
+def run_demo(model_dir: str | Path = "models/tiny", dtype: str = "float32", transport: str = "ray",
+             max_tokens: int = 40) -> int:
     torch.set_num_threads(1)
     path = ensure_model(model_dir)
-    model, eos = load_cached(path, dtype)
-    tok = load_chat_tokenizer(str(path.resolve()))
-    messages: list[dict] = [{"role": "system", "content": SYSTEM}]
-    rows = []
-    print(f"model {path} ({model.cfg.model_type}, {dtype}); generation: reference path (no cache)\n")
-    for label, new in _turns():
-        messages.extend(new if isinstance(new, list) else [new])
-        prompt = render_chat(path, messages, tools=TOOLS)
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.7, top_p=0.95, seed=len(rows))
-        t0 = time.perf_counter()
-        out = generate_with_model(model, eos, prompt, params)
-        dt = time.perf_counter() - t0
-        text = tok.decode(out)
-        messages.append({"role": "assistant", "content": text})
-        rows.append((label, len(prompt), len(out), dt))
-        print(f"[{label}] prompt {len(prompt)} tokens -> {len(out)} tokens in {dt * 1000:.0f} ms")
-        print(f"  assistant: {text[:100]!r}\n")
-    print(f"{'turn':<12} {'prompt':>7} {'output':>7} {'ms':>8} {'tok/s':>7}")
-    for label, p, o, dt in rows:
-        print(f"{label:<12} {p:>7} {o:>7} {dt * 1000:>8.0f} {o / dt:>7.1f}")
-    return 0
+    print(f"starting the engine on {path} ({dtype}, transport={transport}) ...")
+    t0 = time.perf_counter()
+    engine = Engine.start(path, config=DEMO_CONFIG, dtype=dtype, transport=transport, deployment="ninfer-demo")
+    print(f"  ready in {time.perf_counter() - t0:.1f} s: C={engine.info.max_concurrency}, "
+          f"{engine.info.kv_pages} KV pages, {engine.info.state_slots} state slots\n")
+    rows, mismatches = [], 0
+    try:
+        history = {c: [{"role": "system", "content": SYSTEM}] for c in CITIES}
+        for turn in range(3):
+            handles = {}
+            for i, city in enumerate(CITIES):          # the sessions' turns run concurrently
+                history[city].extend(_turns(city)[turn])
+                handles[city] = engine.chat(history[city], tools=TOOLS, max_tokens=max_tokens,
+                                            temperature=0.8, seed=10 * i + turn, session_id=city,
+                                            ignore_eos=True)
+            for i, city in enumerate(CITIES):
+                out = handles[city].result(600)
+                prompt = render_chat(path, history[city], tools=TOOLS)
+                ref = reference_generate(path, prompt, max_tokens=max_tokens, temperature=0.8,
+                                         seed=10 * i + turn, dtype=dtype, ignore_eos=True)
+                mismatches += out.token_ids != ref
+                history[city].append({"role": "assistant", "content": out.text})
+                rows.append((city, turn + 1, out))
+        _print_table(rows)
+        _print_stats(engine.stats(), mismatches, len(rows))
+        engine.drop_caches()
+        engine.check_integrity()
+        print("\nleak check after drop_caches: clean")
+    finally:
+        engine.shutdown()
+    return 1 if mismatches else 0
+
+
+def _print_table(rows) -> None:
+    head = f"{'session':<8} {'turn':>4} {'prompt':>6} {'cached':>6} {'prefill':>7} {'replay':>6} " \
+           f"{'pauses':>6} {'ttft_ms':>8} {'e2e_ms':>8}"
+    print(head)
+    print("-" * len(head))
+    for city, turn, out in rows:
+        u, t = out.usage, out.timings
+        pauses = ",".join(p["route"][0] for p in out.pauses) or "-"
+        print(f"{city:<8} {turn:>4} {u.prompt_tokens:>6} {u.cached_tokens:>6} {u.prefill_tokens:>7} "
+              f"{u.replay_tokens:>6} {pauses:>6} {1000 * (t.ttft_s or 0):>8.0f} {1000 * (t.e2e_s or 0):>8.0f}")
+    print("pauses: s = resumed by Snapshot, r = resumed by Replay")
+
+
+def _print_stats(s: dict, mismatches: int, total: int) -> None:
+    c = s["cache"]
+    print(f"\ncache: {c['hits']}/{c['queries']} admissions reused a checkpoint, {c['reused_tokens']} of "
+          f"{c['queried_tokens']} prompt tokens served from cache; {c['hit_losses']} hits lost to a missing "
+          f"checkpoint; {c['captures']} saves, {c['captures_skipped']} skipped")
+    print(f"work:  {s['prefill_tokens']} tokens prefilled, {s['replay_tokens']} replayed; "
+          f"{s['bytes_d2h'] >> 10} KiB to Host, {s['bytes_h2d'] >> 10} KiB back")
+    print(f"pressure: {s['preemptions']} pauses (resumed: {s['pauses']['snapshot']} by Snapshot, "
+          f"{s['pauses']['replay']} by Replay), {s['capacity_errors']} capacity errors; "
+          f"{s['round_trips'] / max(1, s['cycles']):.2f} controller-worker round trips per cycle")
+    verdict = "all identical" if not mismatches else f"{mismatches} DIFFER"
+    print(f"oracle: {total} outputs compared with isolated, uncached runs — {verdict}")

@@ -415,7 +415,42 @@ class FinalEvent(msgspec.Struct, tag="final", array_like=True):
 
 Event = TokensEvent | FinalEvent
 _event_dec = msgspec.msgpack.Decoder(Event)
+_events_dec = msgspec.msgpack.Decoder(list[Event])
 
 
 def decode_event(data: bytes) -> Event:
     return _event_dec.decode(data)
+
+
+def decode_events(data: bytes) -> list[Event]:
+    return _events_dec.decode(data)
+
+
+# ---- client -> frontend ------------------------------------------------------------------------
+
+class ChatSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """An OpenAI-style chat request; the frontend renders it to the exact prompt tokens."""
+
+    messages: list[dict]
+    tools: list[dict] | None = None
+    params: SamplingParams = SamplingParams()
+    session_id: str | None = None
+    markers: list[int] = []
+    rid: str = ""
+
+
+_chat_dec = msgspec.msgpack.Decoder(ChatSpec)
+
+
+def decode_chat(data: bytes) -> ChatSpec:
+    return _chat_dec.decode(data)
+
+
+def decode_config(data: bytes):
+    from ninfer.config import EngineConfig
+    return msgspec.msgpack.decode(data, type=EngineConfig)
+
+
+def decode_spec(data: bytes):
+    from ninfer.engine.request import RequestSpec
+    return msgspec.msgpack.decode(data, type=RequestSpec)

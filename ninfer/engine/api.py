@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from ninfer import protocol as P
 from ninfer.config import EngineConfig
 from ninfer.engine.request import RequestSpec
@@ -122,35 +124,45 @@ class RequestHandle:
 
 class Engine:
     """Handle to a running engine. ``Engine.start`` builds the in-process deployment (the same
-    messages as Ray, one process) or the Ray one."""
+    messages as Ray, one process) or the Ray one; ``ninfer.connect`` attaches to a running Ray
+    deployment. The handle API is the same for both."""
 
-    def __init__(self, model_dir: str, config: EngineConfig, transport: str, hook=None):
-        from ninfer.actors.runtime import InprocRuntime
-        from ninfer.frontend.render import ChatTokenizer
+    def __init__(self, runtime, model_dir: str | None, transport: str):
+        from ninfer.frontend.intake import Intake
 
-        self.model_dir = str(model_dir)
-        self.config = config
         self.transport = transport
-        try:
-            self._tok = ChatTokenizer(model_dir)
-        except NInferError:
-            self._tok = None
-        if transport != "inproc":
-            raise RequestError(f"transport {transport!r} is not available yet (use 'inproc')")
-        self._rt = InprocRuntime(model_dir, config, self._on_event, hook=hook)
-        self.info = self._rt.info
+        self.model_dir = model_dir
         self._handles: dict[str, RequestHandle] = {}
         self._lock = threading.Lock()
         self._counter = 0
+        self._rt = runtime
+        self.info = runtime.info
+        self._intake = Intake(model_dir, self.info) if model_dir else None
+        if transport == "ray":
+            runtime.attach(self._on_event, self._fail_outstanding)
+        else:
+            runtime.attach(self._on_event)
 
     @staticmethod
     def start(model: str | Path, config: EngineConfig | str | Path | dict | None = None,
-              dtype: str | None = None, transport: str = "inproc", **kw) -> "Engine":
+              dtype: str | None = None, transport: str = "inproc", address: str | None = None,
+              deployment: str = "ninfer", detached: bool = False, hook=None, **kw) -> "Engine":
+        """Start an engine on ``model``. transport="inproc": one process; "ray": the three
+        actors on a local Ray (or the cluster at ``address``)."""
+        from ninfer.native.model.config import load_config
+
         cfg = EngineConfig.coerce(config)
         if dtype is not None:
-            import msgspec
             cfg = msgspec.structs.replace(cfg, dtype=dtype)
-        return Engine(str(model), cfg, transport, **kw)
+        load_config(model)                     # a bad directory is one clear error, before any actor
+        if transport == "inproc":
+            from ninfer.actors.runtime import InprocRuntime
+            return Engine(InprocRuntime(str(model), cfg, hook=hook), str(model), transport)
+        if transport == "ray":
+            from ninfer.actors.client import RayClientRuntime
+            return Engine(RayClientRuntime.start(str(model), cfg, address, deployment, detached, **kw),
+                          str(model), transport)
+        raise RequestError(f"transport {transport!r} is not supported (use 'inproc' or 'ray')")
 
     # ---- requests -------------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[int], max_tokens: int = 16, temperature: float = 0.0,
@@ -159,39 +171,37 @@ class Engine:
                  cache_markers: list[int] | None = None, presence_penalty: float = 0.0,
                  frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
                  recovery_frontier: int | None = None, request_id: str | None = None) -> RequestHandle:
-        params = SamplingParams(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-            stop_token_ids=tuple(stop_token_ids or ()), ignore_eos=ignore_eos,
-            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-            repetition_penalty=repetition_penalty)
-        spec = RequestSpec(prompt=list(prompt_token_ids), params=params, session_id=session_id,
-                           anchors=list(anchors or []), markers=list(cache_markers or []),
-                           recovery_frontier=recovery_frontier, rid=request_id or "")
-        return self._submit(spec)
+        params = _params(max_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos,
+                         presence_penalty, frequency_penalty, repetition_penalty)
+        spec = RequestSpec(prompt=list(prompt_token_ids) if isinstance(prompt_token_ids, (list, tuple)) else prompt_token_ids,
+                           params=params, session_id=session_id, anchors=list(anchors or []),
+                           markers=list(cache_markers or []), recovery_frontier=recovery_frontier,
+                           rid=request_id or "")
+        return self._submit(spec.rid, lambda rid: self._rt.submit(msgspec.structs.replace(spec, rid=rid)))
 
     def chat(self, messages: list[dict], tools: list[dict] | None = None, max_tokens: int = 16,
-             temperature: float = 0.0, seed: int = 0, session_id: str | None = None,
-             cache_markers: list[int] | None = None, **kw) -> RequestHandle:
-        if self._tok is None:
-            raise RequestError("this model directory has no tokenizer; use generate(prompt_token_ids=...)")
-        prompt = self._tok.encode(self._tok.render(messages, tools, add_generation_prompt=True))
-        return self.generate(prompt, max_tokens=max_tokens, temperature=temperature, seed=seed,
-                             session_id=session_id, cache_markers=cache_markers, **kw)
+             temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
+             session_id: str | None = None, cache_markers: list[int] | None = None,
+             stop_token_ids: list[int] | None = None, ignore_eos: bool = False,
+             request_id: str | None = None) -> RequestHandle:
+        params = _params(max_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos, 0.0, 0.0, 1.0)
+        chat = P.ChatSpec(messages=messages, tools=tools, params=params, session_id=session_id,
+                          markers=list(cache_markers or []), rid=request_id or "")
+        return self._submit(chat.rid, lambda rid: self._rt.submit_chat(msgspec.structs.replace(chat, rid=rid)))
 
-    def _submit(self, spec: RequestSpec) -> RequestHandle:
+    def _submit(self, rid: str, send) -> RequestHandle:
         with self._lock:
             self._counter += 1
-            if not spec.rid:
-                spec.rid = f"req-{self._counter}"
-            if spec.rid in self._handles:
-                raise RequestError(f"request id {spec.rid!r} is already in use")
-            handle = RequestHandle(self, spec.rid)
-            self._handles[spec.rid] = handle
+            rid = rid or f"{self._rt.client_id}-{self._counter}"
+            if rid in self._handles:
+                raise RequestError(f"request id {rid!r} is already in use")
+            handle = RequestHandle(self, rid)
+            self._handles[rid] = handle
         try:
-            self._rt.submit(spec)
+            send(rid)
         except RequestError:
             with self._lock:
-                self._handles.pop(spec.rid, None)
+                self._handles.pop(rid, None)
             raise
         return handle
 
@@ -207,13 +217,22 @@ class Engine:
             return
         with self._lock:
             self._handles.pop(ev.rid, None)
+        usage = {k: ev.usage.get(k, 0) for k in ("prompt_tokens", "completion_tokens", "cached_tokens",
+                                                 "prefill_tokens", "replay_tokens")}
+        timings = {k: ev.timings.get(k) for k in ("ttft_s", "e2e_s", "queue_s", "arrival", "admitted_at")}
         handle._deliver(Output(
             rid=ev.rid, token_ids=list(ev.token_ids), text=self._text(ev.token_ids),
-            finish_reason=ev.finish_reason, error=ev.error, usage=UsageView(**ev.usage),
-            timings=TimingsView(**ev.timings), pauses=list(ev.pauses)))
+            finish_reason=ev.finish_reason, error=ev.error, usage=UsageView(**usage),
+            timings=TimingsView(max_output_gap_s=ev.timings.get("max_output_gap_s") or 0.0, **timings),
+            pauses=list(ev.pauses)))
 
     def _text(self, ids: list[int]) -> str:
-        return self._tok.decode(ids) if self._tok is not None and ids else ""
+        return self._intake.text(ids) if self._intake is not None else ""
+
+    def _fail_outstanding(self, message: str) -> None:
+        """The connection to the deployment was lost: no client waits forever."""
+        for rid in list(self._handles):
+            self._on_event(P.FinalEvent(rid, "error", [], {}, {}, [], {"type": "connection_lost", "message": message}))
 
     # ---- engine-wide ----------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -233,3 +252,19 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _params(max_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos, presence_penalty,
+            frequency_penalty, repetition_penalty) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+        stop_token_ids=tuple(stop_token_ids or ()), ignore_eos=ignore_eos,
+        presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+        repetition_penalty=repetition_penalty)
+
+
+def connect(address: str = "auto", deployment: str = "ninfer", model_dir: str | None = None) -> Engine:
+    """A client handle to an engine already serving on a Ray cluster."""
+    from ninfer.actors.client import RayClientRuntime
+    rt = RayClientRuntime.connect(address, deployment)
+    return Engine(rt, model_dir or rt.model_dir, "ray")

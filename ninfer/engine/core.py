@@ -118,6 +118,7 @@ class EngineCore:
         """One engine cycle; returns False when there was nothing to do."""
         ctx = CycleCtx()
         plan = P.StepPlan(seq=next(self._steps))
+        self._check_overdue()
         self._settle(plan, ctx)
         self._plan_rows(plan, ctx)
         self._plan_binds(plan, ctx)
@@ -125,7 +126,7 @@ class EngineCore:
         if not (plan.pre or plan.rows or plan.binds or plan.chunks):
             if self.tx_busy:
                 self._call(plan)                # poll: drain completions (woken by the worker)
-                return bool(self._completions) or self._check_overdue()
+                return bool(self._completions)
             return False
         self.stats.cycles += 1
         reply = self._call(plan)

@@ -28,19 +28,20 @@ class FaultHook:
     """Scripted delivery faults for tests (all off by default).
 
     delay:      hold every completion for this many drains before delivering it
-    drop:       transaction ids whose completion is never delivered
+    drop:       transaction ids whose completion is never delivered (drop_all: every one)
     duplicate:  deliver every completion twice
     reverse:    deliver each drained batch in reverse order
     """
 
     delay: int = 0
     drop: set[int] = field(default_factory=set)
+    drop_all: bool = False
     duplicate: bool = False
     reverse: bool = False
     _held: list[list] = field(default_factory=list)
 
     def apply(self, fresh: list[Completion]) -> list[Completion]:
-        self._held.extend([c, self.delay] for c in fresh if c[0] not in self.drop)
+        self._held.extend([c, self.delay] for c in fresh if not self.drop_all and c[0] not in self.drop)
         out = [c for c, wait in self._held if wait <= 0]
         self._held = [[c, wait - 1] for c, wait in self._held if wait > 0]
         if self.reverse:

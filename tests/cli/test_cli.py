@@ -40,17 +40,22 @@ def test_make_tiny_model_is_deterministic(made, tmp_path):
         assert (tmp_path / "again" / name).read_bytes() == (made / name).read_bytes(), name
 
 
-def test_demo_runs_on_the_made_model(made):
+@pytest.mark.ray
+def test_demo_runs_through_the_ray_actors(made):
     r = _ninfer("demo", "--model", str(made))
     assert r.returncode == 0, r.stderr
-    assert "tool result" in r.stdout and "tok/s" in r.stdout
+    assert "transport=ray" in r.stdout
+    assert "outputs compared with isolated, uncached runs — all identical" in r.stdout
+    assert "leak check after drop_caches: clean" in r.stdout
+    assert "pauses" in r.stdout and "ttft_ms" in r.stdout
 
 
 def test_demo_builds_the_model_when_missing(tmp_path):
-    r = _ninfer("demo", "--model", str(tmp_path / "fresh"))
+    r = _ninfer("demo", "--model", str(tmp_path / "fresh"), "--transport", "inproc")
     assert r.returncode == 0, r.stderr
     assert "building the tiny model" in r.stdout
     assert (tmp_path / "fresh" / "model.safetensors").is_file()
+    assert "all identical" in r.stdout
 
 
 @pytest.mark.parametrize("edit,needle", [
