@@ -2,7 +2,8 @@
 
     ninfer make-tiny-model DIR [--seed N] [--arch qwen3_next|qwen3]
     ninfer demo [--model DIR]
-    ninfer bench controller|agent [--model DIR] [--out FILE]
+    ninfer serve --model DIR [--config FILE] [--host 127.0.0.1] [--port 8000] [--address auto]
+    ninfer bench controller|agent|actors [--model DIR] [--out FILE]
 
 Errors a user can cause (bad directory, bad config) print one line and exit with status 2.
 """
@@ -27,6 +28,29 @@ def _demo(args: argparse.Namespace) -> int:
     from ninfer.demo import run_demo
 
     return run_demo(args.model, dtype=args.dtype, transport=args.transport)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import os
+    from pathlib import Path
+
+    from ninfer.engine.api import Engine, connect
+    from ninfer.frontend.server import serve
+
+    if args.connect:
+        engine = connect(address=args.address or "auto", deployment=args.deployment, model_dir=args.model)
+    else:
+        engine = Engine.start(args.model, config=args.config, transport=args.transport, address=args.address,
+                              deployment=args.deployment, detached=bool(args.address))
+    name = args.served_model_name or Path(args.model).name
+    print(f"serving {name} on http://{args.host}:{args.port}/v1 (transport={engine.transport})", flush=True)
+    try:
+        serve(engine, name, host=args.host, port=args.port, api_key=args.api_key or os.environ.get("NINFER_API_KEY"),
+              max_body_bytes=args.max_body_bytes)
+    finally:
+        if not args.address:
+            engine.shutdown()
+    return 0
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -54,9 +78,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ray: the three actors on a local Ray (default); inproc: one process")
     p.set_defaults(func=_demo)
 
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat completions, responses, metrics)")
+    p.add_argument("--model", required=True, help="model directory (Hugging Face layout)")
+    p.add_argument("--config", default=None, help="engine config TOML (see deploy/engine.toml)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--address", default=None,
+                   help="Ray cluster address (e.g. auto after `ray start --head`); the deployment stays up "
+                        "after the server exits; without it a local deployment is started and stopped")
+    p.add_argument("--transport", choices=["ray", "inproc"], default="ray")
+    p.add_argument("--deployment", default="ninfer", help="deployment name on the Ray cluster")
+    p.add_argument("--connect", action="store_true", help="attach to a deployment that is already running")
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (or set NINFER_API_KEY)")
+    p.add_argument("--max-body-bytes", type=int, default=16 << 20)
+    p.add_argument("--served-model-name", default=None)
+    p.set_defaults(func=_serve)
+
     p = sub.add_parser("bench", help="benchmarks: print a table and JSON (see bench/README.md)")
-    p.add_argument("name", choices=["controller", "agent"], help="controller: cost per steady decode cycle; "
-                   "agent: multi-turn agent prefill vs the infinite-cache floor at two capacities")
+    p.add_argument("name", choices=["controller", "agent", "actors"], help="controller: cost per steady decode cycle; "
+                   "agent: multi-turn agent prefill vs the infinite-cache floor at two capacities; "
+                   "actors: Ray vs in-process overhead and decode tok/s at C=1..8")
     p.add_argument("--model", default="models/tiny", help="model directory; built if missing")
     p.add_argument("--out", default=None, help="also write the JSON result to this file")
     p.set_defaults(func=_bench)

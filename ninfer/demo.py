@@ -16,7 +16,6 @@ from pathlib import Path
 import torch
 
 from ninfer.engine.api import Engine
-from ninfer.frontend.render import render_chat
 from ninfer.reference import reference_generate
 
 SYSTEM = ("You are a travel assistant for a small agency. Answer briefly, prefer facts from tools, "
@@ -76,7 +75,9 @@ def run_demo(model_dir: str | Path = "models/tiny", dtype: str = "float32", tran
                                             ignore_eos=True)
             for i, city in enumerate(CITIES):
                 out = handles[city].result(600)
-                prompt = render_chat(path, history[city], tools=TOOLS)
+                # the engine computes the model's own earlier answers with the exact tokens it
+                # produced; the oracle runs that same prompt alone, uncached
+                prompt = out.prompt_token_ids
                 ref = reference_generate(path, prompt, max_tokens=max_tokens, temperature=0.8,
                                          seed=10 * i + turn, dtype=dtype, ignore_eos=True)
                 mismatches += out.token_ids != ref

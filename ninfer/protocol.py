@@ -347,6 +347,7 @@ class StepReply(msgspec.Struct, omit_defaults=True):
     tx_busy: bool = False
     bytes_h2d: int = 0
     bytes_d2h: int = 0
+    worker_s: float = 0.0            # time the worker spent on this plan (observation)
 
 
 class WorkerInfo(msgspec.Struct):
@@ -411,6 +412,7 @@ class FinalEvent(msgspec.Struct, tag="final", array_like=True):
     timings: dict[str, float | None]
     pauses: list[dict]
     error: dict | None = None
+    prompt_token_ids: list[int] = []   # the exact prompt the engine computed
 
 
 Event = TokensEvent | FinalEvent
@@ -436,6 +438,7 @@ class ChatSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
     params: SamplingParams = SamplingParams()
     session_id: str | None = None
     markers: list[int] = []
+    fill_max_tokens: bool = False    # max_tokens unset: up to the remaining context (capped)
     rid: str = ""
 
 

@@ -280,6 +280,8 @@ class FrontendActor:
     # ---- from the controller ----------------------------------------------------------------
     async def deliver(self, data: bytes) -> None:
         for ev in P.decode_events(data):
+            if self.intake is not None:
+                self.intake.observe(ev)
             self._route(ev)
 
     def _route(self, ev: P.Event) -> None:

@@ -47,6 +47,9 @@ class InprocRuntime:
     def submit_chat(self, chat: P.ChatSpec) -> None:
         self.submit(self.intake.chat(chat))
 
+    def observe(self, ev: P.Event) -> None:
+        self.intake.observe(ev)
+
     def cancel(self, rid: str) -> None:
         self.loop.cancel(rid)
 

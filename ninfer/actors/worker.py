@@ -10,6 +10,7 @@ settles, and reports what happened together with drained transfer completions. T
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -93,6 +94,7 @@ class Worker:
         """Seed cycle order: full resume first, then resident unit permits (rows, then the
         first chunk candidate that gets its permit), then fresh admission with the headroom
         left; one compact call; settle."""
+        t0 = time.perf_counter()
         reply = P.StepReply(seq=plan.seq)
         reply.pre = [self._command(c) for c in plan.pre]
         units: list[tuple[P.RowSpec, Sequence]] = []
@@ -122,6 +124,7 @@ class Worker:
             reply.rows.extend(results.values())     # first units of this cycle's binds
         reply.completions = self.prog.poll_transfers()
         self._pools(reply)
+        reply.worker_s = time.perf_counter() - t0
         return reply
 
     def _seq(self, sid: int) -> Sequence:

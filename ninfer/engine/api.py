@@ -55,6 +55,7 @@ class Output:
     usage: UsageView
     timings: TimingsView
     pauses: list[dict] = field(default_factory=list)
+    prompt_token_ids: list[int] = field(default_factory=list)   # exactly what the engine computed
 
 
 @dataclass
@@ -183,10 +184,16 @@ class Engine:
              temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
              session_id: str | None = None, cache_markers: list[int] | None = None,
              stop_token_ids: list[int] | None = None, ignore_eos: bool = False,
-             request_id: str | None = None) -> RequestHandle:
-        params = _params(max_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos, 0.0, 0.0, 1.0)
+             presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
+             request_id: str | None = None, fill_max_tokens: bool = False) -> RequestHandle:
+        """OpenAI-style chat input: rendered with the model's template; the frontend finds the
+        typed R, the restore position and the markers (cache_control on messages or parts).
+        ``fill_max_tokens``: treat max_tokens as a cap on the remaining context."""
+        params = _params(max_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos,
+                         presence_penalty, frequency_penalty, repetition_penalty)
         chat = P.ChatSpec(messages=messages, tools=tools, params=params, session_id=session_id,
-                          markers=list(cache_markers or []), rid=request_id or "")
+                          markers=list(cache_markers or []), fill_max_tokens=fill_max_tokens,
+                          rid=request_id or "")
         return self._submit(chat.rid, lambda rid: self._rt.submit_chat(msgspec.structs.replace(chat, rid=rid)))
 
     def _submit(self, rid: str, send) -> RequestHandle:
@@ -209,6 +216,9 @@ class Engine:
         self._rt.cancel(rid)
 
     def _on_event(self, ev: P.Event) -> None:
+        observe = getattr(self._rt, "observe", None)       # in-process: the frontend is here
+        if observe is not None:
+            observe(ev)
         handle = self._handles.get(ev.rid)
         if handle is None:
             return
@@ -224,7 +234,7 @@ class Engine:
             rid=ev.rid, token_ids=list(ev.token_ids), text=self._text(ev.token_ids),
             finish_reason=ev.finish_reason, error=ev.error, usage=UsageView(**usage),
             timings=TimingsView(max_output_gap_s=ev.timings.get("max_output_gap_s") or 0.0, **timings),
-            pauses=list(ev.pauses)))
+            pauses=list(ev.pauses), prompt_token_ids=list(ev.prompt_token_ids)))
 
     def _text(self, ids: list[int]) -> str:
         return self._intake.text(ids) if self._intake is not None else ""

@@ -58,6 +58,8 @@ class EngineStats:
     resumes_snapshot: int = 0
     resumes_replay: int = 0
     capacity_errors: int = 0
+    cycle_s: float = 0.0            # wall time of cycles that made a round trip
+    worker_s: float = 0.0           # of which the worker was busy
     prefill_tokens: int = 0
     replay_tokens: int = 0
     finished: int = 0
@@ -129,7 +131,9 @@ class EngineCore:
                 return bool(self._completions)
             return False
         self.stats.cycles += 1
+        t0 = time.perf_counter()
         reply = self._call(plan)
+        self.stats.cycle_s += time.perf_counter() - t0
         progressed = self._process(reply, ctx) or bool(plan.pre)
         acted = self.pressure.relieve(ctx.short)
         # A cycle in which nothing ran and nothing changed waits for the next real event
@@ -139,6 +143,7 @@ class EngineCore:
     def _call(self, plan: P.StepPlan) -> P.StepReply:
         self.stats.steps += 1
         reply = self.client.step(plan)
+        self.stats.worker_s += reply.worker_s
         self.pools = reply.pools
         self.host_free = reply.host_free
         self.host_largest = reply.host_largest
@@ -247,7 +252,7 @@ class EngineCore:
                    "replay_tokens": u.replay_tokens},
             timings={**{k: getattr(req.timings(), k) for k in ("ttft_s", "e2e_s", "max_output_gap_s", "queue_s")},
                      "arrival": req.arrival, "admitted_at": req.first_admitted},
-            pauses=list(req.pauses), error=req.error))
+            pauses=list(req.pauses), error=req.error, prompt_token_ids=list(req.prompt)))
 
     def fail(self, req: Request, exc: Exception) -> None:
         """Fail one request with a clear error (it alone)."""
@@ -271,6 +276,15 @@ class EngineCore:
                 spec.capture_retire += self.rm.anchor_overflow(req)
             unit.retire = list(spec.capture_retire)
         return spec
+
+    def _waits_for_turn(self, req: Request, unit: Unit, binding_slots: int = 0) -> bool:
+        """A save that would go to the Host needs the single context-transaction turn: while
+        another transfer is in flight, this unit waits for it (one cycle of this request only;
+        everything else keeps running) instead of losing the save."""
+        if unit.save_index is None or req.recovery_pending or not self.tx_busy:
+            return False
+        state = self.pools.get(P.STATE)
+        return state is not None and state.available <= binding_slots
 
     def _admit_capture(self, req: Request, unit: Unit, binding_slots: int) -> bool:
         """A capture is an optional cache write: with a free Device slot or Host room it just
@@ -306,6 +320,8 @@ class EngineCore:
             if req.finish_reason is not None or req.cancel_requested:
                 continue
             unit = self._unit_for(req)
+            if self._waits_for_turn(req, unit):
+                continue
             plan.rows.append(self._row_spec(req, unit, req.sid))
             ctx.units[req.sid] = (req, unit)
 
@@ -335,7 +351,8 @@ class EngineCore:
                 new=P.NewSeq(req.rid, P.pack_tokens(req.prompt), len(req.prompt), req.params),
                 source=adm.source.ref if adm.source else None, mode=adm.mode,
                 first_tokens=unit.n_tokens, mover=adm.mover, retire=adm.retire,
-                unit=self._row_spec(req, unit, 0, 0 if adm.mode == "move" else 1),
+                unit=None if self._waits_for_turn(req, unit, 0 if adm.mode == "move" else 1)
+                else self._row_spec(req, unit, 0, 0 if adm.mode == "move" else 1),
                 rank=rank, fresh=True, budget=budget))
             ctx.binds.append((req, "fresh", adm, unit))
             ctx.fresh.append(req)
@@ -389,6 +406,8 @@ class EngineCore:
             if req.finish_reason is not None or req.cancel_requested:
                 continue
             unit = self._unit_for(req)
+            if self._waits_for_turn(req, unit):
+                continue
             plan.chunks.append(self._row_spec(req, unit, req.sid))
             ctx.units[req.sid] = (req, unit)
 
@@ -529,7 +548,7 @@ class EngineCore:
             "pauses": {"snapshot": s.resumes_snapshot, "replay": s.resumes_replay},
             "preemptions": s.preemptions, "revocations": s.revocations,
             "capacity_errors": s.capacity_errors, "finished": s.finished,
-            "cycles": s.cycles, "round_trips": s.steps,
+            "cycles": s.cycles, "round_trips": s.steps, "cycle_s": s.cycle_s, "worker_s": s.worker_s,
             "running": len(sched.resident), "waiting": len(sched.fresh), "paused": len(sched.paused),
             "occupancy": {k: {"total": v.total, "available": v.available} for k, v in self.pools.items()},
             "host_free_bytes": self.host_free, "host_capacity_bytes": self.info.host_capacity,

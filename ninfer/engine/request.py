@@ -37,6 +37,7 @@ class RequestSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
     recovery_frontier: int | None = None    # input restore point (C or R) from the frontend
     response_replay: int | None = None      # typed R: ResponseReplay
     turn_closure: int | None = None         # typed R: TurnClosure
+    split_points: list[int] = []            # rewrite execution frontiers: units end there
     rid: str = ""
 
 

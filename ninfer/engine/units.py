@@ -36,6 +36,9 @@ def next_unit(req: Request, frontier: int, ledger_len: int, chunk: int) -> Unit:
     if frontier == ledger_len - 1 and req.outputs:
         return Unit(1, "decode", None)
     end = min(frontier + chunk, ledger_len)
+    for x in req.spec.split_points:          # rewrite execution frontiers: the math splits here
+        if frontier < x < end:
+            end = x
     save = None
     for i, sp in enumerate(req.save_points):
         if frontier < sp.frontier <= end:

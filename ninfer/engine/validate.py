@@ -27,6 +27,9 @@ def validate_spec(spec: RequestSpec, info: P.WorkerInfo) -> None:
         for x in pos:
             if not isinstance(x, int) or not 1 <= x <= len(p):
                 raise RequestError(f"{name}: position {x!r} is outside the prompt (1..{len(p)})")
+    for x in spec.split_points:
+        if not isinstance(x, int) or not 1 <= x <= len(p):
+            raise RequestError(f"split point {x!r} is outside the prompt (1..{len(p)})")
     for name in ("recovery_frontier", "response_replay", "turn_closure"):
         r = getattr(spec, name)
         if r is not None and (not isinstance(r, int) or not 1 <= r <= len(p)):

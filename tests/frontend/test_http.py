@@ -1,0 +1,174 @@
+"""End to end with the official `openai` client against `ninfer serve`, started by the test on a
+free loopback port: multi-turn reuse, an agent loop with a tool round trip, streaming,
+Responses with previous_response_id, and every bad input with its status code followed by a
+successful request."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+
+KEY = "test-key"
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+def _free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    cfg = tmp_path_factory.mktemp("serve") / "engine.toml"
+    cfg.write_text('max_concurrency = 2\nmax_context = 1024\ndtype = "float32"\n\n[context_cache]\n'
+                   'host_capacity_bytes = 16777216\n')
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "ninfer.cli", "serve", "--model", tiny_model, "--config", str(cfg),
+                             "--port", str(port), "--transport", "inproc", "--api-key", KEY,
+                             "--max-body-bytes", "200000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None, proc.stderr.read()
+        time.sleep(0.1)
+    yield base
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY)
+
+
+def test_four_turn_chat_reuses_each_previous_turn(client):
+    msgs = [{"role": "system", "content": "Be brief."}]
+    prev = None
+    for turn in range(4):
+        msgs.append({"role": "user", "content": f"Question {turn}: tell me something."})
+        r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0)
+        if prev is not None:   # turn n+1 reuses turn n's prompt and output (all but its last token)
+            assert r.usage.prompt_tokens_details.cached_tokens >= prev.prompt_tokens + prev.completion_tokens - 1
+        prev = r.usage
+        msgs.append({"role": "assistant", "content": r.choices[0].message.content})
+
+
+def test_agent_loop_with_a_tool_call_and_result(client):
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r1 = client.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, max_tokens=8, temperature=0)
+    assert r1.choices[0].finish_reason in ("length", "stop", "tool_calls")
+    # the agent normalises the call, runs the tool and sends the result back
+    msgs += [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temp_c": 14, "sky": "rain"}'}]
+    r2 = client.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, max_tokens=8, temperature=0)
+    # the rewritten history still reuses turn 1's restore point: C, the end of the user content
+    # (only "<|im_end|>\n<|im_start|>assistant\n" — 5 template tokens — are recomputed)
+    assert r2.usage.prompt_tokens_details.cached_tokens == r1.usage.prompt_tokens - 5
+    assert r2.usage.prompt_tokens > r1.usage.prompt_tokens
+
+
+def test_streaming(client):
+    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Stream please"}],
+                                            max_tokens=9, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    text, usage, reasons = "", None, []
+    for ch in stream:
+        if ch.choices:
+            text += ch.choices[0].delta.content or ""
+            reasons.append(ch.choices[0].finish_reason)
+        if ch.usage:
+            usage = ch.usage
+    again = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Stream please"}],
+                                           max_tokens=9, temperature=0)
+    assert text == again.choices[0].message.content
+    assert usage.completion_tokens == 9 and reasons[-1] == "length"
+    assert again.usage.prompt_tokens_details.cached_tokens > 0          # same prompt: exact reuse
+
+
+def test_responses_with_previous_response_id(client):
+    r1 = client.responses.create(model="tiny", input="Hello there", max_output_tokens=8, temperature=0)
+    assert r1.id.startswith("resp_") and r1.usage.output_tokens == 8
+    r2 = client.responses.create(model="tiny", input="And then?", previous_response_id=r1.id,
+                                 max_output_tokens=8, temperature=0)
+    assert r2.usage.input_tokens > r1.usage.input_tokens + 8
+    assert r2.usage.input_tokens_details.cached_tokens >= r1.usage.input_tokens + 8 - 1
+    assert isinstance(r2.output_text, str)
+
+
+def test_models_health_metrics(server, client, tiny_model):
+    assert [m.id for m in client.models.list().data] == [os.path.basename(tiny_model)]
+    assert httpx.get(f"{server}/health").json() == {"status": "ok"}
+    m = httpx.get(f"{server}/metrics").text
+    for name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
+                 "ninfer_replay_tokens_total", "ninfer_cache_hit_losses_total", "ninfer_bytes_h2d_total",
+                 'ninfer_pauses_total{route="snapshot"}'):
+        assert name in m
+
+
+BAD = [
+    ("malformed-json", "/v1/chat/completions", b"{not json", 400, "malformed JSON"),
+    ("bad-role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+    ("too-long", "/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 3000}]}, 400,
+     "max_context"),
+    ("five-markers", "/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": f"part {i}.\n", "cache_control": {"type": "ephemeral"}} for i in range(5)]}]},
+     400, "at most 4"),
+    ("bad-temperature", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                 "temperature": -1}, 400, "temperature"),
+    ("bad-top-p", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_p": 7}, 400, "top_p"),
+    ("unknown-previous", "/v1/responses", {"input": "x", "previous_response_id": "resp_nope"}, 404, "not found"),
+    ("body-too-large", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 300000}]}, 413,
+     "exceeds"),
+]
+
+
+@pytest.mark.parametrize("name,path,body,status,needle", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_gets_its_status_and_the_engine_keeps_serving(server, client, name, path, body, status, needle):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(f"{server}{path}", content=data, timeout=60,
+                   headers={"authorization": f"Bearer {KEY}", "content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] and err["type"]
+    ok = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "still there?"}],
+                                        max_tokens=3)
+    assert ok.choices[0].finish_reason in ("length", "stop")
+
+
+def test_api_key_is_required(server):
+    r = httpx.post(f"{server}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_engine_down_is_503(tiny_model):
+    """In-process server whose engine has shut down answers 503 (and /health says so)."""
+    from starlette.testclient import TestClient
+
+    import ninfer
+    from ninfer.frontend.server import Server
+    eng = ninfer.Engine.start(tiny_model, config={"max_concurrency": 1, "max_context": 256}, transport="inproc")
+    app = Server(eng, "tiny").app
+    eng.shutdown()
+    with TestClient(app) as tc:
+        r = tc.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 503 and "shut down" in r.json()["error"]["message"]
+        assert tc.get("/health").status_code == 503
