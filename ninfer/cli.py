@@ -37,9 +37,14 @@ def _serve(args: argparse.Namespace) -> int:
     from ninfer.engine.api import Engine, connect
     from ninfer.frontend.server import serve
 
-    if args.connect:
-        engine = connect(address=args.address or "auto", deployment=args.deployment, model_dir=args.model)
-    else:
+    engine = None
+    if args.connect or args.address:
+        try:                                   # attach to a running deployment of that name
+            engine = connect(address=args.address or "auto", deployment=args.deployment, model_dir=args.model)
+        except NInferError:
+            if args.connect:
+                raise
+    if engine is None:
         engine = Engine.start(args.model, config=args.config, transport=args.transport, address=args.address,
                               deployment=args.deployment, detached=bool(args.address))
     name = args.served_model_name or Path(args.model).name

@@ -79,3 +79,9 @@ def test_kv_page_curve():
     assert kv_page_bounds(4096, 4) == (64, 256)
     assert kv_page_bounds(100, 8) == (8, 16)
     assert kv_page_bounds(64, 1) == (1, 1)
+
+
+def test_the_deploy_example_config_loads():
+    from pathlib import Path
+    c = EngineConfig.from_toml(Path(__file__).resolve().parents[1] / "deploy" / "engine.toml")
+    assert c.max_concurrency == 4 and c.context_cache.device_state_slots == 4 and c.dtype == "bfloat16"

@@ -172,3 +172,32 @@ def test_engine_down_is_503(tiny_model):
         r = tc.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
         assert r.status_code == 503 and "shut down" in r.json()["error"]["message"]
         assert tc.get("/health").status_code == 503
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_serve_through_the_ray_actors(tiny_model):
+    """`ninfer serve` with the default Ray transport (a private local deployment)."""
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "ninfer.cli", "serve", "--model", tiny_model, "--port", str(port),
+                             "--deployment", "http-ray"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+    try:
+        base = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.1)
+        c = openai.OpenAI(base_url=f"{base}/v1", api_key="none")
+        msgs = [{"role": "user", "content": "hello over ray"}]
+        r1 = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0)
+        msgs += [{"role": "assistant", "content": r1.choices[0].message.content}, {"role": "user", "content": "again"}]
+        r2 = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0)
+        assert r2.usage.prompt_tokens_details.cached_tokens >= r1.usage.prompt_tokens + 6 - 1
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
