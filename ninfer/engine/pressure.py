@@ -56,16 +56,22 @@ class Pressure:
         core = self.core
         [out] = core.call_commands([P.Quote()])
         facts = out.facts
-        planner = Planner(facts, core.rm.table, self.protected(req), self._revoker(req, necessary))
+        planner = Planner(facts, core.rm.table, self.protected(req), self._revoker(req, necessary),
+                          self.snapshot_tickets())
         actions, covered = planner.plan(short)
         if not actions or not (covered or necessary):
             return False
         [res] = core.call_commands([P.Commit(actions)])
-        result = res.result
-        if not result.ok:
+        if not res.result.ok and len(planner.steps) > 1:
+            actions = planner.steps[0]               # the batch failed: try its first step alone
+            [res] = core.call_commands([P.Commit(actions)])
+        if not res.result.ok:
             return False
-        self.applied(actions, result)
+        self.applied(actions, res.result)
         return True
+
+    def snapshot_tickets(self) -> dict[str, int]:
+        return {f"seq:{r.sid}": r.ticket for r in self.core.sched.paused if r.sid is not None}
 
     def applied(self, actions: list[P.Action], result: P.CommitResult) -> None:
         """Mirror a committed reclaim: deletions revoke snapshots or forget records."""

@@ -84,9 +84,11 @@ class Planner:
     """One planning pass over one quote."""
 
     def __init__(self, facts: P.Facts, table: RecordTable, protect: set[int],
-                 may_revoke: Callable[[str], bool]):
+                 may_revoke: Callable[[str], bool], tickets: dict[str, int] | None = None):
         self.f = facts
         self.table = table
+        self.tickets = tickets or {}          # pause-snapshot owner ("seq:<sid>") -> original ticket
+        self.steps: list[list[P.Action]] = []  # the plan as separately committable steps
         self.victims: set[int] = set()
         self.demoted_images: set[int] = set()
         self.demoted_blocks: set[int] = set()
@@ -300,27 +302,49 @@ class Planner:
                     sets.add(rest)
         return sorted(sets, key=sorted)
 
+    def _ticket(self, cid: int) -> int | None:
+        return min((self.tickets[o] for o in self.f.checkpoints[cid].owners if o in self.tickets), default=None)
+
+    def host_admission(self, cand: Candidate):
+        """Which Host content a demotion of ``cand`` may replace, and the loss budget
+        (seed admission table): a pause snapshot may replace optional cache, then pause
+        snapshots of later tickets; other content (a Host write-back of existing content) only
+        by its own eligibility — normal content replaces normal, reuse content also older reuse
+        — and for less loss than the restore coverage it keeps."""
+        ticket = self._ticket(cand.cid)
+        if ticket is not None:
+            def snapshot_may(v: Candidate) -> bool:
+                other = self._ticket(v.cid)
+                return v.cls <= 1 or (other is not None and other > ticket)
+            return snapshot_may, None
+        def own(v: Candidate) -> bool:
+            return v.cls == 0 or (cand.cls == 1 and v.cls == 1 and v.demand_time < cand.demand_time)
+        return own, cand.frontier - self.fallback(cand.cid, self.victims)
+
     def _options(self, pool: str, short: int) -> list[tuple]:
         """(cls, demand time, loss, freed, action, host sizes, host victims) per option."""
         options = []
-        not_revocable = lambda c: c.cls <= 1            # noqa: E731  (Host victims: optional cache)
         for cid, cand in self.cands.items():
             if cid in self.victims:
                 continue
             c = self.f.checkpoints[cid]
+            may, budget = self.host_admission(cand)
+            admissible = lambda v, cid=cid, may=may: may(v) and v.cid != cid          # noqa: E731
             if pool == P.STATE and c.image_device and cid not in self.demoted_images:
                 sizes = [] if c.image_host else [self.f.image_bytes]
-                host = self.place_host(sizes, lambda v, cid=cid: not_revocable(v) and v.cid != cid)
+                host = self.place_host(sizes, admissible, budget)
                 if host is not None:
                     options.append((cand.cls, cand.demand_time, host[1], 1, ("demote_state", cid), sizes, host[0]))
             if pool == P.MAIN:
                 blocks = self.movable_blocks(cid)[-short:]
-                if blocks:
+                while blocks:                 # page groups that do not fit are halved and retried
                     sizes = [self.f.page_bytes for b in blocks if not self.f.blocks[b].host]
-                    host = self.place_host(sizes, lambda v, cid=cid: not_revocable(v) and v.cid != cid)
+                    host = self.place_host(sizes, admissible, budget)
                     if host is not None:
                         options.append((cand.cls, cand.demand_time, host[1], len(blocks),
                                         ("demote_blocks", cid, tuple(blocks)), sizes, host[0]))
+                        break
+                    blocks = blocks[len(blocks) // 2:] if len(blocks) > 1 else []
         for group in self._delete_options(pool):
             freed = self.freed_by_delete(group, pool)
             if freed:
@@ -343,15 +367,19 @@ class Planner:
         cls, hot, loss, freed, what, sizes, host_victims = min(options, key=key)
         acts = self._commit_host(sizes, host_victims) if sizes else []
         if what[0] == "delete":
-            return acts + self._delete(what[1]), freed
-        cid = what[1]
-        c = self.f.checkpoints[cid]
-        if what[0] == "demote_state":
+            acts += self._delete(what[1])
+        elif what[0] == "demote_state":
+            cid = what[1]
+            c = self.f.checkpoints[cid]
             self.demoted_images.add(cid)
-            return acts + [P.DemoteState(cid, c.generation, c.version)], freed
-        bids = what[2]
-        self.demoted_blocks.update(bids)
-        return acts + [P.DemoteBlocks(cid, c.generation, bids, tuple(self.f.blocks[b].version for b in bids))], freed
+            acts.append(P.DemoteState(cid, c.generation, c.version))
+        else:
+            cid, bids = what[1], what[2]
+            c = self.f.checkpoints[cid]
+            self.demoted_blocks.update(bids)
+            acts.append(P.DemoteBlocks(cid, c.generation, bids, tuple(self.f.blocks[b].version for b in bids)))
+        self.steps.append(acts)
+        return acts, freed
 
     # ==== admission of a new capture ===========================================================
     def plan_capture(self, benefit: int, own_demand: float | None, owner_reuse: bool) -> list[P.Action] | None:
