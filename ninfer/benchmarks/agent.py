@@ -5,7 +5,8 @@ Sessions share a system prompt; each turn appends the previous answer and a tool
 sometimes the client normalises the previous tool call (the history after the response start
 is rewritten), as agent frameworks do. Each session submits its next turn when the previous one
 finishes. The floor is what an infinite, exact cache would still have to compute: for every
-request, the prompt tokens beyond its longest common prefix with anything computed before.
+request, the prompt tokens beyond its longest common prefix with anything submitted or
+generated before it.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def run_capacity(model_dir: str, kv_pages: int, host_bytes: int, sessions: int =
         nonlocal floor
         p = prompts[s]
         floor += len(p) - max((_lcp(p, c) for c in computed), default=0)
+        computed.append(p)                    # an infinite cache would hold it from now on
         pending[s] = (p, eng.generate(p, max_tokens=12, temperature=0.7, seed=s * 100 + turn[s], ignore_eos=True,
                                       session_id=f"agent-{s}", recovery_frontier=len(p) - 2,
                                       cache_markers=[len(system)]))
