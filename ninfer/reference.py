@@ -10,7 +10,6 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-import torch
 
 from ninfer.errors import RequestError
 from ninfer.native.model.config import PAGE_SIZE, load_eos_ids

@@ -167,9 +167,6 @@ class EngineControllerActor:
     def ping(self) -> float:
         return self.started
 
-    def worker_name(self) -> str:
-        return self.names["worker"]
-
 
 # ---- frontend ----------------------------------------------------------------------------------
 
@@ -325,9 +322,6 @@ class FrontendActor:
                 name=self.names["controller"], namespace=NAMESPACE).remote(
                 self._model_dir, self._config, self._deployment)
             self.controller_epoch = await self.controller.ping.remote()
-
-    async def controller_handle(self):
-        return self.controller
 
     async def model_dir(self) -> str:
         return self._model_dir

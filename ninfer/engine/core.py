@@ -112,10 +112,6 @@ class EngineCore:
     def busy(self) -> bool:
         return bool(self.requests) or bool(self._pending) or bool(self._completions) or self.tx_busy
 
-    def idle_wait_hint(self) -> bool:
-        """Nothing can progress until a transfer completes."""
-        return self.tx_busy and not self._completions and not self._pending
-
     def cycle(self) -> bool:
         """One engine cycle; returns False when there was nothing to do."""
         ctx = CycleCtx()

@@ -50,11 +50,6 @@ class FaultHook:
             out = [c for c in out for _ in range(2)]
         return out
 
-    def release_all(self) -> list[Completion]:
-        out = [c for c, _ in self._held]
-        self._held = []
-        return out
-
 
 class TransferEngine:
     """Runs copy jobs off the compute path and reports their completion."""

@@ -11,17 +11,11 @@ from tests.factories import random_prompt
 
 
 @pytest.fixture
-def make(tiny_model):
-    made = []
-
+def make(make_harness):
     def build(**cfg) -> Harness:
         cfg.setdefault("max_context", 512)
-        h = Harness(tiny_model, **cfg)
-        made.append(h)
-        return h
-    yield build
-    for h in made:
-        h.close()
+        return make_harness(**cfg)
+    return build
 
 
 def run(h: Harness, prompt, **kw):

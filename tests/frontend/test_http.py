@@ -22,6 +22,18 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
 
 
+def _wait_up(proc: subprocess.Popen, base: str) -> None:
+    for _ in range(600):
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None, proc.stderr.read()
+        time.sleep(0.1)
+    raise AssertionError("ninfer serve did not come up")
+
+
 def _free_port() -> int:
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
@@ -41,14 +53,7 @@ def server(tiny_model, tmp_path_factory):
                              "--max-body-bytes", "200000"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
     base = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert proc.poll() is None, proc.stderr.read()
-        time.sleep(0.1)
+    _wait_up(proc, base)
     yield base
     proc.terminate()
     proc.wait(timeout=30)
@@ -184,14 +189,7 @@ def test_serve_through_the_ray_actors(tiny_model):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
     try:
         base = f"http://127.0.0.1:{port}"
-        for _ in range(600):
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, proc.stderr.read()
-            time.sleep(0.1)
+        _wait_up(proc, base)
         c = openai.OpenAI(base_url=f"{base}/v1", api_key="none")
         msgs = [{"role": "user", "content": "hello over ray"}]
         r1 = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0)

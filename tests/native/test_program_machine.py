@@ -10,9 +10,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from ninfer.native.layout import MAIN
 from ninfer.native.objects import SeqState
-from ninfer.native.program import BindMode, NativeError, UnitKind, UnitRow
+from ninfer.native.program import BindMode, UnitKind, UnitRow
 from ninfer.native.reclaim import Delete, DemoteBlocks, DemoteState
 from ninfer.reference import reference_generate
 from tests.factories import random_prompt

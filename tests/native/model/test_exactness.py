@@ -11,7 +11,7 @@ import torch
 from ninfer.native.model import gdn
 from ninfer.native.model.forward import ForwardBatch, SeqInput
 from ninfer.native.model.model import HybridModel
-from tests.factories import logits_in_chunks, pages_for, random_prompt
+from tests.factories import logits_in_chunks, random_prompt
 
 TOL = 1e-9
 

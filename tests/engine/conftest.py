@@ -1,0 +1,21 @@
+"""Fixtures for the engine tests: harnesses that are closed after each test."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.engine.harness import Harness
+
+
+@pytest.fixture
+def make_harness(tiny_model):
+    """``make_harness(max_context=..., **config)`` builds a Harness on the tiny model."""
+    made = []
+
+    def build(**cfg) -> Harness:
+        h = Harness(tiny_model, **cfg)
+        made.append(h)
+        return h
+    yield build
+    for h in made:
+        h.close()
