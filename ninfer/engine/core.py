@@ -118,9 +118,9 @@ class EngineCore:
         plan = P.StepPlan(seq=next(self._steps))
         self._check_overdue()
         self._settle(plan, ctx)
-        self._plan_rows(plan, ctx)
+        self._plan_units(self.sched.rows(), plan.rows, ctx)           # 2. rows
         self._plan_binds(plan, ctx)
-        self._plan_chunks(plan, ctx)
+        self._plan_units(self.sched.chunk_order(), plan.chunks, ctx)  # 4. chunks
         if not (plan.pre or plan.rows or plan.binds or plan.chunks):
             if self.tx_busy:
                 self._call(plan)                # poll: drain completions (woken by the worker)
@@ -311,14 +311,15 @@ class EngineCore:
             self.pressure.applied(actions, res.result)
         return True
 
-    def _plan_rows(self, plan: P.StepPlan, ctx: CycleCtx) -> None:
-        for req in self.sched.rows():
+    def _plan_units(self, reqs, out: list, ctx: CycleCtx) -> None:
+        """Rows (step 2) and chunks (step 4): live requests whose unit has its turn."""
+        for req in reqs:
             if req.finish_reason is not None or req.cancel_requested:
                 continue
             unit = self._unit_for(req)
             if self._waits_for_turn(req, unit):
                 continue
-            plan.rows.append(self._row_spec(req, unit, req.sid))
+            out.append(self._row_spec(req, unit, req.sid))
             ctx.units[req.sid] = (req, unit)
 
     # ---- 3. binds -----------------------------------------------------------------------
@@ -395,17 +396,6 @@ class EngineCore:
         plan.binds.append(P.BindSpec(sid=req.sid, source=source, mode=mode, first_tokens=first,
                                      mover=mover, unit=spec, rank=-1))
         ctx.binds.append((req, route, adm, unit))
-
-    # ---- 4. chunks ----------------------------------------------------------------------
-    def _plan_chunks(self, plan: P.StepPlan, ctx: CycleCtx) -> None:
-        for req in self.sched.chunk_order():
-            if req.finish_reason is not None or req.cancel_requested:
-                continue
-            unit = self._unit_for(req)
-            if self._waits_for_turn(req, unit):
-                continue
-            plan.chunks.append(self._row_spec(req, unit, req.sid))
-            ctx.units[req.sid] = (req, unit)
 
     # ==== 5. process the reply ===========================================================
     def _process(self, reply: P.StepReply, ctx: CycleCtx) -> bool:
