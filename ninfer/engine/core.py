@@ -256,7 +256,7 @@ class EngineCore:
         req.error = {"type": kind, "message": str(exc)}
         req.finish_reason = "error"
 
-    # ---- 2. rows and 4. chunks ------------------------------------------------------------------------
+    # ---- 2. rows and 4. chunks ------------------------------------------------------------
     def _unit_for(self, req: Request) -> Unit:
         f = req.facts
         return next_unit(req, f.frontier, f.ledger_len, self.chunk)
