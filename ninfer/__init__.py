@@ -14,8 +14,8 @@ from ninfer.sampling_params import SamplingParams
 __version__ = "0.1.0"
 
 _LAZY = {
-    "Engine": "ninfer.engine.api",
-    "connect": "ninfer.engine.api",
+    "Engine": "ninfer.api",
+    "connect": "ninfer.api",
     "reference_generate": "ninfer.reference",
     "render_chat": "ninfer.frontend.render",
     "make_tiny_model": "ninfer.tiny.build",

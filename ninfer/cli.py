@@ -34,7 +34,7 @@ def _serve(args: argparse.Namespace) -> int:
     import os
     from pathlib import Path
 
-    from ninfer.engine.api import Engine, connect
+    from ninfer.api import Engine, connect
     from ninfer.frontend.server import serve
 
     engine = None

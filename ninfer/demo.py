@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ninfer.engine.api import Engine
+from ninfer.api import Engine
 from ninfer.reference import reference_generate
 
 SYSTEM = ("You are a travel assistant for a small agency. Answer briefly, prefer facts from tools, "

@@ -428,7 +428,25 @@ def decode_events(data: bytes) -> list[Event]:
     return _events_dec.decode(data)
 
 
-# ---- client -> frontend ------------------------------------------------------------------------
+# ---- client -> frontend / controller: requests ------------------------------------------------------------------------
+
+class RequestSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What a client submits (token level; the chat frontend fills the typed fields)."""
+
+    prompt: list[int]
+    params: SamplingParams = SamplingParams()
+    session_id: str | None = None
+    anchors: list[int] = []                 # <= 4 private restore positions
+    markers: list[int] = []                 # <= 4 public shared positions
+    recovery_frontier: int | None = None    # input restore point (C or R) from the frontend
+    response_replay: int | None = None      # typed R: ResponseReplay
+    turn_closure: int | None = None         # typed R: TurnClosure
+    split_points: list[int] = []            # rewrite execution frontiers: units end there
+    rid: str = ""
+
+
+_spec_dec = msgspec.msgpack.Decoder(RequestSpec)
+
 
 class ChatSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
     """An OpenAI-style chat request; the frontend renders it to the exact prompt tokens."""
@@ -454,6 +472,5 @@ def decode_config(data: bytes):
     return msgspec.msgpack.decode(data, type=EngineConfig)
 
 
-def decode_spec(data: bytes):
-    from ninfer.engine.request import RequestSpec
-    return msgspec.msgpack.decode(data, type=RequestSpec)
+def decode_spec(data: bytes) -> "RequestSpec":
+    return _spec_dec.decode(data)

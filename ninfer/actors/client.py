@@ -16,7 +16,7 @@ from ray.exceptions import RayActorError
 from ninfer import protocol as P
 from ninfer.actors.ray_actors import NAMESPACE, FrontendActor, names
 from ninfer.config import EngineConfig
-from ninfer.engine.request import RequestSpec
+from ninfer.protocol import RequestSpec
 from ninfer.errors import RequestError
 
 log = logging.getLogger("ninfer.client")

@@ -18,7 +18,8 @@ from concurrent.futures import Future
 from ninfer import protocol as P
 from ninfer.config import EngineConfig
 from ninfer.engine.core import EngineCore
-from ninfer.engine.request import Phase, RequestSpec
+from ninfer.engine.request import Phase
+from ninfer.protocol import RequestSpec
 from ninfer.errors import NInferError, RequestError
 
 log = logging.getLogger("ninfer.control")

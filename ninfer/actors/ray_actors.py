@@ -24,7 +24,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from ninfer import protocol as P
-from ninfer.engine.request import RequestSpec
+from ninfer.protocol import RequestSpec
 from ninfer.errors import NInferError, RequestError
 
 log = logging.getLogger("ninfer.ray")

@@ -13,7 +13,7 @@ from ninfer.actors.control import ControlLoop
 from ninfer.actors.transport import InprocClient
 from ninfer.actors.worker import Worker
 from ninfer.config import EngineConfig
-from ninfer.engine.request import RequestSpec
+from ninfer.protocol import RequestSpec
 from ninfer.frontend.intake import Intake
 
 

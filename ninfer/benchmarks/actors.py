@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from ninfer.engine.api import Engine
+from ninfer.api import Engine
 
 
 def measure(engine: Engine, concurrency: int, max_tokens: int = 48) -> dict:

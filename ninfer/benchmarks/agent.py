@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 import time
 
-from ninfer.engine.api import Engine
+from ninfer.api import Engine
 
 
 def _lcp(a: list[int], b: list[int]) -> int:

@@ -14,7 +14,7 @@ from ninfer.actors.transport import InprocClient
 from ninfer.actors.worker import Worker
 from ninfer.config import EngineConfig
 from ninfer.engine.core import EngineCore
-from ninfer.engine.request import RequestSpec
+from ninfer.protocol import RequestSpec
 from ninfer.sampling_params import SamplingParams
 
 

@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 
 from ninfer import protocol as P
 from ninfer.config import EngineConfig
-from ninfer.engine.pressure import Pressure
+from ninfer.policy.pressure import Pressure
 from ninfer.engine.request import Phase, Request, RequestSpec
 from ninfer.engine.units import Unit, account, next_unit
-from ninfer.engine.validate import validate_spec
+from ninfer.frontend.validate import validate_spec
 from ninfer.errors import CapacityContractError, IntegrityError, RequestError
 from ninfer.policy.reclaim import Planner
 from ninfer.policy.resources import Admission, ResourceManager, SavePoint

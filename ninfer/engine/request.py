@@ -14,7 +14,7 @@ from enum import Enum
 
 import msgspec
 
-from ninfer.protocol import CkptRef, SeqFacts
+from ninfer.protocol import CkptRef, RequestSpec, SeqFacts  # noqa: F401  (RequestSpec re-exported)
 from ninfer.sampling_params import SamplingParams
 
 
@@ -24,21 +24,6 @@ class Phase(str, Enum):
     RUNNING = "running"            # resident: holds a lane
     PAUSED = "paused"              # lane given back; resumes by Snapshot or Replay
     FINISHED = "finished"
-
-
-class RequestSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """What a client submits (token level; the chat frontend fills the typed fields)."""
-
-    prompt: list[int]
-    params: SamplingParams = SamplingParams()
-    session_id: str | None = None
-    anchors: list[int] = []                 # <= 4 private restore positions
-    markers: list[int] = []                 # <= 4 public shared positions
-    recovery_frontier: int | None = None    # input restore point (C or R) from the frontend
-    response_replay: int | None = None      # typed R: ResponseReplay
-    turn_closure: int | None = None         # typed R: TurnClosure
-    split_points: list[int] = []            # rewrite execution frontiers: units end there
-    rid: str = ""
 
 
 class Usage(msgspec.Struct):

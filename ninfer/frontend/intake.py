@@ -9,8 +9,8 @@ import uuid
 import msgspec
 
 from ninfer import protocol as P
-from ninfer.engine.request import RequestSpec
-from ninfer.engine.validate import validate_spec
+from ninfer.protocol import RequestSpec
+from ninfer.frontend.validate import validate_spec
 from ninfer.errors import ModelLoadError, RequestError
 from ninfer.frontend.chat_plan import OutputMemory, plan_chat
 from ninfer.frontend.render import ChatTokenizer

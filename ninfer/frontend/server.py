@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ninfer.engine.api import Engine
+from ninfer.api import Engine
 from ninfer.errors import NInferError
 from ninfer.frontend import openai_api as oa
 from ninfer.frontend.metrics import prometheus

@@ -10,7 +10,7 @@ from ninfer.actors.transport import InprocClient
 from ninfer.actors.worker import Worker
 from ninfer.config import EngineConfig
 from ninfer.engine.core import EngineCore
-from ninfer.engine.request import RequestSpec
+from ninfer.protocol import RequestSpec
 from ninfer.reference import reference_generate
 from ninfer.sampling_params import SamplingParams
 

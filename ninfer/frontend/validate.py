@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ninfer import protocol as P
-from ninfer.engine.request import RequestSpec
+from ninfer.protocol import RequestSpec
 from ninfer.errors import RequestError
 from ninfer.policy.records import MAX_ANCHORS, MAX_MARKERS
 

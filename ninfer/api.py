@@ -18,7 +18,7 @@ import msgspec
 
 from ninfer import protocol as P
 from ninfer.config import EngineConfig
-from ninfer.engine.request import RequestSpec
+from ninfer.protocol import RequestSpec
 from ninfer.errors import RequestError
 from ninfer.sampling_params import SamplingParams
 
