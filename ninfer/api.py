@@ -147,7 +147,7 @@ class Engine:
     @staticmethod
     def start(model: str | Path, config: EngineConfig | str | Path | dict | None = None,
               dtype: str | None = None, transport: str = "inproc", address: str | None = None,
-              deployment: str = "ninfer", detached: bool = False, hook=None, **kw) -> "Engine":
+              deployment: str = "ninfer", detached: bool = False, **kw) -> "Engine":
         """Start an engine on ``model``. transport="inproc": one process; "ray": the three
         actors on a local Ray (or the cluster at ``address``)."""
         from ninfer.native.model.config import load_config
@@ -158,7 +158,7 @@ class Engine:
         load_config(model)                     # a bad directory is one clear error, before any actor
         if transport == "inproc":
             from ninfer.actors.runtime import InprocRuntime
-            return Engine(InprocRuntime(str(model), cfg, hook=hook), str(model), transport)
+            return Engine(InprocRuntime(str(model), cfg), str(model), transport)
         if transport == "ray":
             from ninfer.actors.client import RayClientRuntime
             return Engine(RayClientRuntime.start(str(model), cfg, address, deployment, detached, **kw),
@@ -232,7 +232,7 @@ class Engine:
         timings = {k: ev.timings.get(k) for k in ("ttft_s", "e2e_s", "queue_s", "arrival", "admitted_at")}
         handle._deliver(Output(
             rid=ev.rid, token_ids=list(ev.token_ids), text=self._text(ev.token_ids),
-            finish_reason=ev.finish_reason, error=ev.error, usage=UsageView(**usage),
+            finish_reason=str(ev.finish_reason), error=ev.error, usage=UsageView(**usage),
             timings=TimingsView(max_output_gap_s=ev.timings.get("max_output_gap_s") or 0.0, **timings),
             pauses=list(ev.pauses), prompt_token_ids=list(ev.prompt_token_ids)))
 
@@ -242,7 +242,8 @@ class Engine:
     def _fail_outstanding(self, message: str) -> None:
         """The connection to the deployment was lost: no client waits forever."""
         for rid in list(self._handles):
-            self._on_event(P.FinalEvent(rid, "error", [], {}, {}, [], {"type": "connection_lost", "message": message}))
+            self._on_event(P.FinalEvent(rid, P.FinishReason.ERROR, [], {}, {}, [],
+                                        {"type": "connection_lost", "message": message}))
 
     # ---- engine-wide ----------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

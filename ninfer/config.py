@@ -8,6 +8,11 @@
     context_cache.host_capacity_bytes   shared pinned Host backing for StateImages, KV, pause
                              snapshots and transfer destinations (default 8 GiB + 8 × the
                              model's Host StateImage size)
+    copy_engine              "auto" (a CUDA stream on a GPU, a copy thread on the CPU) |
+                             "thread" | "inline" (copies at submission; deterministic, tests)
+    completion_timeout_s     a transaction whose copies finished but whose completion never
+                             arrived is settled after this long (a dropped completion)
+    faults                   public fault injection (``ninfer.faults``); empty = none
 
 Checks that need the model (the Main-KV curve, the memory budget) happen when the Native layer
 resolves the layout; they raise the same ConfigError with the numbers.
@@ -22,11 +27,13 @@ from pathlib import Path
 import msgspec
 
 from ninfer.errors import ConfigError
+from ninfer.faults import Fault
 
 PAGE_SIZE = 64
 GIB = 1 << 30
 DTYPES = ("float64", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
+COPY_ENGINES = ("auto", "thread", "inline")
 
 
 def _range_error(field: str, value, allowed: str) -> ConfigError:
@@ -58,6 +65,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omi
     # Scheduling knobs (vLLM/SGLang users expect them).
     prefill_chunk_tokens: int = 256
     request_timeout_s: float | None = None
+    copy_engine: str = "auto"
+    completion_timeout_s: float = 2.0
+    faults: list[Fault] = []
 
     def __post_init__(self) -> None:
         if isinstance(self.context_cache, dict):     # EngineConfig(context_cache={...})
@@ -78,6 +88,14 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omi
             raise _range_error("gpu_memory_utilization", self.gpu_memory_utilization, "(0, 1]")
         if self.prefill_chunk_tokens < 1:
             raise _range_error("prefill_chunk_tokens", self.prefill_chunk_tokens, ">= 1")
+        if not self.completion_timeout_s > 0:
+            raise _range_error("completion_timeout_s", self.completion_timeout_s, "> 0 seconds")
+        if self.copy_engine not in COPY_ENGINES:
+            raise _range_error("copy_engine", self.copy_engine, " | ".join(COPY_ENGINES))
+        try:
+            self.faults = [msgspec.convert(f, Fault) if isinstance(f, dict) else f for f in self.faults]
+        except msgspec.ValidationError as exc:
+            raise ConfigError(str(exc)) from None
         if self.request_timeout_s is not None and not self.request_timeout_s > 0:
             raise _range_error("request_timeout_s", self.request_timeout_s, "> 0 seconds (None = no timeout)")
 
@@ -139,6 +157,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omi
         if isinstance(config, (str, Path)):
             return EngineConfig.from_toml(config)
         raise ConfigError(f"config must be an EngineConfig, a TOML path, a dict or None, not {type(config).__name__}")
+
+
+def decode_config(data: bytes) -> EngineConfig:
+    """An EngineConfig from its msgpack bytes (what travels to the Ray actors)."""
+    return msgspec.msgpack.decode(data, type=EngineConfig)
 
 
 def kv_page_bounds(max_context: int, max_concurrency: int) -> tuple[int, int]:

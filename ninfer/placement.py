@@ -27,3 +27,14 @@ def place_first_fit(free: list[tuple[int, int]], sizes: list[int]
         else:
             return None
     return offsets, [(o, n) for o, n in holes if n > 0]
+
+
+def merge_extents(extents: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Free extents (offset, size) with adjacent ones merged, as the arena keeps them."""
+    out: list[list[int]] = []
+    for off, size in sorted(extents):
+        if out and out[-1][0] + out[-1][1] == off:
+            out[-1][1] += size
+        else:
+            out.append([off, size])
+    return [(o, s) for o, s in out]

@@ -1,31 +1,43 @@
-"""Every message between the controller and the GPU worker (and, later, the frontend), in one
-module. msgspec structs, tagged unions for kinds, encoded once to bytes and decoded with a
-typed decoder per channel; the same bytes travel over the in-process channel and over Ray.
+"""Every message between the client, the frontend, the controller and the GPU worker, in one
+module: msgspec structs, tagged unions for kinds, IntEnums for states, encoded once to bytes
+and decoded with a typed decoder per channel. The same bytes travel over the in-process channel
+and over Ray.
 
-Controller -> worker, one ``StepPlan`` per engine cycle (steady state: one round trip)::
+Controller -> worker: one ``StepPlan`` per engine cycle (steady state: one round trip)::
 
-    pre       commands run first, in order (publish completions, releases, freezes, pauses,
-              owner changes, reclaim commits, quotes ...)
-    rows      Decode / Control rows in permit order (recovery first, then original ticket):
-              each reserves its unit; a short row is skipped, the others still run
-    binds     admissions and resumes in order; they use only the headroom left by the rows
-    chunks    Prefill / Replay candidates in turn order: the first one holding its permit
-              runs (at most one chunk per call)
+    commands    run first, in order (freezes, releases, owner changes, maintenance)
+    intents     the ordered work of the cycle — the resume, resident row permits (recovery
+                holder first, then ticket), one prefill/replay chunk, fresh binds. Each
+                carries the conditional remedies the policy quoted for it (reclaim batches,
+                take-backs of younger residents) and what to do if it is still short. The
+                worker verifies and executes exactly this order; guards (Scheduler bounds
+                stated as data) say when an intent is not attempted.
+    quote       answer with Facts (and exact demands) after the commands: the prelude of a
+                pressure cycle
 
-Worker -> controller: a ``StepReply`` with per-command / per-row / per-bind results, the
-transfer completions drained since the last reply, and pool occupancy.
+The worker advances the context transaction at the step's three progress points (start, after
+admission before the execution choice, after Control/Decode): completed copies are published
+(or aborted, when one failed) and reported as ``Settled``; the controller settles its books —
+requests bound, snapshots on the Host, capacity events, failures — in its transaction state
+machine. A late or duplicate completion names a transaction that is gone (or has another
+generation) and changes nothing.
+
+Worker -> controller: a ``StepReply`` with typed outcomes keyed by intent id, the results of
+the units that ran, the transactions settled at the progress points and pool occupancy.
 """
 
 from __future__ import annotations
 
 import array
 import sys
+from enum import IntEnum
 
 import msgspec
 
 from ninfer.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+PAGE = 64                      # tokens per Main-KV page (seed: Main KV 页为 64 token)
 
 # Pool kinds: Main KV, backend KV pools (later wave; zero-sized until enabled), StateImage slots.
 MAIN = "main"
@@ -33,6 +45,85 @@ MTP = "mtp"
 DFLASH = "dflash"
 STATE = "state"
 KV_KINDS = (MAIN, MTP, DFLASH)
+
+
+# ---- states and kinds (one enum per concept, shared by every package) ---------------------
+
+class Phase(IntEnum):
+    """A request's execution phase. The worker's sequences use the bound subset."""
+
+    QUEUED = 0          # fresh queue, waiting for admission (controller only)
+    MATERIALIZING = 1   # bound, read-back in flight: may not execute yet
+    RUNNING = 2         # bound: holds a lane and a writer state, may execute units
+    PAUSED = 3          # lane given back; resumes by Snapshot or Replay
+    FINISHED = 4        # terminal (finished, cancelled, failed) / released
+
+
+class FinishReason(IntEnum):
+    STOP = 0
+    LENGTH = 1
+    CANCELLED = 2
+    ERROR = 3
+
+    def __str__(self) -> str:          # the public API's spelling: "stop" | "length" | ...
+        return self.name.lower()
+
+
+class UnitKind(IntEnum):
+    PREFILL = 0
+    REPLAY = 1
+    DECODE = 2
+    CONTROL = 3
+    VERIFY = 4          # typed now; executed by the speculative backends (later wave)
+    NORMALIZE = 5
+
+
+class BindMode(IntEnum):
+    FORK = 0            # the immutable source stays; share full pages, copy state (tail on write)
+    MOVE = 1            # exclusive hand-over of the source's state and KV references
+
+
+class CkptKind(IntEnum):
+    CACHE = 0           # restore point kept for reuse (input point, anchor, marker, E)
+    SNAPSHOT = 1        # pause snapshot of a sequence's execution position
+
+
+class Role(IntEnum):
+    """The roles a private record's restore points play."""
+
+    E = 0               # committed generation end
+    INPUT = 1           # input-side restore point (C or R, or P for raw input)
+    ANCHOR = 2          # explicit private anchor
+
+
+# ---- owners of checkpoints (a tagged union; the worker never interprets them but one) -------
+
+class RecordOwner(msgspec.Struct, tag="rec", frozen=True, array_like=True):
+    """A private record's use of a restore point."""
+
+    record: int
+    role: Role
+
+
+class EntryOwner(msgspec.Struct, tag="entry", frozen=True, array_like=True):
+    """A public shared entry (marker)."""
+
+    entry: int
+
+
+class WaiterOwner(msgspec.Struct, tag="wait", frozen=True, array_like=True):
+    """A queued request's waiting reference on its chosen source."""
+
+    rid: str
+
+
+class SnapshotOwner(msgspec.Struct, tag="snap", frozen=True, array_like=True):
+    """A paused sequence's own execution snapshot (the one owner the worker names itself)."""
+
+    sid: int
+
+
+Owner = RecordOwner | EntryOwner | WaiterOwner | SnapshotOwner
 
 
 # ---- physical facts and reclaim actions (quote / commit) -----------------------------------
@@ -48,7 +139,7 @@ class PoolFact(msgspec.Struct, array_like=True, frozen=True):
         return self.free - self.reserved
 
 
-class BlockFact(msgspec.Struct, array_like=True, frozen=True):
+class BlockFact(msgspec.Struct, array_like=True, frozen=True, gc=False):
     bid: int
     version: int
     kind: str
@@ -60,13 +151,13 @@ class BlockFact(msgspec.Struct, array_like=True, frozen=True):
     host_at: tuple[int, int] | None = None     # (offset, size) of its Host extent
 
 
-class CheckpointFact(msgspec.Struct, array_like=True, frozen=True):
+class CheckpointFact(msgspec.Struct, array_like=True, frozen=True, gc=False):
     cid: int
     generation: int
     version: int
-    kind: str
+    kind: CkptKind
     frontier: int
-    owners: tuple[str, ...]
+    owners: tuple[Owner, ...]
     image_device: bool
     image_host: bool
     leased: bool
@@ -74,7 +165,7 @@ class CheckpointFact(msgspec.Struct, array_like=True, frozen=True):
     image_at: tuple[int, int] | None = None    # (offset, size) of its StateImage Host extent
 
 
-class Facts(msgspec.Struct, frozen=True):
+class Facts(msgspec.Struct, frozen=True, gc=False):
     pools: dict[str, PoolFact]
     host_capacity: int
     host_free: tuple[tuple[int, int], ...]    # (offset, size) of free extents, by offset
@@ -85,19 +176,19 @@ class Facts(msgspec.Struct, frozen=True):
     tx_busy: bool
 
 
-class Delete(msgspec.Struct, tag="delete", frozen=True):
+class Delete(msgspec.Struct, tag="delete", frozen=True, array_like=True):
     cid: int
     generation: int
     version: int
 
 
-class DemoteState(msgspec.Struct, tag="demote_state", frozen=True):
+class DemoteState(msgspec.Struct, tag="demote_state", frozen=True, array_like=True):
     cid: int
     generation: int
     version: int
 
 
-class DemoteBlocks(msgspec.Struct, tag="demote_blocks", frozen=True):
+class DemoteBlocks(msgspec.Struct, tag="demote_blocks", frozen=True, array_like=True):
     cid: int
     generation: int
     bids: tuple[int, ...]
@@ -107,12 +198,23 @@ class DemoteBlocks(msgspec.Struct, tag="demote_blocks", frozen=True):
 Action = Delete | DemoteState | DemoteBlocks
 
 
-class CommitResult(msgspec.Struct, frozen=True):
+class CommitResult(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
     ok: bool
     reason: str = ""
     tid: int | None = None        # migrations in flight; capacity arrives when published
     freed: dict[str, int] = {}    # Device units freed immediately
 
+
+def unit_pages(frontier: int, n_tokens: int, held: int, tail_appendable: bool) -> int:
+    """Main pages a unit of ``n_tokens`` at ``frontier`` needs beyond the ``held`` ones: growth
+    pages plus one tail copy when the frontier is inside a page this writer may not append to.
+    The one formula for Native's demand and the controller's prediction of it.
+
+        positions  [ page 0 | page 1 | ... | page f//64 (filled f%64) | new pages ... ]
+    """
+    growth = max(0, -(-(frontier + n_tokens) // PAGE) - held)
+    cow = 1 if n_tokens and frontier % PAGE and not tail_appendable else 0
+    return growth + cow
 
 
 # ---- token ids as compact int32 bytes ------------------------------------------------------
@@ -134,13 +236,13 @@ def unpack_tokens(data: bytes) -> list[int]:
 
 # ---- references ----------------------------------------------------------------------------
 
-class CkptRef(msgspec.Struct, array_like=True, frozen=True):
+class CkptRef(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """A Native checkpoint as policy sees it (an opaque handle plus its exact frontier)."""
 
     cid: int
     generation: int
     frontier: int
-    kind: str                      # "cache" | "snapshot"
+    kind: CkptKind
     device: bool                   # StateImage has a Device replica
     host: bool                     # StateImage has a Host replica
 
@@ -148,10 +250,15 @@ class CkptRef(msgspec.Struct, array_like=True, frozen=True):
 class Retire(msgspec.Struct, array_like=True, frozen=True):
     cid: int
     generation: int
-    owner: str
+    owner: Owner
 
 
-# ---- commands (run in order before the rows) ----------------------------------------------
+class TxRef(msgspec.Struct, array_like=True, frozen=True):
+    tid: int
+    generation: int
+
+
+# ---- commands (run in order before the intents) -------------------------------------------
 
 class NewSeq(msgspec.Struct, tag="new_seq", array_like=True):
     rid: str
@@ -161,13 +268,18 @@ class NewSeq(msgspec.Struct, tag="new_seq", array_like=True):
 
 
 class Pause(msgspec.Struct, tag="pause", array_like=True):
+    """Give back a sequence's lane at a stable commit boundary: with ``to_host`` a Snapshot
+    whose unique Device content is demoted to the Host (after deleting ``host_victims`` for
+    its destination) — or, when the destination does not fit, a destructive pause (Replay)."""
+
     sid: int
-    destructive: bool = False
+    to_host: bool = False
+    host_victims: list[Delete] = []
 
 
 class Freeze(msgspec.Struct, tag="freeze", array_like=True):
     sid: int
-    owner: str
+    owner: Owner
 
 
 class Release(msgspec.Struct, tag="release", array_like=True):
@@ -177,22 +289,18 @@ class Release(msgspec.Struct, tag="release", array_like=True):
 class AddOwner(msgspec.Struct, tag="add_owner", array_like=True):
     cid: int
     generation: int
-    owner: str
+    owner: Owner
 
 
 class ReleaseOwner(msgspec.Struct, tag="release_owner", array_like=True):
     cid: int
     generation: int
-    owner: str
-
-
-class Publish(msgspec.Struct, tag="publish", array_like=True):
-    tid: int
-    generation: int
+    owner: Owner
 
 
 class Overdue(msgspec.Struct, tag="overdue", array_like=True):
-    """Completions whose copy finished but whose message never came (after a timeout)."""
+    """Settle the running transaction if its copies finished but their completion never came
+    (a dropped completion, after the controller's timeout)."""
 
 
 class Commit(msgspec.Struct, tag="commit", array_like=True):
@@ -220,45 +328,136 @@ class HoldPages(msgspec.Struct, tag="hold_pages", array_like=True):
     pages: int
 
 
-Command = (NewSeq | Pause | Freeze | Release | AddOwner | ReleaseOwner | Publish | Overdue | Commit | Quote
+Command = (NewSeq | Pause | Freeze | Release | AddOwner | ReleaseOwner | Overdue | Commit | Quote
            | CheckIntegrity | Settle | HoldPages)
 
 
-# ---- rows, binds, plan ---------------------------------------------------------------------
+# ---- intents -------------------------------------------------------------------------------
 
-class RowSpec(msgspec.Struct, array_like=True, omit_defaults=True):
-    sid: int
-    n_tokens: int                  # 0: sample from the continuation hidden
-    kind: str = "decode"           # prefill | replay | decode | control
-    capture_owner: str | None = None
-    capture_where: str = "auto"
-    capture_retire: list[Retire] = []
-    hold: bool = False             # keep the unused reservation (full recovery permit)
+class Outcome(IntEnum):
+    OK = 0              # permitted (a bind: bound, its first unit permitted)
+    SHORT = 1           # still short after its remedies; nothing was kept for it
+    WAIT = 2            # its remedies started copies: the capacity arrives when they publish
+    SKIPPED = 3         # a guard held: not attempted
+    REFUSED = 4         # a typed refusal (see Refusal)
+    FAILED = 5          # a device or programming error
 
 
-class BindSpec(msgspec.Struct, array_like=True, omit_defaults=True):
-    """Admit (``new``) or resume (``sid``) a sequence from ``source`` (None = empty prefix)."""
+class Refusal(IntEnum):
+    NONE = 0
+    STALE_SOURCE = 1        # the source checkpoint is gone or has another generation
+    SOURCE_IN_FLIGHT = 2    # a copy of the source is still in flight: wait for its publication
+    NOT_BOUND = 3           # the sequence is not bound (paused by an earlier take-back, gone)
+    NOT_EXACT = 4           # the source is not an exact prefix / has another execution identity
+    NOT_MOVABLE = 5         # a Move whose source other owners still hold
 
-    sid: int = 0
-    new: NewSeq | None = None        # create the sequence first (dropped again if the bind fails)
-    source: CkptRef | None = None
-    mode: str = "fork"               # "fork" | "move"
-    first_tokens: int = 0            # the first unit (a recovery permit: rebuild + first new unit)
-    mover: str | None = None
+
+class Guard(msgspec.Struct, array_like=True, frozen=True):
+    """Skip the intent when none of ``unless_ok`` succeeded and at least ``at_least`` of
+    ``ok_among`` (earlier intents of this plan) did. The Scheduler's bounds stated as data:
+
+        lanes          Guard((), earlier fresh binds, free lanes)
+        overtaking     Guard((blocked j,), binds after j, j's remaining budget)
+        one chunk      Guard((), earlier chunk units, 1)
+    """
+
+    unless_ok: tuple[int, ...]
+    ok_among: tuple[int, ...]
+    at_least: int
+
+
+class Capture(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Save the unit's end state as a new checkpoint for ``owner`` (an optional cache write).
+    ``retire`` lists holds it replaces, given up first; ``room`` the admitted replacements,
+    committed only when the save finds no Device slot nor Host room and they make it fit."""
+
+    owner: Owner
     retire: list[Retire] = []
-    unit: RowSpec | None = None      # run it this cycle if bound: n <= 1 as a row, else a chunk
-    rank: int = 0                    # its place among the chunk candidates
-    fresh: bool = False              # a fresh admission (counts against StepPlan.max_new)
-    budget: int | None = None        # if this fresh bind fails: later fresh successes allowed
+    room: list[Action] = []
 
 
-class StepPlan(msgspec.Struct, omit_defaults=True):
+class UnitSpec(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One execution unit: ``n_tokens == 0`` samples from the continuation hidden (an exact
+    hit); otherwise ledger[frontier : frontier + n_tokens] are computed. Units of at most one
+    token run in the Control/Decode batch, longer ones as the cycle's prefill turn."""
+
+    n_tokens: int
+    kind: UnitKind
+    hold: bool = False             # keep the unused reservation (full recovery permit)
+    capture: Capture | None = None
+
+
+class Reclaim(msgspec.Struct, tag="reclaim", array_like=True, gc=False):
+    """A batch of quoted reclaim actions (deletions, demotions), verified at commit."""
+
+    actions: list[Action]
+
+
+class TakeBack(msgspec.Struct, tag="take_back", array_like=True, gc=False):
+    """Pause a resident for the requester (its lane and capacity); the route as in Pause."""
+
+    sid: int
+    to_host: bool = False
+    host_victims: list[Delete] = []
+
+
+Remedy = Reclaim | TakeBack
+
+
+class RowIntent(msgspec.Struct, tag="row", array_like=True, omit_defaults=True, gc=False):
+    """A resident's unit permit: a Decode/Control row or the cycle's prefill/replay chunk.
+    Short: commit the smallest prefix of ``remedies`` that covers the gap now (else one that
+    covers it once its copies publish: WAIT; else nothing), then ``on_short`` if still short
+    (the young row that cannot progress pauses itself)."""
+
+    iid: int
+    sid: int
+    unit: UnitSpec
+    remedies: list[Remedy] = []
+    on_short: Pause | None = None
+    guards: list[Guard] = []
+
+
+class BindIntent(msgspec.Struct, tag="bind", array_like=True, omit_defaults=True, gc=False):
+    """Admit (``new``) or resume (``sid``) a sequence from ``source`` (None = empty prefix) and
+    reserve its first unit (``first_tokens``; a resume: rebuild + the first new unit). The
+    unit runs in this step when the sequence is bound by the progress point before it."""
+
+    iid: int
+    sid: int = 0
+    new: NewSeq | None = None
+    source: CkptRef | None = None
+    mode: BindMode = BindMode.FORK
+    first_tokens: int = 0
+    mover: Owner | None = None
+    retire: list[Retire] = []
+    unit: UnitSpec | None = None
+    unit_guards: list[Guard] = []
+    remedies: list[Remedy] = []
+    guards: list[Guard] = []
+
+
+Intent = RowIntent | BindIntent
+
+
+class DemandQuery(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Read-only: what an intent would need now (answered in a quoting reply)."""
+
+    iid: int
+    sid: int = 0                   # a resident's unit of n_tokens ...
+    n_tokens: int = 0
+    source: CkptRef | None = None  # ... or a bind (sid 0: a new sequence)
+    mode: BindMode = BindMode.FORK
+    first_tokens: int = 0
+    bind: bool = False
+
+
+class StepPlan(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     seq: int
-    pre: list[Command] = []
-    rows: list[RowSpec] = []
-    binds: list[BindSpec] = []
-    chunks: list[RowSpec] = []       # ranks 0, 1, ... in list order
-    max_new: int = 0                 # fresh admissions allowed (free lanes)
+    commands: list[Command] = []
+    intents: list[Intent] = []
+    quote: bool = False
+    demands: list[DemandQuery] = []
 
 
 # ---- replies ---------------------------------------------------------------------------------
@@ -269,7 +468,14 @@ class SeqCreated(msgspec.Struct, tag="seq_created", array_like=True):
 
 
 class CkptOut(msgspec.Struct, tag="ckpt", array_like=True):
-    ref: CkptRef | None            # None: nothing saved (destructive pause)
+    ref: CkptRef | None            # None: nothing saved
+
+
+class PauseOut(msgspec.Struct, tag="paused", array_like=True, omit_defaults=True):
+    sid: int
+    snapshot: CkptRef | None = None   # None: destructive (Replay)
+    tid: int | None = None            # the snapshot's demotion in flight
+    freed: dict[str, int] = {}        # Device units freed at once
 
 
 class CommitOut(msgspec.Struct, tag="commit_out", array_like=True):
@@ -285,17 +491,17 @@ class Ack(msgspec.Struct, tag="ack", array_like=True):
 
 
 class CompletionsOut(msgspec.Struct, tag="completions", array_like=True):
-    done: list[tuple[int, int]]
+    done: list[TxRef]
 
 
 class Failed(msgspec.Struct, tag="failed", array_like=True):
     message: str
 
 
-CommandOut = SeqCreated | CkptOut | CommitOut | FactsOut | Ack | CompletionsOut | Failed
+CommandOut = SeqCreated | CkptOut | PauseOut | CommitOut | FactsOut | Ack | CompletionsOut | Failed
 
 
-class SeqFacts(msgspec.Struct, array_like=True):
+class SeqFacts(msgspec.Struct, array_like=True, gc=False):
     """What the controller needs to plan the next unit without a round trip."""
 
     frontier: int
@@ -305,27 +511,59 @@ class SeqFacts(msgspec.Struct, array_like=True):
     reserved: int                  # Main pages still reserved (recovery permits keep theirs)
 
 
-class RowOut(msgspec.Struct, array_like=True, omit_defaults=True):
+class Applied(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One remedy the worker committed for an intent (in plan order)."""
+
+    index: int
+    commit: CommitResult | None = None
+    paused: PauseOut | None = None
+
+
+class IntentOut(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    iid: int
+    outcome: Outcome
+    refusal: Refusal = Refusal.NONE
+    detail: str = ""
+    shortfall: dict[str, int] = {}
+    sid: int = 0                   # a bind: the sequence it bound (created)
+    tid: int | None = None         # a bind: its read-back transaction
+    applied: list[Applied] = []
+    paused: PauseOut | None = None     # the row paused itself (on_short)
+    facts: SeqFacts | None = None
+
+
+class CaptureResult(IntEnum):
+    NONE = 0            # no capture was asked
+    SAVED = 1
+    NO_ROOM = 2         # no slot, no Host room, and the admitted room did not make it fit
+    STALE_ROOM = 3      # the admitted replacements changed since the quote
+
+
+class UnitOut(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     sid: int
     ran: bool
-    shortfall: dict[str, int] = {}
     committed: list[int] = []
-    finish: str | None = None
+    finish: FinishReason | None = None
+    capture: CaptureResult = CaptureResult.NONE
     captured: CkptRef | None = None
-    capture_skipped: bool = False
+    capture_tid: int | None = None
+    room_applied: CommitResult | None = None
     facts: SeqFacts | None = None
-    error: str | None = None
+    error: str | None = None       # the forward failed: the sequence was released
 
 
-class BindOut(msgspec.Struct, array_like=True, omit_defaults=True):
-    sid: int
+class Settled(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A transaction published (ok) or aborted (a copy failed) at a progress point. An abort
+    names what it cost: sequences whose read-back failed (released) and checkpoints that were
+    lost (a capture never written, a pause snapshot revoked)."""
+
+    tid: int
+    generation: int
     ok: bool
-    skipped: bool = False            # not attempted (lanes or overtaking budget exhausted)
-    shortfall: dict[str, int] = {}
-    tid: int | None = None
-    busy: bool = False
-    facts: SeqFacts | None = None
-    error: str | None = None
+    point: int = 0                  # 1: step start, 2: after admission, 3: after Control/Decode
+    error: str = ""
+    failed_sids: list[int] = []
+    lost_cids: list[int] = []
 
 
 class PoolState(msgspec.Struct, array_like=True):
@@ -333,20 +571,22 @@ class PoolState(msgspec.Struct, array_like=True):
     available: int
 
 
-class StepReply(msgspec.Struct, omit_defaults=True):
+class StepReply(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     seq: int
-    pre: list[CommandOut] = []
-    rows: list[RowOut] = []
-    binds: list[BindOut] = []
-    chunk: RowOut | None = None
-    chunk_short: dict[int, dict[str, int]] = {}
-    completions: list[tuple[int, int]] = []
+    commands: list[CommandOut] = []
+    intents: list[IntentOut] = []
+    units: list[UnitOut] = []
+    settled: list[Settled] = []
+    tx: TxRef | None = None          # the transaction still in flight after the step
     pools: dict[str, PoolState] = {}
     host_free: int = 0
     host_largest: int = 0
-    tx_busy: bool = False
+    host_kv_pages: int = 0           # KV pages with only a Host replica (bind demands need a quote)
+    facts: Facts | None = None
+    demands: dict[int, dict[str, int]] = {}
     bytes_h2d: int = 0
     bytes_d2h: int = 0
+    faults_fired: dict[str, int] = {}
     worker_s: float = 0.0            # time the worker spent on this plan (observation)
 
 
@@ -395,7 +635,7 @@ def decode_info(data: bytes) -> WorkerInfo:
 
 # ---- controller -> frontend / client: request events ------------------------------------------
 
-class TokensEvent(msgspec.Struct, tag="tokens", array_like=True):
+class TokensEvent(msgspec.Struct, tag="tokens", array_like=True, gc=False):
     """Newly committed output tokens (``index`` = position of the first one in the output).
     Replay never re-publishes: every token is sent exactly once."""
 
@@ -406,7 +646,7 @@ class TokensEvent(msgspec.Struct, tag="tokens", array_like=True):
 
 class FinalEvent(msgspec.Struct, tag="final", array_like=True):
     rid: str
-    finish_reason: str                 # "stop" | "length" | "cancelled" | "error"
+    finish_reason: FinishReason
     token_ids: list[int]
     usage: dict[str, int]
     timings: dict[str, float | None]
@@ -428,7 +668,11 @@ def decode_events(data: bytes) -> list[Event]:
     return _events_dec.decode(data)
 
 
-# ---- client -> frontend / controller: requests ------------------------------------------------------------------------
+# ---- client -> frontend / controller: requests --------------------------------------------------
+
+MAX_ANCHORS = 4       # explicit private anchors per request (seed: 最多四个显式私有长锚点)
+MAX_MARKERS = 4       # public shared markers per request (seed: 最多四个调用方 marker)
+
 
 class RequestSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
     """What a client submits (token level; the chat frontend fills the typed fields)."""
@@ -467,10 +711,5 @@ def decode_chat(data: bytes) -> ChatSpec:
     return _chat_dec.decode(data)
 
 
-def decode_config(data: bytes):
-    from ninfer.config import EngineConfig
-    return msgspec.msgpack.decode(data, type=EngineConfig)
-
-
-def decode_spec(data: bytes) -> "RequestSpec":
+def decode_spec(data: bytes) -> RequestSpec:
     return _spec_dec.decode(data)

@@ -3,8 +3,12 @@ actor: one thread owns the EngineCore; everything else hands it work through a q
 
 Supervision of the worker lives here: when a worker call fails because the worker is gone,
 every in-flight request ends with a clear error naming the cause, the worker is recreated with
-a fresh Program, the now-invalid cache records are dropped, requests that were only queued are
-kept, and new requests succeed.
+a fresh Program (and the injected faults still left), the now-invalid cache records are
+dropped, requests that were only queued are kept, and new requests succeed.
+
+The ``controller_restart`` fault fires here, once per configured count: ``on_restart`` decides
+what a restart is (the Ray actor exits and Ray restarts it; in process, the loop fails every
+request with ``controller_lost`` and starts over with a fresh worker and core).
 """
 
 from __future__ import annotations
@@ -16,33 +20,38 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from ninfer import protocol as P
+from ninfer.actors.transport import WorkerLost
 from ninfer.config import EngineConfig
 from ninfer.engine.core import EngineCore
-from ninfer.engine.request import Phase
-from ninfer.protocol import RequestSpec
-from ninfer.errors import NInferError, RequestError
+from ninfer.errors import RequestError
+from ninfer.faults import FaultPlan
+from ninfer.protocol import FinishReason, Phase, RequestSpec
 
 log = logging.getLogger("ninfer.control")
 
-
-class WorkerLost(NInferError):
-    """The GPU worker is gone (killed, crashed, restarting)."""
+__all__ = ["ControlLoop", "WorkerLost"]
 
 
 class ControlLoop:
-    def __init__(self, make_client: Callable[[], object], config: EngineConfig,
-                 sink: Callable[[P.Event], None], flush: Callable[[], None] | None = None):
+    def __init__(self, make_client: Callable[..., object], config: EngineConfig,
+                 sink: Callable[[P.Event], None], flush: Callable[[], None] | None = None,
+                 on_restart: Callable[[], None] | None = None, restarted: bool = False):
         self._make_client = make_client
         self.config = config
         self._sink = sink
         self._flush = flush or (lambda: None)
+        self._on_restart = on_restart or self._restart_in_process
+        faults = [f for f in config.faults if not (restarted and f.kind == "controller_restart")]
+        self.faults = FaultPlan([f for f in faults if f.kind == "controller_restart"])
+        self._worker_faults = FaultPlan([f for f in faults if f.kind != "controller_restart"])
         self.wake = threading.Event()
         self._intake: queue.Queue = queue.Queue()
         self._stop = False
-        self.client = make_client()
+        self.client = make_client(self._worker_faults.remaining())
         self.core = EngineCore(self.client, config, sink)
         self.info = self.core.info
         self.recoveries = 0
+        self.restarts = 0
         self._thread = threading.Thread(target=self._loop, name="ninfer-control", daemon=True)
         self._thread.start()
 
@@ -77,6 +86,9 @@ class ControlLoop:
             self.wake.clear()
             try:
                 self._drain()
+                if self.core.busy() and self.faults.fire("controller_restart"):
+                    self._on_restart()
+                    continue
                 worked = self.core.busy() and self.core.cycle()
             except WorkerLost as exc:
                 self._recover(str(exc))
@@ -99,7 +111,7 @@ class ControlLoop:
                 try:
                     self.core.add(arg)
                 except RequestError as exc:
-                    self._sink(P.FinalEvent(arg.rid, "error", [], {}, {}, [],
+                    self._sink(P.FinalEvent(arg.rid, FinishReason.ERROR, [], {}, {}, [],
                                             {"type": "RequestError", "message": str(exc)}))
             elif kind == "cancel":
                 self.core.cancel(arg)
@@ -110,7 +122,8 @@ class ControlLoop:
         core = self.core
         try:
             if what == "stats":
-                fut.set_result({**core.stats_dict(), "worker_recoveries": self.recoveries})
+                fut.set_result({**core.stats_dict(), "worker_recoveries": self.recoveries,
+                                "controller_restarts": self.restarts})
             elif what == "check_integrity":
                 self._settle_idle()
                 core.check_integrity()
@@ -143,23 +156,46 @@ class ControlLoop:
 
     # ---- supervision ------------------------------------------------------------------------
     def _recover(self, cause: str) -> None:
-        """The worker is gone: in-flight requests fail clearly, a fresh worker (fresh Program)
-        replaces it, cache records die with the old Program, queued requests are kept."""
+        """The worker is gone: in-flight requests fail clearly, a fresh worker (fresh Program,
+        the faults still left) replaces it, cache records die with the old Program, queued
+        requests are kept."""
         self.recoveries += 1
-        old = self.core
         log.warning("GPU worker lost (%s); recreating it", cause)
         message = f"the GPU worker failed and was restarted ({cause}); this request was in flight"
-        keep = []
+        keep = self._end_all("worker_lost", message, keep_queued=True)
+        consumed = dict(self.core.faults_fired)
+        if any(f.kind == "worker_death" for f in self._worker_faults.faults):
+            consumed["worker_death"] = consumed.get("worker_death", 0) + 1   # it died before reporting
+        self._renew(self._worker_faults.remaining(consumed))
+        for spec in keep:
+            self.core.add(spec)
+
+    def _restart_in_process(self) -> None:
+        """The in-process twin of a restarted controller actor: every request fails with
+        ``controller_lost`` (as the frontend reports them over Ray), then a fresh worker and
+        core serve new requests."""
+        self.restarts += 1
+        self._end_all("controller_lost", "the engine controller was restarted", keep_queued=False)
+        self._renew(self._worker_faults.remaining(self.core.faults_fired))
+
+    def _end_all(self, kind: str, message: str, keep_queued: bool) -> list[RequestSpec]:
+        old, keep = self.core, []
         for req in list(old.requests.values()):
-            if req.phase is Phase.QUEUED and req.finish_reason is None and not req.cancel_requested:
+            if keep_queued and req.phase is Phase.QUEUED and req.live:
                 keep.append(req.spec)
                 continue
             if req.finish_reason is None:
-                req.error = {"type": "worker_lost", "message": message}
-                req.finish_reason = "error"
+                req.error = {"type": kind, "message": message}
+                req.finish_reason = FinishReason.ERROR
             if req.finished_at is None:
                 old._finish(req)
-        self.client = self._make_client()
+        return keep
+
+    def _renew(self, faults) -> None:
+        try:
+            self.client.shutdown()
+        except Exception:
+            pass
+        self._worker_faults = FaultPlan(faults)
+        self.client = self._make_client(faults)
         self.core = EngineCore(self.client, self.config, self._sink)
-        for spec in keep:
-            self.core.add(spec)

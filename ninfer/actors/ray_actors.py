@@ -16,16 +16,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 import uuid
 
+import msgspec
 import ray
 from ray.exceptions import RayActorError
 
 from ninfer import protocol as P
-from ninfer.protocol import RequestSpec
+from ninfer.config import decode_config
 from ninfer.errors import NInferError, RequestError
+from ninfer.faults import Fault
+from ninfer.protocol import FinishReason, RequestSpec
 
 log = logging.getLogger("ninfer.ray")
 NAMESPACE = "ninfer"
@@ -45,14 +49,16 @@ def _gpus() -> int:
 class GpuWorkerActor:
     """Holds the Worker. ``handle`` runs one StepPlan; copy completions call ``notify``."""
 
-    def __init__(self, model_dir: str, config: bytes, controller_name: str):
+    def __init__(self, model_dir: str, config: bytes, controller_name: str, faults: bytes):
         import torch
 
-        from ninfer.actors.worker import Worker
+        from ninfer.actors.worker import Worker, WorkerDeath
         torch.set_num_threads(1)
         self._controller_name = controller_name
         self._controller = None
-        self.worker = Worker(model_dir, P.decode_config(config), notify=self._notify)
+        self._death = WorkerDeath
+        self.worker = Worker(model_dir, decode_config(config), notify=self._notify,
+                             faults=msgspec.msgpack.decode(faults, type=list[Fault]))
 
     def _notify(self) -> None:
         try:
@@ -66,13 +72,10 @@ class GpuWorkerActor:
         return P.encode(self.worker.info())
 
     def handle(self, plan: bytes) -> bytes:
-        return self.worker.handle(plan)
-
-    def set_fault_hook(self, delay: int = 0, drop: bool = False, duplicate: bool = False,
-                       reverse: bool = False) -> None:
-        """Test hook at the actor boundary: delay, reorder, duplicate or drop completions."""
-        hook = self.worker.prog.transfers.hook
-        hook.delay, hook.duplicate, hook.reverse, hook.drop_all = delay, duplicate, reverse, drop
+        try:
+            return self.worker.handle(plan)
+        except self._death:                  # an injected worker death: this process dies here
+            os._exit(1)
 
     def ping(self) -> bool:
         return True
@@ -86,7 +89,7 @@ class RayWorkerClient:
         self.actor = actor
 
     def _get(self, ref):
-        from ninfer.actors.control import WorkerLost
+        from ninfer.actors.transport import WorkerLost
         try:
             return ray.get(ref)
         except RayActorError as exc:
@@ -117,10 +120,12 @@ class EngineControllerActor:
         self._events: list[P.Event] = []
         self._lock = threading.Lock()
         self._frontend = ray.get_actor(self.names["frontend"], namespace=NAMESPACE)
-        self.loop = ControlLoop(self._make_client, P.decode_config(config), self._sink, self._flush)
+        restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        self.loop = ControlLoop(self._make_client, decode_config(config), self._sink, self._flush,
+                                on_restart=lambda: os._exit(1), restarted=restarted)
         self.started = time.time()
 
-    def _make_client(self) -> RayWorkerClient:
+    def _make_client(self, faults: list[Fault] | None = None) -> RayWorkerClient:
         name = self.names["worker"]
         try:                                   # a previous worker under this name is gone or goes now
             ray.kill(ray.get_actor(name, namespace=NAMESPACE))
@@ -130,7 +135,7 @@ class EngineControllerActor:
             try:
                 actor = GpuWorkerActor.options(name=name, namespace=NAMESPACE, num_gpus=_gpus(),
                                                max_restarts=0).remote(
-                    self._model_dir, self._config, self.names["controller"])
+                    self._model_dir, self._config, self.names["controller"], P.encode(faults or []))
                 break
             except ValueError:                 # the old name is still being released
                 time.sleep(0.05)
@@ -314,7 +319,8 @@ class FrontendActor:
 
     async def _controller_lost(self, message: str) -> None:
         for rid, cid in list(self.owner.items()):
-            self._route(P.FinalEvent(rid, "error", [], {}, {}, [], {"type": "controller_lost", "message": message}))
+            self._route(P.FinalEvent(rid, FinishReason.ERROR, [], {}, {}, [],
+                                     {"type": "controller_lost", "message": message}))
         try:
             self.controller_epoch = await asyncio.wait_for(self.controller.ping.remote(), 60.0)
         except Exception:

@@ -20,12 +20,12 @@ from ninfer.frontend.intake import Intake
 class InprocRuntime:
     client_id = "local"
 
-    def __init__(self, model_dir: str, config: EngineConfig, hook=None):
+    def __init__(self, model_dir: str, config: EngineConfig):
         self._workers: list[Worker] = []
         self._target: Callable[[P.Event], None] = lambda ev: None
 
-        def make_client() -> InprocClient:
-            worker = Worker(model_dir, config, hook=hook, notify=lambda: self.loop.wake.set())
+        def make_client(faults=None) -> InprocClient:
+            worker = Worker(model_dir, config, notify=lambda: self.loop.wake.set(), faults=faults)
             self._workers.append(worker)
             return InprocClient(worker)
         self.loop = None

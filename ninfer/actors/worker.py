@@ -1,10 +1,22 @@
-"""The GPU worker as a plain class: it holds the Program and runs one ``StepPlan`` per call.
+"""The GPU worker as a plain class: it holds the Program and executes one ``StepPlan`` per call.
 
-It makes no policy decisions. It executes the plan's commands in order, requests the rows'
-unit permits in the given order (a short row is skipped, the others run), runs the binds with
-the headroom left, picks the first chunk candidate that holds its permit, executes one call,
-settles, and reports what happened together with drained transfer completions. The Ray actor
-(later) and the in-process transport wrap exactly this class.
+It decides nothing. Every order, budget, victim and route comes in the plan; the worker
+verifies against physical truth and executes, in this order:
+
+    progress point 1   publish (or abort) the context transaction if its completion came
+    commands           in plan order
+    intents            in plan order; a guard that holds skips one; a short permit commits
+                       the smallest prefix of its remedies that covers the gap now (else one
+                       that covers it once its copies publish: WAIT; else none), then its
+                       on_short pause if still short
+    progress point 2   binds whose read-back published here run their first unit now
+    Control/Decode     one compact batch of the permitted units of at most one token
+    progress point 3
+    prefill turn       the one multi-token unit (its permit refreshed if it was short)
+
+and answers with typed outcomes keyed by intent id. A forward error fails the rows of that
+call alone; a copy error arrives as an aborted transaction. The Ray actor and the in-process
+transport wrap exactly this class.
 """
 
 from __future__ import annotations
@@ -14,20 +26,25 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import msgspec
 import torch
 
 from ninfer import protocol as P
 from ninfer.config import EngineConfig
+from ninfer.faults import Fault, FaultInjected, FaultPlan
+from ninfer.native import reclaim
 from ninfer.native.layout import resolve_layout
-from ninfer.native.model.config import PAGE_SIZE, load_eos_ids
+from ninfer.native.model.config import load_eos_ids
 from ninfer.native.model.model import HybridModel
-from ninfer.native.objects import Checkpoint, Sequence, SeqState
-from ninfer.native.program import BindMode, NativeError, Program, UnitKind, UnitRow
+from ninfer.native.objects import Checkpoint, Sequence
+from ninfer.native.program import CaptureDest, NativeError, PauseResult, Program, TxSettled, UnitRow
 from ninfer.native.stores import IntegrityError
-from ninfer.native.transfer import FaultHook
+from ninfer.placement import place_first_fit
 
 log = logging.getLogger("ninfer.worker")
+
+
+class WorkerDeath(Exception):
+    """An injected worker death (``faults``): the hosting process must die here."""
 
 
 def pick_device(name: str) -> torch.device:
@@ -39,19 +56,29 @@ def pick_device(name: str) -> torch.device:
 def ckpt_ref(ck: Checkpoint | None) -> P.CkptRef | None:
     if ck is None:
         return None
-    return P.CkptRef(ck.cid, ck.generation, ck.frontier, ck.kind.value, ck.image.slot is not None,
+    return P.CkptRef(ck.cid, ck.generation, ck.frontier, ck.kind, ck.image.slot is not None,
                      ck.image.host is not None)
 
 
+def _settled(r: TxSettled, point: int) -> P.Settled:
+    return P.Settled(r.tid, r.generation, r.ok, point, r.error, r.failed_sids, r.lost_cids)
+
+
+def _pause_out(sid: int, r: PauseResult) -> P.PauseOut:
+    return P.PauseOut(sid, ckpt_ref(r.snapshot), r.tid, r.freed)
+
+
 class Worker:
-    def __init__(self, model_dir: str | Path, config: EngineConfig, hook: FaultHook | None = None,
-                 notify: Callable[[], None] | None = None):
+    def __init__(self, model_dir: str | Path, config: EngineConfig, notify: Callable[[], None] | None = None,
+                 faults: list[Fault] | None = None):
         device = pick_device(config.device)
         model = HybridModel.load(model_dir, config.dtype, device)
         self.eos_ids = load_eos_ids(model_dir, model.cfg)
-        self.prog = Program(model, resolve_layout(model.cfg, config, device), hook)
+        self.faults = FaultPlan(config.faults if faults is None else faults)
+        self.prog = Program(model, resolve_layout(model.cfg, config, device), self.faults, config.copy_engine)
         if notify is not None:
             self.prog.transfers.on_done = notify
+        self._held = 0
 
     # ---- info ---------------------------------------------------------------------------
     def info(self) -> P.WorkerInfo:
@@ -69,228 +96,115 @@ class Worker:
         """The wire entry point: bytes in, bytes out (same for every transport)."""
         return P.encode(self.step(P.decode_plan(data)))
 
-    def wait(self, timeout: float) -> bool:
+    def wait(self, timeout: float) -> None:
         """Block (no spinning) until a transfer completion is ready or ``timeout`` passes."""
-        if not self.prog.transfers.inflight:
-            return False
-        return self.prog.transfers.wait(timeout)
+        self.prog.wait_transfers(timeout)
 
     def shutdown(self) -> None:
         self.prog.shutdown()
 
-    def _hold(self, pages: int) -> bool:
-        """Test hook: an outside party keeps ``pages`` Main pages reserved."""
-        pool = self.prog.pools[P.MAIN]
-        held = getattr(self, "_held", 0)
-        if held:
-            pool.unreserve(held)
-            self._held = 0
-        if pages and pool.reserve(pages):
-            self._held = pages
-        return self._held == pages
-
-    # ---- one cycle ----------------------------------------------------------------------
+    # ---- one step -----------------------------------------------------------------------
     def step(self, plan: P.StepPlan) -> P.StepReply:
-        """Seed cycle order: full resume first, then resident unit permits (rows, then the
-        first chunk candidate that gets its permit), then fresh admission with the headroom
-        left; one compact call; settle."""
         t0 = time.perf_counter()
+        self._die("before_execute")
         reply = P.StepReply(seq=plan.seq)
-        reply.pre = [self._command(c) for c in plan.pre]
-        units: list[tuple[P.RowSpec, Sequence]] = []
-        chunks = list(enumerate(plan.chunks))
-        outs: dict[int, P.BindOut] = {}
-        self._binds(plan, [b for b in plan.binds if not b.fresh], units, chunks, outs)
-        for spec in plan.rows:
-            out, seq = self._permit(spec)
-            reply.rows.append(out)
-            if seq is not None:
-                units.append((spec, seq))
-        chunk = self._pick_chunk(chunks, reply)
-        fresh_chunks: list = []
-        self._binds(plan, [b for b in plan.binds if b.fresh], units, fresh_chunks, outs)
-        if chunk is None:
-            chunk = self._pick_chunk(fresh_chunks, reply)
-        reply.binds = [outs[id(b)] for b in plan.binds]
-        if chunk is not None:
-            units.append(chunk)
-        if units:
-            results = self._execute(units)
-            for i, row in enumerate(reply.rows):
-                if row.ran:
-                    reply.rows[i] = results.pop(row.sid)
-            if chunk is not None:
-                reply.chunk = results.pop(chunk[0].sid)
-            reply.rows.extend(results.values())     # first units of this cycle's binds
-        reply.completions = self.prog.poll_transfers()
+        run = _StepRun(self, reply)
+        run.progress(1)
+        reply.commands = [self._command(c, reply) for c in plan.commands]
+        for intent in plan.intents:
+            reply.intents.append(run.intent(intent))
+        run.progress(2)
+        run.execute(decode=True)
+        run.progress(3)
+        run.execute(decode=False)
+        run.report_unrun()
+        if self.prog.tx is not None:
+            self._die("mid_transaction")
+        self._die("after_execute")
+        if plan.quote:
+            reply.facts = reclaim.quote(self.prog)
+            reply.demands = {q.iid: self._demand(q) for q in plan.demands}
         self._pools(reply)
         reply.worker_s = time.perf_counter() - t0
         return reply
 
-    def _seq(self, sid: int) -> Sequence:
-        seq = self.prog.sequences.get(sid)
-        if seq is None:
-            raise NativeError(f"sequence {sid} does not exist")
-        return seq
+    def _die(self, point: str) -> None:
+        if self.faults.fire("worker_death", point):
+            raise WorkerDeath(f"injected worker death ({point})")
 
-    def _ckpt(self, cid: int, generation: int) -> Checkpoint:
+    def seq_facts(self, seq: Sequence) -> P.SeqFacts:
+        return P.SeqFacts(frontier=seq.frontier, ledger_len=len(seq.ledger), blocks=len(seq.blocks[P.MAIN]),
+                          tail_ok=self.prog.tail_ok(seq), reserved=seq.reservation.amounts.get(P.MAIN, 0))
+
+    def checkpoint(self, cid: int, generation: int) -> Checkpoint | None:
         ck = self.prog.checkpoints.get(cid)
-        if ck is None or ck.generation != generation:
-            raise NativeError(f"checkpoint {cid} is gone (stale reference)")
-        return ck
+        return ck if ck is not None and ck.generation == generation else None
 
-    def facts(self, seq: Sequence) -> P.SeqFacts:
-        blocks = seq.blocks[P.MAIN]
-        f = seq.frontier
-        tail_ok = not (f % PAGE_SIZE) or (bool(blocks) and self.prog._can_append(blocks[f // PAGE_SIZE], seq.sid, f))
-        return P.SeqFacts(frontier=f, ledger_len=len(seq.ledger), blocks=len(blocks), tail_ok=tail_ok,
-                          reserved=seq.reservation.amounts.get(P.MAIN, 0))
+    def retires(self, retire: list[P.Retire]) -> list[tuple[Checkpoint, P.Owner]]:
+        return [(ck, r.owner) for r in retire if (ck := self.checkpoint(r.cid, r.generation)) is not None]
 
-    def _permit(self, spec: P.RowSpec) -> tuple[P.RowOut, Sequence | None]:
-        try:
-            seq = self._seq(spec.sid)
-            if seq.state is not SeqState.BOUND:
-                return P.RowOut(spec.sid, ran=False, error=f"sequence is {seq.state.value}"), None
-            short = self.prog.reserve_unit(seq, spec.n_tokens)
-        except NativeError as exc:
-            return P.RowOut(spec.sid, ran=False, error=str(exc)), None
-        if short:
-            return P.RowOut(spec.sid, ran=False, shortfall=short, facts=self.facts(seq)), None
-        return P.RowOut(spec.sid, ran=True), seq
-
-    def _binds(self, plan: P.StepPlan, binds: list[P.BindSpec], units: list, chunks: list,
-               outs: dict[int, P.BindOut]) -> None:
-        """Binds in order with the headroom left. Fresh admissions stop at ``max_new``
-        successes and, after a failed fresh bind, at its overtaking budget."""
-        admitted, budget = 0, None
-        for b in binds:
-            if b.fresh and (admitted >= plan.max_new or budget == 0):
-                outs[id(b)] = P.BindOut(b.sid, ok=False, skipped=True)
-                continue
-            out, seq = self._bind(b)
-            outs[id(b)] = out
-            if out.ok:
-                if b.fresh:
-                    admitted += 1
-                    budget = None if budget is None else budget - 1
-                if b.unit is not None and seq.state is SeqState.BOUND:
-                    unit = msgspec.structs.replace(b.unit, sid=seq.sid)
-                    if unit.n_tokens <= 1:
-                        units.append((unit, seq))
-                    else:
-                        chunks.append((b.rank, unit))
-            elif b.fresh and b.budget is not None:
-                budget = b.budget if budget is None else min(budget, b.budget)
-
-    def _bind(self, b: P.BindSpec) -> tuple[P.BindOut, Sequence | None]:
-        seq = None
-        try:
-            if b.new is not None:
-                c = b.new
-                seq = self.prog.new_sequence(P.unpack_tokens(c.tokens), c.prompt_len, c.params, self.eos_ids)
-            else:
-                seq = self._seq(b.sid)
-            src = self._ckpt(b.source.cid, b.source.generation) if b.source is not None else None
-            retire = [(self._ckpt(r.cid, r.generation), r.owner) for r in b.retire
-                      if r.cid in self.prog.checkpoints]
-            out = self.prog.bind(seq, src, BindMode(b.mode), b.first_tokens, b.mover, retire)
-        except NativeError as exc:
-            out = None
-            error = str(exc)
-        sid = seq.sid if seq is not None else b.sid
-        if out is None or not out.ok:
-            if b.new is not None and seq is not None:
-                self.prog.release(seq)          # nothing of a failed fresh admission lingers
-                sid = 0
-            if out is None:
-                return P.BindOut(sid, ok=False, error=error), None
-            return P.BindOut(sid, ok=False, shortfall=out.shortfall, busy=out.busy), None
-        return P.BindOut(sid, ok=True, tid=out.tid, facts=self.facts(seq)), seq
-
-    def _pick_chunk(self, chunks: list[tuple[int, P.RowSpec]], reply: P.StepReply):
-        """The first candidate (by rank) that holds or gets its permit; the others keep none."""
-        for _, spec in sorted(chunks, key=lambda x: x[0]):
-            seq = self.prog.sequences.get(spec.sid)
-            if seq is None or seq.state is not SeqState.BOUND:
-                continue
-            short = self.prog.reserve_unit(seq, spec.n_tokens)
-            if short:
-                reply.chunk_short[spec.sid] = short
-                continue
-            return spec, seq
-        return None
-
-    def _execute(self, units: list[tuple[P.RowSpec, Sequence]]) -> dict[int, P.RowOut]:
-        rows = []
-        for spec, seq in units:
-            retire = [(self.prog.checkpoints[r.cid], r.owner) for r in spec.capture_retire
-                      if r.cid in self.prog.checkpoints and self.prog.checkpoints[r.cid].generation == r.generation]
-            rows.append(UnitRow(seq, spec.n_tokens, UnitKind(spec.kind), spec.capture_owner,
-                                spec.capture_where, retire))
-        try:
-            results = self.prog.execute(rows)
-            error = None
-        except Exception as exc:        # device or programming error: every row of the call fails
-            log.exception("execute failed")
-            results, error = None, f"{type(exc).__name__}: {exc}"
-        outs: dict[int, P.RowOut] = {}
-        for i, (spec, seq) in enumerate(units):
-            if error is None:
-                r = results[i]
-                out = P.RowOut(spec.sid, ran=True, committed=r.committed, finish=r.finish_reason,
-                               captured=ckpt_ref(r.captured), capture_skipped=r.capture_skipped)
-            else:
-                out = P.RowOut(spec.sid, ran=False, error=error)
-            if not spec.hold:
-                self.prog.settle(seq)
-            out.facts = self.facts(seq)
-            outs[spec.sid] = out
-        return outs
+    def _demand(self, q: P.DemandQuery) -> dict[str, int]:
+        """Read-only: what an intent would need now."""
+        prog = self.prog
+        if not q.bind:
+            seq = prog.sequences.get(q.sid)
+            return prog.seq_demand(seq, q.n_tokens) if seq is not None else {}
+        src = self.checkpoint(q.source.cid, q.source.generation) if q.source is not None else None
+        if q.source is not None and src is None:
+            return {}
+        return prog.bind_demand(q.sid or -1, src, q.mode, q.first_tokens)
 
     def _pools(self, reply: P.StepReply) -> None:
-        reply.pools = {k: P.PoolState(p.size, p.available) for k, p in self.prog.pools.items()}
-        reply.host_free = self.prog.host.free_bytes
-        reply.host_largest = self.prog.host.largest_free()
-        reply.tx_busy = self.prog.tx is not None
-        reply.bytes_h2d, reply.bytes_d2h = self.prog.bytes_h2d, self.prog.bytes_d2h
+        prog = self.prog
+        reply.pools = {k: P.PoolState(p.size, p.available) for k, p in prog.pools.items()}
+        reply.host_free = prog.host.free_bytes
+        reply.host_largest = prog.host.largest_free()
+        reply.host_kv_pages = sum(1 for b in prog.blocks.values() if b.page is None)
+        reply.tx = P.TxRef(prog.tx.tid, prog.tx.generation) if prog.tx is not None else None
+        reply.bytes_h2d, reply.bytes_d2h = prog.bytes_h2d, prog.bytes_d2h
+        reply.faults_fired = self.faults.fired()
 
     # ---- commands -----------------------------------------------------------------------
-    def _command(self, c) -> P.CommandOut:
+    def _command(self, c, reply: P.StepReply) -> P.CommandOut:
         try:
-            return self._run(c)
+            return self._run(c, reply)
         except (NativeError, IntegrityError) as exc:
             return P.Failed(str(exc))
 
-    def _run(self, c) -> P.CommandOut:
+    def _run(self, c, reply: P.StepReply) -> P.CommandOut:
         prog = self.prog
         if isinstance(c, P.NewSeq):
             seq = prog.new_sequence(P.unpack_tokens(c.tokens), c.prompt_len, c.params, self.eos_ids)
             return P.SeqCreated(seq.sid, seq.generation)
         if isinstance(c, P.Pause):
-            return P.CkptOut(ckpt_ref(prog.pause(self._seq(c.sid), c.destructive)))
+            seq = self._bound(c.sid)
+            return _pause_out(c.sid, prog.pause(seq, c.to_host, c.host_victims))
         if isinstance(c, P.Freeze):
-            return P.CkptOut(ckpt_ref(prog.freeze(self._seq(c.sid), c.owner)))
+            return P.CkptOut(ckpt_ref(prog.freeze(self._bound(c.sid), c.owner)))
         if isinstance(c, P.Release):
             seq = prog.sequences.get(c.sid)
             if seq is not None:
                 prog.release(seq)
             return P.Ack(seq is not None)
         if isinstance(c, P.AddOwner):
-            prog.add_owner(self._ckpt(c.cid, c.generation), c.owner)
+            ck = self.checkpoint(c.cid, c.generation)
+            if ck is None:
+                raise NativeError(f"checkpoint {c.cid} is gone (stale reference)")
+            prog.add_owner(ck, c.owner)
             return P.Ack()
         if isinstance(c, P.ReleaseOwner):
-            ck = prog.checkpoints.get(c.cid)
-            if ck is None or ck.generation != c.generation or c.owner not in ck.owners:
+            ck = self.checkpoint(c.cid, c.generation)
+            if ck is None or c.owner not in ck.owners:
                 return P.Ack(False)
             return P.Ack(prog.release_owner(ck, c.owner))
-        if isinstance(c, P.Publish):
-            return P.Ack(prog.publish(c.tid, c.generation))
         if isinstance(c, P.Overdue):
-            return P.CompletionsOut(prog.overdue())
+            done = prog.overdue()
+            reply.settled += [_settled(r, 1) for r in done]
+            return P.CompletionsOut([P.TxRef(r.tid, r.generation) for r in done])
         if isinstance(c, P.Commit):
-            return P.CommitOut(prog.commit(c.actions))
+            return P.CommitOut(reclaim.commit(prog, c.actions))
         if isinstance(c, P.Quote):
-            return P.FactsOut(prog.quote())
+            return P.FactsOut(reclaim.quote(prog))
         if isinstance(c, P.CheckIntegrity):
             prog.check_integrity(idle=c.idle)
             return P.Ack()
@@ -302,3 +216,228 @@ class Worker:
         if isinstance(c, P.HoldPages):
             return P.Ack(self._hold(c.pages))
         raise NativeError(f"unknown command {type(c).__name__}")
+
+    def _bound(self, sid: int) -> Sequence:
+        seq = self.prog.sequences.get(sid)
+        if seq is None or seq.phase is not P.Phase.RUNNING:
+            raise NativeError(f"sequence {sid} is not bound")
+        return seq
+
+    def _hold(self, pages: int) -> bool:
+        """Test hook: an outside party keeps ``pages`` Main pages reserved."""
+        pool = self.prog.pools[P.MAIN]
+        if self._held:
+            pool.unreserve(self._held)
+            self._held = 0
+        if pages and pool.reserve(pages):
+            self._held = pages
+        return self._held == pages
+
+
+class _StepRun:
+    """The state of one step: outcomes by intent id and the units permitted so far."""
+
+    def __init__(self, worker: Worker, reply: P.StepReply):
+        self.w = worker
+        self.prog = worker.prog
+        self.reply = reply
+        self.outcomes: dict[int, P.Outcome] = {}
+        self.units: list[tuple[int, P.UnitSpec, Sequence, bool]] = []    # (iid, unit, seq, permitted)
+        self.ran: set[int] = set()
+
+    def progress(self, point: int) -> None:
+        self.reply.settled += [_settled(r, point) for r in self.prog.progress()]
+
+    # ---- intents ------------------------------------------------------------------------
+    def _skipped(self, guards: list[P.Guard]) -> bool:
+        ok = P.Outcome.OK
+        for g in guards:
+            if (not any(self.outcomes.get(i) is ok for i in g.unless_ok)
+                    and sum(1 for i in g.ok_among if self.outcomes.get(i) is ok) >= g.at_least):
+                return True
+        return False
+
+    def intent(self, it: P.Intent) -> P.IntentOut:
+        if self._skipped(it.guards):
+            out = P.IntentOut(it.iid, P.Outcome.SKIPPED)
+        else:
+            try:
+                out = self._row(it) if isinstance(it, P.RowIntent) else self._bind(it)
+            except (NativeError, IntegrityError) as exc:
+                log.exception("intent %d failed", it.iid)
+                out = P.IntentOut(it.iid, P.Outcome.FAILED, detail=str(exc))
+        self.outcomes[it.iid] = out.outcome
+        return out
+
+    def _row(self, it: P.RowIntent) -> P.IntentOut:
+        seq = self.prog.sequences.get(it.sid)
+        if seq is None or seq.phase is not P.Phase.RUNNING:
+            return P.IntentOut(it.iid, P.Outcome.REFUSED, P.Refusal.NOT_BOUND, detail=f"sequence {it.sid} is not bound")
+        out = P.IntentOut(it.iid, P.Outcome.OK)
+        n = it.unit.n_tokens
+        out.outcome = self._permit(lambda: self.prog.seq_demand(seq, n), {}, it.remedies, out)
+        if out.outcome is P.Outcome.OK:
+            if self.prog.reserve_unit(seq, n):
+                raise NativeError(f"the permit of sequence {seq.sid} fell short after it was covered")
+            self.units.append((it.iid, it.unit, seq, True))
+        elif out.outcome is P.Outcome.SHORT and it.on_short is not None:
+            p = it.on_short
+            out.paused = _pause_out(seq.sid, self.prog.pause(seq, p.to_host, p.host_victims))
+        elif n > 1:
+            self.units.append((it.iid, it.unit, seq, False))      # refreshed after Control/Decode
+        out.facts = self.w.seq_facts(seq) if seq.sid in self.prog.sequences else None
+        return out
+
+    def _permit(self, demand: Callable[[], dict[str, int]], credit: dict[str, int],
+                remedies: list[P.Remedy], out: P.IntentOut) -> P.Outcome:
+        """The permit check with its remedies: OK when it fits now (after committing the
+        smallest prefix of remedies that makes it fit), WAIT when a prefix makes it fit once
+        its copies publish (committed), else SHORT with nothing committed."""
+        short = self._short(demand(), credit)
+        if not short:
+            return P.Outcome.OK
+        out.shortfall = short
+        if not remedies:
+            return P.Outcome.SHORT
+        freed = reclaim.simulate(self.prog, remedies)
+        for wait in (False, True):
+            for k, f in enumerate(freed):
+                if f.covers(short, wait):
+                    for i in range(k + 1):
+                        out.applied.append(self._remedy(i, remedies[i]))
+                    if wait:
+                        return P.Outcome.WAIT
+                    short = self._short(demand(), credit)
+                    out.shortfall = short
+                    return P.Outcome.SHORT if short else P.Outcome.OK
+        return P.Outcome.SHORT
+
+    def _short(self, demand: dict[str, int], credit: dict[str, int]) -> dict[str, int]:
+        short = self.prog.shortfall(demand)
+        return {k: n - credit.get(k, 0) for k, n in short.items() if n > credit.get(k, 0)}
+
+    def _remedy(self, index: int, r: P.Remedy) -> P.Applied:
+        if isinstance(r, P.Reclaim):
+            return P.Applied(index, commit=reclaim.commit(self.prog, r.actions))
+        seq = self.prog.sequences[r.sid]
+        return P.Applied(index, paused=_pause_out(r.sid, self.prog.pause(seq, r.to_host, r.host_victims)))
+
+    def _bind(self, it: P.BindIntent) -> P.IntentOut:
+        prog = self.prog
+        out = P.IntentOut(it.iid, P.Outcome.OK)
+        src = None
+        if it.source is not None:
+            src = self.w.checkpoint(it.source.cid, it.source.generation)
+            if src is None:
+                return P.IntentOut(it.iid, P.Outcome.REFUSED, P.Refusal.STALE_SOURCE,
+                                   detail=f"checkpoint {it.source.cid} is gone (stale reference)")
+        if it.new is not None:
+            c = it.new
+            seq = prog.new_sequence(P.unpack_tokens(c.tokens), c.prompt_len, c.params, self.w.eos_ids)
+        else:
+            seq = prog.sequences.get(it.sid)
+            if seq is None or seq.phase is not P.Phase.PAUSED:
+                return P.IntentOut(it.iid, P.Outcome.REFUSED, P.Refusal.NOT_BOUND,
+                                   detail=f"sequence {it.sid} is not paused")
+        if src is not None:
+            why, detail = prog.check_source(seq.ledger, src, it.mode, it.mover)
+            if why:
+                self._drop_new(it, seq)
+                return P.IntentOut(it.iid, P.Outcome.REFUSED, why, detail=detail)
+        retire = self.w.retires(it.retire)
+        credit = prog.freed_by_retiring([(c, o) for c, o in retire if c is not src])
+        out.outcome = self._permit(lambda: prog.bind_demand(seq.sid, src, it.mode, it.first_tokens),
+                                   credit, it.remedies, out)
+        if out.outcome is not P.Outcome.OK:
+            self._drop_new(it, seq)
+            return out
+        b = prog.bind(seq, src, it.mode, it.first_tokens, it.mover, retire)
+        if not b.ok:
+            self._drop_new(it, seq)
+            out.outcome = P.Outcome.REFUSED if b.refusal else P.Outcome.SHORT
+            out.refusal, out.detail, out.shortfall = b.refusal, b.detail, b.shortfall
+            return out
+        out.sid, out.tid = seq.sid, b.tid
+        out.facts = self.w.seq_facts(seq)
+        if it.unit is not None and not self._skipped(it.unit_guards):
+            self.units.append((it.iid, it.unit, seq, True))
+        return out
+
+    def _drop_new(self, it: P.BindIntent, seq: Sequence) -> None:
+        if it.new is not None:
+            self.prog.release(seq)      # nothing of a failed fresh admission lingers
+
+    # ---- execution ----------------------------------------------------------------------
+    def execute(self, decode: bool) -> None:
+        """Run the permitted units of this turn: the Control/Decode batch (units of at most one
+        token) or the prefill turn (the multi-token unit, its permit refreshed if it was
+        short). Units of sequences still materializing wait for a later step."""
+        batch = []
+        for iid, unit, seq, permitted in self.units:
+            if iid in self.ran or (unit.n_tokens <= 1) != decode or seq.phase is not P.Phase.RUNNING:
+                continue
+            if not permitted and self.prog.reserve_unit(seq, unit.n_tokens):
+                continue
+            batch.append((iid, unit, seq))
+        if not batch:
+            return
+        rows, dests = [], []
+        for iid, unit, seq in batch:
+            dest, result, room = self._capture(unit.capture) if unit.capture is not None else (None, P.CaptureResult.NONE, None)
+            rows.append(UnitRow(seq, unit.n_tokens, unit.kind, dest))
+            dests.append((result, room))
+        try:
+            if self.w.faults.fire("forward_error"):
+                raise FaultInjected("injected forward error")
+            results = self.prog.execute(rows)
+        except Exception as exc:            # device or programming error: this call's rows fail
+            log.exception("execute failed")
+            error = f"{type(exc).__name__}: {exc}"
+            for (iid, unit, seq), row in zip(batch, rows):
+                self.ran.add(iid)
+                if row.capture is not None:
+                    self.prog.drop_capture(row.capture)
+                self.prog._fail_sequence(seq)
+                self.reply.units.append(P.UnitOut(seq.sid, ran=False, error=error))
+            return
+        for (iid, unit, seq), r, (result, room) in zip(batch, results, dests):
+            self.ran.add(iid)
+            if not unit.hold:
+                self.prog.settle(seq)
+            u = P.UnitOut(seq.sid, ran=True, committed=r.committed,
+                          finish=P.FinishReason[r.finish_reason.upper()] if r.finish_reason else None,
+                          capture=result, captured=ckpt_ref(r.captured), capture_tid=r.capture_tid,
+                          room_applied=room, facts=self.w.seq_facts(seq))
+            self.reply.units.append(u)
+
+    def _capture(self, cap: P.Capture) -> tuple[CaptureDest | None, P.CaptureResult, P.CommitResult | None]:
+        """A save's destination: a Device slot, else the Host, else the admitted room (only
+        when committing it makes the save fit: a Device slot freed now or the Host placing
+        the image), else skipped — an optional save never blocks the unit."""
+        prog = self.prog
+        dest = prog.prepare_capture(cap.owner, self.w.retires(cap.retire))
+        if dest is not None:
+            return dest, P.CaptureResult.SAVED, None
+        if not cap.room:
+            return None, P.CaptureResult.NO_ROOM, None
+        freed = reclaim.simulate(prog, [P.Reclaim(cap.room)])
+        if not freed:
+            return None, P.CaptureResult.STALE_ROOM, None
+        deleted = {a.cid for a in cap.room if isinstance(a, P.Delete)}
+        images, blocks = reclaim._migrations(prog, cap.room)
+        sizes = prog.demotion_sizes(images, blocks) + [prog.mem.image_bytes]
+        fits_host = place_first_fit(prog.host_holes_after(deleted), sizes) is not None
+        if freed[0].now.get(P.STATE, 0) < 1 and not fits_host:
+            return None, P.CaptureResult.NO_ROOM, None
+        res = reclaim.commit(prog, cap.room)
+        dest = prog.prepare_capture(cap.owner) if res.ok else None
+        if dest is None:
+            return None, P.CaptureResult.STALE_ROOM if not res.ok else P.CaptureResult.NO_ROOM, res
+        return dest, P.CaptureResult.SAVED, res
+
+    def report_unrun(self) -> None:
+        """Permitted units that did not run this step (their sequence is still materializing,
+        or the refreshed chunk permit was still short) keep their reservation."""
+        for iid, unit, seq, _ in self.units:
+            if iid not in self.ran and seq.sid in self.prog.sequences:
+                self.reply.units.append(P.UnitOut(seq.sid, ran=False, facts=self.w.seq_facts(seq)))

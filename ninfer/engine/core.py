@@ -1,19 +1,23 @@
-"""EngineCore: the controller's single control thread (seed: Engine 周期).
+"""EngineCore: the controller's single control thread (seed: Engine 周期). It keeps the request
+books and the transaction books, builds each cycle's plan from the policy's decisions, talks to
+the worker and publishes outputs. It decides no rule itself:
 
-One ``cycle`` builds one StepPlan and makes one round trip to the worker:
+    who runs, in which order, with which bounds      Scheduler        (policy/scheduler.py)
+    sources, records, save points, evidence          ResourceManager  (policy/resources.py)
+    remedies of a short permit, victims, pause       Pressure         (policy/pressure.py)
+      routes, the capacity contract
+    reclaim ranking and admission                    Planner          (policy/reclaim.py)
+    the next unit of a request                       units.py
+    the cycle's intents                              planning.py
+    what a reply means for the books                 outcomes.py
 
-    1. settle: publish transfer completions, finish terminal requests (freeze E / release),
-       carry out cancellations
-    2. rows: resident Decode/Control units in permit order (recovery first, then ticket)
-    3. binds: the oldest paused request's full resume (on a real capacity event), then the
-       fresh scan (head + up to C followers, bounded overtaking) with the free lanes
-    4. chunks: one Prefill/Replay chunk, rotating among residents (recovery first)
-    -> worker executes, settles, reports
-    5. process: publish tokens (never twice), terminal states, captures, accounting
-    6. pressure: the oldest necessary shortfall goes through the preemption chain
+One cycle, steady state one round trip::
 
-The policy decisions live in the Scheduler (who runs) and the ResourceManager (what is kept);
-this class keeps the books of requests and transactions and talks to the worker.
+    lifecycle (terminal, cancelled, timed out) -> plan -> [pressure: a quote (commands run
+    first), remedies on the short intents] -> step (the worker: progress point 1, commands,
+    intents, point 2, Control/Decode, point 3, the prefill turn) -> outcomes
+
+Test seam: ``preempt(rid)`` pauses one resident as the chain would (route by Host room).
 """
 
 from __future__ import annotations
@@ -22,31 +26,23 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ninfer import protocol as P
 from ninfer.config import EngineConfig
-from ninfer.policy.pressure import Pressure
-from ninfer.engine.request import Phase, Request, RequestSpec
-from ninfer.engine.units import Unit, account, next_unit
-from ninfer.frontend.validate import validate_spec
+from ninfer.engine.outcomes import Outcomes
+from ninfer.engine.planning import CyclePlanner, Plan
+from ninfer.engine.request import Request
 from ninfer.errors import CapacityContractError, IntegrityError, RequestError
+from ninfer.policy.pressure import Pressure
 from ninfer.policy.reclaim import Planner
-from ninfer.policy.resources import Admission, ResourceManager, SavePoint
+from ninfer.policy.resources import ResourceManager
 from ninfer.policy.scheduler import Scheduler
+from ninfer.protocol import FinishReason, Phase, RequestSpec
 
 log = logging.getLogger("ninfer.engine")
 
-
-@dataclass
-class CycleCtx:
-    """What each entry of this cycle's plan means, to interpret the reply."""
-
-    pre: list[Callable[[P.CommandOut], None]] = field(default_factory=list)
-    units: dict[int, tuple[Request, Unit]] = field(default_factory=dict)       # sid -> unit
-    binds: list[tuple[Request, str, Admission | None, Unit]] = field(default_factory=list)
-    fresh: list[Request] = field(default_factory=list)
-    short: list[tuple[Request, dict[str, int], str]] = field(default_factory=list)
+STALL_CYCLES = 3         # cycles without any progress and nothing in flight before the oldest fails
 
 
 @dataclass
@@ -55,9 +51,14 @@ class EngineStats:
     steps: int = 0
     preemptions: int = 0
     revocations: int = 0
+    take_backs: int = 0
     resumes_snapshot: int = 0
     resumes_replay: int = 0
     capacity_errors: int = 0
+    copy_failures: int = 0
+    device_errors: int = 0
+    stalls: int = 0                 # progress guard fired (a policy gap: should stay 0)
+    captures_skipped_with_room: int = 0
     cycle_s: float = 0.0            # wall time of cycles that made a round trip
     worker_s: float = 0.0           # of which the worker was busy
     prefill_tokens: int = 0
@@ -74,26 +75,32 @@ class EngineCore:
         self.chunk = self.info.prefill_chunk_tokens
         self.sched = Scheduler(self.info.max_concurrency)
         self.rm = ResourceManager(self.info)
-        self.pressure = Pressure(self)
+        self.pressure = Pressure(self.sched, self.rm, self.info)
+        self.planner = CyclePlanner(self)
+        self.outcomes = Outcomes(self)
         self.requests: dict[str, Request] = {}
         self.by_sid: dict[int, Request] = {}
         self.stats = EngineStats()
         self._tickets = itertools.count()
         self._steps = itertools.count(1)
-        self._pending: list[tuple[P.Command, Callable[[P.CommandOut], None]]] = []
-        self._completions: list[tuple[int, int]] = []
-        self._tx: dict[int, tuple[str, Request | None]] = {}    # tid -> (purpose, request)
+        self.pending: list[tuple[P.Command, object]] = []
+        # transaction books: tid -> parts (kind, request), and the running one's first sight
+        self.txs: dict[int, list[tuple[str, Request | None]]] = {}
+        self.tx: P.TxRef | None = None
         self._tx_since: float | None = None
-        self.tx_busy = False
+        # mirrors of the last reply
         self.pools: dict[str, P.PoolState] = {}
         self.host_free = 0
         self.host_largest = 0
+        self.host_kv_pages = 0
         self.bytes = (0, 0)
+        self.faults_fired: dict[str, int] = {}
+        self._stuck = 0
 
     # ==== intake =========================================================================
     def add(self, spec: RequestSpec) -> Request:
-        """Validate and queue a request; bad input raises RequestError for it alone."""
-        validate_spec(spec, self.info)
+        """Queue a request (the frontend validated it: bad input never reaches the core); a
+        request id already in use raises RequestError for it alone."""
         rid = spec.rid or f"req-{next(self._tickets)}"
         if rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in use")
@@ -108,78 +115,152 @@ class EngineCore:
         if req is not None and req.finish_reason is None:
             req.cancel_requested = True
 
+    def queue(self, cmd: P.Command, then=None) -> None:
+        self.pending.append((cmd, then))
+
     # ==== the cycle ======================================================================
+    @property
+    def tx_busy(self) -> bool:
+        return self.tx is not None
+
     def busy(self) -> bool:
-        return bool(self.requests) or bool(self._pending) or bool(self._completions) or self.tx_busy
+        return bool(self.requests) or bool(self.pending) or self.tx_busy
 
     def cycle(self) -> bool:
-        """One engine cycle; returns False when there was nothing to do."""
-        ctx = CycleCtx()
-        plan = P.StepPlan(seq=next(self._steps))
-        self._check_overdue()
-        self._settle(plan, ctx)
-        self._plan_units(self.sched.rows(), plan.rows, ctx)           # 2. rows
-        self._plan_binds(plan, ctx)
-        self._plan_units(self.sched.chunk_order(), plan.chunks, ctx)  # 4. chunks
-        if not (plan.pre or plan.rows or plan.binds or plan.chunks):
-            if self.tx_busy:
-                self._call(plan)                # poll: drain completions (woken by the worker)
-                return bool(self._completions)
-            return False
+        """One engine cycle; returns False when there was nothing to do (the caller waits for
+        the next real event: a transfer completion, a new request) — never a silent stall."""
+        cmds = self._lifecycle()
+        if self._overdue():
+            cmds.append((P.Overdue(), None))
+        plan = self.planner.build()
+        cmds += plan.commands
+        if not cmds and not plan.items and plan.take_back is None:
+            if self.tx_busy:        # advance the transaction only (woken by its completion)
+                return self.outcomes.apply(self._send(P.StepPlan(next(self._steps))), Plan(), [])
+            return self._guard_progress(False)
         self.stats.cycles += 1
         t0 = time.perf_counter()
-        reply = self._call(plan)
+        progressed = False
+        if self._needs_quote(plan):
+            reply = self._send(P.StepPlan(next(self._steps), commands=[c for c, _ in cmds], quote=True,
+                                          demands=plan.queries()))
+            progressed = self.outcomes.apply(reply, Plan(), cmds)
+            cmds = self._pressure(plan, reply)
+        reply = self._send(P.StepPlan(next(self._steps), commands=[c for c, _ in cmds], intents=plan.intents()))
+        progressed = self.outcomes.apply(reply, plan, cmds) or progressed
         self.stats.cycle_s += time.perf_counter() - t0
-        progressed = self._process(reply, ctx) or bool(plan.pre)
-        acted = self.pressure.relieve(ctx.short)
-        # A cycle in which nothing ran and nothing changed waits for the next real event
-        # (a transfer completion, a new request): incomplete async events are never spun on.
-        return progressed or acted or bool(self._completions)
+        return self._guard_progress(progressed)
 
-    def _call(self, plan: P.StepPlan) -> P.StepReply:
+    def _needs_quote(self, plan: Plan) -> bool:
+        """Pressure needs facts: a take-back, a need that may not fit, a save without room."""
+        if plan.take_back is not None or not self.pressure.fits(plan.needs(), self.pools):
+            return True
+        caps = plan.captures()
+        if not caps:
+            return False
+        avail = {k: v.available for k, v in self.pools.items()}
+        for n in plan.needs():
+            for k, v in (n.demand or {}).items():
+                avail[k] = avail.get(k, 0) - v
+        slots = avail.get(P.STATE, 0)
+        return len(caps) > slots and (len(caps) - max(0, slots) > 1 or self.host_largest < self.info.image_bytes)
+
+    def _pressure(self, plan: Plan, reply: P.StepReply) -> list[tuple[P.Command, object]]:
+        """Settle the plan's shortfalls on the quote: remedies and on-short pauses on the
+        intents, the capacity contract, the lane take-back, the saves' admitted room."""
+        facts = reply.facts
+        cmds: list[tuple[P.Command, object]] = []
+        live = {i.iid for i in plan.items if i.req.live}
+        plan.items = [i for i in plan.items if i.iid in live]
+        verdicts, last = self.pressure.settle(plan.needs(), facts, reply.demands, reply.tx is not None)
+        for item in plan.items:
+            v = verdicts.get(item.iid)
+            if v is None:
+                continue
+            item.intent.remedies = v.remedies
+            item.contract = v.error          # fails it only if the worker confirms it is still short
+            if isinstance(item.intent, P.RowIntent):
+                item.intent.on_short = v.on_short
+        victim = plan.take_back
+        if victim is not None and victim.live:
+            planner = last or Planner(facts, self.rm.table, self.pressure.protected(victim), lambda o: False)
+            to_host, host_victims = self.pressure.pause_route(victim, planner, facts)
+            self.stats.take_backs += 1
+            cmds.append((P.Pause(victim.sid, to_host, host_victims),
+                         lambda out, v=victim, d=host_victims: self.outcomes.paused(v, out, d)))
+        # saves: a Device slot left after the intents, else Host room, else admitted room
+        slots = facts.pools[P.STATE].available - sum(
+            reply.demands.get(i.iid, i.need.demand or {}).get(P.STATE, 0) for i in plan.items)
+        host_ok = any(size >= facts.image_bytes for _, size in facts.host_free)
+        for item in plan.captures():
+            if slots > 0:
+                slots -= 1
+            elif host_ok:
+                host_ok = False
+            else:
+                rec = item.adm.record if item.adm is not None else None
+                room = self.pressure.capture_room(item.req, item.sp, last, facts, plan.sources, rec)
+                if room:
+                    item.spec.capture.room = room
+        return cmds
+
+    def _send(self, plan: P.StepPlan) -> P.StepReply:
         self.stats.steps += 1
         reply = self.client.step(plan)
         self.stats.worker_s += reply.worker_s
         self.pools = reply.pools
         self.host_free = reply.host_free
         self.host_largest = reply.host_largest
+        self.host_kv_pages = reply.host_kv_pages
         self.bytes = (reply.bytes_h2d, reply.bytes_d2h)
-        self.tx_busy = reply.tx_busy
-        if reply.completions:
-            self._completions.extend(reply.completions)
-        if self.tx_busy and self._tx_since is None:
+        self.faults_fired = reply.faults_fired
+        self.tx = reply.tx
+        if self.tx is not None and self._tx_since is None:
             self._tx_since = time.monotonic()
-        elif not self.tx_busy:
+        elif self.tx is None:
             self._tx_since = None
         return reply
 
     def call_commands(self, cmds: list[P.Command]) -> list[P.CommandOut]:
-        """A synchronous side round trip (pressure paths, quotes, maintenance)."""
-        return self._call(P.StepPlan(seq=next(self._steps), pre=cmds)).pre
+        """A synchronous side round trip (maintenance, tests)."""
+        reply = self._send(P.StepPlan(next(self._steps), commands=cmds))
+        self.outcomes.apply(reply, Plan(), [(c, None) for c in cmds])
+        return reply.commands
 
-    def queue(self, cmd: P.Command, then: Callable[[P.CommandOut], None] | None = None) -> None:
-        self._pending.append((cmd, then or (lambda out: None)))
-
-    def _check_overdue(self, timeout: float = 2.0) -> bool:
+    def _overdue(self) -> bool:
         """A transaction whose completion never came (dropped) is settled after a timeout."""
-        if self._tx_since is not None and time.monotonic() - self._tx_since > timeout:
-            [out] = self.call_commands([P.Overdue()])
-            self._completions.extend(out.done)
+        if self._tx_since is not None and time.monotonic() - self._tx_since > self.config.completion_timeout_s:
             self._tx_since = time.monotonic()
-            return bool(out.done)
+            return True
         return False
 
-    # ---- 1. settle ----------------------------------------------------------------------
-    def _settle(self, plan: P.StepPlan, ctx: CycleCtx) -> None:
-        for tid, gen in self._completions:
-            purpose = self._tx.get(tid)
-            plan.pre.append(P.Publish(tid, gen))
-            ctx.pre.append(lambda out, tid=tid, purpose=purpose: self._published(tid, purpose, out))
-        self._completions = []
-        for cmd, then in self._pending:
-            plan.pre.append(cmd)
-            ctx.pre.append(then)
-        self._pending = []
+    def _guard_progress(self, progressed: bool) -> bool:
+        """No wait is unbounded: when nothing ran, nothing changed and nothing is in flight
+        although requests remain, every waiter is woken once; if still nothing can move, the
+        oldest request fails with the capacity contract instead of waiting for a releaser
+        that does not exist. (A policy gap: ``stats.stalls`` counts it.)"""
+        if progressed or self.tx_busy or not self.requests:
+            self._stuck = 0
+            return progressed
+        self._stuck += 1
+        if self._stuck == 1:
+            self.sched.event()
+            return True
+        if self._stuck >= STALL_CYCLES:
+            self._stuck = 0
+            oldest = min((r for r in self.requests.values() if r.live), key=lambda r: r.ticket, default=None)
+            if oldest is not None:
+                self.stats.stalls += 1
+                self.stats.capacity_errors += 1
+                log.warning("no request can progress; failing the oldest (%s)", oldest.rid)
+                self.fail(oldest, CapacityContractError(
+                    f"request {oldest.rid} cannot progress: nothing else holds or will release capacity"))
+                return True
+        return False
+
+    # ==== lifecycle ======================================================================
+    def _lifecycle(self) -> list[tuple[P.Command, object]]:
+        cmds, self.pending = self.pending, []
         timeout = self.config.request_timeout_s
         now = time.monotonic()
         for req in list(self.requests.values()):
@@ -188,50 +269,42 @@ class EngineCore:
                 # ingress timeout: counted from the original arrival until first admission; a
                 # later pause does not restart it
                 req.error = {"type": "timeout", "message": f"not admitted within {timeout} s"}
-                req.finish_reason = "error"
+                req.finish_reason = FinishReason.ERROR
             if req.cancel_requested and req.finish_reason is None:
-                self._end(req, "cancelled", plan, ctx)
+                self._end(req, FinishReason.CANCELLED, cmds)
             elif req.finish_reason is not None and req.finished_at is None:
-                self._end(req, req.finish_reason, plan, ctx)
+                self._end(req, req.finish_reason, cmds)
+        return cmds
 
-    def _published(self, tid: int, purpose, out: P.CommandOut) -> None:
-        if not (isinstance(out, P.Ack) and out.value):
-            return                      # late or duplicate completion: ignored by the worker
-        self._tx.pop(tid, None)
-        kind, req, causes = purpose if purpose is not None else (None, None, frozenset())
-        self.sched.event(causes)        # transfer completion re-opens the scan
-        if kind == "bind" and req is not None and req.phase is Phase.BINDING:
-            req.phase = Phase.RUNNING
-            req.source_cid = None
-
-    def _end(self, req: Request, reason: str, plan: P.StepPlan, ctx: CycleCtx, error: dict | None = None) -> None:
+    def _end(self, req: Request, reason: FinishReason, cmds: list) -> None:
         """Terminal: freeze a normal finish as the record's E, release everything else."""
         req.finish_reason = reason
-        req.error = error or req.error
-        if req.sid is not None and req.resident and reason in ("stop", "length") and req.phase is Phase.RUNNING:
-            plan.pre.append(P.Freeze(req.sid, req.record.owner("E")))
-            ctx.pre.append(lambda out, req=req: self._frozen(req, out))
-        elif req.sid is not None:
-            plan.pre.append(P.Release(req.sid))
-            ctx.pre.append(lambda out: None)
-            self._release_records(req)
+        owner = self.rm.e_owner(req)
+        if (req.sid is not None and req.phase is Phase.RUNNING and owner is not None
+                and reason in (FinishReason.STOP, FinishReason.LENGTH)):
+            cmds.append((P.Freeze(req.sid, owner), lambda out, req=req: self._frozen(req, out)))
         else:
+            if req.sid is not None:
+                cmds.append((P.Release(req.sid), None))
             self._release_records(req)
         self._finish(req)
 
     def _release_records(self, req: Request) -> None:
         for cmd in self.rm.on_released(req):
             self.queue(cmd)
+        self.rm.forget(req)
 
     def _frozen(self, req: Request, out: P.CommandOut) -> None:
         if isinstance(out, P.CkptOut) and out.ref is not None:
             for cmd in self.rm.on_finished(req, out.ref):
                 self.queue(cmd)
+            self.rm.forget(req)
         else:
             self._release_records(req)
 
     def _finish(self, req: Request) -> None:
         req.finished_at = time.monotonic()
+        req.phase = Phase.FINISHED
         self.sched.remove(req)
         self.requests.pop(req.rid, None)
         if req.sid is not None:
@@ -250,271 +323,25 @@ class EngineCore:
                      "arrival": req.arrival, "admitted_at": req.first_admitted},
             pauses=list(req.pauses), error=req.error, prompt_token_ids=list(req.prompt)))
 
-    def fail(self, req: Request, exc: Exception) -> None:
-        """Fail one request with a clear error (it alone)."""
-        kind = "capacity_contract" if isinstance(exc, CapacityContractError) else type(exc).__name__
+    def fail(self, req: Request, exc: Exception, kind: str | None = None) -> None:
+        """Fail one request with a clear error (it alone); its books close next cycle."""
+        if req.finish_reason is not None:
+            return
+        kind = kind or ("capacity_contract" if isinstance(exc, CapacityContractError) else type(exc).__name__)
         req.error = {"type": kind, "message": str(exc)}
-        req.finish_reason = "error"
+        req.finish_reason = FinishReason.ERROR
 
-    # ---- 2. rows and 4. chunks ------------------------------------------------------------
-    def _unit_for(self, req: Request) -> Unit:
-        f = req.facts
-        return next_unit(req, f.frontier, f.ledger_len, self.chunk)
-
-    def _row_spec(self, req: Request, unit: Unit, sid: int, binding_slots: int = 0) -> P.RowSpec:
-        spec = P.RowSpec(sid=sid, n_tokens=unit.n_tokens, kind=unit.kind, hold=req.recovery_pending)
-        if (unit.save_index is not None and not req.recovery_pending
-                and self._admit_capture(req, unit, binding_slots)):
-            sp: SavePoint = req.save_points[unit.save_index]
-            spec.capture_owner = sp.owners[0]
-            spec.capture_retire = self.rm.retire_for(req, sp)
-            if "a" in sp.kinds:
-                spec.capture_retire += self.rm.anchor_overflow(req)
-            unit.retire = list(spec.capture_retire)
-        return spec
-
-    def _waits_for_turn(self, req: Request, unit: Unit, binding_slots: int = 0) -> bool:
-        """A save that would go to the Host needs the single context-transaction turn: while
-        another transfer is in flight, this unit waits for it (one cycle of this request only;
-        everything else keeps running) instead of losing the save."""
-        if unit.save_index is None or req.recovery_pending or not self.tx_busy:
-            return False
-        state = self.pools.get(P.STATE)
-        return state is not None and state.available <= binding_slots
-
-    def _admit_capture(self, req: Request, unit: Unit, binding_slots: int) -> bool:
-        """A capture is an optional cache write: with a free Device slot or Host room it just
-        goes; otherwise the admission table decides what, if anything, it may replace. A save
-        that is not admitted is skipped — it never blocks necessary execution.
-        ``binding_slots``: slots this cycle's bind takes before the capture (its writer)."""
-        state = self.pools.get(P.STATE)
-        if state is None or state.available > binding_slots or self.host_largest >= self.info.image_bytes:
-            return True
-        sp: SavePoint = req.save_points[unit.save_index]
-        if self.tx_busy:
-            unit.declined = True       # room would come through a transaction: skip, don't wait
-            return False
-        benefit, own, owner_reuse = self.rm.capture_terms(req, sp)
+    # ==== test seam ======================================================================
+    def preempt(self, rid: str) -> None:
+        """Pause one resident now, as the preemption chain would (Snapshot to the Host when it
+        fits there, else destructive). For scenario tests that need a pause at a known point."""
+        req = self.requests[rid]
         [out] = self.call_commands([P.Quote()])
-        planner = Planner(out.facts, self.rm.table, self.pressure.protected(req), lambda owner: False)
-        actions: list[P.Action] = []
-        for _ in range(binding_slots + 1 - max(0, state.available)):   # its writer's slot too
-            more = planner.plan_capture(benefit, own, owner_reuse)
-            if more is None:
-                unit.declined = True
-                return False
-            actions += more
-        if actions:
-            [res] = self.call_commands([P.Commit(actions)])
-            if not res.result.ok:
-                return False
-            self.pressure.applied(actions, res.result)
-        return True
-
-    def _plan_units(self, reqs, out: list, ctx: CycleCtx) -> None:
-        """Rows (step 2) and chunks (step 4): live requests whose unit has its turn."""
-        for req in reqs:
-            if req.finish_reason is not None or req.cancel_requested:
-                continue
-            unit = self._unit_for(req)
-            if self._waits_for_turn(req, unit):
-                continue
-            out.append(self._row_spec(req, unit, req.sid))
-            ctx.units[req.sid] = (req, unit)
-
-    # ---- 3. binds -----------------------------------------------------------------------
-    def _plan_binds(self, plan: P.StepPlan, ctx: CycleCtx) -> None:
-        lanes = self.sched.lanes_free
-        resume = self._resume_candidate()
-        if resume is not None and lanes > 0:
-            self._plan_resume(resume, plan, ctx)
-            lanes -= 1
-        if lanes <= 0:
-            self._keep_sources()
-            return
-        plan.max_new = lanes
-        rank = 1000
-        for req, budget in self.sched.fresh_candidates():
-            adm = self.rm.plan_admission(req)
-            req.record = adm.record                # tentative until the bind succeeds
-            req.source_cid = adm.source.cid if adm.source else None
-            if req.wait is not None and (adm.source is None or adm.source.cid != req.wait.cid or adm.mode == "move"):
-                plan.pre.extend(self.rm.end_wait(req))     # reselected, or handed over by the Move
-                ctx.pre.extend([lambda out: None] * (len(plan.pre) - len(ctx.pre)))
-            req.save_points = self.rm.save_plan(req, adm.frontier)
-            unit = next_unit(req, adm.frontier, len(req.prompt), self.chunk)
-            rank += 1
-            plan.binds.append(P.BindSpec(
-                new=P.NewSeq(req.rid, P.pack_tokens(req.prompt), len(req.prompt), req.params),
-                source=adm.source.ref if adm.source else None, mode=adm.mode,
-                first_tokens=unit.n_tokens, mover=adm.mover, retire=adm.retire,
-                unit=None if self._waits_for_turn(req, unit, 0 if adm.mode == "move" else 1)
-                else self._row_spec(req, unit, 0, 0 if adm.mode == "move" else 1),
-                rank=rank, fresh=True, budget=budget))
-            ctx.binds.append((req, "fresh", adm, unit))
-            ctx.fresh.append(req)
-
-    def _keep_sources(self) -> None:
-        """No free lane: the scanned requests still keep their chosen valuable sources with
-        waiting references (seed: 没有空 lane 时仍可保留选中的恢复来源)."""
-        cands = self.sched.fresh_candidates()
-        for req, _ in cands:
-            adm = self.rm.plan_admission(req)
-            req.source_cid = adm.source.cid if adm.source else None
-            if adm.cached:
-                for cmd in self.rm.wait_on(req, adm):
-                    self.queue(cmd)
-        if cands:
-            self.sched.after_scan([], set())
-
-    def _resume_candidate(self) -> Request | None:
-        """The oldest paused request tries a full resume on a real capacity event (not its own
-        release), unless another request holds the recovery permit."""
-        req = self.sched.oldest_paused()
-        if req is None or self.sched.recovery is not None:
-            return None
-        return req if req.wake else None
-
-    def _plan_resume(self, req: Request, plan: P.StepPlan, ctx: CycleCtx) -> None:
-        """Full recovery permit: State, missing KV, tail, rebuild to the old frontier and the
-        first real new unit — requested together. Own Snapshot first, else Replay."""
-        target = req.replay_target or 0
-        ledger_len = len(req.ledger)
-        if req.snapshot is not None:
-            route, adm = "snapshot", None
-            source, mode, mover, start = req.snapshot, "move", f"seq:{req.sid}", req.snapshot.frontier
-        else:
-            route = "replay"
-            adm = self.rm.plan_replay(req)
-            req.source_cid = adm.source.cid if adm.source else None
-            source = adm.source.ref if adm.source else None
-            mode, mover, start = "fork", None, adm.frontier
-        unit = next_unit(req, start, ledger_len, self.chunk)
-        after = next_unit(req, max(start, target), ledger_len, self.chunk) if start < target else unit
-        first = max(0, target - start) + (after.n_tokens if start < target else unit.n_tokens)
-        spec = P.RowSpec(sid=req.sid, n_tokens=unit.n_tokens, kind=unit.kind, hold=True)
-        plan.binds.append(P.BindSpec(sid=req.sid, source=source, mode=mode, first_tokens=first,
-                                     mover=mover, unit=spec, rank=-1))
-        ctx.binds.append((req, route, adm, unit))
-
-    # ==== 5. process the reply ===========================================================
-    def _process(self, reply: P.StepReply, ctx: CycleCtx) -> bool:
-        """Interpret the reply; True if anything ran or was admitted."""
-        for then, out in zip(ctx.pre, reply.pre):
-            then(out)
-        admitted: set[str] = set()
-        for (req, route, adm, unit), out in zip(ctx.binds, reply.binds):
-            if self._bound(req, route, adm, unit, out, ctx):
-                admitted.add(req.rid)
-        if ctx.fresh:
-            self.sched.after_scan(ctx.fresh, admitted)
-        for out in reply.rows:
-            self._ran(out, ctx)
-        if reply.chunk is not None:
-            self._ran(reply.chunk, ctx)
-            req = self.by_sid.get(reply.chunk.sid)
-            if req is not None:
-                self.sched.rotate(req)
-        for sid, short in reply.chunk_short.items():
-            req = self.by_sid.get(sid)
-            if req is not None:
-                ctx.short.append((req, short, "chunk"))
-        return bool(admitted) or reply.chunk is not None or any(r.ran for r in reply.rows)
-
-    def _bound(self, req: Request, route: str, adm: Admission | None, unit: Unit,
-               out: P.BindOut, ctx: CycleCtx) -> bool:
-        if not out.ok:
-            if out.error:
-                log.info("bind of %s refused: %s", req.rid, out.error)
-                if adm is not None and adm.source is not None and "stale" in out.error:
-                    # self-healing: the worker no longer has it; forget it and reselect
-                    for cmd in self.rm.end_wait(req):
-                        self.queue(cmd)
-                    self.rm.on_deleted([adm.source.cid])
-            if route == "fresh" and adm is not None and adm.cached and not out.error:
-                for cmd in self.rm.wait_on(req, adm):      # keep the valuable source and wait
-                    self.queue(cmd)
-            if out.shortfall and not out.skipped:
-                ctx.short.append((req, out.shortfall, "fresh" if route == "fresh" else "resume"))
-            if route != "fresh":
-                req.wake = False               # wait for the next real event (never spin)
-            return False
-        now = time.monotonic()
-        req.sid = out.sid
-        self.by_sid[out.sid] = req
-        req.facts = out.facts
-        req.phase = Phase.BINDING if out.tid is not None else Phase.RUNNING
-        if out.tid is not None:
-            self._tx[out.tid] = ("bind", req, frozenset())
-        else:
-            req.source_cid = None                          # bound: the source is in use no more
-        self.sched.admit(req)
-        if route == "fresh":
-            if req.first_admitted is None:
-                req.first_admitted = now
-            self.rm.on_bound(req, adm)
-            req.usage.cached_tokens = adm.cached
-            for cmd in self.rm.end_wait(req):              # the adopted source is bound now
-                self.queue(cmd)
-        else:
-            self.sched.recovery = req
-            req.recovery_pending = True
-            req.pauses[-1]["route"] = route
-            req.pauses[-1]["resumed_at"] = now
-            req.snapshot = None
-            if route == "snapshot":
-                self.stats.resumes_snapshot += 1
-            else:
-                self.stats.resumes_replay += 1
-        ctx.units[out.sid] = (req, unit)
-        return True
-
-    def _ran(self, out: P.RowOut, ctx: CycleCtx) -> None:
-        entry = ctx.units.get(out.sid)
-        req = self.by_sid.get(out.sid)
-        if entry is None or req is None:
-            return
-        _, unit = entry
-        if out.facts is not None:
-            req.facts = out.facts
-        if out.error:
-            self.fail(req, RuntimeError(f"execution failed: {out.error}"))
-            return
-        if not out.ran:
-            if out.shortfall:
-                ctx.short.append((req, out.shortfall, "row"))
-            return
-        account(req, unit)
-        if unit.kind == "prefill" or (unit.kind == "decode" and not req.outputs):
-            self.rm.observe_prefill(req, req.frontier - unit.n_tokens, req.frontier)
-        if req.replay_target is not None and req.frontier >= req.replay_target:
-            req.replay_target = None
-        if unit.save_index is not None:
-            self._saved(req, unit, out)
-        if out.committed:
-            index = len(req.outputs)
-            req.note_tokens(out.committed, time.monotonic())
-            self.sink(P.TokensEvent(req.rid, index, list(out.committed)))
-        if req.recovery_pending and (out.committed or (unit.kind == "prefill")):
-            self._recovered(req)           # only new progress ends the recovery permit
-        if out.finish:
-            req.finish_reason = out.finish
-
-    def _saved(self, req: Request, unit: Unit, out: P.RowOut) -> None:
-        """The unit ended on a save point: attach the capture, or count the skipped save."""
-        sp = req.save_points.pop(unit.save_index)
-        self.rm.retired(req, unit.retire)
-        if out.captured is not None:
-            for cmd in self.rm.on_captured(req, sp, out.captured):
-                self.queue(cmd)
-        elif out.capture_skipped or unit.declined:
-            self.rm.on_skipped(sp)
-
-    def _recovered(self, req: Request) -> None:
-        req.recovery_pending = False
-        if self.sched.recovery is req:
-            self.sched.recovery = None
-        self.queue(P.Settle(req.sid))      # return what is left of the recovery permit
+        planner = Planner(out.facts, self.rm.table, self.pressure.protected(req), lambda o: False)
+        to_host, victims = self.pressure.pause_route(req, planner, out.facts)
+        cmd = P.Pause(req.sid, to_host, victims)
+        reply = self._send(P.StepPlan(next(self._steps), commands=[cmd]))
+        self.outcomes.apply(reply, Plan(), [(cmd, lambda o: self.outcomes.paused(req, o, victims))])
 
     # ==== maintenance ====================================================================
     def stats_dict(self) -> dict:
@@ -525,19 +352,23 @@ class EngineCore:
                 "queries": c.queries, "hits": c.hits, "queried_tokens": c.queried_tokens,
                 "reused_tokens": c.reused_tokens, "hit_losses": c.lost_hits,
                 "hit_loss_tokens": c.lost_tokens, "captures": c.captures,
-                "captures_skipped": c.captures_skipped, "summary_hits": c.summary_hits,
+                "captures_skipped": c.captures_skipped,
+                "captures_skipped_with_room": s.captures_skipped_with_room,
+                "summary_hits": c.summary_hits, "waits": c.waits,
                 "records": len(self.rm.table.records), "public_entries": len(self.rm.table.entries),
                 "checkpoints": len(self.rm.table.ckpts),
             },
             "prefill_tokens": s.prefill_tokens, "replay_tokens": s.replay_tokens,
             "bytes_h2d": self.bytes[0], "bytes_d2h": self.bytes[1],
             "pauses": {"snapshot": s.resumes_snapshot, "replay": s.resumes_replay},
-            "preemptions": s.preemptions, "revocations": s.revocations,
-            "capacity_errors": s.capacity_errors, "finished": s.finished,
+            "preemptions": s.preemptions, "revocations": s.revocations, "take_backs": s.take_backs,
+            "capacity_errors": s.capacity_errors, "copy_failures": s.copy_failures,
+            "device_errors": s.device_errors, "stalls": s.stalls, "finished": s.finished,
             "cycles": s.cycles, "round_trips": s.steps, "cycle_s": s.cycle_s, "worker_s": s.worker_s,
             "running": len(sched.resident), "waiting": len(sched.fresh), "paused": len(sched.paused),
             "occupancy": {k: {"total": v.total, "available": v.available} for k, v in self.pools.items()},
             "host_free_bytes": self.host_free, "host_capacity_bytes": self.info.host_capacity,
+            "faults_fired": dict(self.faults_fired),
         }
 
     def drop_caches(self) -> None:
@@ -552,9 +383,9 @@ class EngineCore:
         out, facts = self.call_commands([P.CheckIntegrity(idle=idle), P.Quote()])
         if isinstance(out, P.Failed):
             raise IntegrityError(out.message)
-        if self._pending or self._completions:
+        if self.pending:
             return
-        real = {cid: set(c.owners) for cid, c in facts.facts.checkpoints.items() if c.kind == "cache"}
+        real = {cid: set(c.owners) for cid, c in facts.facts.checkpoints.items() if c.kind is P.CkptKind.CACHE}
         mirror = {cid: set(info.owners) for cid, info in self.rm.table.ckpts.items()}
         if real != mirror:
             diff = {cid: (real.get(cid), mirror.get(cid)) for cid in set(real) | set(mirror)

@@ -3,27 +3,19 @@ objects, budget, cancellation, first times and the continuation across pauses.
 
 A request keeps its committed history when it gives its lane back; the Native binding can be
 rebuilt (Snapshot or Replay). GenerationStart, first admission and first token are published
-once; a pause does not restart the ingress timeout.
+once; a pause does not restart the ingress timeout. Scheduling and cache state live in the
+Scheduler's and the ResourceManager's own tables.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from enum import Enum
 
 import msgspec
 
-from ninfer.protocol import CkptRef, RequestSpec, SeqFacts  # noqa: F401  (RequestSpec re-exported)
+from ninfer.protocol import CkptRef, FinishReason, Phase, RequestSpec, SeqFacts  # noqa: F401  (re-exported)
 from ninfer.sampling_params import SamplingParams
-
-
-class Phase(str, Enum):
-    QUEUED = "queued"              # fresh queue, waiting for admission
-    BINDING = "binding"            # bound with a read-back in flight (materializing)
-    RUNNING = "running"            # resident: holds a lane
-    PAUSED = "paused"              # lane given back; resumes by Snapshot or Replay
-    FINISHED = "finished"
 
 
 class Usage(msgspec.Struct):
@@ -50,11 +42,10 @@ class Request:
     phase: Phase = Phase.QUEUED
     sid: int | None = None
     outputs: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     error: dict | None = None
     cancel_requested: bool = False
-    # mirrors of the worker's sequence
-    facts: SeqFacts | None = None
+    facts: SeqFacts | None = None           # mirror of the worker's sequence
     # times (published once)
     first_admitted: float | None = None
     first_token: float | None = None
@@ -63,19 +54,10 @@ class Request:
     max_gap: float = 0.0
     usage: Usage = field(default_factory=Usage)
     pauses: list[dict] = field(default_factory=list)
-    # resume state
-    snapshot: CkptRef | None = None
+    # the continuation across pauses
+    snapshot: CkptRef | None = None         # its own pause snapshot (Snapshot route)
     replay_target: int | None = None        # frontier to rebuild before new progress
     recovery_pending: bool = False          # holds the full recovery permit
-    wake: bool = False                      # a capacity event not caused by itself happened
-    # scheduling
-    overtaken: int = 0
-    failed_epoch: int = -1
-    source_cid: int | None = None           # the source it adopted (protected until bound)
-    wait: CkptRef | None = None             # waiting reference on a blocked valuable source
-    record: object = None                   # policy: the private record it continues
-    save_points: list = field(default_factory=list)       # pending SavePoints, by frontier
-    observed: set[int] = field(default_factory=set)        # candidate positions already observed
 
     @property
     def prompt(self) -> list[int]:
@@ -95,12 +77,12 @@ class Request:
 
     @property
     def resident(self) -> bool:
-        return self.phase in (Phase.BINDING, Phase.RUNNING)
+        return self.phase in (Phase.MATERIALIZING, Phase.RUNNING)
 
     @property
-    def in_prefill(self) -> bool:
-        """Input remains to compute (initial prefill or Replay)."""
-        return self.facts is not None and self.facts.frontier < self.facts.ledger_len - 1
+    def live(self) -> bool:
+        """Neither terminal nor being cancelled."""
+        return self.finish_reason is None and not self.cancel_requested
 
     def note_tokens(self, tokens: list[int], now: float) -> None:
         if not tokens:

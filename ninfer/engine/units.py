@@ -17,39 +17,40 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ninfer.engine.request import Request
+from ninfer.protocol import UnitKind
 
 
 @dataclass
 class Unit:
     n_tokens: int
-    kind: str               # "prefill" | "replay" | "decode" | "control"
-    save_index: int | None  # index into req.save_points of the point this unit ends on
-    declined: bool = False  # its save was not admitted (counted as skipped once it runs)
+    kind: UnitKind
+    save_index: int | None   # index into the request's save points of the point it ends on
+    declined: bool = False   # its save was not attempted (counted as skipped once it runs)
     retire: list = field(default_factory=list)   # holds the worker gives up when it runs
 
 
-def next_unit(req: Request, frontier: int, ledger_len: int, chunk: int) -> Unit:
+def next_unit(req: Request, frontier: int, ledger_len: int, chunk: int, save_points=()) -> Unit:
     if req.replay_target is not None and frontier < req.replay_target:
-        return Unit(min(chunk, req.replay_target - frontier), "replay", None)
+        return Unit(min(chunk, req.replay_target - frontier), UnitKind.REPLAY, None)
     if frontier == ledger_len:
-        return Unit(0, "control", None)
+        return Unit(0, UnitKind.CONTROL, None)
     if frontier == ledger_len - 1 and req.outputs:
-        return Unit(1, "decode", None)
+        return Unit(1, UnitKind.DECODE, None)
     end = min(frontier + chunk, ledger_len)
     for x in req.spec.split_points:          # rewrite execution frontiers: the math splits here
         if frontier < x < end:
             end = x
     save = None
-    for i, sp in enumerate(req.save_points):
+    for i, sp in enumerate(save_points):
         if frontier < sp.frontier <= end:
             end, save = sp.frontier, i
             break
-    return Unit(end - frontier, "prefill", save)
+    return Unit(end - frontier, UnitKind.PREFILL, save)
 
 
 def account(req: Request, unit: Unit) -> None:
     """Initial prefill and Replay are counted separately; only work really executed counts."""
-    if unit.kind == "replay":
+    if unit.kind is UnitKind.REPLAY:
         req.usage.replay_tokens += unit.n_tokens
-    elif unit.kind == "prefill" or (unit.kind == "decode" and not req.outputs):
+    elif unit.kind is UnitKind.PREFILL or (unit.kind is UnitKind.DECODE and not req.outputs):
         req.usage.prefill_tokens += unit.n_tokens

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from ninfer.errors import RequestError
 from ninfer.frontend.provenance import Rendered, render_with_provenance
 from ninfer.frontend.render import ChatTokenizer
-from ninfer.policy.records import MAX_MARKERS
+from ninfer.protocol import MAX_MARKERS
 
 PROBE = {"role": "user", "content": "\ue0ffnext-user probe"}
 CLOSING_ROLES = ("user", "system", "developer")

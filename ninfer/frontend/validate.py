@@ -5,7 +5,7 @@ from __future__ import annotations
 from ninfer import protocol as P
 from ninfer.protocol import RequestSpec
 from ninfer.errors import RequestError
-from ninfer.policy.records import MAX_ANCHORS, MAX_MARKERS
+from ninfer.protocol import MAX_ANCHORS, MAX_MARKERS
 
 
 def validate_spec(spec: RequestSpec, info: P.WorkerInfo) -> None:

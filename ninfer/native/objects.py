@@ -17,11 +17,11 @@ a new generation, so a stale reference is detected and ignored.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
 from itertools import count
 
 from ninfer.native.model.config import PAGE_SIZE
 from ninfer.native.stores import Extent, Reservation
+from ninfer.protocol import CkptKind, Owner, Phase
 from ninfer.sampling_params import SamplingParams
 
 _generation = count(1)
@@ -59,11 +59,6 @@ class StateImage:
     leases: int = 0
 
 
-class CkptKind(str, Enum):
-    CACHE = "cache"          # restore point kept for reuse (input point, anchor, marker, E)
-    SNAPSHOT = "snapshot"    # pause snapshot of a sequence's execution position
-
-
 @dataclass(eq=False)
 class Checkpoint:
     """An exact restorable position: input identity + frontier + immutable StateImage + the
@@ -76,7 +71,7 @@ class Checkpoint:
     digest: bytes                    # tokens + media + execution identity
     image: StateImage
     blocks: dict[str, list[KvBlock]]  # per KV kind, covering [0, frontier)
-    owners: dict[str, int] = field(default_factory=dict)   # logical holders (opaque tokens)
+    owners: dict[Owner, int] = field(default_factory=dict)   # logical holders (opaque to Native)
     version: int = field(default_factory=next_generation)
 
     @property
@@ -85,13 +80,6 @@ class Checkpoint:
 
     def touch(self) -> None:
         self.version = next_generation()
-
-
-class SeqState(str, Enum):
-    MATERIALIZING = "materializing"  # bind transaction in flight
-    BOUND = "bound"                  # owns a writer slot: may execute units
-    PAUSED = "paused"                # lane given back; resumes by Snapshot or Replay
-    RELEASED = "released"
 
 
 @dataclass(eq=False)
@@ -112,7 +100,7 @@ class Sequence:
     frontier: int = 0
     blocks: dict[str, list[KvBlock]] = field(default_factory=dict)
     slot: int | None = None
-    state: SeqState = SeqState.MATERIALIZING
+    phase: Phase = Phase.MATERIALIZING      # MATERIALIZING -> RUNNING (bound) -> PAUSED / FINISHED
     reservation: Reservation = field(default_factory=Reservation)
     snapshot: Checkpoint | None = None      # while paused by Snapshot
     finished: str | None = None

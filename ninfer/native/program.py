@@ -2,18 +2,23 @@
 
 It owns the model, the Device/Host memory and the stores, and every mutable fact about them:
 sequences (ledger + frontiers + KV directory + writer state slot), checkpoints (exact restore
-points), reservations, leases and in-flight transfers. Policy never reaches inside; it calls
-these methods (through protocol messages) and reads quotes.
+points), reservations, leases and the context transaction. Policy never reaches inside; the
+worker calls these methods for the plan's intents and reports what they did.
 
 Unit life cycle::
 
     unit_demand -> reserve_unit -> execute (allocate from the reservation, write, sample,
     commit, optional capture) -> settle (return the unused reservation)
 
-Context transactions (at most one at a time): bind with read-back, Host capture, demotion.
-They take leases and destination reservations, submit copies, and publish when the controller
-settles the completion ``(tid, generation)``; a late or duplicate completion names a
-transaction that no longer exists (or exists with another generation) and is ignored.
+The context transaction (at most one at a time; seed: Program 同时至多有一个上下文事务) carries
+binds with read-back, Host captures, demotions and pause snapshots. A later copy joins the
+running transaction while its copies are still in flight; its completion comes once all of
+them finished. Each part follows the seed's order (sources and destinations → leases and
+reservations → copies → completion → publish → release sources) and knows how to abort: a copy
+error aborts the whole transaction — leases dropped, destinations freed, sequences whose
+read-back failed released, captures and pause snapshots that could not be written deleted —
+and the report names exactly what it cost. A late or duplicate completion names a transaction
+that is gone (or has another generation) and changes nothing.
 """
 
 from __future__ import annotations
@@ -21,45 +26,39 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import Enum
 from itertools import count
 
 import torch
 
 from ninfer.errors import NInferError
-from ninfer.native import reclaim
 from ninfer.native.layout import KV_KINDS, MAIN, STATE, Layout
 from ninfer.native.memory import Memory
 from ninfer.native.model.config import PAGE_SIZE
 from ninfer.native.model.forward import ForwardBatch, SeqInput
 from ninfer.native.model.model import HybridModel
-from ninfer.native.objects import (
-    Checkpoint, CkptKind, KvBlock, Sequence, SeqState, StateImage, next_generation, pages_for,
-)
+from ninfer.native.objects import Checkpoint, KvBlock, Sequence, StateImage, next_generation, pages_for
 from ninfer.native.sampler import sample_token, stop_reason
-from ninfer.native.stores import (
-    HostArena, IdPool, IntegrityError, Reservation, allocate, reserve_all, settle,
-)
-from ninfer.native.transfer import FaultHook, TransferEngine
+from ninfer.native.stores import Extent, HostArena, IdPool, IntegrityError, Reservation, allocate, reserve_all, settle
+from ninfer.native.transfer import TransferEngine
+from ninfer.faults import FaultPlan
+from ninfer.placement import merge_extents, place_first_fit
+from ninfer.protocol import BindMode, CkptKind, Delete, Owner, Phase, Refusal, SnapshotOwner, UnitKind, unit_pages
 from ninfer.sampling_params import SamplingParams
+
+Job = Callable[[], None]
 
 
 class NativeError(NInferError):
     """A request to the Program that contradicts its physical truth (a policy bug)."""
 
 
-class UnitKind(str, Enum):
-    PREFILL = "prefill"
-    REPLAY = "replay"
-    DECODE = "decode"
-    VERIFY = "verify"        # typed now; executed by the speculative backends (later wave)
-    CONTROL = "control"
-    NORMALIZE = "normalize"
+@dataclass
+class CaptureDest:
+    """A save's destination, prepared before the unit crosses the frontier."""
 
-
-class BindMode(str, Enum):
-    MOVE = "move"    # exclusive hand-over of the source's state and KV references
-    FORK = "fork"    # the immutable source stays; share full pages, copy state (and tail on write)
+    owner: Owner
+    res: Reservation | None = None      # a Device slot (reserved)
+    ext: Extent | None = None           # or a Host extent
 
 
 @dataclass
@@ -70,9 +69,7 @@ class UnitRow:
     seq: Sequence
     n_tokens: int
     kind: UnitKind = UnitKind.DECODE
-    capture_owner: str | None = None     # after the unit, save the new frontier for this owner
-    capture_where: str = "auto"          # "device" | "host" | "auto" (Device first, then Host)
-    capture_retire: list = field(default_factory=list)   # (checkpoint, owner) holds given up first
+    capture: CaptureDest | None = None
 
 
 @dataclass
@@ -82,7 +79,7 @@ class RowResult:
     committed: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     captured: Checkpoint | None = None
-    capture_skipped: bool = False
+    capture_tid: int | None = None
 
 
 @dataclass
@@ -90,20 +87,44 @@ class BindOutcome:
     ok: bool
     shortfall: dict[str, int] = field(default_factory=dict)
     tid: int | None = None           # set when read-back copies are in flight
-    busy: bool = False               # another context transaction is running
+    refusal: Refusal = Refusal.NONE
+    detail: str = ""
+
+
+@dataclass
+class PauseResult:
+    snapshot: Checkpoint | None      # None: destructive (Replay)
+    tid: int | None
+    freed: dict[str, int]            # Device units freed at once
+
+
+@dataclass(eq=False)
+class TxPart:
+    kind: str                                    # "bind" | "capture" | "demote" | "pause"
+    publish: Callable[[], None]
+    abort: Callable[[], tuple[list[int], list[int]]]   # -> (failed sids, lost cids)
 
 
 @dataclass(eq=False)
 class Transaction:
     tid: int
     generation: int
-    kind: str
-    publish: Callable[[], None]
-    completed: bool = False
+    parts: list[TxPart] = field(default_factory=list)
+
+
+@dataclass
+class TxSettled:
+    tid: int
+    generation: int
+    ok: bool
+    error: str = ""
+    failed_sids: list[int] = field(default_factory=list)
+    lost_cids: list[int] = field(default_factory=list)
 
 
 class Program:
-    def __init__(self, model: HybridModel, layout: Layout, hook: FaultHook | None = None):
+    def __init__(self, model: HybridModel, layout: Layout, faults: FaultPlan | None = None,
+                 copy_engine: str = "auto"):
         self.model = model
         self.layout = layout
         self.device = model.device
@@ -113,7 +134,7 @@ class Program:
         self.pools[STATE] = IdPool(STATE, layout.state_slots, layout.state_image_bytes)
         self.mem = Memory(model, layout.main_pages, layout.state_slots, layout.host_capacity_bytes)
         self.host = HostArena(layout.host_capacity_bytes)
-        self.transfers = TransferEngine(self.device, hook)
+        self.transfers = TransferEngine(self.device, copy_engine, faults)
         self.exec_identity = hashlib.blake2b(
             (repr(model.cfg) + str(model.dtype) + "torch-reference").encode(), digest_size=16).digest()
         self._ids = count(1)
@@ -121,6 +142,7 @@ class Program:
         self.checkpoints: dict[int, Checkpoint] = {}
         self.blocks: dict[int, KvBlock] = {}
         self.tx: Transaction | None = None
+        self._settled: list[TxSettled] = []          # transactions settled outside progress()
         self._slot_owner: dict[int, object] = {}     # state slot -> Sequence | Checkpoint | StateImage
         self._orphans: set[StateImage] = set()       # images of deleted checkpoints still being read
         self.bytes_h2d = 0                           # observation: copies submitted each way
@@ -143,15 +165,20 @@ class Program:
         self.sequences[seq.sid] = seq
         return seq
 
-    def unit_demand(self, seq: Sequence, n_tokens: int, start: int | None = None,
-                    blocks: list[KvBlock] | None = None) -> dict[str, int]:
-        """Main pages a unit of ``n_tokens`` at the sequence's frontier needs: growth pages plus
-        a tail copy when the frontier is inside a block this sequence may not append to."""
-        f = seq.frontier if start is None else start
-        have = seq.blocks[MAIN] if blocks is None else blocks
-        need = pages_for(f + n_tokens) - len(have)
-        cow = 1 if n_tokens and f % PAGE_SIZE and not self._can_append(have[f // PAGE_SIZE], seq.sid, f) else 0
-        return {MAIN: max(0, need) + cow}
+    def unit_demand(self, sid: int, frontier: int, blocks: list[KvBlock], n_tokens: int) -> dict[str, int]:
+        """Main pages a unit of ``n_tokens`` at ``frontier`` over ``blocks`` needs: growth pages
+        plus a tail copy when the frontier is inside a block this writer may not append to."""
+        tail = not frontier % PAGE_SIZE or self._can_append(blocks[frontier // PAGE_SIZE], sid, frontier)
+        return {MAIN: unit_pages(frontier, n_tokens, len(blocks), tail)}
+
+    def seq_demand(self, seq: Sequence, n_tokens: int) -> dict[str, int]:
+        """What reserving the sequence's next unit adds to what it already holds reserved."""
+        demand = self.unit_demand(seq.sid, seq.frontier, seq.blocks[MAIN], n_tokens)
+        return {k: max(0, n - seq.reservation.amounts.get(k, 0)) for k, n in demand.items()}
+
+    def tail_ok(self, seq: Sequence) -> bool:
+        f, blocks = seq.frontier, seq.blocks[MAIN]
+        return not f % PAGE_SIZE or (bool(blocks) and self._can_append(blocks[f // PAGE_SIZE], seq.sid, f))
 
     def _can_append(self, block: KvBlock, sid: int, f: int) -> bool:
         return block.filled == f % PAGE_SIZE and block.appender in (None, sid)
@@ -159,9 +186,7 @@ class Program:
     def reserve_unit(self, seq: Sequence, n_tokens: int) -> dict[str, int]:
         """Reserve the unit's typed demand on top of what the sequence already holds.
         Returns {} on success, else the exact shortfall per pool (nothing reserved)."""
-        demand = self.unit_demand(seq, n_tokens)
-        extra = {k: max(0, n - seq.reservation.amounts.get(k, 0)) for k, n in demand.items()}
-        res, short = reserve_all(self.pools, extra)
+        res, short = reserve_all(self.pools, self.seq_demand(seq, n_tokens))
         if res is None:
             return short
         for k, n in res.amounts.items():
@@ -171,15 +196,18 @@ class Program:
     def settle(self, seq: Sequence) -> None:
         settle(self.pools, seq.reservation)
 
+    def shortfall(self, demand: dict[str, int]) -> dict[str, int]:
+        return {k: n - self.pools[k].available for k, n in demand.items() if n > self.pools[k].available}
+
     # ==== binding ======================================================================
-    def bind_demand(self, seq: Sequence, source: Checkpoint | None, mode: BindMode,
+    def bind_demand(self, sid: int, source: Checkpoint | None, mode: BindMode,
                     first_tokens: int) -> dict[str, int]:
         """Read-only: State, missing KV, growth and tail pages to bind and run the first unit."""
         if source is None:
-            return {STATE: 1, **self.unit_demand(seq, first_tokens, 0, [])}
+            return {STATE: 1, **self.unit_demand(sid, 0, [], first_tokens)}
         slot = 0 if self._slot_handover(source, mode) else 1
         missing = sum(1 for b in source.blocks[MAIN] if b.page is None)
-        unit = self.unit_demand(seq, first_tokens, source.frontier, source.blocks[MAIN])
+        unit = self.unit_demand(sid, source.frontier, source.blocks[MAIN], first_tokens)
         return {STATE: slot, MAIN: missing + unit[MAIN]}
 
     def _slot_handover(self, src: Checkpoint, mode: BindMode) -> bool:
@@ -191,29 +219,43 @@ class Program:
             return False
         return mode is BindMode.MOVE or (img.host is not None and self.pools[STATE].available == 0)
 
+    def check_source(self, seq_ledger: list[int], src: Checkpoint, mode: BindMode, mover: Owner | None
+                     ) -> tuple[Refusal, str]:
+        """Adoption checks exact identity (seed: 采用前还要校验 token、位置、媒体与执行身份)."""
+        f = src.frontier
+        if f > len(seq_ledger) or tuple(seq_ledger[:f]) != src.tokens:
+            return Refusal.NOT_EXACT, f"checkpoint {src.cid} is not an exact prefix of the sequence"
+        if src.digest != self.input_digest(src.tokens):
+            return Refusal.NOT_EXACT, f"checkpoint {src.cid} has a different execution identity"
+        if mode is BindMode.MOVE:
+            others = [o for o in src.owners if o != mover]
+            if others:
+                return Refusal.NOT_MOVABLE, f"checkpoint {src.cid} cannot be moved: still held by {others}"
+        if any(b.leases for b in src.blocks[MAIN]) or src.image.leases:
+            return Refusal.SOURCE_IN_FLIGHT, f"a copy of checkpoint {src.cid} is in flight"
+        return Refusal.NONE, ""
+
     def bind(self, seq: Sequence, source: Checkpoint | None, mode: BindMode = BindMode.FORK,
-             first_tokens: int = 0, mover: str | None = None,
-             retire: list[tuple[Checkpoint, str]] = ()) -> BindOutcome:
+             first_tokens: int = 0, mover: Owner | None = None,
+             retire: list[tuple[Checkpoint, Owner]] = ()) -> BindOutcome:
         """Give ``seq`` a writer state and KV directory equal to ``source`` (None = the empty
         prefix) and reserve its first unit. Move consumes the source (its owners other than
-        ``mover`` must be gone); Fork keeps it. A bind that needs read-back starts a context
+        ``mover`` must be gone); Fork keeps it. A bind that needs read-back joins the context
         transaction and leaves the sequence MATERIALIZING until it is published.
 
         ``retire`` lists (checkpoint, owner) holds the policy permits this bind to give up:
         what they would really free counts toward the demand, and they are released only once
         the bind is admitted (seed: 绑定先检查退休后的实际可用资源，接纳后退休获准替代的更深私有点;
         a failed bind retires nothing)."""
-        if seq.slot is not None or seq.state not in (SeqState.MATERIALIZING, SeqState.PAUSED):
+        if seq.slot is not None or seq.phase not in (Phase.MATERIALIZING, Phase.PAUSED):
             raise NativeError(f"sequence {seq.sid} is already bound")
+        if source is not None and source.cid not in self.checkpoints:
+            return BindOutcome(ok=False, refusal=Refusal.STALE_SOURCE, detail=f"checkpoint {source.cid} is gone")
         if source is not None:
-            self._verify_source(seq, source, mode, mover)
-            if any(b.leases for b in source.blocks[MAIN]) or source.image.leases:
-                return BindOutcome(ok=False, busy=True)      # a copy of it is in flight
-        demand = self.bind_demand(seq, source, mode, first_tokens)
-        if source is not None:
-            needs_copy = any(b.page is None for b in source.blocks[MAIN]) or source.image.slot is None
-            if needs_copy and self.tx is not None:
-                return BindOutcome(ok=False, busy=True)
+            why, detail = self.check_source(seq.ledger, source, mode, mover)
+            if why:
+                return BindOutcome(ok=False, refusal=why, detail=detail)
+        demand = self.bind_demand(seq.sid, source, mode, first_tokens)
         retire = [(c, o) for c, o in retire if c is not source and c.cid in self.checkpoints]
         res, short = reserve_all(self.pools, demand)
         if res is None:
@@ -226,76 +268,65 @@ class Program:
         else:
             self._retire(retire)
         seq.reservation = res
-        jobs: tuple = ()
+        reads: list[Job] = []
         if source is None:
             seq.slot = self._take_slot(seq, res)
             self.mem.zero_slot(seq.slot)
             seq.frontier = 0
         else:
-            jobs = self._bind_from(seq, source, mode, mover, res)
+            reads, after, abort = self._bind_from(seq, source, mode, res)
         self._drop_own_snapshot(seq)
-        if not jobs:
-            seq.state = SeqState.BOUND
+        if not reads:
+            seq.phase = Phase.RUNNING
             return BindOutcome(ok=True)
-        reads, after = jobs
-        seq.state = SeqState.MATERIALIZING
-        tid = self._begin_tx("bind", reads, lambda: self._finish_bind(seq, after))
+        seq.phase = Phase.MATERIALIZING
+        tid = self.tx_add(TxPart("bind", lambda: self._finish_bind(seq, after), abort), reads)
         return BindOutcome(ok=True, tid=tid)
 
     def _drop_own_snapshot(self, seq: Sequence) -> None:
         """A resumed sequence has no pause snapshot any more: consumed by a Move, or given up
         when it resumes from another source (Replay)."""
-        snap, owner = seq.snapshot, f"seq:{seq.sid}"
+        snap, owner = seq.snapshot, SnapshotOwner(seq.sid)
         seq.snapshot = None
         if snap is not None and snap.cid in self.checkpoints and owner in snap.owners:
             self.release_owner(snap, owner)
 
-    def freed_by_retiring(self, retire: list[tuple[Checkpoint, str]]) -> dict[str, int]:
+    def freed_by_retiring(self, retire: list[tuple[Checkpoint, Owner]]) -> dict[str, int]:
         """Device units that releasing these holds would really free (read-only): only
         checkpoints whose last owner is released go, and only blocks all of whose holders go."""
         gone = {c.cid for c, o in retire if c.owners == {o: 1} and not c.image.leases}
-        freed = {STATE: sum(1 for c, _ in retire if c.cid in gone and c.image.slot is not None)}
+        return self.freed_by_deleting(gone)
+
+    def freed_by_deleting(self, gone: set[int], also_gone_sids: set[int] = frozenset()) -> dict[str, int]:
+        """Device units freed if these checkpoints (and sequences' holds) disappeared."""
+        freed = {STATE: sum(1 for cid in gone if self.checkpoints[cid].image.slot is not None
+                            and not self.checkpoints[cid].image.leases)}
         seen: set[int] = set()
-        for c, _ in retire:
-            if c.cid not in gone:
-                continue
-            for kind, blocks in c.blocks.items():
+        for cid in gone:
+            for kind, blocks in self.checkpoints[cid].blocks.items():
                 for b in blocks:
-                    if b.bid not in seen and b.page is not None and not b.leases and b.holders <= gone:
+                    if (b.bid not in seen and b.page is not None and not b.leases
+                            and b.holders <= gone | also_gone_sids):
                         seen.add(b.bid)
                         freed[kind] = freed.get(kind, 0) + 1
         return freed
 
-    def _retire(self, retire: list[tuple[Checkpoint, str]]) -> None:
+    def _retire(self, retire: list[tuple[Checkpoint, Owner]]) -> None:
         for c, owner in retire:
             if c.cid in self.checkpoints and owner in c.owners:
                 self.release_owner(c, owner)
-
-    def _verify_source(self, seq: Sequence, src: Checkpoint, mode: BindMode, mover: str | None) -> None:
-        """Adoption checks exact identity (seed: 采用前还要校验 token、位置、媒体与执行身份)."""
-        if src.cid not in self.checkpoints:
-            raise NativeError(f"checkpoint {src.cid} no longer exists")
-        f = src.frontier
-        if f > len(seq.ledger) or tuple(seq.ledger[:f]) != src.tokens:
-            raise NativeError(f"checkpoint {src.cid} is not an exact prefix of sequence {seq.sid}")
-        if src.digest != self.input_digest(src.tokens):
-            raise NativeError(f"checkpoint {src.cid} has a different execution identity")
-        if mode is BindMode.MOVE:
-            others = {o for o in src.owners if o != mover}
-            if others:
-                raise NativeError(f"checkpoint {src.cid} cannot be moved: still held by {sorted(others)}")
 
     def _take_slot(self, holder, res: Reservation) -> int:
         slot = allocate(self.pools, res, STATE)
         self._slot_owner[slot] = holder
         return slot
 
-    def _bind_from(self, seq: Sequence, src: Checkpoint, mode: BindMode, mover: str | None,
-                   res: Reservation) -> tuple:
-        """Install the source's state and KV references. Returns () when everything was on the
-        Device, else (read-back jobs, cleanup to run when they are published)."""
-        reads: list = []
+    def _bind_from(self, seq: Sequence, src: Checkpoint, mode: BindMode, res: Reservation):
+        """Install the source's state and KV references. Returns (read-back jobs, what to run
+        when they are published, what to run if they fail); no jobs when all is on the Device."""
+        reads: list[Job] = []
         leased: list = []
+        fetched: list[KvBlock] = []
         detached = None                      # a moved image's Host extent, freed after its read
         seq.frontier = src.frontier
         img = src.image
@@ -323,28 +354,50 @@ class Program:
                     b.page = allocate(self.pools, res, kind)
                     b.leases += 1           # in-flight read-back: nobody may rely on it yet
                     leased.append(b)
+                    fetched.append(b)
                     reads.append(self.mem.host_to_page(b.host, b.page))
                     self.bytes_h2d += self.mem.page_bytes
                     b.touch()
         self._claim_tail(seq)
+        lost = [src.cid] if mode is BindMode.MOVE and detached is not None else []
         if mode is BindMode.MOVE:
             self._delete_checkpoint(src, keep_content=True)
-        if not reads:
-            return ()
 
         def after() -> None:
             for obj in leased:
                 self.unlease(obj)
             if detached is not None:
                 self.host.release(detached)
-        return reads, after
+
+        def abort() -> tuple[list[int], list[int]]:
+            """The read-back failed: the fetched pages hold nothing valid (their Host replicas
+            still do); the sequence is released; a moved-out image is lost."""
+            for b in fetched:
+                self.pools[b.kind].release(b.page)
+                b.page = None
+                b.touch()
+            for obj in leased:
+                self.unlease(obj)
+            if detached is not None:
+                self.host.release(detached)
+            self._fail_sequence(seq)
+            return [seq.sid], lost
+        return reads, after, abort
 
     def _finish_bind(self, seq: Sequence, after: Callable[[], None]) -> None:
         after()
-        if seq.state is SeqState.MATERIALIZING:
-            seq.state = SeqState.BOUND
+        if seq.phase is Phase.MATERIALIZING:
+            seq.phase = Phase.RUNNING
         if seq.cancel_requested:
             self.release(seq)
+
+    def _fail_sequence(self, seq: Sequence) -> None:
+        if seq.sid not in self.sequences:
+            return
+        self.settle(seq)
+        self._drop_execution(seq)
+        seq.phase = Phase.FINISHED
+        self.sequences.pop(seq.sid, None)
 
     def _claim_tail(self, seq: Sequence) -> None:
         blocks = seq.blocks[MAIN]
@@ -354,27 +407,23 @@ class Program:
 
     # ==== execution ====================================================================
     def execute(self, rows: list[UnitRow]) -> list[RowResult]:
-        """Run one call: decode rows and at most one multi-token chunk, sample where the
-        ledger ends, commit, and capture where asked. Rows must hold their reservations."""
+        """Run one call: rows of at most one token and at most one multi-token chunk, sample
+        where the ledger ends, commit, and capture where asked. Rows must hold their
+        reservations and their capture destinations (``prepare_capture``)."""
         if sum(1 for r in rows if r.n_tokens > 1) > 1:
             raise NativeError("at most one prefill/replay chunk per call")
         compute = [r for r in rows if r.n_tokens > 0]
         seqs_in = []
         for r in compute:
             seq = r.seq
-            if seq.state is not SeqState.BOUND:
-                raise NativeError(f"sequence {seq.sid} is {seq.state.value}, not bound")
+            if seq.phase is not Phase.RUNNING:
+                raise NativeError(f"sequence {seq.sid} is {seq.phase.name}, not bound")
             end = seq.frontier + r.n_tokens
             if end > len(seq.ledger):
                 raise NativeError(f"unit beyond the ledger of sequence {seq.sid}")
             self._prepare_blocks(seq, end)
             seqs_in.append(SeqInput(token_ids=seq.ledger[seq.frontier:end], start=seq.frontier,
                                     page_table=[b.page for b in seq.blocks[MAIN]], state_slot=seq.slot))
-        captures = {}
-        for r in rows:
-            if r.capture_owner:
-                host_taken = any(d and d[0] == "host" for d in captures.values())
-                captures[id(r)] = self._prepare_capture(r, allow_host=not host_taken)
         logits: dict[int, torch.Tensor] = {}
         if seqs_in:
             out = self.model.forward(ForwardBatch.build(seqs_in, self.device), self.mem.cache)
@@ -391,9 +440,9 @@ class Program:
             res = RowResult(sid=seq.sid, frontier=seq.frontier)
             if seq.frontier == len(seq.ledger) and not seq.finished:
                 self._sample(seq, res, logits.get(seq.sid))
-            if r.capture_owner:
-                res.captured = self._finish_capture(seq, r.capture_owner, captures[id(r)])
-                res.capture_skipped = res.captured is None
+            if r.capture is not None:
+                res.captured, res.capture_tid = self._finish_capture(seq, r.capture)
+                r.capture = None
             results.append(res)
         return results
 
@@ -443,40 +492,48 @@ class Program:
                 self._release_host(b)      # the Host copy no longer holds everything
             b.touch()
 
-    # ==== checkpoints ==================================================================
-    def _prepare_capture(self, row: UnitRow, allow_host: bool):
-        """Destination first (seed: 跨过语义 frontier 前准备目的 state): a Device slot, else Host,
-        else skip. Host needs the (single) context-transaction turn. Permitted old points
+    # ==== captures =====================================================================
+    def prepare_capture(self, owner: Owner, retire: list[tuple[Checkpoint, Owner]] = ()) -> CaptureDest | None:
+        """Destination first (seed: 跨过语义 frontier 前准备目的 state): a Device slot, else the
+        Host (its copy joins the context transaction), else nothing. Permitted old points
         retire first; a failed save does not bring them back (seed: 新保存失败不恢复旧点)."""
-        self._retire(row.capture_retire)
-        if row.capture_where in ("device", "auto"):
-            res, _ = reserve_all(self.pools, {STATE: 1})
-            if res is not None:
-                return ("device", res)
-        if row.capture_where in ("host", "auto") and self.tx is None and allow_host:
-            ext = self.host.allocate(self.mem.image_bytes, kind="state")
-            if ext is not None:
-                return ("host", ext)
+        self._retire(list(retire))
+        res, _ = reserve_all(self.pools, {STATE: 1})
+        if res is not None:
+            return CaptureDest(owner, res=res)
+        ext = self.host.allocate(self.mem.image_bytes, kind="state")
+        if ext is not None:
+            return CaptureDest(owner, ext=ext)
         return None
 
-    def _finish_capture(self, seq: Sequence, owner: str, dest) -> Checkpoint | None:
-        if dest is None:
-            return None
+    def drop_capture(self, dest: CaptureDest) -> None:
+        """Return an unused destination (the unit did not run)."""
+        if dest.res is not None:
+            settle(self.pools, dest.res)
+        if dest.ext is not None:
+            self.host.release(dest.ext)
+
+    def _finish_capture(self, seq: Sequence, dest: CaptureDest) -> tuple[Checkpoint, int | None]:
         image = StateImage()
-        ck = self._new_checkpoint(CkptKind.CACHE, seq, image, owner)
-        if dest[0] == "device":
-            image.slot = self._take_slot(ck, dest[1])
+        ck = self._new_checkpoint(CkptKind.CACHE, seq, image, dest.owner)
+        if dest.res is not None:
+            image.slot = self._take_slot(ck, dest.res)
             self.mem.copy_slot(seq.slot, image.slot)
-        else:
-            image.host = dest[1]
-            image.leases += 1          # not a query source until the copy is published
-            job = self.mem.slot_to_host(seq.slot, dest[1], snapshot_now=True)
-            self.bytes_d2h += self.mem.image_bytes
+            return ck, None
+        image.host = dest.ext
+        image.leases += 1          # not a query source until the copy is published
+        job = self.mem.slot_to_host(seq.slot, dest.ext, snapshot_now=True)
+        self.bytes_d2h += self.mem.image_bytes
 
-            self._begin_tx("capture", [job], lambda: self.unlease(image))
-        return ck
+        def abort() -> tuple[list[int], list[int]]:
+            self.unlease(image)
+            if ck.cid in self.checkpoints:
+                self._delete_checkpoint(ck)
+            return [], [ck.cid]
+        return ck, self.tx_add(TxPart("capture", lambda: self.unlease(image), abort), [job])
 
-    def _new_checkpoint(self, kind: CkptKind, seq: Sequence, image: StateImage, owner: str) -> Checkpoint:
+    # ==== checkpoints ==================================================================
+    def _new_checkpoint(self, kind: CkptKind, seq: Sequence, image: StateImage, owner: Owner) -> Checkpoint:
         tokens = tuple(seq.ledger[:seq.frontier])
         ck = Checkpoint(cid=next(self._ids), generation=next_generation(), kind=kind, tokens=tokens,
                         digest=self.input_digest(tokens), image=image, blocks={}, owners={owner: 1})
@@ -489,11 +546,11 @@ class Program:
         self.checkpoints[ck.cid] = ck
         return ck
 
-    def add_owner(self, ck: Checkpoint, owner: str) -> None:
+    def add_owner(self, ck: Checkpoint, owner: Owner) -> None:
         ck.owners[owner] = ck.owners.get(owner, 0) + 1
         ck.touch()
 
-    def release_owner(self, ck: Checkpoint, owner: str) -> bool:
+    def release_owner(self, ck: Checkpoint, owner: Owner) -> bool:
         """Drop one logical hold; the checkpoint is deleted with its last owner. True if deleted."""
         n = ck.owners.get(owner, 0)
         if n == 0:
@@ -507,6 +564,17 @@ class Program:
             self._delete_checkpoint(ck)
             return True
         return False
+
+    def delete_ok(self, a: Delete) -> str:
+        """Why a quoted deletion may not be committed now ("" = it may)."""
+        ck = self.checkpoints.get(a.cid)
+        if ck is None or ck.generation != a.generation:
+            return f"checkpoint {a.cid} is gone"
+        if ck.version != a.version:
+            return f"checkpoint {a.cid} changed since the quote"
+        if ck.image.leases or any(b.leases for b in ck.blocks[MAIN]):
+            return f"checkpoint {a.cid} is being read"
+        return ""
 
     def _delete_checkpoint(self, ck: Checkpoint, keep_content: bool = False) -> None:
         """Remove a checkpoint. ``keep_content``: its Device state and block holds were handed
@@ -571,32 +639,164 @@ class Program:
         self.host.release(b.host)
         b.host, b.host_filled = None, 0
 
+    # ==== demotion (Device -> Host) ====================================================
+    def movable(self, b: KvBlock) -> bool:
+        """A block whose Device replica may leave: resident, not being read, and no bound or
+        materializing sequence reads it (seed: 其他 active 正在使用的不可变页可以继续共享)."""
+        return b.page is not None and not b.leases and not any(h in self.sequences for h in b.holders)
+
+    def demote(self, images: list[Checkpoint], blocks: list[KvBlock]) -> tuple[list[Job], TxPart | None]:
+        """Move these Device replicas to the Host: a replica that already has a complete Host
+        copy is freed at once, the others get a Host destination (first-fit; the caller checked
+        the placement), are leased and copied; their Device replica is freed when the copies
+        are published. An abort keeps the Device replicas and frees the destinations."""
+        jobs: list[Job] = []
+        moving_images: list[Checkpoint] = []
+        moving_blocks: list[KvBlock] = []
+        for ck in images:
+            img = ck.image
+            if img.host is not None:
+                self._release_slot(img.slot)
+                img.slot = None
+                ck.touch()
+                continue
+            img.host = self.host.allocate(self.mem.image_bytes, kind="state")
+            if img.host is None:
+                raise NativeError("a demotion's Host destination does not fit (placement was not checked)")
+            img.leases += 1
+            jobs.append(self.mem.slot_to_host(img.slot, img.host, snapshot_now=False))
+            self.bytes_d2h += self.mem.image_bytes
+            moving_images.append(ck)
+        for b in blocks:
+            if b.host is not None and b.host_filled >= b.filled:
+                self.pools[b.kind].release(b.page)
+                b.page = None
+                b.touch()
+                continue
+            if b.host is not None:
+                self._release_host(b)
+            b.host = self.host.allocate(self.mem.page_bytes, kind=f"kv:{b.kind}")
+            if b.host is None:
+                raise NativeError("a demotion's Host destination does not fit (placement was not checked)")
+            b.host_filled = b.filled
+            b.leases += 1
+            jobs.append(self.mem.page_to_host(b.page, b.host))
+            self.bytes_d2h += self.mem.page_bytes
+            moving_blocks.append(b)
+        if not jobs:
+            return [], None
+
+        def publish() -> None:
+            for ck in moving_images:
+                img = ck.image
+                if img.slot is not None and img not in self._orphans:
+                    self._release_slot(img.slot)
+                    img.slot = None
+                    ck.touch()
+                self.unlease(img)
+            for b in moving_blocks:
+                if b.page is not None and b.holders:
+                    self.pools[b.kind].release(b.page)
+                    b.page = None
+                    b.touch()
+                self.unlease(b)
+
+        def abort() -> tuple[list[int], list[int]]:
+            for ck in moving_images:
+                img = ck.image
+                if img.host is not None:
+                    self.host.release(img.host)
+                    img.host = None
+                self.unlease(img)
+            for b in moving_blocks:
+                if b.host is not None and b.bid in self.blocks:
+                    self._release_host(b)
+                self.unlease(b)
+            return [], []
+        return jobs, TxPart("demote", publish, abort)
+
+    def demotion_sizes(self, images: list[Checkpoint], blocks: list[KvBlock]) -> list[int]:
+        """Host bytes the demotion of these replicas allocates, in allocation order."""
+        return ([self.mem.image_bytes for ck in images if ck.image.host is None]
+                + [self.mem.page_bytes for b in blocks if not (b.host is not None and b.host_filled >= b.filled)])
+
+    def host_holes_after(self, deleted: set[int]) -> list[tuple[int, int]]:
+        """Free Host extents once the deleted checkpoints' exclusive Host replicas are gone
+        (adjacent extents merge, as the arena does)."""
+        extents = list(self.host.free_extents())
+        for cid in deleted:
+            ck = self.checkpoints[cid]
+            if ck.image.host is not None:
+                extents.append((ck.image.host.offset, ck.image.host.size))
+            for b in ck.blocks[MAIN]:
+                if b.host is not None and not b.leases and b.holders <= deleted:
+                    extents.append((b.host.offset, b.host.size))
+        return merge_extents(sorted(set(extents)))
+
     # ==== lifecycle ====================================================================
-    def freeze(self, seq: Sequence, owner: str) -> Checkpoint:
+    def freeze(self, seq: Sequence, owner: Owner) -> Checkpoint:
         """Normal finish: the legal execution state becomes a checkpoint (the new E) and the
         sequence is released (seed: 正常结束将合法执行态 freeze 为新 E)."""
         self.settle(seq)
         ck = self._handover(seq, CkptKind.CACHE, owner)
         self.sequences.pop(seq.sid)
-        seq.state = SeqState.RELEASED
+        seq.phase = Phase.FINISHED
         return ck
 
-    def pause(self, seq: Sequence, destructive: bool = False) -> Checkpoint | None:
-        """Give back the lane at a stable commit boundary. Snapshot: the writer state and KV
-        references become a SNAPSHOT checkpoint owned by the sequence (no copy, no new Device
-        allocation; reclaim may demote or revoke it later). Destructive: drop them (Replay)."""
-        if seq.state is not SeqState.BOUND:
-            raise NativeError(f"only a bound sequence can pause (sequence {seq.sid} is {seq.state.value})")
-        self.settle(seq)
-        if destructive:
-            self._drop_execution(seq)
-            seq.snapshot = None
-        else:
-            seq.snapshot = self._handover(seq, CkptKind.SNAPSHOT, f"seq:{seq.sid}")
-        seq.state = SeqState.PAUSED
-        return seq.snapshot
+    def pause_plan(self, seq: Sequence) -> tuple[list[KvBlock], list[int]]:
+        """Read-only: the blocks a Snapshot pause demotes (those no other bound sequence reads)
+        and the Host bytes it allocates (its StateImage first)."""
+        blocks = [b for b in seq.blocks[MAIN] if b.page is not None and not b.leases
+                  and not any(h in self.sequences and h != seq.sid for h in b.holders)]
+        sizes = [self.mem.image_bytes] + [self.mem.page_bytes for b in blocks
+                                          if not (b.host is not None and b.host_filled >= b.filled)]
+        return blocks, sizes
 
-    def _handover(self, seq: Sequence, kind: CkptKind, owner: str) -> Checkpoint:
+    def pause(self, seq: Sequence, to_host: bool = False, victims: list[Delete] = ()) -> PauseResult:
+        """Give back the lane at a stable commit boundary, freeing Device memory (seed: Snapshot
+        只复制释放 Device 所缺的唯一内容 … 保存资源不足时使用不新增 Device 分配的破坏性暂停并转为 Replay).
+
+        ``to_host``: the writer state and KV references become a SNAPSHOT checkpoint owned by
+        the sequence, and its unique Device content (what no other bound sequence reads) is
+        demoted to the Host — after deleting ``victims`` for the destination, all verified
+        first. When the destination does not fit (or a victim changed), nothing is deleted and
+        the pause is destructive: the execution state is dropped and the request resumes by
+        Replay. It never pauses anyone else to save this one."""
+        if seq.phase is not Phase.RUNNING:
+            raise NativeError(f"only a bound sequence can pause (sequence {seq.sid} is {seq.phase.name})")
+        self.settle(seq)
+        before = {k: self.pools[k].free for k in (MAIN, STATE)}
+        snap, tid = None, None
+        if to_host and self._snapshot_fits(seq, victims):
+            for a in victims:
+                self._delete_checkpoint(self.checkpoints[a.cid])
+            blocks, _ = self.pause_plan(seq)
+            snap = self._handover(seq, CkptKind.SNAPSHOT, SnapshotOwner(seq.sid))
+            jobs, part = self.demote([snap], blocks)
+            if part is not None:
+                revoke = part.abort
+
+                def abort() -> tuple[list[int], list[int]]:
+                    revoke()                    # the copy failed: the snapshot is revoked (Replay)
+                    if snap.cid in self.checkpoints:
+                        self._delete_checkpoint(snap)
+                    if seq.snapshot is snap:
+                        seq.snapshot = None
+                    return [], [snap.cid]
+                tid = self.tx_add(TxPart("pause", part.publish, abort), jobs)
+        else:
+            self._drop_execution(seq)
+        seq.snapshot = snap
+        seq.phase = Phase.PAUSED
+        return PauseResult(snap, tid, {k: self.pools[k].free - n for k, n in before.items()})
+
+    def _snapshot_fits(self, seq: Sequence, victims: list[Delete]) -> bool:
+        if any(self.delete_ok(a) for a in victims):
+            return False
+        _, sizes = self.pause_plan(seq)
+        return place_first_fit(self.host_holes_after({a.cid for a in victims}), sizes) is not None
+
+    def _handover(self, seq: Sequence, kind: CkptKind, owner: Owner) -> Checkpoint:
         """Turn the writer into an immutable checkpoint at the current frontier (Move)."""
         image = StateImage(slot=seq.slot)
         ck = self._new_checkpoint(kind, seq, image, owner)
@@ -620,69 +820,77 @@ class Program:
     def release(self, seq: Sequence) -> None:
         """Cancel / error / done without saving: free everything the sequence holds. While its
         read-back is in flight the release waits for the real reader (seed: 提交后等待真实
-        reader 完成再释放) and happens when the transfer is published."""
-        if seq.state is SeqState.MATERIALIZING and seq.slot is not None and self.tx is not None:
+        reader 完成再释放) and happens when the transaction settles."""
+        if seq.phase is Phase.MATERIALIZING and seq.slot is not None and self.tx is not None:
             seq.cancel_requested = True
             return
         self.settle(seq)
         if seq.slot is not None or any(seq.blocks.values()):
             self._drop_execution(seq)
         if seq.snapshot is not None and seq.snapshot.cid in self.checkpoints:
-            self.release_owner(seq.snapshot, f"seq:{seq.sid}")
+            self.release_owner(seq.snapshot, SnapshotOwner(seq.sid))
         seq.snapshot = None
-        seq.state = SeqState.RELEASED
+        seq.phase = Phase.FINISHED
         self.sequences.pop(seq.sid, None)
 
-    # ==== transactions =================================================================
-    def _begin_tx(self, kind: str, jobs: list, publish: Callable[[], None]) -> int:
-        if self.tx is not None:
-            raise NativeError("a context transaction is already running")
-        tx = Transaction(tid=next(self._ids), generation=next_generation(), kind=kind, publish=publish)
-        self.tx = tx
-
-        def run() -> None:
-            for job in jobs:
-                job()
-        self.transfers.submit(tx.tid, tx.generation, run)
+    # ==== the context transaction ======================================================
+    def tx_add(self, part: TxPart, jobs: list[Job]) -> int:
+        """Start the context transaction, or join the running one while its copies are still
+        in flight. One whose copies all finished is settled first (its completion may still be
+        on its way; it will find the transaction gone)."""
+        tx = self.tx
+        if tx is not None and not self.transfers.can_join(tx.tid, tx.generation):
+            if self.transfers.finished(tx.tid, tx.generation):
+                self._settled.append(self.publish(tx.tid, tx.generation, self.transfers.error_of(tx.tid, tx.generation)))
+            tx = self.tx
+        if tx is None:
+            tx = self.tx = Transaction(next(self._ids), next_generation())
+        tx.parts.append(part)
+        for job in jobs:
+            self.transfers.submit(tx.tid, tx.generation, job)
         return tx.tid
 
-    def poll_transfers(self) -> list[tuple[int, int]]:
-        return self.transfers.drain()
+    def progress(self) -> list[TxSettled]:
+        """One progress point: settle every transaction whose completion was delivered."""
+        out, self._settled = self._settled, []
+        for tid, gen, error in self.transfers.drain():
+            r = self.publish(tid, gen, error)
+            if r is not None:
+                out.append(r)
+        return out
 
-    def publish(self, tid: int, generation: int) -> bool:
-        """Settle one completion. A completion for a transaction that is gone, or with another
-        generation (a reused descriptor), changes nothing and returns False."""
+    def publish(self, tid: int, generation: int, error: str = "") -> TxSettled | None:
+        """Settle one completion: publish every part, or abort every part when a copy failed.
+        A completion for a transaction that is gone, or with another generation (a reused
+        descriptor), changes nothing and returns None."""
         tx = self.tx
-        if tx is None or tx.tid != tid or tx.generation != generation or tx.completed:
-            return False
-        tx.completed = True
+        if tx is None or tx.tid != tid or tx.generation != generation:
+            return None
         self.tx = None
-        self.transfers.forget((tid, generation))
-        tx.publish()
-        return True
+        self.transfers.forget(tid, generation)
+        out = TxSettled(tid, generation, ok=not error, error=error)
+        for part in tx.parts:
+            if error:
+                failed, lost = part.abort()
+                out.failed_sids += failed
+                out.lost_cids += lost
+            else:
+                part.publish()
+        return out
 
-    def overdue(self) -> list[tuple[int, int]]:
-        """The running transaction, if its copy has finished but no completion was delivered
-        (dropped). The controller calls this after its completion timeout and settles it."""
+    def overdue(self) -> list[TxSettled]:
+        """Settle the running transaction if its copies finished but no completion was
+        delivered (dropped). The controller asks after its completion timeout."""
         tx = self.tx
-        if tx is not None and self.transfers.finished((tx.tid, tx.generation)):
-            return [(tx.tid, tx.generation)]
+        if tx is not None and self.transfers.finished(tx.tid, tx.generation):
+            r = self.publish(tx.tid, tx.generation, self.transfers.error_of(tx.tid, tx.generation))
+            return [r] if r is not None else []
         return []
 
-    def wait_transfers(self, timeout: float) -> list[tuple[int, int]]:
-        """Block (without spinning) until a completion is ready or ``timeout`` passes."""
-        done = self.poll_transfers()
-        if not done and self.transfers.inflight:
+    def wait_transfers(self, timeout: float) -> None:
+        """Block (without spinning) until a copy finishes or ``timeout`` passes."""
+        if self.transfers.pending:
             self.transfers.wait(timeout)
-            done = self.poll_transfers()
-        return done
-
-    # ==== reclaim ======================================================================
-    def quote(self) -> reclaim.Facts:
-        return reclaim.quote(self)
-
-    def commit(self, actions: list[reclaim.Action]) -> reclaim.CommitResult:
-        return reclaim.commit(self, actions)
 
     # ==== integrity ====================================================================
     def check_integrity(self, idle: bool = False) -> None:
@@ -703,6 +911,8 @@ class Program:
         for bid, b in self.blocks.items():
             if counted.get(bid, set()) != b.holders:
                 raise IntegrityError(f"block {bid}: holders {sorted(b.holders)} != directories {sorted(counted.get(bid, set()))}")
+            if b.page is None and b.host is None:
+                raise IntegrityError(f"block {bid} has no replica")
         if set(counted) - set(self.blocks):
             raise IntegrityError("a directory names a deleted block")
         pages = [b.page for b in self.blocks.values() if b.page is not None]
@@ -722,7 +932,7 @@ class Program:
             for pool in self.pools.values():
                 if pool.reserved:
                     raise IntegrityError(f"{pool.kind}: {pool.reserved} units still reserved")
-            if self.tx is not None or self.transfers.inflight:
+            if self.tx is not None or self.transfers.busy:
                 raise IntegrityError("a transaction is still in flight")
             if any(b.leases for b in self.blocks.values()) or any(c.image.leases for c in self.checkpoints.values()):
                 raise IntegrityError("a reader lease is still held")

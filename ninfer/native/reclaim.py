@@ -1,4 +1,5 @@
-"""Quotes and commits of reclaim actions (seed: Native 根据实际 State/KV 引用枚举有限的降级和删除动作).
+"""Quotes, verified commits and simulations of reclaim (seed: Native 根据实际 State/KV 引用枚举有限的
+降级和删除动作 … 提交仍针对选中对象核对当前完整持有者、内容版本与 pin).
 
 A quote is a read-only snapshot of physical facts — pools, Host extents, every checkpoint with
 its owners and replicas, every KV block with its real holder set — taken in one synchronous
@@ -12,31 +13,37 @@ Actions:
     DemoteState(cid)       its StateImage leaves the Device (free at once if a Host replica
                            exists, else D2H first)
     DemoteBlocks(cid, ..)  a page group of its KV leaves the Device (same rule per block)
-Migrations of one commit share one context transaction.
+Migrations join the context transaction.
+
+``simulate`` answers, without changing anything, what each prefix of an intent's remedies
+would free on the Device now and once its copies publish: the worker commits only the
+smallest prefix that covers the intent's gap (seed: irreversible actions run only inside the
+step that needs them, when the permit they serve will succeed).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ninfer.placement import place_first_fit
-from ninfer.protocol import (  # noqa: F401  (re-exported for native callers)
+from ninfer.protocol import (
     MAIN, STATE, Action, BlockFact, CheckpointFact, CommitResult, Delete, DemoteBlocks, DemoteState, Facts,
-    PoolFact,
+    PoolFact, Reclaim, Remedy, TakeBack,
 )
 
 if TYPE_CHECKING:
-    from ninfer.native.objects import Checkpoint, KvBlock
+    from ninfer.native.objects import Checkpoint
     from ninfer.native.program import Program
 
 
 # ---- quote ------------------------------------------------------------------------------
 
-def _holder_ids(prog: "Program", b: "KvBlock") -> tuple[int, ...]:
+def _holder_ids(prog: "Program", b) -> tuple[int, ...]:
     return tuple(sorted(h if h in prog.checkpoints else -h for h in b.holders))
 
 
-def _pinned(prog: "Program", b: "KvBlock") -> bool:
+def _pinned(prog: "Program", b) -> bool:
     return b.leases > 0 or any(h in prog.sequences for h in b.holders)
 
 
@@ -50,7 +57,7 @@ def quote(prog: "Program") -> Facts:
         for bid, b in prog.blocks.items()
     }
     cks = {
-        cid: CheckpointFact(cid, c.generation, c.version, c.kind.value, c.frontier, tuple(sorted(c.owners)),
+        cid: CheckpointFact(cid, c.generation, c.version, c.kind, c.frontier, tuple(c.owners),
                             c.image.slot is not None, c.image.host is not None, c.image.leases > 0,
                             tuple(b.bid for b in c.blocks[MAIN]), at(c.image.host))
         for cid, c in prog.checkpoints.items()
@@ -68,7 +75,9 @@ def _current(prog: "Program", cid: int, generation: int) -> "Checkpoint | None":
     return ck if ck is not None and ck.generation == generation else None
 
 
-def _verify(prog: "Program", actions: list[Action]) -> str:
+def verify(prog: "Program", actions: list[Action], gone: set[int] = frozenset()) -> str:
+    """Why these actions may not be committed now ("" = they may). ``gone``: checkpoints an
+    earlier remedy of the same intent deletes (a simulation)."""
     deleted = [a.cid for a in actions if isinstance(a, Delete)]
     if len(set(deleted)) != len(deleted):
         return "a checkpoint is deleted twice in one commit"
@@ -76,12 +85,14 @@ def _verify(prog: "Program", actions: list[Action]) -> str:
         return "a checkpoint is both deleted and migrated in one commit"
     for a in actions:
         ck = _current(prog, a.cid, a.generation)
-        if ck is None:
+        if ck is None or a.cid in gone:
             return f"checkpoint {a.cid} is gone"
-        if isinstance(a, (Delete, DemoteState)) and ck.version != a.version:
+        if isinstance(a, Delete):
+            why = prog.delete_ok(a)
+            if why:
+                return why
+        if isinstance(a, DemoteState) and ck.version != a.version:
             return f"checkpoint {a.cid} changed since the quote"
-        if isinstance(a, Delete) and (ck.image.leases or any(b.leases for b in ck.blocks[MAIN])):
-            return f"checkpoint {a.cid} is being read"
         if isinstance(a, DemoteState) and (ck.image.slot is None or ck.image.leases):
             return f"checkpoint {a.cid} has no movable Device state"
         if isinstance(a, DemoteBlocks):
@@ -94,111 +105,120 @@ def _verify(prog: "Program", actions: list[Action]) -> str:
     return ""
 
 
+def _migrations(prog: "Program", actions: list[Action]):
+    images = [prog.checkpoints[a.cid] for a in actions if isinstance(a, DemoteState)]
+    blocks = [prog.blocks[bid] for a in actions if isinstance(a, DemoteBlocks) for bid in a.bids]
+    return images, blocks
+
+
 def commit(prog: "Program", actions: list[Action]) -> CommitResult:
     """Execute every action or none. Deletes free at once; migrations whose Host replica is
-    missing reserve their destinations first-fit and run as one transaction."""
-    why = _verify(prog, actions)
+    missing get their destinations first-fit and join the context transaction."""
+    why = verify(prog, actions)
     if why:
         return CommitResult(ok=False, reason=f"stale: {why}")
-    migrations = [a for a in actions if not isinstance(a, Delete)]
-    needs_copy = _copy_sizes(prog, migrations)
-    if needs_copy and prog.tx is not None:
-        return CommitResult(ok=False, reason="busy: another context transaction is running")
-    if needs_copy:
-        holes = _holes_after(prog, {a.cid for a in actions if isinstance(a, Delete)})
-        if place_first_fit(holes, [size for _, size in needs_copy]) is None:
-            return CommitResult(ok=False, reason="host: the destinations do not fit first-fit")
+    deleted = {a.cid for a in actions if isinstance(a, Delete)}
+    images, blocks = _migrations(prog, actions)
+    sizes = prog.demotion_sizes(images, blocks)
+    if sizes and place_first_fit(prog.host_holes_after(deleted), sizes) is None:
+        return CommitResult(ok=False, reason="host: the destinations do not fit first-fit")
     before = {k: prog.pools[k].free for k in (MAIN, STATE)}
-    for a in actions:
-        if isinstance(a, Delete):
-            prog._delete_checkpoint(prog.checkpoints[a.cid])
-    jobs, after = _migrate(prog, migrations)
-    tid = prog._begin_tx("demote", jobs, after) if jobs else None
-    freed = {k: prog.pools[k].free - n for k, n in before.items()}
-    return CommitResult(ok=True, tid=tid, freed=freed)
+    for cid in sorted(deleted):
+        prog._delete_checkpoint(prog.checkpoints[cid])
+    jobs, part = prog.demote(images, blocks)
+    tid = prog.tx_add(part, jobs) if part is not None else None
+    return CommitResult(ok=True, tid=tid, freed={k: prog.pools[k].free - n for k, n in before.items()})
 
 
-def _holes_after(prog: "Program", deleted: set[int]) -> list[tuple[int, int]]:
-    """Free Host extents once the deleted checkpoints' exclusive Host replicas are gone
-    (adjacent extents merge, as the arena does)."""
-    extents = list(prog.host.free_extents())
-    for cid in deleted:
-        ck = prog.checkpoints[cid]
-        if ck.image.host is not None:
-            extents.append((ck.image.host.offset, ck.image.host.size))
-        for b in ck.blocks[MAIN]:
-            if b.host is not None and not b.leases and b.holders <= deleted:
-                extents.append((b.host.offset, b.host.size))
-    merged: list[list[int]] = []
-    for off, size in sorted(set(extents)):
-        if merged and merged[-1][0] + merged[-1][1] == off:
-            merged[-1][1] += size
-        else:
-            merged.append([off, size])
-    return [(o, n) for o, n in merged]
+# ---- simulation ---------------------------------------------------------------------------
+
+@dataclass
+class Freed:
+    """Device units a prefix of remedies frees at once (``now``) and after its copies
+    publish (``later``)."""
+
+    now: dict[str, int] = field(default_factory=dict)
+    later: dict[str, int] = field(default_factory=dict)
+
+    def covers(self, short: dict[str, int], wait: bool = False) -> bool:
+        return all(n <= self.now.get(k, 0) + (self.later.get(k, 0) if wait else 0) for k, n in short.items())
 
 
-def _copy_sizes(prog: "Program", migrations: list[Action]) -> list[tuple[object, int]]:
-    out = []
-    for a in migrations:
-        ck = prog.checkpoints[a.cid]
-        if isinstance(a, DemoteState) and ck.image.host is None:
-            out.append((ck.image, prog.mem.image_bytes))
-        elif isinstance(a, DemoteBlocks):
-            for bid in a.bids:
-                b = prog.blocks[bid]
-                if b.host is None or b.host_filled < b.filled:
-                    out.append((b, prog.mem.page_bytes))
+@dataclass
+class _Sim:
+    gone: set[int] = field(default_factory=set)            # checkpoints deleted
+    dropped: set[int] = field(default_factory=set)         # sequences paused destructively
+    snapped: set[int] = field(default_factory=set)         # sequences paused to the Host
+    images: set[int] = field(default_factory=set)          # checkpoint images demoted
+    blocks: set[int] = field(default_factory=set)          # blocks demoted explicitly
+    sizes: list[int] = field(default_factory=list)         # Host bytes allocated so far
+
+
+def simulate(prog: "Program", remedies: list[Remedy]) -> list[Freed]:
+    """Cumulative Freed after each remedy, stopping before the first one that could not be
+    committed (changed since its quote, or its Host destinations do not fit)."""
+    sim, out = _Sim(), []
+    for r in remedies:
+        if isinstance(r, Reclaim):
+            if verify(prog, r.actions, sim.gone):
+                break
+            deleted = {a.cid for a in r.actions if isinstance(a, Delete)}
+            images, blocks = _migrations(prog, r.actions)
+            sizes = prog.demotion_sizes(images, blocks)
+            if sizes and place_first_fit(prog.host_holes_after(sim.gone | deleted), sim.sizes + sizes) is None:
+                break
+            sim.gone |= deleted
+            sim.images |= {ck.cid for ck in images}
+            sim.blocks |= {b.bid for b in blocks}
+            sim.sizes += sizes
+        elif isinstance(r, TakeBack):
+            seq = prog.sequences.get(r.sid)
+            if seq is None or seq.slot is None or r.sid in sim.dropped | sim.snapped:
+                break
+            victims = {a.cid for a in r.host_victims}
+            ok = not any(prog.delete_ok(a) or a.cid in sim.gone for a in r.host_victims)
+            _, sizes = prog.pause_plan(seq)
+            if r.to_host and ok and place_first_fit(prog.host_holes_after(sim.gone | victims),
+                                                    sim.sizes + sizes) is not None:
+                sim.gone |= victims
+                sim.snapped.add(r.sid)
+                sim.sizes += sizes
+            else:
+                sim.dropped.add(r.sid)
+        out.append(_freed(prog, sim))
     return out
 
 
-def _migrate(prog: "Program", migrations: list[Action]):
-    """Free Device replicas that already have a full Host copy; D2H the rest (leased until
-    published, then their Device replica is freed)."""
-    jobs, moving_images, moving_blocks = [], [], []
-    for a in migrations:
-        ck = prog.checkpoints[a.cid]
-        if isinstance(a, DemoteState):
-            img = ck.image
-            if img.host is not None:
-                prog._release_slot(img.slot)
-                img.slot = None
-                ck.touch()
-            else:
-                img.host = prog.host.allocate(prog.mem.image_bytes, kind="state")
-                img.leases += 1
-                jobs.append(prog.mem.slot_to_host(img.slot, img.host, snapshot_now=False))
-                prog.bytes_d2h += prog.mem.image_bytes
-                moving_images.append(ck)
-        else:
-            for bid in a.bids:
-                b = prog.blocks[bid]
-                if b.host is not None and b.host_filled >= b.filled:
-                    prog.pools[b.kind].release(b.page)
-                    b.page = None
-                    b.touch()
-                    continue
-                if b.host is not None:
-                    prog._release_host(b)
-                b.host = prog.host.allocate(prog.mem.page_bytes, kind=f"kv:{b.kind}")
-                b.host_filled = b.filled
-                b.leases += 1
-                jobs.append(prog.mem.page_to_host(b.page, b.host))
-                prog.bytes_d2h += prog.mem.page_bytes
-                moving_blocks.append(b)
+def _freed(prog: "Program", sim: _Sim) -> Freed:
+    now = {STATE: 0, MAIN: 0}
+    later = {STATE: 0, MAIN: 0}
+    for cid, ck in prog.checkpoints.items():
+        img = ck.image
+        if img.slot is None or img.leases:
+            continue
+        if cid in sim.gone:
+            now[STATE] += 1
+        elif cid in sim.images:
+            (now if img.host is not None else later)[STATE] += 1
+    for sid in sim.dropped | sim.snapped:        # a pause settles its reservation at once
+        for k, n in prog.sequences[sid].reservation.amounts.items():
+            now[k] = now.get(k, 0) + n
+    for sid in sim.dropped:
+        now[STATE] += 1
+    for sid in sim.snapped:
+        later[STATE] += 1
+    live = set(prog.sequences) - sim.dropped - sim.snapped
+    for b in prog.blocks.values():
+        if b.page is None or b.leases or b.kind != MAIN:
+            continue
+        left = b.holders - sim.gone - sim.dropped
+        if not left:
+            now[MAIN] += 1
+            continue
+        demoted = b.bid in sim.blocks or (bool(left & sim.snapped) and not (left & live))
+        if demoted:
+            (now if b.host is not None and b.host_filled >= b.filled else later)[MAIN] += 1
+    return Freed(now, later)
 
-    def after() -> None:
-        for ck in moving_images:
-            img = ck.image
-            if img.slot is not None and img not in prog._orphans:
-                prog._release_slot(img.slot)
-                img.slot = None
-                ck.touch()
-            prog.unlease(img)
-        for b in moving_blocks:
-            if b.page is not None and b.holders:
-                prog.pools[b.kind].release(b.page)
-                b.page = None
-                b.touch()
-            prog.unlease(b)
-    return jobs, after
+
+__all__ = ["quote", "commit", "verify", "simulate", "Freed", "BlockFact", "CheckpointFact", "PoolFact"]

@@ -1,89 +1,105 @@
 """Asynchronous copies (D2H, H2D) whose completions arrive later as events.
 
 On CUDA a copy runs on a dedicated stream after the compute stream's current work and
-completes when its event fires. On the CPU a worker thread performs the copies, so completion
-handling is really asynchronous there too. Completions are drained as ``(tid, generation)``
-pairs; the Program (and, across the process boundary, the controller) settles them.
+completes when its event fires. On the CPU a worker thread performs the copies (``thread``),
+so completion handling is really asynchronous there too; ``inline`` runs each copy at
+submission and delivers its completion at the next progress point (deterministic, for tests).
 
-A test hook (``FaultHook``) sits between "the copy finished" and "the completion is delivered":
-it can delay, reorder, duplicate or drop completions, which the settling side must survive
-(generation checks; timeouts).
+A transaction may receive further copies while its earlier ones run (the Program's single
+context transaction is joined by later captures, pauses and demotions); its completion is
+reported once all of its copies have finished. A copy that raises never kills the copy path:
+the transaction completes with the error, and the Program aborts it.
+
+Completions are drained as ``(tid, generation, error)``; the Program settles them. Delivery
+faults (``ninfer.faults``) sit between "the copies finished" and "the completion is
+delivered": delay, reorder, duplicate or drop — the settling side must survive each.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
-Completion = tuple[int, int]   # (transaction id, generation)
+from ninfer.faults import FaultInjected, FaultPlan
+
+log = logging.getLogger("ninfer.transfer")
+
+Key = tuple[int, int]                 # (transaction id, generation)
+Completion = tuple[int, int, str]     # (transaction id, generation, error; "" = ok)
 
 
-@dataclass
-class FaultHook:
-    """Scripted delivery faults for tests (all off by default).
+class _Open:
+    __slots__ = ("outstanding", "error", "events")
 
-    delay:      hold every completion for this many drains before delivering it
-    drop:       transaction ids whose completion is never delivered (drop_all: every one)
-    duplicate:  deliver every completion twice
-    reverse:    deliver each drained batch in reverse order
-    """
-
-    delay: int = 0
-    drop: set[int] = field(default_factory=set)
-    drop_all: bool = False
-    duplicate: bool = False
-    reverse: bool = False
-    _held: list[list] = field(default_factory=list)
-
-    def apply(self, fresh: list[Completion]) -> list[Completion]:
-        self._held.extend([c, self.delay] for c in fresh if not self.drop_all and c[0] not in self.drop)
-        out = [c for c, wait in self._held if wait <= 0]
-        self._held = [[c, wait - 1] for c, wait in self._held if wait > 0]
-        if self.reverse:
-            out.reverse()
-        if self.duplicate:
-            out = [c for c in out for _ in range(2)]
-        return out
+    def __init__(self) -> None:
+        self.outstanding = 0
+        self.error = ""
+        self.events: list = []
 
 
 class TransferEngine:
-    """Runs copy jobs off the compute path and reports their completion."""
+    """Runs copy jobs off the compute path and reports each transaction's completion."""
 
-    def __init__(self, device: torch.device, hook: FaultHook | None = None):
+    def __init__(self, device: torch.device, mode: str = "auto", faults: FaultPlan | None = None):
         self.device = device
-        self.hook = hook or FaultHook()
-        self._done: deque[Completion] = deque()
-        self._finished: set[Completion] = set()     # copies really done, delivered or not
+        self.faults = faults or FaultPlan()
+        if mode == "auto":
+            mode = "stream" if device.type == "cuda" else "thread"
+        self.mode = mode
+        self._open: dict[Key, _Open] = {}
+        self._done: list[Completion] = []
+        self._finished: dict[Key, str] = {}      # copies really done (delivered or not) -> error
+        self._held: list[list] = []             # [completion, points left] (delivery faults)
         self.on_done: Callable[[], None] | None = None   # wakes an idle controller
         self._signal = threading.Event()
-        self._inflight = 0
         self._lock = threading.Lock()
-        if device.type == "cuda":
+        if mode == "stream":
             self._stream = torch.cuda.Stream(device)
-            self._pending: list[tuple[Completion, torch.cuda.Event]] = []
-        else:
+        elif mode == "thread":
             self._jobs: queue.Queue = queue.Queue()
             self._thread = threading.Thread(target=self._worker, name="ninfer-copies", daemon=True)
             self._thread.start()
 
     # -- submission ---------------------------------------------------------------------
-    def submit(self, tid: int, generation: int, job: Callable[[], None]) -> None:
+    def can_join(self, tid: int, generation: int) -> bool:
+        """May another copy still join this transaction (its copies have not all finished)?"""
         with self._lock:
-            self._inflight += 1
-        if self.device.type == "cuda":
+            o = self._open.get((tid, generation))
+            return o is not None and (o.outstanding > 0 or bool(o.events))
+
+    def submit(self, tid: int, generation: int, job: Callable[[], None]) -> None:
+        key = (tid, generation)
+        with self._lock:
+            o = self._open.setdefault(key, _Open())
+            o.outstanding += 1
+        if self.mode == "thread":
+            self._jobs.put((key, job))
+        elif self.mode == "inline":
+            self._finish_job(key, self._run(job))
+        else:
+            error = ""
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._stream):
-                job()
+                error = self._run(job)
                 ev = torch.cuda.Event()
                 ev.record(self._stream)
-            self._pending.append(((tid, generation), ev))
-        else:
-            self._jobs.put(((tid, generation), job))
+            with self._lock:
+                o.events.append(ev)
+            self._finish_job(key, error)       # enqueued: done when its events fire (drain)
+
+    def _run(self, job: Callable[[], None]) -> str:
+        try:
+            if self.faults.fire("copy_error"):
+                raise FaultInjected("injected copy error")
+            job()
+            return ""
+        except Exception as exc:      # a failed copy is a failed completion, never a dead thread
+            log.warning("copy failed: %s", exc)
+            return f"{type(exc).__name__}: {exc}"
 
     def _worker(self) -> None:
         torch.set_num_threads(1)
@@ -91,61 +107,95 @@ class TransferEngine:
             item = self._jobs.get()
             if item is None:
                 return
-            done, job = item
-            job()
-            self._finish(done)
+            key, job = item
+            self._finish_job(key, self._run(job))
 
-    def _finish(self, done: Completion) -> None:
+    def _finish_job(self, key: Key, error: str) -> None:
         with self._lock:
-            self._inflight -= 1
-            self._done.append(done)
-            self._finished.add(done)
+            o = self._open[key]
+            o.outstanding -= 1
+            o.error = o.error or error
+            if o.outstanding or o.events:
+                return
+            del self._open[key]
+            self._done.append((*key, o.error))
+            self._finished[key] = o.error
         self._signal.set()
         if self.on_done is not None:
             self.on_done()
 
     # -- completion ---------------------------------------------------------------------
     def drain(self) -> list[Completion]:
-        """Completions ready now (after the fault hook); never blocks."""
-        if self.device.type == "cuda":
-            still = []
-            for done, ev in self._pending:
-                if ev.query():
-                    self._finish(done)
-                else:
-                    still.append((done, ev))
-            self._pending = still
+        """Completions ready now (after the delivery faults); never blocks."""
+        if self.mode == "stream":
+            with self._lock:
+                for key, o in list(self._open.items()):
+                    if not o.outstanding and o.events and all(ev.query() for ev in o.events):
+                        del self._open[key]
+                        self._done.append((*key, o.error))
+                        self._finished[key] = o.error
         with self._lock:
-            fresh = list(self._done)
-            self._done.clear()
+            fresh, self._done = self._done, []
             self._signal.clear()
-        return self.hook.apply(fresh)
+        return self._deliver(fresh)
+
+    def _deliver(self, fresh: list[Completion]) -> list[Completion]:
+        out: list[Completion] = []
+        for c in fresh:
+            if self.faults.fire("completion_drop"):
+                continue
+            f = self.faults.fire("completion_delay") or self.faults.fire("completion_reorder")
+            if f is not None:
+                self._held.append([c, f.steps, f.kind == "completion_reorder"])
+                continue
+            out.append(c)
+            if self.faults.fire("completion_duplicate"):
+                out.append(c)
+        due, held = [], []
+        for c, left, reorder in self._held:
+            if left <= 1 or (reorder and out):
+                due.append(c)
+            else:
+                held.append([c, left - 1, reorder])
+        self._held = held
+        return out + due            # a reordered completion comes after the newer ones
 
     def wait(self, timeout: float) -> bool:
         """Block until a copy finishes or ``timeout`` passes (no spinning)."""
-        if self.device.type == "cuda":
-            deadline_ev = [ev for _, ev in self._pending]
-            if deadline_ev:
-                deadline_ev[0].synchronize()
-            return bool(deadline_ev)
+        if self.mode == "stream":
+            events = [ev for o in self._open.values() for ev in o.events]
+            if events:
+                events[-1].synchronize()
+            return bool(events)
         return self._signal.wait(timeout)
 
-    def finished(self, done: Completion) -> bool:
-        """Did this copy really finish (whether or not its completion was delivered)? Lets the
-        settling side recover from a dropped completion after a timeout."""
+    def finished(self, tid: int, generation: int) -> bool:
+        """Did this transaction's copies really finish (whether or not its completion was
+        delivered)? Lets the settling side recover from a dropped completion."""
         with self._lock:
-            return done in self._finished
+            return (tid, generation) in self._finished
 
-    def forget(self, done: Completion) -> None:
+    def error_of(self, tid: int, generation: int) -> str:
         with self._lock:
-            self._finished.discard(done)
+            return self._finished.get((tid, generation), "")
+
+    def forget(self, tid: int, generation: int) -> None:
+        with self._lock:
+            self._finished.pop((tid, generation), None)
 
     @property
-    def inflight(self) -> int:
+    def busy(self) -> bool:
+        """Copies still running."""
         with self._lock:
-            return self._inflight
+            return bool(self._open)
+
+    @property
+    def pending(self) -> bool:
+        """Anything not yet delivered: copies running, completions waiting or held back."""
+        with self._lock:
+            return bool(self._open) or bool(self._done) or bool(self._held)
 
     def shutdown(self) -> None:
-        if self.device.type != "cuda":
+        if self.mode == "thread":
             self._jobs.put(None)
             self._thread.join(timeout=5)

@@ -1,170 +1,297 @@
 """The preemption chain (seed: 单元缺口 → 可选预留与普通缓存回收 → 必要时撤销等待保护与暂停快照
-→ 为最老必要工作收回较年轻 resident，或暂停自身无法前进的年轻行).
+→ 为最老必要工作收回较年轻 resident，或暂停自身无法前进的年轻行), planned inside the cycle.
 
-One shortfall is handled per cycle — the most privileged one: the recovery holder, then
-resident rows and chunks by original ticket, then the oldest paused request's resume, then
-the fresh head. Fresh admission may only reclaim optional cache (and younger waiters); it never
-preempts a resident. A paused request with an older resident present behaves the same way.
-Necessary work may also revoke later-ticket pause snapshots and, failing that, take back
-younger residents (or pause itself when it is the young row that cannot progress). When the
-sole remaining request still cannot get a legal unit, it fails with CapacityContractError
-instead of waiting for a releaser that does not exist.
+Pure: given the cycle's needs in permit order (the resume, resident rows by recovery then
+ticket, one chunk, fresh binds), their demands and one quote, it decides for each need that is
+short what it may do — the conditional remedies the worker commits only if, and as far as,
+they cover the gap — and when the request must fail instead. Nothing here changes state.
+
+    requester                          may
+    fresh admission                    reclaim optional cache; revoke younger waiters' holds
+                                       (it never preempts a resident, never revokes snapshots)
+    resume, an older resident exists   reclaim optional cache only (it never pauses young
+                                       borrowers just to probe)
+    resume of the oldest paused        all of the below, and take back the lane and capacity of
+    (no older resident)                the youngest preemptable residents
+    resident row / chunk               reclaim optional cache; revoke waiters' holds and
+                                       later-ticket pause snapshots; take back younger
+                                       residents (youngest first); a young row that still
+                                       cannot progress pauses itself
+
+Materializing, finished and the full-recovery-permit holder are never victims. A pause frees
+what it holds: a Snapshot whose unique Device content goes to the Host (admitted over optional
+cache, then later-ticket snapshots), or — when the Host cannot take it — destructive (Replay).
+The capacity contract error fires exactly when the oldest request, with nobody else holding or
+about to release capacity, is still short after all of its legal reclaim.
 """
 
 from __future__ import annotations
 
-import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+
+import msgspec
 
 from ninfer import protocol as P
-from ninfer.engine.request import Phase, Request
-from ninfer.errors import CapacityContractError
-from ninfer.policy.reclaim import Planner
+from ninfer.policy.reclaim import Candidate, Planner
+from ninfer.policy.resources import ResourceManager
+from ninfer.policy.scheduler import Scheduler
+from ninfer.policy.view import RequestView as Request
+from ninfer.protocol import Owner, SnapshotOwner, WaiterOwner
 
-if TYPE_CHECKING:
-    from ninfer.engine.core import EngineCore
+FRESH, RESUME, ROW, CHUNK = "fresh", "resume", "row", "chunk"
 
-PRIORITY = {"row": 1, "chunk": 1, "resume": 2, "fresh": 3}
+
+@dataclass
+class Need:
+    """One intent of the cycle as pressure sees it."""
+
+    iid: int
+    req: Request
+    kind: str                           # fresh | resume | row | chunk
+    demand: dict[str, int] | None       # predicted (None: unknown without a quote)
+    source: int | None = None           # the checkpoint a bind adopts
+
+
+@dataclass
+class Verdict:
+    remedies: list[P.Remedy] = field(default_factory=list)
+    on_short: P.Pause | None = None
+    error: str | None = None            # the capacity contract: fail instead of sending it
+    covered: bool = True
+
+
+@dataclass
+class Rights:
+    waiters: str = "none"               # "none" | "younger" | "all"
+    snapshots: bool = False             # later-ticket pause snapshots
+    take_back: bool = False
+    pause_self: bool = False
 
 
 class Pressure:
-    def __init__(self, core: "EngineCore"):
-        self.core = core
+    def __init__(self, sched: Scheduler, rm: ResourceManager, info: P.WorkerInfo):
+        self.sched = sched
+        self.rm = rm
+        self.info = info
 
-    # ---- entry ------------------------------------------------------------------------
-    def relieve(self, shorts: list[tuple[Request, dict[str, int], str]]) -> bool:
-        """Act on the most privileged shortfall; True if something changed."""
-        live = [(r, s, k) for r, s, k in shorts if r.finish_reason is None and not r.cancel_requested]
-        if not live:
-            return False
-        core = self.core
-        req, short, kind = min(live, key=lambda x: (x[0] is not core.sched.recovery, PRIORITY[x[2]], x[0].ticket))
-        if core.tx_busy:
-            return False      # a transfer in flight will change capacity: wait for it (no spin)
-        necessary = kind in ("row", "chunk") or (kind == "resume" and not core.sched.older_resident_than(req))
-        if self._reclaim(req, short, necessary):
-            return True
-        if necessary and self._preempt(req):
-            return True
-        if self._alone(req):
-            self._capacity_error(req, short)
-            return True
-        return False
-
-    # ---- reclaim ----------------------------------------------------------------------
-    def _reclaim(self, req: Request, short: dict[str, int], necessary: bool) -> bool:
-        core = self.core
-        [out] = core.call_commands([P.Quote()])
-        facts = out.facts
-        planner = Planner(facts, core.rm.table, self.protected(req), self._revoker(req, necessary),
-                          self.snapshot_tickets())
-        actions, covered = planner.plan(short)
-        if not actions or not (covered or necessary):
-            return False
-        [res] = core.call_commands([P.Commit(actions)])
-        if not res.result.ok and len(planner.steps) > 1:
-            actions = planner.steps[0]               # the batch failed: try its first step alone
-            [res] = core.call_commands([P.Commit(actions)])
-        if not res.result.ok:
-            return False
-        self.applied(actions, res.result)
+    # ---- prediction (no quote) --------------------------------------------------------
+    def fits(self, needs: list[Need], pools: dict[str, P.PoolState]) -> bool:
+        """Whether every need fits the pools as last reported, in permit order. Demands are
+        upper bounds and availability a lower bound, so True is reliable; False (or an unknown
+        demand) asks for a quote first."""
+        avail = {k: pools[k].available for k in (P.MAIN, P.STATE) if k in pools}
+        for n in needs:
+            if n.demand is None:
+                return False
+            if any(v > avail.get(k, 0) for k, v in n.demand.items()):
+                return False
+            for k, v in n.demand.items():
+                avail[k] = avail.get(k, 0) - v
         return True
 
-    def snapshot_tickets(self) -> dict[str, int]:
-        return {f"seq:{r.sid}": r.ticket for r in self.core.sched.paused if r.sid is not None}
+    # ---- rights -----------------------------------------------------------------------
+    def rights(self, n: Need) -> Rights:
+        if n.kind == FRESH:
+            return Rights(waiters="younger")
+        if n.kind == RESUME:
+            if not self.sched.may_take_back(n.req):
+                return Rights()
+            return Rights(waiters="all", snapshots=True, take_back=True)
+        young = n.req is not self.sched.recovery and self._older_exists(n.req)
+        return Rights(waiters="all", snapshots=True, take_back=True, pause_self=young)
 
-    def applied(self, actions: list[P.Action], result: P.CommitResult) -> None:
-        """Mirror a committed reclaim: deletions revoke snapshots or forget records."""
-        core = self.core
-        snapshots = {r.snapshot.cid: r for r in core.sched.paused if r.snapshot is not None}
-        deleted = [a.cid for a in actions if isinstance(a, P.Delete)]
-        causes = {snapshots[a.cid].rid for a in actions if a.cid in snapshots}
-        for cid in deleted:
-            req = snapshots.get(cid)
-            if req is not None:
-                req.snapshot = None            # revoked: this request resumes by Replay
-                core.stats.revocations += 1
-        for rid in core.rm.on_deleted([c for c in deleted if c not in snapshots]):
-            waiter = core.requests.get(rid)
-            if waiter is not None:
-                waiter.wait = None             # revoked: it reselects its source
-        for a in actions:
-            if isinstance(a, P.DemoteState):
-                info = core.rm.table.ckpts.get(a.cid)
-                if info is not None:
-                    info.ref = P.CkptRef(info.ref.cid, info.ref.generation, info.ref.frontier, info.ref.kind,
-                                         False, True)
-        if result.tid is not None:
-            core._tx[result.tid] = ("demote", None, frozenset(causes))
-        core.sched.event(causes)               # real capacity release / revocation
+    def _older_exists(self, req: Request) -> bool:
+        return any(r.ticket < req.ticket and r.live for r in (*self.sched.resident.values(), *self.sched.paused))
+
+    def _revoker(self, req: Request, rights: Rights):
+        """Which revocable holds the requester may take (seed: fresh 接纳只能撤销较年轻等待者的
+        保护，不能撤销 paused 快照; 必要推进 … 再考虑票号更晚的暂停快照)."""
+        tickets = {r.rid: r.ticket for r in (*self.sched.fresh, *self.sched.paused, *self.sched.resident.values())}
+        snaps = {SnapshotOwner(r.sid): r.ticket for r in self.sched.paused if r.sid is not None}
+
+        def may(owner: Owner) -> bool:
+            if isinstance(owner, SnapshotOwner):
+                return rights.snapshots and snaps.get(owner, -1) > req.ticket
+            if isinstance(owner, WaiterOwner):
+                if rights.waiters == "all":
+                    return True
+                return rights.waiters == "younger" and tickets.get(owner.rid, 1 << 62) > req.ticket
+            return False
+        return may, snaps
 
     def protected(self, req: Request) -> set[int]:
         """Sources being adopted right now and the requester's own snapshot are never victims."""
-        out = {r.source_cid for r in self.core.requests.values() if r.phase is Phase.BINDING and r.source_cid}
-        if req.source_cid is not None:
-            out.add(req.source_cid)            # its own source is always kept
+        out = set(self.rm.adopting())
         if req.snapshot is not None:
             out.add(req.snapshot.cid)
         return out
 
-    def _revoker(self, req: Request, necessary: bool):
-        """Which revocable holds the requester may take: only necessary work may revoke pause
-        snapshots, and only those of later tickets (seed: 可选缓存，再考虑票号更晚的暂停快照)."""
-        by_sid = {r.sid: r for r in self.core.sched.paused if r.sid is not None}
-        requests = self.core.requests
+    # ---- planning on a quote ---------------------------------------------------------
+    def settle(self, needs: list[Need], facts: P.Facts, demands: dict[int, dict[str, int]],
+               tx_busy: bool) -> tuple[dict[int, Verdict], Planner | None]:
+        """Verdicts for the needs that are short, in permit order, on one quote. A need's
+        remedies never touch its own source nor one an earlier intent adopts in this step; a
+        later one's source is fair game (that bind then reselects). Returns the last planning
+        pass too (captures plan their room after the needs)."""
+        avail = {k: facts.pools[k].available for k in (P.MAIN, P.STATE)}
+        verdicts: dict[int, Verdict] = {}
+        prior: Planner | None = None
+        taken: set[str] = set()                 # residents taken back by earlier needs
+        seen: set[str] = set()                  # requests of earlier needs (they will hold capacity)
+        adopted: set[int] = set()               # sources of earlier needs
+        for n in needs:
+            earlier = set(seen)
+            seen.add(n.req.rid)
+            protect = adopted | ({n.source} if n.source is not None else set())
+            if n.source is not None:
+                adopted.add(n.source)
+            d = demands.get(n.iid, n.demand or {})
+            short = {k: v - avail[k] for k, v in d.items() if v > avail.get(k, 0)}
+            if not short:
+                for k, v in d.items():
+                    avail[k] -= v
+                continue
+            v, prior, freed = self._chain(n, short, facts, prior, taken, tx_busy or bool(earlier - taken), protect)
+            verdicts[n.iid] = v
+            if v.covered:
+                for k, x in d.items():
+                    avail[k] = max(0, avail[k] + freed.get(k, 0) - x)
+        return verdicts, prior
 
-        def may(owner: str) -> bool:
-            if owner.startswith("seq:") and necessary:
-                other = by_sid.get(int(owner[4:]))
-                return other is not None and other.ticket > req.ticket
-            if owner.startswith("w:"):
-                # fresh admission may revoke only younger waiters; necessary progress any
-                other = requests.get(owner[2:])
-                return other is None or necessary or other.ticket > req.ticket
+    def _chain(self, n: Need, short: dict[str, int], facts: P.Facts, prior: Planner | None,
+               taken: set[str], tx_busy: bool, protect: set[int]) -> tuple[Verdict, Planner, dict[str, int]]:
+        rights = self.rights(n)
+        may, snaps = self._revoker(n.req, rights)
+        planner = Planner(facts, self.rm.table, self.protected(n.req) | protect, may, snaps, prior)
+        before = {k: planner.freed_so_far(k) for k in short}
+        actions, covered = planner.plan(short)
+        if not covered:
+            # the candidate list stays: deletions alone may cover what a demotion first did not
+            alt = Planner(facts, self.rm.table, self.protected(n.req) | protect, may, snaps, prior, demote=False)
+            alt_actions, alt_covered = alt.plan(short)
+            if alt_covered:
+                planner, actions, covered = alt, alt_actions, True
+        freed = {k: planner.freed_so_far(k) - before[k] for k in short}
+        verdict = Verdict()
+        if actions:
+            verdict.remedies.append(P.Reclaim(actions))
+        if not covered and rights.take_back:
+            victims = []
+            for victim in self.sched.victims_for(n.req):
+                if victim.rid in taken or victim is n.req:
+                    continue
+                to_host, host_victims = self.pause_route(victim, planner, facts)
+                verdict.remedies.append(P.TakeBack(victim.sid, to_host, host_victims))
+                taken.add(victim.rid)
+                victims.append(victim.sid)
+                for k, x in self.freed_by_pause(victim, to_host, facts).items():
+                    freed[k] = freed.get(k, 0) + x
+                if all(freed.get(k, 0) >= v for k, v in short.items()):
+                    covered = True
+                    break
+            if not covered and victims:
+                # what the victims shared with optional cache is reclaimable once they let go
+                # (and what this need already deletes may free more then)
+                was = {k: planner.freed_so_far(k) for k in short}
+                planner = Planner(_without(facts, victims), self.rm.table, self.protected(n.req) | protect,
+                                  may, snaps, planner)
+                for k in short:
+                    freed[k] = freed.get(k, 0) + planner.freed_so_far(k) - was[k]
+                left = {k: v - freed.get(k, 0) for k, v in short.items() if v > freed.get(k, 0)}
+                covered = not left
+                if left:
+                    before = {k: planner.freed_so_far(k) for k in left}
+                    actions, covered = planner.plan(left)
+                    if actions:
+                        verdict.remedies.append(P.Reclaim(actions))
+                    for k in left:
+                        freed[k] = freed.get(k, 0) + planner.freed_so_far(k) - before[k]
+        verdict.covered = covered
+        if not covered:
+            if rights.pause_self and n.req.sid is not None:
+                to_host, host_victims = self.pause_route(n.req, planner, facts)
+                verdict.on_short = P.Pause(n.req.sid, to_host, host_victims)
+            elif self.alone(n, taken, tx_busy):
+                verdict.error = self._contract(n, short, facts)
+        return verdict, planner, freed
+
+    # ---- pauses -----------------------------------------------------------------------
+    def pause_route(self, victim: Request, planner: Planner, facts: P.Facts) -> tuple[bool, list[P.Delete]]:
+        """Snapshot to the Host when its unique Device content can be placed there (admitted
+        over optional cache, then pause snapshots of later tickets), else destructive."""
+        if not facts.host_capacity or victim.sid is None:
+            return False, []
+        sizes = self.pause_sizes(victim, facts)
+        own = victim.ticket
+        tickets = planner.tickets
+
+        def admissible(c: Candidate) -> bool:
+            if c.cls <= 1:
+                return True
+            owners = facts.checkpoints[c.cid].owners
+            return c.cls == 3 and all(tickets.get(o, -1) > own for o in owners if isinstance(o, SnapshotOwner))
+        placed = planner.place_host(sizes, admissible)
+        if placed is None:
+            return False, []
+        return True, [a for a in planner.commit_host(sizes, placed[0]) if isinstance(a, P.Delete)]
+
+    @staticmethod
+    def _blocks_of(victim: Request, facts: P.Facts) -> list[P.BlockFact]:
+        me = -victim.sid
+        return [b for b in facts.blocks.values() if me in b.holders and b.device]
+
+    def pause_sizes(self, victim: Request, facts: P.Facts) -> list[int]:
+        me = -victim.sid
+        blocks = [b for b in self._blocks_of(victim, facts) if not any(h < 0 and h != me for h in b.holders)]
+        return [facts.image_bytes] + [facts.page_bytes for b in blocks if not b.host]
+
+    def freed_by_pause(self, victim: Request, to_host: bool, facts: P.Facts) -> dict[str, int]:
+        """Device units its pause frees (at once or once the snapshot's copies publish)."""
+        me = -victim.sid
+        pages = 0
+        for b in self._blocks_of(victim, facts):
+            others = [h for h in b.holders if h != me]
+            if not others or (to_host and not any(h < 0 for h in others)):
+                pages += 1
+        res = (victim.facts.reserved if victim.facts is not None else 0)
+        return {P.MAIN: pages + res, P.STATE: 1}
+
+    # ---- the capacity contract -------------------------------------------------------
+    def alone(self, n: Need, taken: set[str], tx_busy: bool) -> bool:
+        """Nobody else holds capacity or is about to release it: no transfer in flight (nor an
+        earlier intent of this cycle that will hold some), no other resident (the younger ones
+        were all taken back), no older request waiting."""
+        if tx_busy:
             return False
-        return may
+        req = n.req
+        if any(r is not req and r.rid not in taken for r in self.sched.resident.values()):
+            return False
+        return not any(r.ticket < req.ticket and r is not req and r.live for r in self.sched.paused)
 
-    # ---- preemption -------------------------------------------------------------------
-    def _preempt(self, req: Request) -> bool:
-        core = self.core
-        victims = core.sched.victims_for(req)
-        if victims:
-            self.pause(victims[0])
-            return True
-        if req.resident and req.phase is Phase.RUNNING and core.sched.older_resident_than(req) \
-                and core.sched.recovery is not req:
-            self.pause(req)                    # the young row that cannot progress
-            return True
-        return False
+    def _contract(self, n: Need, short: dict[str, int], facts: P.Facts) -> str:
+        detail = ", ".join(f"{k}: {v} more needed ({facts.pools[k].available} available of {facts.pools[k].total})"
+                           for k, v in short.items() if k in facts.pools)
+        return (f"request {n.req.rid} cannot get a legal unit after reclaiming optional cache and pausing "
+                f"others ({detail})")
 
-    def pause(self, victim: Request) -> None:
-        """Pause at a stable commit boundary: Snapshot (no copy, no new Device allocation);
-        reclaim may later demote the snapshot or revoke it (→ Replay)."""
-        core = self.core
-        [out] = core.call_commands([P.Pause(victim.sid)])
-        victim.snapshot = out.ref if isinstance(out, P.CkptOut) else None
-        victim.replay_target = victim.frontier
-        victim.phase = Phase.PAUSED
-        victim.pauses.append({"route": "snapshot" if victim.snapshot else "replay",
-                              "frontier": victim.frontier, "paused_at": time.monotonic()})
-        core.sched.pause(victim)
-        core.stats.preemptions += 1
+    # ---- captures ---------------------------------------------------------------------
+    def capture_room(self, req: Request, sp, planner: Planner | None, facts: P.Facts,
+                     protect: set[int] = frozenset(), rec=None) -> list[P.Action] | None:
+        """An optional save that will find neither a Device slot nor Host room: what the
+        admission table lets it replace (seed: 新捕获 … 准入条件), or None to skip it. The
+        actions are conditional: the worker commits them only if they make the save fit."""
+        benefit, own, owner_reuse = self.rm.capture_terms(req, sp, rec)
+        p = Planner(facts, self.rm.table, self.protected(req) | protect, lambda o: False, None, planner)
+        return p.plan_capture(benefit, own, owner_reuse)
 
-    # ---- capacity contract --------------------------------------------------------------
-    def _alone(self, req: Request) -> bool:
-        """Nobody else holds or will release capacity: no other resident, no paused request,
-        no transfer in flight."""
-        sched = self.core.sched
-        others = [r for r in sched.resident.values() if r is not req]
-        paused = [r for r in sched.paused if r is not req]
-        return not others and not paused and not self.core.tx_busy
 
-    def _capacity_error(self, req: Request, short: dict[str, int]) -> None:
-        core = self.core
-        totals = {k: (v.total, v.available) for k, v in core.pools.items() if k in short}
-        detail = ", ".join(f"{k}: {n} more needed ({totals[k][1]} available of {totals[k][0]})"
-                           for k, n in short.items() if k in totals)
-        core.stats.capacity_errors += 1
-        core.fail(req, CapacityContractError(
-            f"request {req.rid} cannot get a legal unit after reclaiming optional cache and pausing "
-            f"others ({detail})"))
+def _without(facts: P.Facts, sids: list[int]) -> P.Facts:
+    """The quote as it will be once these sequences have let go of their blocks (paused)."""
+    gone = {-s for s in sids}
+    blocks = {}
+    for bid, b in facts.blocks.items():
+        if gone & set(b.holders):
+            holders = tuple(h for h in b.holders if h not in gone)
+            b = msgspec.structs.replace(b, holders=holders, pinned=any(h < 0 for h in holders))
+        blocks[bid] = b
+    return msgspec.structs.replace(facts, blocks=blocks)

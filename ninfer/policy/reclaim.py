@@ -27,10 +27,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ninfer import protocol as P
-from ninfer.placement import place_first_fit
+from ninfer.placement import merge_extents, place_first_fit
 from ninfer.policy.records import Level, RecordTable
+from ninfer.protocol import EntryOwner, Owner, RecordOwner, SnapshotOwner, WaiterOwner
 
-OPTIONAL_PREFIXES = ("r", "m")
 SOFT_TARGET = 0.75
 
 
@@ -42,57 +42,55 @@ class Candidate:
     frontier: int
 
 
-def _owner_record(owner: str, table: RecordTable):
-    if owner.startswith("m"):
-        return table.entries.get(int(owner[1:]))
-    if owner.startswith("r"):
-        return table.records.get(int(owner[1:].split(".")[0]))
+def _owner_record(owner: Owner, table: RecordTable):
+    if isinstance(owner, EntryOwner):
+        return table.entries.get(owner.entry)
+    if isinstance(owner, RecordOwner):
+        return table.records.get(owner.record)
     return None
 
 
-def _classify(owners: tuple[str, ...], table: RecordTable, may_revoke: Callable[[str], bool]) -> int | None:
+def _classify(owners: tuple[Owner, ...], table: RecordTable, may_revoke: Callable[[Owner], bool]) -> int | None:
+    """0 normal / 1 reuse optional cache, 2 a revocable waiting reference, 3 a revocable pause
+    snapshot; None when some holder is necessary (never a reclaim candidate)."""
     cls = 0
     for o in owners:
-        if o.startswith(OPTIONAL_PREFIXES):
+        if isinstance(o, (RecordOwner, EntryOwner)):
             rec = _owner_record(o, table)
             cls = max(cls, 1 if rec is not None and rec.level == Level.REUSE else 0)
-        elif o.startswith("w:") and may_revoke(o):
+        elif isinstance(o, WaiterOwner) and may_revoke(o):
             cls = max(cls, 2)
-        elif o.startswith("seq:") and may_revoke(o):
+        elif isinstance(o, SnapshotOwner) and may_revoke(o):
             cls = max(cls, 3)
         else:
             return None           # a necessary hold: not a reclaim candidate
     return cls
 
 
-def _demand_time(owners: tuple[str, ...], table: RecordTable) -> float:
+def _demand_time(owners: tuple[Owner, ...], table: RecordTable) -> float:
     times = [rec.evidence.demand_time or 0.0 for o in owners if (rec := _owner_record(o, table)) is not None]
     return max(times, default=0.0)
-
-
-def merge_extents(extents: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[list[int]] = []
-    for off, size in sorted(extents):
-        if out and out[-1][0] + out[-1][1] == off:
-            out[-1][1] += size
-        else:
-            out.append([off, size])
-    return [(o, s) for o, s in out]
 
 
 class Planner:
     """One planning pass over one quote."""
 
     def __init__(self, facts: P.Facts, table: RecordTable, protect: set[int],
-                 may_revoke: Callable[[str], bool], tickets: dict[str, int] | None = None):
+                 may_revoke: Callable[[Owner], bool], tickets: dict[Owner, int] | None = None,
+                 prior: "Planner | None" = None, demote: bool = True):
+        """``prior``: an earlier planning pass over the same quote in this cycle (another
+        intent's remedies): what it chose is not chosen again, and its Host destinations stay
+        placed. ``demote=False``: deletions only (the alternative when a plan that started
+        with demotions cannot cover the gap)."""
+        self.demote = demote
         self.f = facts
         self.table = table
-        self.tickets = tickets or {}          # pause-snapshot owner ("seq:<sid>") -> original ticket
+        self.tickets = tickets or {}          # pause-snapshot owner -> its request's original ticket
         self.steps: list[list[P.Action]] = []  # the plan as separately committable steps
-        self.victims: set[int] = set()
-        self.demoted_images: set[int] = set()
-        self.demoted_blocks: set[int] = set()
-        self.host_used: list[tuple[int, int]] = []        # destinations placed by this plan
+        self.victims: set[int] = set(prior.victims) if prior else set()
+        self.demoted_images: set[int] = set(prior.demoted_images) if prior else set()
+        self.demoted_blocks: set[int] = set(prior.demoted_blocks) if prior else set()
+        self.host_used: list[tuple[int, int]] = list(prior.host_used) if prior else []
         self.cands: dict[int, Candidate] = {}
         for cid, c in facts.checkpoints.items():
             if cid in protect or c.leased:
@@ -111,8 +109,8 @@ class Planner:
             if cand.cls != 1:
                 continue
             owners = self.f.checkpoints[cand.cid].owners
-            recs = [r for o in owners if o.startswith("r") and (r := _owner_record(o, self.table)) is not None]
-            if not recs or any(o.startswith("m") for o in owners):
+            recs = [r for o in owners if isinstance(o, RecordOwner) and (r := _owner_record(o, self.table)) is not None]
+            if not recs or any(isinstance(o, EntryOwner) for o in owners):
                 continue
             proven = max(r.evidence.proven_frontier for r in recs)
             if cand.frontier > proven and self.fallback(cand.cid, set()) >= proven > 0:
@@ -159,7 +157,7 @@ class Planner:
         for other, info in self.table.ckpts.items():
             if other == cid or other in gone or other not in self.f.checkpoints:
                 continue
-            if info.ref.kind == "cache" and info.frontier <= len(toks) and info.tokens == toks[: info.frontier]:
+            if info.ref.kind is P.CkptKind.CACHE and info.frontier <= len(toks) and info.tokens == toks[: info.frontier]:
                 best = max(best, info.frontier)
         return best
 
@@ -250,7 +248,7 @@ class Planner:
             return None
         return chosen, loss
 
-    def _commit_host(self, sizes: list[int], victims: list[int]) -> list[P.Action]:
+    def commit_host(self, sizes: list[int], victims: list[int]) -> list[P.Action]:
         acts = self._delete(victims)
         placed = place_first_fit(self._holes(set()), sizes)
         assert placed is not None
@@ -268,10 +266,11 @@ class Planner:
 
     # ==== reclaim for a Device gap ============================================================
     def plan(self, need: dict[str, int]) -> tuple[list[P.Action], bool]:
-        """Actions for the gap and whether they cover all of it."""
+        """Actions for the gap (beyond what earlier passes freed) and whether they cover it."""
         actions: list[P.Action] = []
+        base = {pool: self.freed_so_far(pool) for pool in (P.STATE, P.MAIN)}
         for pool in (P.STATE, P.MAIN):          # seed: Device State first, then Main KV
-            short = need.get(pool, 0) - self.freed_so_far(pool)
+            short = need.get(pool, 0) + base[pool] - self.freed_so_far(pool)
             while short > 0:
                 acts, freed = self._best(pool, short)
                 if not acts:
@@ -330,12 +329,12 @@ class Planner:
             c = self.f.checkpoints[cid]
             may, budget = self.host_admission(cand)
             admissible = lambda v, cid=cid, may=may: may(v) and v.cid != cid          # noqa: E731
-            if pool == P.STATE and c.image_device and cid not in self.demoted_images:
+            if pool == P.STATE and self.demote and c.image_device and cid not in self.demoted_images:
                 sizes = [] if c.image_host else [self.f.image_bytes]
                 host = self.place_host(sizes, admissible, budget)
                 if host is not None:
                     options.append((cand.cls, cand.demand_time, host[1], 1, ("demote_state", cid), sizes, host[0]))
-            if pool == P.MAIN:
+            if pool == P.MAIN and self.demote:
                 blocks = self.movable_blocks(cid)[-short:]
                 while blocks:                 # page groups that do not fit are halved and retried
                     sizes = [self.f.page_bytes for b in blocks if not self.f.blocks[b].host]
@@ -365,7 +364,7 @@ class Planner:
             return (cls, hot, loss / freed, str(what))
 
         cls, hot, loss, freed, what, sizes, host_victims = min(options, key=key)
-        acts = self._commit_host(sizes, host_victims) if sizes else []
+        acts = self.commit_host(sizes, host_victims) if sizes else []
         if what[0] == "delete":
             acts += self._delete(what[1])
         elif what[0] == "demote_state":
@@ -421,7 +420,7 @@ class Planner:
         if best is None:
             return None
         _, _, what, sizes, host_victims = best
-        acts = self._commit_host(sizes, host_victims) if sizes else []
+        acts = self.commit_host(sizes, host_victims) if sizes else []
         if what[0] == "delete":
             return acts + self._delete([what[1]])
         if what[0] == "demote":

@@ -5,10 +5,12 @@
     PublicEntry     a shared marker position others may fork from
 
 Several logical uses may name one physical checkpoint (a private input point and a public
-marker at the same frontier share one StateImage). On the worker every use is an *owner*
-string of that checkpoint; the checkpoint lives while any owner holds it.
+marker at the same frontier share one StateImage). On the worker every use is an *owner* of
+that checkpoint (a tagged union, ``protocol.Owner``); the checkpoint lives while any owner holds
+it.
 
-    owner strings:  r<id>.E   r<id>.in   r<id>.a   m<id>   w:<rid>   (seq:<sid> = pause snapshot)
+    RecordOwner(record, E | INPUT | ANCHOR)   EntryOwner(entry)   WaiterOwner(rid)
+    SnapshotOwner(sid)  (a pause snapshot; never in these tables)
 """
 
 from __future__ import annotations
@@ -17,10 +19,8 @@ import itertools
 from dataclasses import dataclass, field
 
 from ninfer.policy.index import PrefixIndex
-from ninfer.protocol import CkptRef
+from ninfer.protocol import MAX_ANCHORS, MAX_MARKERS, CkptKind, CkptRef, EntryOwner, Owner, RecordOwner, Role  # noqa: F401
 
-MAX_ANCHORS = 4
-MAX_MARKERS = 4
 
 
 class Level:
@@ -34,7 +34,7 @@ class CkptInfo:
 
     ref: CkptRef
     tokens: tuple[int, ...]
-    owners: set[str] = field(default_factory=set)
+    owners: set[Owner] = field(default_factory=set)
 
     @property
     def cid(self) -> int:
@@ -65,12 +65,12 @@ class PrivateRecord:
     level: str = Level.NORMAL
     evidence: Evidence = field(default_factory=Evidence)
 
-    def owner(self, role: str) -> str:
-        return f"r{self.id}.{role}"
+    def owner(self, role: Role) -> RecordOwner:
+        return RecordOwner(self.id, role)
 
-    def points(self) -> list[tuple[str, int]]:
+    def points(self) -> list[tuple[Role, int]]:
         """(role, cid) of every restore point this record holds."""
-        out = [("E", self.e), ("in", self.input_point)] + [("a", c) for c in self.anchors]
+        out = [(Role.E, self.e), (Role.INPUT, self.input_point)] + [(Role.ANCHOR, c) for c in self.anchors]
         return [(r, c) for r, c in out if c is not None]
 
     @property
@@ -87,8 +87,8 @@ class PublicEntry:
     evidence: Evidence = field(default_factory=Evidence)
 
     @property
-    def owner(self) -> str:
-        return f"m{self.id}"
+    def owner(self) -> EntryOwner:
+        return EntryOwner(self.id)
 
 
 class RecordTable:
@@ -103,16 +103,16 @@ class RecordTable:
         self.index = PrefixIndex()                  # live cache points by exact prefix digest
 
     # -- checkpoints -------------------------------------------------------------------------
-    def add_ckpt(self, ref: CkptRef, tokens: tuple[int, ...], owner: str) -> CkptInfo:
+    def add_ckpt(self, ref: CkptRef, tokens: tuple[int, ...], owner: Owner) -> CkptInfo:
         info = self.ckpts.get(ref.cid)
         if info is None:
             info = self.ckpts[ref.cid] = CkptInfo(ref, tokens)
-            if ref.kind == "cache":
+            if ref.kind is CkptKind.CACHE:
                 self.index.add(ref.cid, tokens)
         info.owners.add(owner)
         return info
 
-    def drop_owner(self, cid: int, owner: str) -> bool:
+    def drop_owner(self, cid: int, owner: Owner) -> bool:
         """Forget one logical use; True if the checkpoint has no owner left (deleted)."""
         info = self.ckpts.get(cid)
         if info is None:
@@ -124,11 +124,11 @@ class RecordTable:
             return True
         return False
 
-    def forget_ckpt(self, cid: int) -> list[str]:
+    def forget_ckpt(self, cid: int) -> list[Owner]:
         """A physical delete: every logical use of the checkpoint disappears with it."""
         info = self.ckpts.pop(cid, None)
         self.index.remove(cid)
-        owners = sorted(info.owners) if info else []
+        owners = list(info.owners) if info else []
         for rec in list(self.records.values()):
             if rec.e == cid:
                 rec.e = None
@@ -172,7 +172,7 @@ class RecordTable:
         if cur is None or cur is rec or cur.publication_order <= order:
             self.sessions[rec.session] = rec.id
 
-    def record_of(self, cid: int) -> list[tuple[PrivateRecord, str]]:
+    def record_of(self, cid: int) -> list[tuple[PrivateRecord, Role]]:
         return [(r, role) for r in self.records.values() for role, c in r.points() if c == cid]
 
     def entries_of(self, cid: int) -> list[PublicEntry]:

@@ -14,18 +14,30 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from ninfer import protocol as P
-from ninfer.engine.request import Request
 from ninfer.policy.cost import CostModel
 from ninfer.policy.index import DemandSummary, digest, prefix_digests
 from ninfer.policy.records import MAX_ANCHORS, CkptInfo, Level, PrivateRecord, PublicEntry, RecordTable
+from ninfer.policy.view import RequestView as Request
+from ninfer.protocol import EntryOwner, Owner, RecordOwner, Role, WaiterOwner
 
 
 @dataclass
 class SavePoint:
     frontier: int
-    owners: list[str]                 # the first captures, the rest are added as owners
+    owners: list[Owner]               # the first captures, the rest are added as owners
     kinds: list[str]                  # "in" | "a" | "m"
-    entries: dict[str, PublicEntry] = field(default_factory=dict)   # marker owner -> entry
+    entries: dict[Owner, PublicEntry] = field(default_factory=dict)   # marker owner -> entry
+
+
+@dataclass
+class CacheBook:
+    """What the ResourceManager keeps per request (its own table, keyed by request id)."""
+
+    record: PrivateRecord | None = None     # the private record it continues (once bound)
+    save_points: list[SavePoint] = field(default_factory=list)   # pending, by frontier
+    source_cid: int | None = None           # the source it adopts (protected until bound)
+    wait: P.CkptRef | None = None           # waiting reference on a blocked valuable source
+    observed: set[int] = field(default_factory=set)   # candidate positions already observed
 
 
 @dataclass
@@ -33,8 +45,8 @@ class Admission:
     """How a request (re)enters execution: its source and what happens to records."""
 
     source: CkptInfo | None
-    mode: str = "fork"
-    mover: str | None = None
+    mode: P.BindMode = P.BindMode.FORK
+    mover: Owner | None = None
     record: PrivateRecord | None = None
     takeover: bool = False
     cached: int = 0                   # real cross-request reuse (tokens)
@@ -67,6 +79,25 @@ class ResourceManager:
         self.stats = CacheStats()
         self.summary = DemandSummary(256)
         self.remembered: OrderedDict[tuple[int, bytes], None] = OrderedDict()   # deleted points
+        self.books: dict[str, CacheBook] = {}
+
+    # ==== the per-request table =========================================================
+    def book(self, req: Request) -> CacheBook:
+        b = self.books.get(req.rid)
+        if b is None:
+            b = self.books[req.rid] = CacheBook()
+        return b
+
+    def forget(self, req: Request) -> None:
+        self.books.pop(req.rid, None)
+
+    def adopting(self) -> set[int]:
+        """Sources being adopted right now (requests binding from them): never victims."""
+        return {b.source_cid for b in self.books.values() if b.source_cid is not None}
+
+    def e_owner(self, req: Request) -> RecordOwner | None:
+        rec = self.book(req).record
+        return rec.owner(Role.E) if rec is not None else None
 
     # ==== sources ======================================================================
     def candidates(self, tokens: list[int], limit: int) -> list[CkptInfo]:
@@ -109,11 +140,11 @@ class ResourceManager:
         recs = self.table.record_of(src.cid)
         rec, role = next(((r, role) for r, role in recs if self._may_take_over(r, req)), (None, None))
         adm = Admission(source=src, cached=src.frontier)
-        own_wait = f"w:{req.rid}"
+        own_wait = WaiterOwner(req.rid)
         if rec is not None:
             adm.record, adm.takeover = rec, True
-            if role == "E" and src.owners - {own_wait} == {rec.owner("E")}:
-                adm.mode, adm.mover = "move", rec.owner("E")
+            if role is Role.E and src.owners - {own_wait} == {rec.owner(Role.E)}:
+                adm.mode, adm.mover = P.BindMode.MOVE, rec.owner(Role.E)
         else:
             adm.record = self._branch(req)
         return adm
@@ -134,27 +165,32 @@ class ResourceManager:
         (own Snapshot is handled before this). Never counted as a cache hit."""
         target = req.replay_target or 0
         src = self.choose(req, target, target)
-        return Admission(source=src, record=req.record)
+        return Admission(source=src, record=self.book(req).record)
 
     # ==== waiting references ===========================================================
     def wait_on(self, req: Request, adm: Admission) -> list[P.Command]:
         """A queued request keeps its valuable source: a waiting reference protects it without
         allocating, without a lane, without heat or hit counts."""
-        src = adm.source
-        if src is None or (req.wait is not None and req.wait.cid == src.cid):
+        src, book = adm.source, self.book(req)
+        if src is None or (book.wait is not None and book.wait.cid == src.cid):
             return []
         cmds = self.end_wait(req)
-        owner = f"w:{req.rid}"
+        owner = WaiterOwner(req.rid)
         src.owners.add(owner)
-        req.wait = src.ref
+        book.wait = src.ref
         self.stats.waits += 1
         return cmds + [P.AddOwner(src.cid, src.ref.generation, owner)]
 
+    def waiting_on(self, req: Request) -> P.CkptRef | None:
+        b = self.books.get(req.rid)
+        return b.wait if b is not None else None
+
     def end_wait(self, req: Request) -> list[P.Command]:
-        ref, req.wait = req.wait, None
-        if ref is None:
+        book = self.books.get(req.rid)
+        if book is None or book.wait is None:
             return []
-        owner = f"w:{req.rid}"
+        ref, book.wait = book.wait, None
+        owner = WaiterOwner(req.rid)
         info = self.table.ckpts.get(ref.cid)
         if info is not None:
             info.owners.discard(owner)
@@ -168,14 +204,13 @@ class ResourceManager:
             pos.add(req.spec.recovery_frontier)
         return sorted(pos)
 
-    def save_plan(self, req: Request, start: int) -> list[SavePoint]:
+    def save_plan(self, req: Request, start: int, rec: PrivateRecord) -> list[SavePoint]:
         """Input restore point, anchors and markers inside (start, P] — never chunk ends.
         Same frontiers merge into one capture with several owners."""
-        rec: PrivateRecord = req.record
         P_len = len(req.prompt)
         points: dict[int, SavePoint] = {}
 
-        def add(f: int, owner: str, kind: str, entry: PublicEntry | None = None) -> None:
+        def add(f: int, owner: Owner, kind: str, entry: PublicEntry | None = None) -> None:
             if start < f <= P_len:
                 sp = points.setdefault(f, SavePoint(f, [], []))
                 sp.owners.append(owner)
@@ -185,10 +220,10 @@ class ResourceManager:
 
         r = req.spec.recovery_frontier
         if r is not None and not self._carried(rec.input_point, req.prompt, r):
-            add(r, rec.owner("in"), "in")
+            add(r, rec.owner(Role.INPUT), "in")
         for a in sorted(set(req.spec.anchors)):
             if not any(self._carried(c, req.prompt, a) for c in rec.anchors):    # updated in place
-                add(a, rec.owner("a"), "a")
+                add(a, rec.owner(Role.ANCHOR), "a")
         for m in sorted(set(req.spec.markers)):
             if start < m <= P_len and not self._has_entry(req.prompt, m):
                 ent = self.table.new_entry(-1, m, insert=False)     # enters the table when captured
@@ -203,39 +238,40 @@ class ResourceManager:
         return any(e.frontier == f and tuple(prompt[:f]) == self.table.ckpts[e.cid].tokens
                    for e in self.table.entries.values() if e.cid in self.table.ckpts)
 
-    def retire_for(self, req: Request, sp: SavePoint) -> list[P.Retire]:
+    def retire_for(self, req: Request, sp: SavePoint, rec: PrivateRecord | None = None) -> list[P.Retire]:
         """A needed later input point retires the record's old one before its destination is
         requested (seed: 旧点可在申请新目的之前退休；新保存失败不恢复旧点)."""
-        rec: PrivateRecord = req.record
-        if "in" not in sp.kinds or rec.input_point is None:
+        rec = rec or self.book(req).record
+        if "in" not in sp.kinds or rec is None or rec.input_point is None:
             return []
         info = self.table.ckpts.get(rec.input_point)
         if info is None:
             return []
-        return [P.Retire(info.cid, info.ref.generation, rec.owner("in"))]
+        return [P.Retire(info.cid, info.ref.generation, rec.owner(Role.INPUT))]
 
-    def anchor_overflow(self, req: Request) -> list[P.Retire]:
+    def anchor_overflow(self, req: Request, rec: PrivateRecord | None = None) -> list[P.Retire]:
         """Over four anchors: the oldest published is replaced (applied once the unit ran)."""
-        rec: PrivateRecord = req.record
+        rec = rec or self.book(req).record
         out = []
         for cid in rec.anchors[: max(0, len(rec.anchors) - MAX_ANCHORS + 1)]:
             info = self.table.ckpts.get(cid)
             if info is not None:
-                out.append(P.Retire(cid, info.ref.generation, rec.owner("a")))
+                out.append(P.Retire(cid, info.ref.generation, rec.owner(Role.ANCHOR)))
         return out
 
     def retired(self, req: Request, retire: list[P.Retire]) -> None:
         """The worker released these holds when the unit ran (whether or not its save found
         room): mirror it."""
-        rec: PrivateRecord = req.record
+        rec = self.book(req).record
         for r in retire:
-            if rec.input_point == r.cid and r.owner == rec.owner("in"):
+            if rec.input_point == r.cid and r.owner == rec.owner(Role.INPUT):
                 rec.input_point = None
-            if r.cid in rec.anchors and r.owner == rec.owner("a"):
+            if r.cid in rec.anchors and r.owner == rec.owner(Role.ANCHOR):
                 rec.anchors.remove(r.cid)
             self._drop_use(r.cid, r.owner)
 
-    def capture_terms(self, req: Request, sp: SavePoint) -> tuple[int, float | None, bool]:
+    def capture_terms(self, req: Request, sp: SavePoint, rec: PrivateRecord | None = None
+                      ) -> tuple[int, float | None, bool]:
         """(fixed new-coverage benefit, own repeat-demand time or None, owner is reuse) for the
         admission of a capture at ``sp``."""
         f = sp.frontier
@@ -245,19 +281,21 @@ class ResourceManager:
         own = obs.last if obs is not None and obs.repeated else None
         if own is not None:
             self.stats.summary_hits += 1
-        return benefit, own, req.record.level == Level.REUSE
+        rec = rec or self.book(req).record
+        return benefit, own, rec is not None and rec.level == Level.REUSE
 
     # ==== evidence =====================================================================
     def observe_prefill(self, req: Request, start: int, end: int) -> None:
         """A new prefill commit crossing a candidate position is a real computation demand
         (once per request per position). Two different requests computing the same position
         prove repeat demand even with nothing cached."""
-        crossed = [p for p in self.candidate_positions(req) if start < p <= end and p not in req.observed]
+        observed = self.book(req).observed
+        crossed = [p for p in self.candidate_positions(req) if start < p <= end and p not in observed]
         if not crossed:
             return
         now = time.monotonic()
         for f, d in prefix_digests(req.prompt, crossed).items():
-            req.observed.add(f)
+            observed.add(f)
             obs = self.summary.observe(d, f, req.rid, now)
             if obs.repeated:
                 self._promote(req.prompt[:f], f, now)
@@ -271,7 +309,7 @@ class ResourceManager:
             for rec, role in self.table.record_of(info.cid):
                 rec.level = Level.REUSE
                 rec.evidence.demand_time = now
-                if role == "in":
+                if role is Role.INPUT:
                     rec.evidence.proven_frontier = f
             for ent in self.table.entries_of(info.cid):
                 ent.level = Level.REUSE
@@ -298,17 +336,23 @@ class ResourceManager:
         self.summary.observe(digest(src.tokens), src.frontier, req.rid, now)
 
     # ==== bookkeeping ==================================================================
-    def on_bound(self, req: Request, adm: Admission) -> None:
+    def on_bound(self, req: Request, adm: Admission, save_points: list[SavePoint]) -> None:
         """A fresh admission succeeded: count the query, take over or branch, note demand."""
         self._count_query(req, adm.source)
         rec = adm.record
         self.table.records.setdefault(rec.id, rec)
         rec.active = req.rid
-        req.record = rec
+        book = self.book(req)
+        book.record, book.save_points = rec, save_points
         if adm.source is not None and adm.cached:
             self._note_adoption(req, adm.source, rec, adm.takeover)
-        if adm.mode == "move" and adm.source is not None:
+        if adm.mode is P.BindMode.MOVE and adm.source is not None:
             self._forget(adm.source.cid)         # consumed by the Move
+
+    def on_resumed(self, req: Request, adm: Admission | None) -> None:
+        """A Replay resume bound from a cache point (never a hit); a Snapshot resume moved its
+        own snapshot. Either way nothing is adopted from another request."""
+        self.book(req).source_cid = None
 
     def _count_query(self, req: Request, src: CkptInfo | None) -> None:
         s = self.stats
@@ -329,7 +373,7 @@ class ResourceManager:
     def on_captured(self, req: Request, sp: SavePoint, ref: P.CkptRef) -> list[P.Command]:
         """Attach a new checkpoint to its uses; returns AddOwner commands for extra owners."""
         self.stats.captures += 1
-        rec: PrivateRecord = req.record
+        rec = self.book(req).record
         tokens = tuple(req.ledger[: ref.frontier])
         cmds: list[P.Command] = []
         for i, (owner, kind) in enumerate(zip(sp.owners, sp.kinds)):
@@ -356,14 +400,14 @@ class ResourceManager:
     def on_finished(self, req: Request, e: P.CkptRef) -> list[P.Command]:
         """Normal finish: the frozen state is the record's new E (the old E, if it survived a
         Fork, is released by this record). Completion does not refresh evidence."""
-        rec: PrivateRecord = req.record
+        rec = self.book(req).record
         cmds: list[P.Command] = []
         if rec.e is not None:
             info = self.table.ckpts.get(rec.e)
             if info is not None:
-                cmds.append(P.ReleaseOwner(info.cid, info.ref.generation, rec.owner("E")))
-            self._drop_use(rec.e, rec.owner("E"))
-        self.table.add_ckpt(e, tuple(req.ledger[: e.frontier]), rec.owner("E"))
+                cmds.append(P.ReleaseOwner(info.cid, info.ref.generation, rec.owner(Role.E)))
+            self._drop_use(rec.e, rec.owner(Role.E))
+        self.table.add_ckpt(e, tuple(req.ledger[: e.frontier]), rec.owner(Role.E))
         rec.e = e.cid
         rec.active = None
         self.table.publish_session(rec, req.ticket)
@@ -372,13 +416,13 @@ class ResourceManager:
     def on_released(self, req: Request) -> list[P.Command]:
         """Cancel / error: the record this request continued is free again (a Move may have
         consumed its old E: other owners keep theirs); a waiting reference ends."""
-        rec: PrivateRecord | None = req.record
+        rec = self.book(req).record
         if rec is not None and rec.active == req.rid:
             rec.active = None
             self.table.prune(rec)
         return self.end_wait(req)
 
-    def _drop_use(self, cid: int, owner: str) -> None:
+    def _drop_use(self, cid: int, owner: Owner) -> None:
         info = self.table.ckpts.get(cid)
         if info is not None and self.table.drop_owner(cid, owner):
             self._remember(info)
@@ -402,8 +446,12 @@ class ResourceManager:
         for cid in cids:
             info = self.table.ckpts.get(cid)
             if info is not None:
-                revoked += [o[2:] for o in info.owners if o.startswith("w:")]
+                revoked += [o.rid for o in info.owners if isinstance(o, WaiterOwner)]
             self._forget(cid)
+        for rid in revoked:
+            book = self.books.get(rid)
+            if book is not None:
+                book.wait = None               # revoked: it reselects its source
         return revoked
 
     # ==== whole-cache operations =======================================================
@@ -411,8 +459,8 @@ class ResourceManager:
         """Release every optional cache use (for leak checks): records and entries."""
         cmds = []
         for info in list(self.table.ckpts.values()):
-            for owner in sorted(info.owners):
-                if owner.startswith(("r", "m")):
+            for owner in list(info.owners):
+                if isinstance(owner, (RecordOwner, EntryOwner)):
                     cmds.append(P.ReleaseOwner(info.cid, info.ref.generation, owner))
                     self.table.drop_owner(info.cid, owner)
         for rec in list(self.table.records.values()):

@@ -1,21 +1,39 @@
 """Scheduler: who runs when (seed: Scheduler 行 — 执行成员、fresh 扫描与有限越过、prefill/replay
-轮转、抢占和恢复门控).
+轮转、抢占和恢复门控). It owns these rules and nothing else does:
 
+    permit order   rows are permitted recovery holder first, then by original ticket
     fresh queue    FIFO by ticket. A scan checks the head and up to C followers; a blocked
                    request may be overtaken by at most C younger successes; failed checks do
                    not consume the quota; a request that failed under the same event is not
                    re-quoted; scans re-open on queue change, real capacity release, transfer
-                   completion or reference revocation — never on ordinary decode.
-    paused queue   by original ticket; the oldest tries a full resume on a capacity event.
-    residents      at most C lanes; rows are permitted recovery first, then by ticket; one
-                   prefill/replay chunk per cycle rotates among residents (recovery first).
+                   completion or reference revocation — never on ordinary decode. The lane and
+                   overtaking bounds travel to the worker as guards (``fresh_guards``).
+    paused queue   by original ticket; the oldest tries a full resume on a real capacity event
+                   that it did not cause itself; with an older resident present it may only use
+                   free and optional-cache space; with none it takes back the lane and capacity
+                   of the youngest preemptable resident
+    residents      at most C lanes; one prefill/replay chunk per cycle rotates among residents
+                   (recovery first)
+    victims        younger residents that are running (not materializing, not terminal, not
+                   the full-recovery-permit holder), youngest first
 """
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
-from ninfer.engine.request import Phase, Request
+from ninfer.policy.view import RequestView as Request
+from ninfer.protocol import Guard, Phase
+
+
+@dataclass
+class SchedState:
+    """What the Scheduler keeps per request (its own table)."""
+
+    overtaken: int = 0          # younger successes that overtook it while it was blocked
+    failed_epoch: int = -1      # the event under which its last admission check failed
+    wake: bool = False          # a paused request saw a capacity event not caused by itself
 
 
 class Scheduler:
@@ -26,8 +44,15 @@ class Scheduler:
         self.resident: dict[str, Request] = {}
         self.turn: deque[str] = deque()         # prefill/replay rotation
         self.recovery: Request | None = None    # the one full-recovery-permit holder
+        self.state: dict[str, SchedState] = {}
         self.epoch = 0                          # bumps on every event that re-opens a scan
         self.scan_open = True
+
+    def st(self, req: Request) -> SchedState:
+        s = self.state.get(req.rid)
+        if s is None:
+            s = self.state[req.rid] = SchedState()
+        return s
 
     # ---- events ---------------------------------------------------------------------------
     def event(self, causes: frozenset[str] | set[str] = frozenset()) -> None:
@@ -39,7 +64,7 @@ class Scheduler:
         self.scan_open = True
         for req in self.paused:
             if req.rid not in causes:
-                req.wake = True
+                self.st(req).wake = True
 
     # ---- membership -----------------------------------------------------------------------
     def enqueue(self, req: Request) -> None:
@@ -56,6 +81,15 @@ class Scheduler:
         if req.rid not in self.turn:
             self.turn.append(req.rid)
 
+    def begin_recovery(self, req: Request) -> None:
+        self.recovery = req
+
+    def end_recovery(self, req: Request) -> None:
+        """Its permit balance returns: a capacity event for everyone else."""
+        if self.recovery is req:
+            self.recovery = None
+        self.event(causes={req.rid})
+
     def pause(self, req: Request) -> None:
         self.resident.pop(req.rid, None)
         if req.rid in self.turn:
@@ -65,7 +99,7 @@ class Scheduler:
         self.paused.append(req)
         self.paused.sort(key=lambda r: r.ticket)
         self.event(causes={req.rid})           # its own release is not an event for itself
-        req.wake = False
+        self.st(req).wake = False
 
     def remove(self, req: Request) -> None:
         """Terminal (finished, cancelled, failed): leaves every queue."""
@@ -77,6 +111,7 @@ class Scheduler:
             self.turn.remove(req.rid)
         if self.recovery is req:
             self.recovery = None
+        self.state.pop(req.rid, None)
         self.event()          # a queue change or a real capacity release
 
     # ---- queries --------------------------------------------------------------------------
@@ -85,13 +120,13 @@ class Scheduler:
         return self.C - len(self.resident)
 
     def rows(self) -> list[Request]:
-        """Resident requests whose next unit is a Decode/Control row, in permit order."""
-        out = [r for r in self.resident.values() if r.phase is Phase.RUNNING and not r.in_prefill]
+        """Running residents whose next unit is a Decode/Control row, in permit order."""
+        out = [r for r in self.resident.values() if r.phase is Phase.RUNNING and r.live and not _in_prefill(r)]
         return sorted(out, key=lambda r: (r is not self.recovery, r.ticket))
 
     def chunk_order(self) -> list[Request]:
         """Residents needing a prefill/replay chunk: recovery first, then the rotation."""
-        need = {rid for rid, r in self.resident.items() if r.phase is Phase.RUNNING and r.in_prefill}
+        need = {rid for rid, r in self.resident.items() if r.phase is Phase.RUNNING and r.live and _in_prefill(r)}
         order = [self.resident[rid] for rid in self.turn if rid in need]
         if self.recovery is not None and self.recovery in order:
             order.remove(self.recovery)
@@ -105,17 +140,32 @@ class Scheduler:
             self.turn.append(req.rid)
 
     def fresh_candidates(self) -> list[tuple[Request, int]]:
-        """(request, overtaking budget) for this scan: the head and up to C followers, skipping
-        requests that already failed under the current event."""
+        """(request, remaining overtaking budget) for this scan: the head and up to C
+        followers, skipping requests that already failed under the current event."""
         if not self.scan_open or not self.fresh:
             return []
         out = []
         for req in self.fresh[: 1 + self.C]:
-            budget = max(0, self.C - req.overtaken)
-            if req.failed_epoch != self.epoch:
+            if not req.live:
+                continue
+            budget = max(0, self.C - self.st(req).overtaken)
+            if self.st(req).failed_epoch != self.epoch:
                 out.append((req, budget))
             if budget == 0:
                 break          # it may not be overtaken again: nobody younger is looked at
+        return out
+
+    @staticmethod
+    def fresh_guards(iids: list[int], budgets: list[int], lanes: int) -> list[list[Guard]]:
+        """The scan's bounds as guards on each fresh bind: at most ``lanes`` successes in all,
+        and a blocked candidate j is overtaken by at most its budget of younger successes."""
+        out = []
+        for k in range(len(iids)):
+            guards = [Guard((), tuple(iids[:k]), lanes)]
+            for j in range(k):
+                between = tuple(iids[j + 1:k])
+                guards.append(Guard((iids[j],), between, budgets[j]))
+            out.append(guards)
         return out
 
     def after_scan(self, tried: list[Request], admitted: set[str]) -> None:
@@ -124,20 +174,43 @@ class Scheduler:
         for i, req in enumerate(tried):
             if req.rid in admitted:
                 continue
-            req.failed_epoch = self.epoch
-            req.overtaken += sum(1 for later in tried[i + 1:] if later.rid in admitted)
+            st = self.st(req)
+            st.failed_epoch = self.epoch
+            st.overtaken += sum(1 for later in tried[i + 1:] if later.rid in admitted)
         self.scan_open = False
 
     def older_resident_than(self, req: Request) -> bool:
         return any(r.ticket < req.ticket for r in self.resident.values())
 
-    def oldest_paused(self) -> Request | None:
-        return self.paused[0] if self.paused else None
+    def resume_candidate(self) -> Request | None:
+        """The oldest paused request, when it saw a real capacity event not caused by itself
+        and nobody holds the full recovery permit."""
+        if not self.paused or self.recovery is not None:
+            return None
+        req = self.paused[0]
+        return req if self.st(req).wake and req.live else None
+
+    def may_take_back(self, req: Request) -> bool:
+        """The oldest paused request with no older resident takes back lanes and capacity from
+        younger residents; with an older resident present it only uses free and optional space
+        (it never pauses young borrowers just to probe)."""
+        return bool(self.paused) and self.paused[0] is req and not self.older_resident_than(req)
 
     def victims_for(self, req: Request) -> list[Request]:
-        """Residents that may be paused for ``req``'s necessary work: younger, not
-        materializing, not terminal, not the recovery holder — youngest first."""
+        """Residents that may be paused for ``req``'s necessary work: younger, running (not
+        materializing), not terminal, not the recovery holder — youngest first."""
         out = [r for r in self.resident.values()
-               if r.ticket > req.ticket and r.phase is Phase.RUNNING and r is not self.recovery
-               and r.finish_reason is None and not r.cancel_requested]
+               if r.ticket > req.ticket and r.phase is Phase.RUNNING and r is not self.recovery and r.live]
         return sorted(out, key=lambda r: -r.ticket)
+
+    def oldest_live(self) -> Request | None:
+        """The oldest request that is resident or paused (the necessary work that must push
+        through when nothing else can release capacity)."""
+        cands = [r for r in (*self.resident.values(), *self.paused) if r.live]
+        return min(cands, key=lambda r: r.ticket, default=None)
+
+
+def _in_prefill(req: Request) -> bool:
+    """Input remains to compute (initial prefill or Replay)."""
+    f = req.facts
+    return f is not None and f.frontier < f.ledger_len - 1

@@ -1,7 +1,8 @@
-"""Actor-level fault injection (hooks at the actor boundary, not monkeypatched internals):
-a killed worker, delayed / reordered / duplicated / dropped completion messages, a restarted
-controller, a client that disconnects mid-stream. Each asserts the exact outcome, and where
-the engine survives it ends with check_integrity()."""
+"""Actor-level fault injection over Ray, through the public surface (``EngineConfig(faults=...)``,
+``ray.kill``): a killed worker, delayed / reordered / duplicated / dropped completion messages,
+a worker that dies at a named point, a restarted controller, a client that disconnects
+mid-stream. Each asserts the exact outcome, and where the engine survives it ends with
+check_integrity()."""
 
 from __future__ import annotations
 
@@ -29,8 +30,9 @@ def _actor(deployment: str, which: str):
     return ray.get_actor(names(deployment)[which], namespace=NAMESPACE)
 
 
-def _start(model, deployment, **kw):
-    return ninfer.Engine.start(model, config=CFG, dtype="float64", transport="ray", deployment=deployment, **kw)
+def _start(model, deployment, faults=(), **kw):
+    return ninfer.Engine.start(model, config={**CFG, "faults": list(faults)}, dtype="float64", transport="ray",
+                               deployment=deployment, **kw)
 
 
 def test_worker_killed_mid_cycle(tiny_model, deployment):
@@ -55,14 +57,15 @@ def test_worker_killed_mid_cycle(tiny_model, deployment):
         eng.shutdown()
 
 
-@pytest.mark.parametrize("fault", [dict(delay=3), dict(reverse=True, duplicate=True), dict(drop=True)],
-                         ids=["delayed", "reordered-duplicated", "dropped"])
-def test_completion_message_faults(tiny_model, deployment, fault):
+@pytest.mark.parametrize("faults", [
+    [{"kind": "completion_delay", "steps": 3, "count": 0}],
+    [{"kind": "completion_reorder", "steps": 2, "count": 0}, {"kind": "completion_duplicate", "count": 0}],
+    [{"kind": "completion_drop", "count": 0}]], ids=["delayed", "reordered-duplicated", "dropped"])
+def test_completion_message_faults(tiny_model, deployment, faults):
     """Transfers whose completions come late, out of order, twice, or never are settled
     exactly once (owner/generation checks; a timeout for dropped ones) — outputs stay exact."""
-    eng = _start(tiny_model, deployment)
+    eng = _start(tiny_model, deployment, faults)
     try:
-        ray.get(_actor(deployment, "worker").set_fault_hook.remote(**fault))
         base = random_prompt(100, seed=20)
         prompts = [base + random_prompt(30, seed=21 + i) for i in range(4)] + [random_prompt(150, seed=30)]
         outs = []

@@ -19,3 +19,12 @@ def make_harness(tiny_model):
     yield build
     for h in made:
         h.close()
+
+
+@pytest.fixture
+def make(make_harness):
+    """``make(**config)``: a Harness with a 256-token context unless given."""
+    def build(**cfg) -> Harness:
+        cfg.setdefault("max_context", 256)
+        return make_harness(**cfg)
+    return build

@@ -5,21 +5,25 @@ from __future__ import annotations
 
 import functools
 
+import msgspec
+
 from ninfer import protocol as P
 from ninfer.actors.transport import InprocClient
 from ninfer.actors.worker import Worker
 from ninfer.config import EngineConfig
 from ninfer.engine.core import EngineCore
+from ninfer.faults import Fault
+from ninfer.frontend.validate import validate_spec
 from ninfer.protocol import RequestSpec
 from ninfer.reference import reference_generate
 from ninfer.sampling_params import SamplingParams
 
 
 class Harness:
-    def __init__(self, model_dir: str, hook=None, dtype: str = "float64", **cfg):
+    def __init__(self, model_dir: str, dtype: str = "float64", **cfg):
         self.model_dir = model_dir
         self.config = EngineConfig.from_dict({"dtype": dtype, **cfg})
-        self.worker = Worker(model_dir, self.config, hook=hook)
+        self.worker = Worker(model_dir, self.config)
         self.core = EngineCore(InprocClient(self.worker), self.config, self._sink)
         self.finals: dict[str, P.FinalEvent] = {}
         self.streams: dict[str, list[int]] = {}
@@ -30,14 +34,25 @@ class Harness:
             toks = self.streams.setdefault(ev.rid, [])
             assert ev.index == len(toks), "an event was repeated or skipped"
             toks.extend(ev.token_ids)
-        else:
-            self.finals[ev.rid] = ev
+        else:       # the public spelling of the finish reason ("stop", "length", ...)
+            self.finals[ev.rid] = msgspec.structs.replace(ev, finish_reason=str(ev.finish_reason))
 
     def submit(self, prompt: list[int], rid: str | None = None, **kw) -> str:
         params = {k: kw.pop(k) for k in list(kw) if k in SamplingParams.__struct_fields__}
         params.setdefault("ignore_eos", True)
         spec = RequestSpec(prompt=list(prompt), params=SamplingParams(**params), rid=rid or "", **kw)
+        validate_spec(spec, self.core.info)        # the frontend's check, as on the user's path
         return self.core.add(spec).rid
+
+    def req(self, rid: str):
+        """The controller's record of a live request (None once it finished)."""
+        return self.core.requests.get(rid)
+
+    def inject(self, *faults: dict) -> None:
+        """Faults from now on, as if configured (``EngineConfig(faults=...)``) at this moment."""
+        from ninfer.faults import FaultPlan
+        plan = FaultPlan([msgspec.convert(f, Fault) for f in faults])
+        self.worker.faults = self.worker.prog.transfers.faults = plan
 
     def cycle(self) -> bool:
         if self.core.cycle():
@@ -89,3 +104,8 @@ def _oracle(model_dir: str, prompt: tuple, dtype: str, params: SamplingParams) -
 def oracle(model_dir: str, prompt: list[int], dtype: str = "float64", **params) -> list[int]:
     params.setdefault("ignore_eos", True)
     return list(_oracle(model_dir, tuple(prompt), dtype, SamplingParams(**params)))
+
+
+def force_pause(h: Harness, rid: str) -> None:
+    """Pause a resident now as the preemption chain would (the core's test seam)."""
+    h.core.preempt(rid)

@@ -33,7 +33,7 @@ def facts(h: Harness) -> P.Facts:
 
 def points(h: Harness) -> dict[int, tuple[str, ...]]:
     """frontier -> owners of every cache checkpoint (what the cache holds)."""
-    return {c.frontier: c.owners for c in facts(h).checkpoints.values() if c.kind == "cache"}
+    return {c.frontier: c.owners for c in facts(h).checkpoints.values() if c.kind is P.CkptKind.CACHE}
 
 
 ROOMY = dict(max_concurrency=2, kv_capacity=16 * 64, prefill_chunk_tokens=64,
@@ -68,12 +68,13 @@ def test_private_point_equals_public_marker(make, tiny_model):
     p1 = shared + random_prompt(10, seed=6)
     run(h, p1, max_tokens=4, session_id="s1", recovery_frontier=50, markers=[50])
     owners = points(h)[50]
-    assert len([o for o in owners if o.startswith("r")]) == 1 and len([o for o in owners if o.startswith("m")]) == 1
+    assert (len([o for o in owners if isinstance(o, P.RecordOwner)]) == 1
+            and len([o for o in owners if isinstance(o, P.EntryOwner)]) == 1)
     n_ckpts = len(facts(h).checkpoints)
     # the private record takes a later input point: its old one retires, the marker stays
     p2 = p1 + random_prompt(30, seed=7)
     run(h, p2, max_tokens=4, session_id="s1", recovery_frontier=len(p2) - 1)
-    assert 50 in points(h) and all(o.startswith("m") for o in points(h)[50])
+    assert 50 in points(h) and all(isinstance(o, P.EntryOwner) for o in points(h)[50])
     # another session with a different suffix still gets the shared prefix
     p3 = shared + random_prompt(20, seed=8)
     f3 = run(h, p3, max_tokens=4, session_id="s2")
@@ -239,11 +240,11 @@ def test_waiting_reference_protects_a_blocked_source(make):
     waiter = h.submit(base + h.finals[next(iter(h.finals))].token_ids + [3, 4], max_tokens=2)
     for _ in range(5):
         h.cycle()
-    held = [c for c in facts(h).checkpoints.values() if any(o.startswith("w:") for o in c.owners)]
+    held = [c for c in facts(h).checkpoints.values() if any(isinstance(o, P.WaiterOwner) for o in c.owners)]
     assert held and held[0].frontier == 101
     h.run(until=lambda: h.done(runner, waiter))
     assert h.finals[waiter].usage["cached_tokens"] == 101
-    assert not any(o.startswith("w:") for c in facts(h).checkpoints.values() for o in c.owners)
+    assert not any(isinstance(o, P.WaiterOwner) for c in facts(h).checkpoints.values() for o in c.owners)
     assert h.core.rm.stats.waits >= 1
     h.check_clean()
 

@@ -12,16 +12,8 @@ from tests.engine.harness import Harness, oracle
 from tests.factories import random_prompt
 
 
-@pytest.fixture
-def make(make_harness):
-    def build(**cfg) -> Harness:
-        cfg.setdefault("max_context", 256)
-        return make_harness(**cfg)
-    return build
-
-
 def _req(h: Harness, rid: str):
-    return h.core.requests.get(rid)
+    return h.req(rid)
 
 
 def _admitted_at(h: Harness, rid: str) -> float:
@@ -57,7 +49,7 @@ def test_failed_checks_do_not_consume_the_quota(make):
     big = [h.submit(random_prompt(140, seed=3 + i), max_tokens=2) for i in range(3)]
     for _ in range(10):
         h.cycle()
-    assert _req(h, head).overtaken == 0 and all(_req(h, b).phase is Phase.QUEUED for b in big)
+    assert h.core.sched.st(_req(h, head)).overtaken == 0 and all(_req(h, b).phase is Phase.QUEUED for b in big)
     h.run(until=lambda: h.done(resident, head, *big))
     assert all(_admitted_at(h, head) < _admitted_at(h, b) for b in big)
     h.check_clean()
@@ -110,23 +102,35 @@ def test_long_request_paused_behind_an_older_resident(make, tiny_model):
     h.check_clean()
 
 
+def _settle_transactions(h: Harness) -> None:
+    """Progress the context transaction without running a cycle (nothing resumes meanwhile)."""
+    for _ in range(200):
+        if not h.core.tx_busy:
+            return
+        h.worker.wait(0.5)
+        h.core.call_commands([])
+    raise AssertionError("the transaction never settled")
+
+
 def _pause(h: Harness, rid: str, revoke: bool) -> None:
     """Pause a resident (the chain's decision) and optionally revoke its snapshot."""
     req = _req(h, rid)
-    h.core.pressure.pause(req)
-    if revoke:
+    h.core.preempt(rid)
+    _settle_transactions(h)
+    if revoke and req.snapshot is not None:
         [out] = h.core.call_commands([P.Quote()])
         snap = out.facts.checkpoints[req.snapshot.cid]
         actions = [P.Delete(snap.cid, snap.generation, snap.version)]
         [res] = h.core.call_commands([P.Commit(actions)])
         assert res.result.ok
-        h.core.pressure.applied(actions, res.result)
+        h.core.outcomes.committed(actions, res.result)
     h.core.sched.event()
 
 
 def test_snapshot_revocation_turns_into_replay(make, tiny_model):
+    """A pause snapshot (on the Host) revoked by reclaim: the request resumes by Replay."""
     h = make(max_concurrency=2, kv_capacity=6 * 64, prefill_chunk_tokens=32,
-             context_cache={"host_capacity_bytes": 0})
+             context_cache={"host_capacity_bytes": 8 << 20})
     p = random_prompt(90, seed=7)
     rid = h.submit(p, max_tokens=20, temperature=1.0, seed=4, presence_penalty=0.5, frequency_penalty=0.3)
     h.run(until=lambda: len(h.streams.get(rid, [])) >= 6)
@@ -224,10 +228,9 @@ def test_ingress_timeout_is_not_restarted_by_a_pause(make):
 @pytest.mark.parametrize("phase", ["queued", "prefill", "decode", "paused", "recovering", "materializing"])
 def test_cancel_in_every_phase(make, tiny_model, phase):
     """Cancel ends that request alone, counts only work really executed, and frees everything."""
-    from ninfer.native.transfer import FaultHook
-    hook = FaultHook(delay=5) if phase == "materializing" else None
+    faults = [{"kind": "completion_delay", "steps": 5, "count": 0}] if phase == "materializing" else []
     h = make(max_concurrency=1, kv_capacity=4 * 64, prefill_chunk_tokens=16,
-             context_cache={"host_capacity_bytes": 8 << 20}, hook=hook)
+             context_cache={"host_capacity_bytes": 8 << 20}, faults=faults)
     bystander_p = random_prompt(40, seed=14)
     p = random_prompt(100, seed=15)
     if phase == "queued":
@@ -245,10 +248,10 @@ def test_cancel_in_every_phase(make, tiny_model, phase):
             acts.append(P.DemoteBlocks(c.cid, c.generation, c.blocks,
                                        tuple(out.facts.blocks[b].version for b in c.blocks)))
         [res] = h.core.call_commands([P.Commit(acts)])
-        h.core.pressure.applied(acts, res.result)
+        h.core.outcomes.committed(acts, res.result)
         h.run(until=lambda: not h.core.tx_busy)
         rid = h.submit(p, max_tokens=5)
-        h.run(until=lambda: (r := _req(h, rid)) is not None and r.phase is Phase.BINDING)
+        h.run(until=lambda: (r := _req(h, rid)) is not None and r.phase is Phase.MATERIALIZING)
         other = None
     else:
         rid = h.submit(p, max_tokens=30)

@@ -1,21 +1,22 @@
-"""A minimal single-threaded driver of the Program for tests: it plays the controller's part
-(reserve, execute, settle, publish transfers) without any policy."""
+"""A minimal single-threaded driver of the Program for tests: it plays the worker's part
+(reserve, prepare saves, execute, settle, progress the transaction) without any policy."""
 
 from __future__ import annotations
 
 import torch
 
 from ninfer.config import EngineConfig
+from ninfer.faults import FaultPlan
 from ninfer.native.layout import resolve_layout
 from ninfer.native.program import Program, UnitKind, UnitRow
 from ninfer.reference import load_cached
 from ninfer.sampling_params import SamplingParams
 
 
-def make_program(model_dir: str, dtype: str = "float64", hook=None, **cfg) -> Program:
+def make_program(model_dir: str, dtype: str = "float64", faults=(), copy_engine: str = "thread", **cfg) -> Program:
     model, _ = load_cached(model_dir, dtype)
     ec = EngineConfig(dtype=dtype, **{"max_context": 1024, "max_concurrency": 4, **cfg})
-    return Program(model, resolve_layout(model.cfg, ec, torch.device("cpu")), hook=hook)
+    return Program(model, resolve_layout(model.cfg, ec, torch.device("cpu")), FaultPlan(list(faults)), copy_engine)
 
 
 def new_seq(prog: Program, prompt: list[int], max_tokens: int = 8, **params):
@@ -23,10 +24,20 @@ def new_seq(prog: Program, prompt: list[int], max_tokens: int = 8, **params):
     return prog.new_sequence(prompt, len(prompt), p, eos_ids=())
 
 
-def settle_transfers(prog: Program, timeout: float = 5.0) -> None:
-    while prog.tx is not None:
-        for tid, gen in prog.wait_transfers(timeout):
-            prog.publish(tid, gen)
+def settle_transfers(prog: Program, timeout: float = 5.0) -> list:
+    """Progress until no transaction is running; the settled reports, in order."""
+    out = []
+    for _ in range(1000):
+        out += prog.progress()
+        if prog.tx is None and not prog.transfers.pending:
+            return out
+        prog.wait_transfers(timeout)
+    raise AssertionError("the transaction never settled")
+
+
+def row(prog: Program, seq, n: int, kind: UnitKind, capture_owner=None) -> UnitRow:
+    dest = prog.prepare_capture(capture_owner) if capture_owner is not None else None
+    return UnitRow(seq, n, kind, dest)
 
 
 def step(prog: Program, seq, chunk: int = 1000, capture_owner=None, stop_at: int | None = None):
@@ -38,7 +49,7 @@ def step(prog: Program, seq, chunk: int = 1000, capture_owner=None, stop_at: int
     kind = UnitKind.PREFILL if n > 1 else UnitKind.DECODE
     short = prog.reserve_unit(seq, n)
     assert not short, short
-    [res] = prog.execute([UnitRow(seq, n, kind, capture_owner=capture_owner)])
+    [res] = prog.execute([row(prog, seq, n, kind, capture_owner)])
     prog.settle(seq)
     settle_transfers(prog)
     return res

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import pytest
 
+from ninfer.faults import Fault
 from ninfer.native.layout import MAIN, STATE
-from ninfer.native.program import BindMode, NativeError, UnitKind, UnitRow
-from ninfer.native.reclaim import Delete, DemoteBlocks, DemoteState
-from ninfer.native.transfer import FaultHook
+from ninfer.native.program import BindMode, UnitKind, UnitRow
+from ninfer.native.reclaim import commit, quote
+from ninfer.protocol import Delete, DemoteBlocks, DemoteState, Phase, Refusal, SnapshotOwner
 from ninfer.reference import reference_generate
 from tests.factories import random_prompt
-from tests.native.program_driver import make_program, new_seq, run_batch, run_to_end, settle_transfers, step
+from tests.native.program_driver import make_program, new_seq, row, run_batch, run_to_end, settle_transfers, step
 
 
 @pytest.fixture
@@ -37,7 +38,14 @@ def _capture_at(prog, prompt, owner="rec", where="auto"):
     s = new_seq(prog, prompt, 4)
     assert prog.bind(s, None).ok
     assert not prog.reserve_unit(s, len(prompt))
-    [res] = prog.execute([UnitRow(s, len(prompt), UnitKind.PREFILL, capture_owner=owner, capture_where=where)])
+    filler = None
+    if where == "host":                  # no free Device slot: the save goes to the Host
+        filler = prog.pools[STATE].available
+        prog.pools[STATE].reserve(filler)
+    r = row(prog, s, len(prompt), UnitKind.PREFILL, owner)
+    if filler:
+        prog.pools[STATE].unreserve(filler)
+    [res] = prog.execute([r])
     prog.settle(s)
     settle_transfers(prog)
     prog.release(s)
@@ -46,10 +54,10 @@ def _capture_at(prog, prompt, owner="rec", where="auto"):
 
 
 def _demote_all(prog, ck):
-    f = prog.quote()
+    f = quote(prog)
     cf = f.checkpoints[ck.cid]
-    res = prog.commit([DemoteState(ck.cid, ck.generation, cf.version),
-                       DemoteBlocks(ck.cid, ck.generation, cf.blocks, tuple(f.blocks[b].version for b in cf.blocks))])
+    res = commit(prog, [DemoteState(ck.cid, ck.generation, cf.version),
+                        DemoteBlocks(ck.cid, ck.generation, cf.blocks, tuple(f.blocks[b].version for b in cf.blocks))])
     assert res.ok, res.reason
     settle_transfers(prog)
     assert ck.image.slot is None and all(b.page is None for b in ck.blocks[MAIN])
@@ -128,7 +136,7 @@ def test_inner_input_point_copies_no_kv(prog, oracle):
     assert prog.bind(s, None).ok
     used_before = prog.pools[MAIN].used
     assert not prog.reserve_unit(s, 90)
-    [r] = prog.execute([UnitRow(s, 90, UnitKind.PREFILL, capture_owner="in")])
+    [r] = prog.execute([row(prog, s, 90, UnitKind.PREFILL, "in")])
     prog.settle(s)
     assert prog.pools[MAIN].used == used_before + 2           # just the sequence's own pages
     assert r.captured.blocks[MAIN] == s.blocks[MAIN]
@@ -167,22 +175,48 @@ def test_generation_end_serves_the_next_turn(prog, oracle):
     prog.release(s2)
 
 
-@pytest.mark.parametrize("demote", [False, True], ids=["snapshot-on-device", "snapshot-on-host"])
-def test_pause_by_snapshot_and_resume(prog, oracle, demote):
+def test_snapshot_pause_frees_the_device_and_reads_back(prog, oracle):
+    """A Snapshot pause demotes the sequence's unique content to the Host in one commit: its
+    slot and pages leave the Device once the copy publishes; the resume reads them back."""
     prompt = random_prompt(80, seed=14)
     s = new_seq(prog, prompt, 12, temperature=0.9, seed=5)
     assert prog.bind(s, None).ok
     step(prog, s, chunk=50)                   # mid-prefill
     step(prog, s, chunk=50)                   # prefill done, first token
     step(prog, s)                             # a decode
-    snap = prog.pause(s)
-    assert snap is not None and s.slot is None
-    if demote:
-        _demote_all(prog, snap)
-    assert prog.bind(s, snap, BindMode.MOVE, first_tokens=1, mover=f"seq:{s.sid}").ok
+    free = {k: prog.pools[k].free for k in (MAIN, STATE)}
+    r = prog.pause(s, to_host=True)
+    snap = r.snapshot
+    assert snap is not None and r.tid is not None and s.slot is None and s.phase is Phase.PAUSED
     settle_transfers(prog)
+    assert prog.pools[MAIN].free == free[MAIN] + 2 and prog.pools[STATE].free == free[STATE] + 1
+    assert snap.image.slot is None and all(b.page is None for b in snap.blocks[MAIN])
+    h2d = prog.bytes_h2d
+    assert prog.bind(s, snap, BindMode.MOVE, first_tokens=1, mover=SnapshotOwner(s.sid)).ok
+    settle_transfers(prog)
+    assert prog.bytes_h2d - h2d == prog.mem.image_bytes + 2 * prog.mem.page_bytes
     assert run_to_end(prog, s) == oracle(prompt, 12, temperature=0.9, seed=5)
     prog.release(s)
+
+
+def test_snapshot_pause_without_host_room_is_destructive(tiny_model, oracle):
+    prog = make_program(tiny_model, kv_capacity=2048, context_cache={"host_capacity_bytes": 0})
+    prompt = random_prompt(40, seed=14)
+    s = new_seq(prog, prompt, 6)
+    assert prog.bind(s, None).ok
+    step(prog, s)
+    step(prog, s)
+    free = prog.pools[MAIN].free
+    r = prog.pause(s, to_host=True)
+    assert r.snapshot is None and r.tid is None and r.freed[MAIN] == 1 and prog.pools[MAIN].free == free + 1
+    assert prog.bind(s, None, first_tokens=len(s.ledger) - 1).ok        # Replay from the root
+    while s.frontier < len(s.ledger) - 1:
+        step(prog, s, stop_at=len(s.ledger) - 1)
+    assert run_to_end(prog, s) == oracle(prompt, 6)
+    prog.release(s)
+    prog.check_integrity(idle=True)
+    assert prog.is_empty()
+    prog.shutdown()
 
 
 @pytest.mark.parametrize("from_point", [False, True], ids=["replay-from-root", "replay-from-input-point"])
@@ -195,7 +229,7 @@ def test_destructive_pause_then_replay(prog, oracle, from_point):
         step(prog, s, chunk=30)
     paused_at = s.frontier
     committed = list(s.outputs)
-    assert prog.pause(s, destructive=True) is None
+    assert prog.pause(s).snapshot is None
     assert prog.bind(s, ck, BindMode.FORK, first_tokens=10).ok
     while s.frontier < paused_at:             # Replay: recompute, never re-sample
         r = step(prog, s, chunk=25, stop_at=paused_at)
@@ -222,31 +256,32 @@ def test_multi_pool_reservation_is_atomic(prog):
 
 def test_stale_commit_is_refused_and_changes_nothing(prog):
     ck = _capture_at(prog, random_prompt(30, seed=4))
-    f = prog.quote()
+    f = quote(prog)
     prog.add_owner(ck, "other")                    # holders changed after the quote
-    res = prog.commit([Delete(ck.cid, ck.generation, f.checkpoints[ck.cid].version)])
+    res = commit(prog, [Delete(ck.cid, ck.generation, f.checkpoints[ck.cid].version)])
     assert not res.ok and "stale" in res.reason
     assert ck.cid in prog.checkpoints
     prog.release_owner(ck, "other")
-    f = prog.quote()
-    res = prog.commit([Delete(ck.cid, ck.generation, f.checkpoints[ck.cid].version)])
+    f = quote(prog)
+    res = commit(prog, [Delete(ck.cid, ck.generation, f.checkpoints[ck.cid].version)])
     assert res.ok and res.freed[STATE] == 1 and ck.cid not in prog.checkpoints
 
 
 def test_late_duplicate_and_reordered_completions_change_nothing(tiny_model, oracle):
-    hook = FaultHook(duplicate=True, reverse=True, delay=2)
-    prog = make_program(tiny_model, kv_capacity=2048, context_cache={"host_capacity_bytes": 32 << 20}, hook=hook)
+    faults = [Fault(kind="completion_duplicate", count=0), Fault(kind="completion_reorder", count=0, steps=2)]
+    prog = make_program(tiny_model, kv_capacity=2048, context_cache={"host_capacity_bytes": 32 << 20}, faults=faults)
     prompt = random_prompt(66, seed=21)
     ck = _capture_at(prog, prompt[:64], where="host")   # a Host capture is a transaction
     assert ck.image.slot is None and ck.image.host is not None and ck.image.leases == 0
-    f = prog.quote()
+    f = quote(prog)
     cf = f.checkpoints[ck.cid]
-    res = prog.commit([DemoteBlocks(ck.cid, ck.generation, cf.blocks, tuple(f.blocks[b].version for b in cf.blocks))])
+    res = commit(prog, [DemoteBlocks(ck.cid, ck.generation, cf.blocks, tuple(f.blocks[b].version for b in cf.blocks))])
     assert res.ok and res.tid is not None
     tx = prog.tx
-    settle_transfers(prog)                                    # duplicates arrive too: ignored
-    assert prog.publish(tx.tid, tx.generation) is False       # a late copy of the same completion
-    assert prog.publish(tx.tid, tx.generation + 1) is False   # a reused descriptor's generation
+    settled = settle_transfers(prog)                          # duplicates arrive too: ignored
+    assert [s.tid for s in settled] == [tx.tid]
+    assert prog.publish(tx.tid, tx.generation) is None        # a late copy of the same completion
+    assert prog.publish(tx.tid, tx.generation + 1) is None    # a reused descriptor's generation
     assert all(b.page is None for b in ck.blocks[MAIN])
     s = new_seq(prog, prompt, 6)
     assert prog.bind(s, ck, BindMode.FORK, first_tokens=2).ok
@@ -260,8 +295,8 @@ def test_late_duplicate_and_reordered_completions_change_nothing(tiny_model, ora
 
 
 def test_cancel_during_read_back_waits_for_the_reader(tiny_model):
-    hook = FaultHook(delay=3)
-    prog = make_program(tiny_model, kv_capacity=2048, context_cache={"host_capacity_bytes": 32 << 20}, hook=hook)
+    prog = make_program(tiny_model, kv_capacity=2048, context_cache={"host_capacity_bytes": 32 << 20},
+                        faults=[Fault(kind="completion_delay", count=0, steps=3)])
     prompt = random_prompt(64, seed=22)
     ck = _capture_at(prog, prompt)
     _demote_all(prog, ck)
@@ -281,8 +316,8 @@ def test_move_refused_when_others_hold_the_source(prog):
     ck = _capture_at(prog, random_prompt(20, seed=30))
     prog.add_owner(ck, "public")
     s = new_seq(prog, random_prompt(20, seed=30) + [5], 4)
-    with pytest.raises(NativeError, match="cannot be moved"):
-        prog.bind(s, ck, BindMode.MOVE, first_tokens=1, mover="rec")
+    out = prog.bind(s, ck, BindMode.MOVE, first_tokens=1, mover="rec")
+    assert not out.ok and out.refusal is Refusal.NOT_MOVABLE and "cannot be moved" in out.detail
     prog.release(s)
     prog.release_owner(ck, "public")
     prog.release_owner(ck, "rec")
@@ -292,30 +327,26 @@ def test_adoption_verifies_exact_tokens(prog):
     ck = _capture_at(prog, random_prompt(20, seed=31))
     other = random_prompt(25, seed=32)
     s = new_seq(prog, other, 4)
-    with pytest.raises(NativeError, match="not an exact prefix"):
-        prog.bind(s, ck, BindMode.FORK, first_tokens=5)
+    out = prog.bind(s, ck, BindMode.FORK, first_tokens=5)
+    assert not out.ok and out.refusal is Refusal.NOT_EXACT and "not an exact prefix" in out.detail
     prog.release(s)
     prog.release_owner(ck, "rec")
 
 
 def test_dropped_completion_is_recovered_after_timeout(tiny_model, oracle):
-    hook = FaultHook()
-    prog = make_program(tiny_model, kv_capacity=2048, context_cache={"host_capacity_bytes": 32 << 20}, hook=hook)
+    prog = make_program(tiny_model, kv_capacity=2048, context_cache={"host_capacity_bytes": 32 << 20},
+                        faults=[Fault(kind="completion_drop")])
     prompt = random_prompt(40, seed=23)
     ck = _capture_at(prog, prompt)
-    f = prog.quote()
+    f = quote(prog)
     cf = f.checkpoints[ck.cid]
-    tid_next = None
-    hook.drop_all = True                         # every completion from now on is lost
-    res = prog.commit([DemoteState(ck.cid, ck.generation, cf.version)])
+    res = commit(prog, [DemoteState(ck.cid, ck.generation, cf.version)])
     assert res.ok and res.tid is not None
-    tid_next = res.tid
-    assert prog.wait_transfers(0.5) == []        # nothing is delivered ...
-    overdue = prog.overdue()                     # ... but the copy did finish
-    assert overdue and overdue[0][0] == tid_next
-    assert prog.publish(*overdue[0])
+    prog.wait_transfers(0.5)
+    assert prog.progress() == [] and prog.tx is not None     # nothing is delivered ...
+    overdue = prog.overdue()                                 # ... but the copy did finish
+    assert [r.tid for r in overdue] == [res.tid] and overdue[0].ok
     assert ck.image.slot is None and ck.image.host is not None
-    hook.drop_all = False
     s = new_seq(prog, prompt + [7], 5)
     assert prog.bind(s, ck, BindMode.FORK, first_tokens=1).ok
     settle_transfers(prog)
@@ -335,15 +366,16 @@ def test_capture_falls_back_to_host_then_skips(tiny_model):
     s = new_seq(prog, prompt, 3)
     assert prog.bind(s, None).ok                 # the only slot is the writer's
     assert not prog.reserve_unit(s, 10)
-    [r] = prog.execute([UnitRow(s, 10, UnitKind.PREFILL, capture_owner="a")])
+    [r] = prog.execute([row(prog, s, 10, UnitKind.PREFILL, "a")])
     prog.settle(s)
     settle_transfers(prog)
     assert r.captured is not None and r.captured.image.slot is None and r.captured.image.host is not None
     filler = prog.host.allocate(prog.host.largest_free(), kind="test")   # Host now full
     assert not prog.reserve_unit(s, 10)
-    [r2] = prog.execute([UnitRow(s, 10, UnitKind.PREFILL, capture_owner="b")])
+    assert prog.prepare_capture("b") is None
+    [r2] = prog.execute([UnitRow(s, 10, UnitKind.PREFILL)])
     prog.settle(s)
-    assert r2.captured is None and r2.capture_skipped
+    assert r2.captured is None
     prog.host.release(filler)
     prog.release(s)
     prog.release_owner(r.captured, "a")
@@ -369,6 +401,115 @@ def test_bind_uses_what_permitted_retirements_free(tiny_model, oracle):
     assert run_to_end(prog, s) == oracle(p, 4)
     for q in (s, blocker):
         prog.release(q)
+    prog.check_integrity(idle=True)
+    assert prog.is_empty()
+    prog.shutdown()
+
+
+# ---- failure is one path: a failed copy aborts its transaction and names what it cost ------
+
+def _fail_next_copy(prog):
+    from ninfer.faults import FaultPlan
+    prog.transfers.faults = FaultPlan([Fault(kind="copy_error")])
+
+
+def test_failed_read_back_releases_its_sequence_and_keeps_the_source(prog, oracle):
+    prompt = random_prompt(70, seed=40)
+    ck = _capture_at(prog, prompt[:64])
+    _demote_all(prog, ck)
+    _fail_next_copy(prog)
+    s = new_seq(prog, prompt, 4)
+    out = prog.bind(s, ck, BindMode.FORK, first_tokens=6)
+    assert out.ok and out.tid is not None and s.phase is Phase.MATERIALIZING
+    [r] = settle_transfers(prog)
+    assert not r.ok and "injected copy error" in r.error and r.failed_sids == [s.sid] and r.lost_cids == []
+    assert s.sid not in prog.sequences and ck.cid in prog.checkpoints      # a Fork's source survives
+    s2 = new_seq(prog, prompt, 4)
+    assert prog.bind(s2, ck, BindMode.FORK, first_tokens=6).ok
+    settle_transfers(prog)
+    assert run_to_end(prog, s2) == oracle(prompt, 4)
+    prog.release(s2)
+    prog.release_owner(ck, "rec")
+
+
+def test_failed_host_capture_is_deleted(prog):
+    _fail_next_copy(prog)
+    prompt = random_prompt(30, seed=41)
+    s = new_seq(prog, prompt, 4)
+    assert prog.bind(s, None).ok
+    assert not prog.reserve_unit(s, 30)
+    held = prog.pools[STATE].available
+    prog.pools[STATE].reserve(held)
+    r = row(prog, s, 30, UnitKind.PREFILL, "cap")
+    prog.pools[STATE].unreserve(held)
+    [res] = prog.execute([r])
+    prog.settle(s)
+    assert res.capture_tid is not None
+    [t] = settle_transfers(prog)
+    assert not t.ok and t.lost_cids == [res.captured.cid] and res.captured.cid not in prog.checkpoints
+    prog.release(s)
+
+
+def test_failed_demotion_keeps_the_device_replica(prog):
+    ck = _capture_at(prog, random_prompt(64, seed=42))
+    _fail_next_copy(prog)
+    f = quote(prog)
+    res = commit(prog, [DemoteState(ck.cid, ck.generation, f.checkpoints[ck.cid].version)])
+    assert res.ok and res.tid is not None
+    [t] = settle_transfers(prog)
+    assert not t.ok and t.failed_sids == [] and t.lost_cids == []
+    assert ck.image.slot is not None and ck.image.host is None and ck.image.leases == 0
+    prog.release_owner(ck, "rec")
+
+
+def test_failed_pause_snapshot_is_revoked_and_replays(prog, oracle):
+    prompt = random_prompt(50, seed=43)
+    s = new_seq(prog, prompt, 6)
+    assert prog.bind(s, None).ok
+    step(prog, s)
+    step(prog, s)
+    _fail_next_copy(prog)
+    r = prog.pause(s, to_host=True)
+    assert r.snapshot is not None and r.tid is not None
+    [t] = settle_transfers(prog)
+    assert not t.ok and t.lost_cids == [r.snapshot.cid] and s.snapshot is None and s.phase is Phase.PAUSED
+    assert r.snapshot.cid not in prog.checkpoints
+    assert prog.bind(s, None, first_tokens=len(s.ledger) - 1).ok           # Replay from the root
+    while s.frontier < len(s.ledger) - 1:
+        step(prog, s, stop_at=len(s.ledger) - 1)
+    assert run_to_end(prog, s) == oracle(prompt, 6)
+    prog.release(s)
+
+
+def test_a_host_save_is_not_lost_to_a_read_back_in_flight(tiny_model, oracle):
+    """One context transaction at a time, but a save that needs the Host while a read-back's
+    completion is still on its way is not skipped: it joins the transaction while its copies
+    run, or the finished one is settled first and the save starts the next."""
+    prog = make_program(tiny_model, kv_capacity=2048, context_cache={"host_capacity_bytes": 32 << 20},
+                        faults=[Fault(kind="completion_delay", count=0, steps=4)])
+    prompt = random_prompt(70, seed=44)
+    ck = _capture_at(prog, prompt[:64])
+    _demote_all(prog, ck)
+    s = new_seq(prog, prompt, 4)
+    out = prog.bind(s, ck, BindMode.FORK, first_tokens=6)
+    assert out.tid is not None
+    other = new_seq(prog, random_prompt(30, seed=45), 3)
+    assert prog.bind(other, None).ok and not prog.reserve_unit(other, 30)
+    held = prog.pools[STATE].available
+    prog.pools[STATE].reserve(held)
+    r = row(prog, other, 30, UnitKind.PREFILL, "cap")
+    prog.pools[STATE].unreserve(held)
+    [res] = prog.execute([r])
+    prog.settle(other)
+    assert res.captured is not None and res.capture_tid is not None     # saved, not skipped
+    settled = settle_transfers(prog)
+    assert all(t.ok for t in settled) and {out.tid, res.capture_tid} == {t.tid for t in settled}
+    assert s.phase is Phase.RUNNING and res.captured.image.leases == 0
+    assert run_to_end(prog, s) == oracle(prompt, 4)
+    for q in (s, other):
+        prog.release(q)
+    prog.release_owner(ck, "rec")
+    prog.release_owner(res.captured, "cap")
     prog.check_integrity(idle=True)
     assert prog.is_empty()
     prog.shutdown()

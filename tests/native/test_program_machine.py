@@ -1,7 +1,8 @@
 """A Hypothesis state machine over the Program: random binds (root / Fork / Move, Device or Host
-sources), units of random sizes, captures, pauses (Snapshot and destructive), resumes, freezes,
-demotions, deletions, owner releases and transfer settlement — with ``check_integrity()`` after
-every step, the oracle's tokens for every finished sequence, and nothing held at the end."""
+sources), units of random sizes, captures, pauses (Snapshot to the Host, destructive), resumes,
+freezes, demotions, deletions, owner releases, failed copies and transfer settlement — with
+``check_integrity()`` after every step, the oracle's tokens for every finished sequence, and
+nothing held at the end."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from ninfer.native.objects import SeqState
-from ninfer.native.program import BindMode, UnitKind, UnitRow
-from ninfer.native.reclaim import Delete, DemoteBlocks, DemoteState
+from ninfer.faults import Fault, FaultPlan
+from ninfer.native.program import BindMode, UnitKind
+from ninfer.native.reclaim import commit, quote
+from ninfer.protocol import Delete, DemoteBlocks, DemoteState, Phase, SnapshotOwner
 from ninfer.reference import reference_generate
 from tests.factories import random_prompt
-from tests.native.program_driver import make_program, new_seq
+from tests.native.program_driver import make_program, new_seq, row
 
 BASES = [random_prompt(n, seed=900 + n) for n in (30, 64, 100)]
 
@@ -26,18 +28,20 @@ class ProgramMachine(RuleBasedStateMachine):
     @initialize(slots=st.integers(0, 3), pages=st.sampled_from([8, 16, 24]),
                 host=st.sampled_from([0, 2 << 20, 16 << 20]))
     def setup(self, slots, pages, host):
+        # inline copies: Hypothesis needs the same rules to apply when it replays a case
         self.prog = make_program(self.model_dir, max_concurrency=3, max_context=512, kv_capacity=pages * 64,
-                                 context_cache={"device_state_slots": slots, "host_capacity_bytes": host})
+                                 context_cache={"device_state_slots": slots, "host_capacity_bytes": host},
+                                 copy_engine="inline")
         self.seqs = []
         self.owned: list[tuple[object, str]] = []     # (checkpoint, owner) holds this test keeps
         self.n = 0
 
     # -- helpers -------------------------------------------------------------------------
     def _bound(self):
-        return [s for s in self.seqs if s.state is SeqState.BOUND and not s.finished]
+        return [s for s in self.seqs if s.phase is Phase.RUNNING and not s.finished]
 
     def _unbound(self):
-        return [s for s in self.seqs if s.slot is None and s.state in (SeqState.MATERIALIZING, SeqState.PAUSED)]
+        return [s for s in self.seqs if s.slot is None and s.phase in (Phase.MATERIALIZING, Phase.PAUSED) and s.sid in self.prog.sequences]
 
     def _live_owned(self):
         return [(c, o) for c, o in self.owned if c.cid in self.prog.checkpoints and o in c.owners]
@@ -57,20 +61,18 @@ class ProgramMachine(RuleBasedStateMachine):
         sources = [(c, o) for c, o in self._live_owned()
                    if c.frontier <= len(seq.ledger) and tuple(seq.ledger[:c.frontier]) == c.tokens]
         if seq.snapshot is not None and seq.snapshot.cid in self.prog.checkpoints:
-            sources.append((seq.snapshot, f"seq:{seq.sid}"))
+            sources.append((seq.snapshot, SnapshotOwner(seq.sid)))
         src, owner = data.draw(st.sampled_from([(None, None), *sources]))
         mode = BindMode.MOVE if (move and src is not None and set(src.owners) == {owner}) else BindMode.FORK
         first = min(len(seq.ledger) - (src.frontier if src else 0), 16)
-        out = self.prog.bind(seq, src, mode, first_tokens=first, mover=owner)
-        if out.ok and mode is BindMode.MOVE and src is seq.snapshot:
-            seq.snapshot = None
+        self.prog.bind(seq, src, mode, first_tokens=first, mover=owner)
 
     @precondition(lambda self: self._bound())
     @rule(data=st.data(), chunk=st.integers(1, 40), capture=st.booleans(), units=st.integers(1, 8))
     def step(self, data, chunk, capture, units):
         seq = data.draw(st.sampled_from(self._bound()))
         for i in range(units):
-            if seq.finished or seq.state is not SeqState.BOUND:
+            if seq.finished or seq.phase is not Phase.RUNNING:
                 return
             self._unit(seq, chunk, capture and i == 0)
 
@@ -81,8 +83,7 @@ class ProgramMachine(RuleBasedStateMachine):
             return                                   # short: a policy would reclaim or pause
         owner = f"cap{self.n}" if capture else None
         self.n += 1
-        [r] = self.prog.execute([UnitRow(seq, n, UnitKind.PREFILL if n > 1 else UnitKind.DECODE,
-                                         capture_owner=owner)])
+        [r] = self.prog.execute([row(self.prog, seq, n, UnitKind.PREFILL if n > 1 else UnitKind.DECODE, owner)])
         self.prog.settle(seq)
         if r.captured is not None:
             self.owned.append((r.captured, owner))
@@ -96,15 +97,15 @@ class ProgramMachine(RuleBasedStateMachine):
         assert seq.outputs == ref
 
     @precondition(lambda self: self._bound())
-    @rule(data=st.data(), destructive=st.booleans())
-    def pause(self, data, destructive):
+    @rule(data=st.data(), to_host=st.booleans())
+    def pause(self, data, to_host):
         seq = data.draw(st.sampled_from(self._bound()))
-        self.prog.pause(seq, destructive=destructive)
+        self.prog.pause(seq, to_host=to_host)
 
-    @precondition(lambda self: any(s.finished and s.state is SeqState.BOUND for s in self.seqs))
+    @precondition(lambda self: any(s.finished and s.phase is Phase.RUNNING for s in self.seqs))
     @rule(data=st.data())
     def freeze(self, data):
-        seq = data.draw(st.sampled_from([s for s in self.seqs if s.finished and s.state is SeqState.BOUND]))
+        seq = data.draw(st.sampled_from([s for s in self.seqs if s.finished and s.phase is Phase.RUNNING]))
         owner = f"E{seq.sid}"
         self.owned.append((self.prog.freeze(seq, owner), owner))
         self.seqs.remove(seq)
@@ -114,7 +115,7 @@ class ProgramMachine(RuleBasedStateMachine):
     def cancel(self, data):
         seq = data.draw(st.sampled_from(self.seqs))
         self.prog.release(seq)
-        if seq.state is SeqState.RELEASED:
+        if seq.phase is Phase.FINISHED:
             self.seqs.remove(seq)
 
     @precondition(lambda self: self._live_owned())
@@ -124,7 +125,7 @@ class ProgramMachine(RuleBasedStateMachine):
         if what == "drop":
             self.prog.release_owner(ck, owner)
             return
-        f = self.prog.quote()
+        f = quote(self.prog)
         cf = f.checkpoints[ck.cid]
         if what == "delete":
             action = Delete(ck.cid, ck.generation, cf.version)
@@ -137,12 +138,17 @@ class ProgramMachine(RuleBasedStateMachine):
             if not bids:
                 return
             action = DemoteBlocks(ck.cid, ck.generation, bids, tuple(f.blocks[b].version for b in bids))
-        self.prog.commit([action])          # may be refused (busy, no Host room): nothing changes
+        commit(self.prog, [action])          # may be refused (stale, no Host room): nothing changes
+
+    @rule()
+    def fail_next_copy(self):
+        self.prog.transfers.faults = FaultPlan([Fault(kind="copy_error")])
 
     @rule()
     def settle(self):
-        for tid, gen in self.prog.wait_transfers(2.0):
-            self.prog.publish(tid, gen)
+        self.prog.wait_transfers(2.0)
+        for r in self.prog.progress():
+            self.seqs = [s for s in self.seqs if s.sid not in r.failed_sids]
 
     @invariant()
     def books_balance(self):
@@ -154,8 +160,8 @@ class ProgramMachine(RuleBasedStateMachine):
             return
         prog = self.prog
         while prog.tx is not None:
-            for tid, gen in prog.wait_transfers(2.0):
-                prog.publish(tid, gen)
+            prog.wait_transfers(2.0)
+            prog.progress()
         for s in list(self.seqs):
             prog.release(s)
         for c, o in self._live_owned():

@@ -39,9 +39,10 @@ class Quote:
                                            self._host(PAGE) if host_blocks else None)
             bids.append(bid)
         image_at = self._host(IMG) if host_image else None
-        self.cks[cid] = P.CheckpointFact(cid, 1, 1, "snapshot" if ticket_owner else "cache", frontier, (owner,),
+        kind = P.CkptKind.SNAPSHOT if ticket_owner else P.CkptKind.CACHE
+        self.cks[cid] = P.CheckpointFact(cid, 1, 1, kind, frontier, (owner,),
                                          device, host_image, False, tuple(bids), image_at)
-        ref = P.CkptRef(cid, 1, frontier, "cache", device, host_image)
+        ref = P.CkptRef(cid, 1, frontier, P.CkptKind.CACHE, device, host_image)
         self.table.add_ckpt(ref, tuple(tokens or range(cid * 1000, cid * 1000 + frontier)), owner)
         if not ticket_owner:
             rec.e = cid
@@ -82,7 +83,7 @@ def test_shared_pages_go_only_with_all_their_holders():
     a, b = q.ckpt(1, 64), q.ckpt(2, 64)
     shared = q.cks[a].blocks[0]
     q.blocks[shared] = P.BlockFact(shared, 1, "main", (a, b), False, True, False, 64, None)
-    q.cks[b] = P.CheckpointFact(b, 1, 1, "cache", 64, q.cks[b].owners, True, False, False, (shared,), None)
+    q.cks[b] = P.CheckpointFact(b, 1, 1, P.CkptKind.CACHE, 64, q.cks[b].owners, True, False, False, (shared,), None)
     acts, covered = q.planner().plan({P.MAIN: 1})
     assert covered and sorted(x.cid for x in acts if isinstance(x, P.Delete)) == [1, 2]
 
@@ -121,22 +122,23 @@ def test_row3_host_write_back_by_its_own_eligibility():
 
 
 def test_row4_pause_snapshot_evicts_optional_cache_then_later_tickets_only():
-    tickets = {"seq:7": 5, "seq:8": 9, "seq:9": 2}
+    s7, s8, s9 = P.SnapshotOwner(7), P.SnapshotOwner(8), P.SnapshotOwner(9)
+    tickets = {s7: 5, s8: 9, s9: 2}
     revoke_all = lambda owner: True                                   # noqa: E731
     q = Quote(host=IMG)
-    q.ckpt(1, 200, ticket_owner="seq:7")                              # the snapshot to demote
-    q.ckpt(2, 30, device=False, host_image=True, ticket_owner="seq:9")  # an older ticket's snapshot
+    q.ckpt(1, 200, ticket_owner=s7)                              # the snapshot to demote
+    q.ckpt(2, 30, device=False, host_image=True, ticket_owner=s9)  # an older ticket's snapshot
     acts, _ = q.planner(revoke_all, tickets).plan({P.STATE: 1})
     assert P.Delete(2, 1, 1) not in acts                               # an older ticket is never evicted
     q = Quote(host=IMG)
-    q.ckpt(1, 200, ticket_owner="seq:7")
-    q.ckpt(2, 30, device=False, host_image=True, ticket_owner="seq:8")  # a later ticket's snapshot
+    q.ckpt(1, 200, ticket_owner=s7)
+    q.ckpt(2, 30, device=False, host_image=True, ticket_owner=s8)  # a later ticket's snapshot
     pl = q.planner(revoke_all, tickets)
     may, budget = pl.host_admission(pl.cands[1])
     assert may(pl.cands[2]) and budget is None
     q = Quote(host=IMG)
-    q.ckpt(1, 200, ticket_owner="seq:7")
-    q.ckpt(2, 30, device=False, host_image=True, ticket_owner="seq:9")
+    q.ckpt(1, 200, ticket_owner=s7)
+    q.ckpt(2, 30, device=False, host_image=True, ticket_owner=s9)
     pl = q.planner(revoke_all, tickets)
     may, _ = pl.host_admission(pl.cands[1])
     assert not may(pl.cands[2])

@@ -1,0 +1,315 @@
+"""What a StepReply means for the controller's books, in the order the worker did it:
+
+    settled at point 1 -> commands -> intents (remedies committed, binds, pauses) ->
+    settled at points 2 and 3 -> units (tokens, captures, accounting, recovery end)
+
+The transaction state machine lives here: every part of the context transaction the controller
+learns of (a bind's read-back, a capture, a demotion, a pause snapshot) is booked under its
+transaction id; when the worker reports the transaction settled, each part's consequence is
+applied — a bound request may run, a snapshot is on the Host, capacity returned (a scheduling
+event) — or, when a copy failed, exactly the affected requests fail and lost checkpoints are
+forgotten. Nothing else is touched.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from ninfer import protocol as P
+from ninfer.engine.planning import Item, Plan
+from ninfer.engine.request import Request
+from ninfer.engine.units import account
+from ninfer.errors import CapacityContractError
+from ninfer.protocol import CaptureResult, Outcome, Phase, Refusal, UnitKind
+
+if TYPE_CHECKING:
+    from ninfer.engine.core import EngineCore
+
+log = logging.getLogger("ninfer.engine")
+
+
+class CopyFailed(RuntimeError):
+    """A copy of this request's content failed (its read-back could not be completed)."""
+
+
+class DeviceError(RuntimeError):
+    """The forward call that computed this request's unit failed."""
+
+
+class Outcomes:
+    def __init__(self, core: "EngineCore"):
+        self.core = core
+
+    def apply(self, reply: P.StepReply, plan: Plan, cmds: list[tuple[P.Command, object]]) -> bool:
+        """Interpret one reply; True if anything ran, was admitted, paused or settled."""
+        progressed = False
+        for s in reply.settled:
+            if s.point <= 1:
+                progressed = self.settled(s) or progressed
+        for (cmd, then), out in zip(cmds, reply.commands):
+            if then is not None:
+                then(out)
+            progressed = True
+        by_iid = plan.by_iid()
+        admitted: set[str] = set()
+        units: dict[int, Item] = {}
+        for out in reply.intents:
+            item = by_iid[out.iid]
+            progressed = self._intent(item, out, admitted) or progressed
+            if item.req.sid is not None:
+                units[item.req.sid] = item
+        if plan.scanned:
+            self.core.sched.after_scan(plan.scanned, admitted)
+        for s in reply.settled:
+            if s.point > 1:
+                progressed = self.settled(s) or progressed
+        host_room = reply.host_largest >= self.core.info.image_bytes
+        for u in reply.units:
+            progressed = self._unit(u, units.get(u.sid), host_room) or progressed
+        return progressed
+
+    # ---- the transaction state machine ------------------------------------------------
+    def book(self, tid: int | None, kind: str, req: Request | None) -> None:
+        if tid is not None:
+            self.core.txs.setdefault(tid, []).append((kind, req))
+
+    def settled(self, s: P.Settled) -> bool:
+        core = self.core
+        parts = core.txs.pop(s.tid, [])
+        causes: set[str] = set()
+        for kind, req in parts:
+            if req is None:
+                continue
+            if kind == "bind" and s.ok and req.phase is Phase.MATERIALIZING:
+                req.phase = Phase.RUNNING
+                core.rm.book(req).source_cid = None
+            elif kind == "pause":
+                causes.add(req.rid)            # its own release is not a resume event for it
+                snap = req.snapshot
+                if s.ok and snap is not None:
+                    req.snapshot = P.CkptRef(snap.cid, snap.generation, snap.frontier, snap.kind, False, True)
+        if not s.ok:
+            core.stats.copy_failures += 1
+            log.warning("transaction %d aborted: %s", s.tid, s.error)
+            for sid in s.failed_sids:
+                req = core.by_sid.get(sid)
+                if req is not None:
+                    req.sid = None             # the worker released the sequence
+                    core.by_sid.pop(sid, None)
+                    core.fail(req, CopyFailed(f"a copy of this request's content failed ({s.error})"), "copy_failed")
+            self._lost(s.lost_cids)
+        core.sched.event(causes)               # a transfer completion: capacity may have returned
+        return True
+
+    def _lost(self, cids: list[int]) -> None:
+        core = self.core
+        snaps = {r.snapshot.cid: r for r in core.sched.paused if r.snapshot is not None}
+        for cid in cids:
+            req = snaps.get(cid)
+            if req is not None:
+                req.snapshot = None            # its snapshot could not be written: Replay
+        core.rm.on_deleted([c for c in cids if c not in snaps])
+
+    # ---- remedies ---------------------------------------------------------------------
+    def committed(self, actions: list[P.Action], result: P.CommitResult) -> None:
+        """Mirror a committed reclaim: deletions revoke snapshots or waiters and forget
+        records; demotions move the mirror's image off the Device."""
+        core = self.core
+        if not result.ok:
+            return
+        snapshots = {r.snapshot.cid: r for r in core.sched.paused if r.snapshot is not None}
+        deleted = [a.cid for a in actions if isinstance(a, P.Delete)]
+        causes = {snapshots[c].rid for c in deleted if c in snapshots}
+        for cid in deleted:
+            req = snapshots.get(cid)
+            if req is not None:
+                req.snapshot = None            # revoked: this request resumes by Replay
+                core.stats.revocations += 1
+        core.rm.on_deleted([c for c in deleted if c not in snapshots])
+        for a in actions:
+            if isinstance(a, P.DemoteState):
+                info = core.rm.table.ckpts.get(a.cid)
+                if info is not None:
+                    r = info.ref
+                    info.ref = P.CkptRef(r.cid, r.generation, r.frontier, r.kind, False, True)
+        self.book(result.tid, "demote", None)
+        core.sched.event(causes)               # real capacity release / revocation
+
+    def paused(self, req: Request, out: P.CommandOut | P.PauseOut, victims: list[P.Delete] = ()) -> None:
+        """A pause at a stable commit boundary: Snapshot (its unique content going to the
+        Host, after deleting ``victims`` for its destination) or destructive (Replay: nothing
+        was deleted for it)."""
+        core = self.core
+        if not isinstance(out, P.PauseOut):
+            log.warning("pause of %s refused: %s", req.rid, getattr(out, "message", out))
+            return
+        if out.snapshot is not None and victims:
+            self.committed(list(victims), P.CommitResult(ok=True))
+        req.snapshot = out.snapshot
+        req.replay_target = req.frontier
+        req.phase = Phase.PAUSED
+        req.pauses.append({"route": "snapshot" if out.snapshot else "replay",
+                           "frontier": req.frontier, "paused_at": time.monotonic()})
+        core.sched.pause(req)
+        core.stats.preemptions += 1
+        self.book(out.tid, "pause", req)
+
+    def _applied(self, item: Item, out: P.IntentOut) -> None:
+        core = self.core
+        for a in out.applied:
+            remedy = item.intent.remedies[a.index]
+            if a.commit is not None:
+                self.committed(remedy.actions, a.commit)
+            if a.paused is not None:
+                victim = core.by_sid.get(a.paused.sid)
+                if victim is not None:
+                    self.paused(victim, a.paused, remedy.host_victims)
+        if out.paused is not None:
+            self.paused(item.req, out.paused, item.intent.on_short.host_victims)
+
+    # ---- intents ------------------------------------------------------------------------
+    def _intent(self, item: Item, out: P.IntentOut, admitted: set[str]) -> bool:
+        self._applied(item, out)
+        req = item.req
+        if out.outcome is Outcome.FAILED:
+            self.core.fail(req, RuntimeError(f"execution failed: {out.detail}"))
+            return True
+        if item.contract is not None and out.outcome is Outcome.SHORT and out.paused is None:
+            # the sole request that holds or needs capacity, short after all legal reclaim (the
+            # worker's exact check agrees): the capacity contract, not a wait for nobody
+            self.core.stats.capacity_errors += 1
+            self.core.fail(req, CapacityContractError(item.contract))
+            return True
+        if item.kind in ("row", "chunk"):
+            if out.facts is not None and req.phase is Phase.RUNNING:
+                req.facts = out.facts
+            if item.kind == "chunk" and out.outcome is Outcome.SHORT and req.phase is Phase.RUNNING:
+                self.core.sched.rotate(req)        # a chunk that cannot run gives up its turn
+            return bool(out.applied) or out.paused is not None
+        if item.kind == "fresh":
+            return self._fresh(item, out, admitted)
+        return self._resume(item, out)
+
+    def _fresh(self, item: Item, out: P.IntentOut, admitted: set[str]) -> bool:
+        core, req, adm = self.core, item.req, item.adm
+        rm = core.rm
+        if out.outcome is Outcome.OK:
+            self._bound(req, out)
+            if req.first_admitted is None:
+                req.first_admitted = time.monotonic()
+            rm.on_bound(req, adm, item.save_points)
+            req.usage.cached_tokens = adm.cached
+            for cmd in rm.end_wait(req):           # the adopted source is bound now
+                core.queue(cmd)
+            rm.book(req).source_cid = adm.source.cid if (adm.source and out.tid is not None) else None
+            admitted.add(req.rid)
+            return True
+        if out.outcome is Outcome.REFUSED and out.refusal is Refusal.STALE_SOURCE and adm.source is not None:
+            for cmd in rm.end_wait(req):           # self-healing: the worker no longer has it
+                core.queue(cmd)
+            rm.on_deleted([adm.source.cid])
+            core.sched.event()
+            return bool(out.applied)
+        if out.outcome in (Outcome.SHORT, Outcome.WAIT) or out.refusal is Refusal.SOURCE_IN_FLIGHT:
+            if adm.cached:
+                for cmd in rm.wait_on(req, adm):   # keep the valuable source and wait
+                    core.queue(cmd)
+        elif out.outcome is Outcome.REFUSED:
+            log.warning("fresh bind of %s refused: %s", req.rid, out.detail)
+        return bool(out.applied)
+
+    def _resume(self, item: Item, out: P.IntentOut) -> bool:
+        core, req = self.core, item.req
+        st = core.sched.st(req)
+        if out.outcome is Outcome.OK:
+            self._bound(req, out)
+            core.sched.begin_recovery(req)
+            req.recovery_pending = True
+            req.pauses[-1]["route"] = item.route
+            req.pauses[-1]["resumed_at"] = time.monotonic()
+            req.snapshot = None
+            core.rm.on_resumed(req, item.adm)
+            if item.route == "snapshot":
+                core.stats.resumes_snapshot += 1
+            else:
+                core.stats.resumes_replay += 1
+            return True
+        if out.outcome is Outcome.REFUSED and out.refusal is Refusal.STALE_SOURCE:
+            if item.route == "snapshot":
+                req.snapshot = None                # gone: Replay next time
+            elif item.adm is not None and item.adm.source is not None:
+                core.rm.on_deleted([item.adm.source.cid])
+            return True                            # retry at once with the other route
+        if out.outcome is not Outcome.WAIT:
+            st.wake = False                        # wait for the next real event (never spin)
+        return bool(out.applied)
+
+    def _bound(self, req: Request, out: P.IntentOut) -> None:
+        core = self.core
+        req.sid = out.sid
+        core.by_sid[out.sid] = req
+        req.facts = out.facts
+        req.phase = Phase.MATERIALIZING if out.tid is not None else Phase.RUNNING
+        self.book(out.tid, "bind", req)
+        core.sched.admit(req)
+
+    # ---- units --------------------------------------------------------------------------
+    def _unit(self, u: P.UnitOut, item: Item | None, host_room: bool) -> bool:
+        core = self.core
+        req = core.by_sid.get(u.sid)
+        if req is None or item is None:
+            return False
+        if u.error:
+            core.stats.device_errors += 1
+            req.sid = None
+            core.by_sid.pop(u.sid, None)
+            core.fail(req, DeviceError(f"the forward call failed: {u.error}"), "device_error")
+            return True
+        if u.facts is not None:
+            req.facts = u.facts
+        if not u.ran:
+            return False
+        unit = item.unit
+        account(req, unit)
+        if unit.kind is UnitKind.PREFILL or (unit.kind is UnitKind.DECODE and not req.outputs):
+            core.rm.observe_prefill(req, req.frontier - unit.n_tokens, req.frontier)
+        if req.replay_target is not None and req.frontier >= req.replay_target:
+            req.replay_target = None
+        if item.sp is not None:
+            self._saved(req, item, u, host_room)
+        if u.committed:
+            index = len(req.outputs)
+            req.note_tokens(u.committed, time.monotonic())
+            core.sink(P.TokensEvent(req.rid, index, list(u.committed)))
+        if req.recovery_pending and (u.committed or unit.kind is UnitKind.PREFILL):
+            self._recovered(req)                   # only new progress ends the recovery permit
+        if u.finish is not None:
+            req.finish_reason = u.finish
+        if unit.n_tokens > 1:
+            core.sched.rotate(req)
+        return True
+
+    def _saved(self, req: Request, item: Item, u: P.UnitOut, host_room: bool) -> None:
+        """The unit ended on a save point: attach the capture, or count the skipped save."""
+        core, rm = self.core, self.core.rm
+        book = rm.book(req)
+        if item.sp in book.save_points:
+            book.save_points.remove(item.sp)
+        rm.retired(req, item.unit.retire)
+        if u.room_applied is not None:
+            self.committed(item.spec.capture.room, u.room_applied)
+        if u.captured is not None:
+            self.book(u.capture_tid, "capture", req)
+            for cmd in rm.on_captured(req, item.sp, u.captured):
+                core.queue(cmd)
+        elif u.capture is not CaptureResult.NONE or item.unit.declined:
+            rm.on_skipped(item.sp)
+            if u.capture is not CaptureResult.NONE and host_room:
+                core.stats.captures_skipped_with_room += 1
+
+    def _recovered(self, req: Request) -> None:
+        req.recovery_pending = False
+        self.core.sched.end_recovery(req)          # a returned permit balance is a capacity event
+        self.core.queue(P.Settle(req.sid))         # return what is left of the recovery permit

@@ -1,0 +1,240 @@
+"""One cycle's plan, built from the Scheduler's and the ResourceManager's decisions (pure: it
+changes no books; the commands it wants sent come back in the plan).
+
+    1. resume      the oldest paused request on a real capacity event (Scheduler), with its
+                   full recovery permit: State, missing KV, tail, rebuild to the old frontier
+                   and the first real new unit; own Snapshot first, else Replay. With no free
+                   lane and no older resident it takes back the youngest preemptable lane.
+    2. rows        resident Decode/Control units in permit order (recovery first, then ticket)
+    3. chunk       one Prefill/Replay chunk, rotating among residents (recovery first)
+    4. fresh       the scan (head + up to C followers) with the lane and overtaking bounds as
+                   guards; no free lane: the scanned keep their valuable sources (waiting refs)
+
+Every unit that ends on a save point carries its capture, unless a full recovery permit is
+active (seed: 恢复期跳过可选 capture).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ninfer import protocol as P
+from ninfer.engine.request import Request
+from ninfer.engine.units import Unit, next_unit
+from ninfer.policy.pressure import CHUNK, FRESH, RESUME, ROW, Need
+from ninfer.policy.resources import Admission, SavePoint
+from ninfer.protocol import BindMode, SnapshotOwner, UnitKind, unit_pages
+
+if TYPE_CHECKING:
+    from ninfer.engine.core import EngineCore
+
+
+@dataclass
+class Item:
+    """One intent of the plan and what it means to the controller."""
+
+    iid: int
+    req: Request
+    kind: str                                # fresh | resume | row | chunk
+    intent: P.RowIntent | P.BindIntent
+    unit: Unit | None
+    need: Need
+    adm: Admission | None = None
+    route: str = ""                          # a resume: "snapshot" | "replay"
+    save_points: list[SavePoint] = field(default_factory=list)   # a fresh bind's, tentative
+    sp: SavePoint | None = None              # the save point its unit ends on
+    contract: str | None = None              # the capacity contract fails it if still short
+
+    @property
+    def spec(self) -> P.UnitSpec | None:
+        return self.intent.unit
+
+
+@dataclass
+class Plan:
+    items: list[Item] = field(default_factory=list)
+    commands: list[tuple[P.Command, object]] = field(default_factory=list)   # (command, then)
+    take_back: Request | None = None         # a lane to take back for the resume
+    scanned: list[Request] = field(default_factory=list)      # the fresh scan, in order
+    sources: set[int] = field(default_factory=set)            # sources this plan adopts
+
+    def by_iid(self) -> dict[int, Item]:
+        return {i.iid: i for i in self.items}
+
+    def needs(self) -> list[Need]:
+        return [i.need for i in self.items]
+
+    def intents(self) -> list[P.Intent]:
+        return [i.intent for i in self.items]
+
+    def captures(self) -> list[Item]:
+        return [i for i in self.items if i.spec is not None and i.spec.capture is not None]
+
+    def queries(self) -> list[P.DemandQuery]:
+        out = []
+        for i in self.items:
+            it = i.intent
+            if isinstance(it, P.BindIntent):
+                out.append(P.DemandQuery(i.iid, sid=it.sid, source=it.source, mode=it.mode,
+                                         first_tokens=it.first_tokens, bind=True))
+            else:
+                out.append(P.DemandQuery(i.iid, sid=it.sid, n_tokens=it.unit.n_tokens))
+        return out
+
+
+class CyclePlanner:
+    def __init__(self, core: "EngineCore"):
+        self.core = core
+        self._iids = itertools.count(1)
+
+    def build(self) -> Plan:
+        core = self.core
+        sched, plan = core.sched, Plan()
+        lanes = sched.lanes_free
+        resume = sched.resume_candidate()
+        recovery = sched.recovery is not None or resume is not None
+        if resume is not None and lanes <= 0 and sched.may_take_back(resume):
+            victims = sched.victims_for(resume)
+            if victims:
+                plan.take_back = victims[0]          # seed: 收回较年轻请求占用的 lane
+                lanes += 1
+        chunk_taken = False
+        if resume is not None and lanes > 0:
+            item = self._resume(resume)
+            plan.items.append(item)
+            if item.intent.source is not None:
+                plan.sources.add(item.intent.source.cid)
+            chunk_taken = item.spec.n_tokens > 1
+            lanes -= 1
+        skip = plan.take_back
+        for req in sched.rows():
+            if req is not skip:
+                plan.items.append(self._resident(req, ROW, recovery))
+        if not chunk_taken:
+            for req in sched.chunk_order():
+                if req is not skip:
+                    plan.items.append(self._resident(req, CHUNK, recovery))
+                    chunk_taken = True
+                    break
+        self._fresh(plan, lanes, chunk_taken, recovery)
+        return plan
+
+    # ---- residents ------------------------------------------------------------------
+    def _capture(self, req: Request, unit: Unit, save_points: list[SavePoint], recovery: bool,
+                 rec=None) -> tuple[P.Capture | None, SavePoint | None]:
+        if unit.save_index is None:
+            return None, None
+        sp = save_points[unit.save_index]
+        if recovery:
+            unit.declined = True             # a full recovery permit is active: no optional save
+            return None, sp
+        rm = self.core.rm
+        retire = rm.retire_for(req, sp, rec)
+        if "a" in sp.kinds:
+            retire += rm.anchor_overflow(req, rec)
+        unit.retire = list(retire)
+        return P.Capture(sp.owners[0], retire), sp
+
+    def _resident(self, req: Request, kind: str, recovery: bool) -> Item:
+        core, f = self.core, req.facts
+        book = core.rm.book(req)
+        unit = next_unit(req, f.frontier, f.ledger_len, core.chunk, book.save_points)
+        cap, sp = self._capture(req, unit, book.save_points, recovery)
+        spec = P.UnitSpec(unit.n_tokens, unit.kind, hold=req.recovery_pending, capture=cap)
+        iid = next(self._iids)
+        demand = {P.MAIN: max(0, unit_pages(f.frontier, unit.n_tokens, f.blocks, f.tail_ok) - f.reserved)}
+        return Item(iid, req, kind, P.RowIntent(iid, req.sid, spec), unit, Need(iid, req, kind, demand), sp=sp)
+
+    # ---- resume ---------------------------------------------------------------------
+    def _resume(self, req: Request) -> Item:
+        """Full recovery permit: State, missing KV, tail, rebuild to the old frontier and the
+        first real new unit — requested together. Own Snapshot first, else Replay."""
+        core = self.core
+        target = req.replay_target or 0
+        ledger_len = len(req.ledger)
+        adm = None
+        if req.snapshot is not None:
+            route, source, mode = "snapshot", req.snapshot, BindMode.MOVE
+            mover, start = SnapshotOwner(req.sid), req.snapshot.frontier
+        else:
+            route, adm = "replay", core.rm.plan_replay(req)
+            source = adm.source.ref if adm.source else None
+            mode, mover, start = BindMode.FORK, None, adm.frontier
+        unit = next_unit(req, start, ledger_len, core.chunk)
+        if start < target:
+            after = next_unit(req, target, ledger_len, core.chunk)
+            first = target - start + after.n_tokens
+        else:
+            first = unit.n_tokens
+        iid = next(self._iids)
+        spec = P.UnitSpec(unit.n_tokens, unit.kind, hold=True)
+        intent = P.BindIntent(iid, sid=req.sid, source=source, mode=mode, first_tokens=first, mover=mover, unit=spec)
+        need = Need(iid, req, RESUME, self._bind_demand(source, mode, start, first),
+                    source.cid if source is not None else None)
+        return Item(iid, req, RESUME, intent, unit, need, adm=adm, route=route)
+
+    def _bind_demand(self, source: P.CkptRef | None, mode: BindMode, start: int, first: int) -> dict | None:
+        """An upper bound of what the bind needs, or None when only a quote can tell (KV pages
+        of the source may be on the Host)."""
+        if source is None:
+            return {P.STATE: 1, P.MAIN: unit_pages(0, first, 0, True)}
+        if self.core.host_kv_pages:
+            return None
+        state = 0 if mode is BindMode.MOVE and source.device else 1
+        return {P.STATE: state, P.MAIN: unit_pages(start, first, -(-start // P.PAGE), False)}
+
+    # ---- fresh ----------------------------------------------------------------------
+    def _fresh(self, plan: Plan, lanes: int, chunk_taken: bool, recovery: bool) -> None:
+        core = self.core
+        sched, rm = core.sched, core.rm
+        cands = sched.fresh_candidates()
+        if not cands:
+            return
+        if lanes <= 0:
+            # no free lane: the scanned still keep their chosen valuable sources (seed: 没有空
+            # lane 时仍可保留选中的恢复来源)
+            for req, _ in cands:
+                adm = rm.plan_admission(req)
+                if adm.cached:
+                    plan.commands += [(c, None) for c in rm.wait_on(req, adm)]
+            plan.scanned = [r for r, _ in cands]
+            return
+        items, budgets = [], []
+        for req, budget in cands:
+            adm = rm.plan_admission(req)
+            wait = rm.waiting_on(req)
+            if wait is not None and (adm.source is None or adm.source.cid != wait.cid or adm.mode is BindMode.MOVE):
+                plan.commands += [(c, None) for c in rm.end_wait(req)]     # reselected, or moved
+            save_points = rm.save_plan(req, adm.frontier, adm.record)
+            unit = next_unit(req, adm.frontier, len(req.prompt), core.chunk, save_points)
+            cap, sp = self._capture(req, unit, save_points, recovery, adm.record)
+            iid = next(self._iids)
+            spec = P.UnitSpec(unit.n_tokens, unit.kind, capture=cap)
+            source = adm.source.ref if adm.source else None
+            if source is not None:
+                plan.sources.add(source.cid)
+            intent = P.BindIntent(iid, new=P.NewSeq(req.rid, P.pack_tokens(req.prompt), len(req.prompt), req.params),
+                                  source=source, mode=adm.mode, first_tokens=unit.n_tokens, mover=adm.mover,
+                                  retire=adm.retire, unit=spec)
+            need = Need(iid, req, FRESH, self._bind_demand(source, adm.mode, adm.frontier, unit.n_tokens),
+                        source.cid if source is not None else None)
+            items.append(Item(iid, req, FRESH, intent, unit, need, adm=adm, save_points=save_points, sp=sp))
+            budgets.append(budget)
+        guards = sched.fresh_guards([i.iid for i in items], budgets, lanes)
+        chunks: list[int] = []
+        for item, g in zip(items, guards):
+            item.intent.guards = g
+            if item.unit.n_tokens > 1:
+                if chunk_taken:
+                    item.intent.unit = None            # bound now; its chunk waits for its turn
+                else:
+                    item.intent.unit_guards = [P.Guard((), tuple(chunks), 1)]
+                    chunks.append(item.iid)
+        plan.items += items
+        plan.scanned = [r for r, _ in cands]
+
+
+def is_chunk(unit: Unit | None) -> bool:
+    return unit is not None and unit.n_tokens > 1 and unit.kind in (UnitKind.PREFILL, UnitKind.REPLAY)

@@ -1,0 +1,39 @@
+"""What policy reads of a request (the controller's request record satisfies it). Policy keeps
+its own per-request state in its own tables (the Scheduler's ``SchedState``, the
+ResourceManager's ``CacheBook``); it never imports the controller."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from ninfer.protocol import CkptRef, Phase, RequestSpec, SeqFacts
+
+
+class RequestView(Protocol):
+    rid: str
+    ticket: int
+    spec: RequestSpec
+    phase: Phase
+    sid: int | None
+    facts: SeqFacts | None
+    outputs: list[int]
+    snapshot: CkptRef | None          # its own pause snapshot, while paused by Snapshot
+    replay_target: int | None         # frontier to rebuild before new progress
+    recovery_pending: bool            # holds the full recovery permit
+    finish_reason: object
+    cancel_requested: bool
+
+    @property
+    def prompt(self) -> list[int]: ...
+
+    @property
+    def ledger(self) -> list[int]: ...
+
+    @property
+    def frontier(self) -> int: ...
+
+    @property
+    def resident(self) -> bool: ...
+
+    @property
+    def live(self) -> bool: ...

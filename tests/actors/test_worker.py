@@ -1,0 +1,67 @@
+"""The worker executes the plan it is given (finding 9): it applies no lane count, overtaking
+budget, order or chunk choice of its own — only the plan's guards, in the plan's order — and
+answers with typed outcomes keyed by intent id."""
+
+from __future__ import annotations
+
+import pytest
+
+from ninfer import protocol as P
+from ninfer.actors.worker import Worker
+from ninfer.config import EngineConfig
+from ninfer.sampling_params import SamplingParams
+from tests.factories import random_prompt
+
+
+@pytest.fixture
+def worker(tiny_model):
+    w = Worker(tiny_model, EngineConfig(dtype="float64", max_concurrency=2, max_context=256, kv_capacity=512,
+                                        context_cache={"device_state_slots": 4, "host_capacity_bytes": 0}))
+    yield w
+    w.shutdown()
+
+
+def _bind(iid: int, rid: str, n: int, guards=()) -> P.BindIntent:
+    prompt = random_prompt(n, seed=iid)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    return P.BindIntent(iid, new=P.NewSeq(rid, P.pack_tokens(prompt), n, params), first_tokens=n,
+                        unit=P.UnitSpec(n, P.UnitKind.PREFILL), guards=list(guards))
+
+
+def _step(worker: Worker, intents) -> P.StepReply:
+    return P.decode_reply(worker.handle(P.encode(P.StepPlan(1, intents=intents))))
+
+
+def test_worker_executes_the_plan_as_given(worker):
+    """Three fresh binds on a C = 2 engine, no guards: all three are bound — lanes are the
+    Scheduler's bound, not the worker's. Replies are keyed by intent id, in plan order."""
+    reply = _step(worker, [_bind(7, "a", 10), _bind(3, "b", 10), _bind(5, "c", 10)])
+    assert [o.iid for o in reply.intents] == [7, 3, 5]
+    assert all(o.outcome is P.Outcome.OK for o in reply.intents)
+
+
+def test_worker_applies_the_guards_it_is_sent(worker):
+    """The lane bound as a guard (at most 1 success among the earlier binds) and the one-chunk
+    guard on a unit: evaluated exactly as stated."""
+    lanes = P.Guard((), (1,), 1)
+    reply = _step(worker, [_bind(1, "a", 10), _bind(2, "b", 10, [lanes])])
+    assert [o.outcome for o in reply.intents] == [P.Outcome.OK, P.Outcome.SKIPPED]
+    overtake = P.Guard((11,), (12,), 1)          # 11 failed and one younger success already
+    big = _bind(11, "big", 10)
+    big.first_tokens = 10_000                    # cannot fit: SHORT
+    reply = _step(worker, [big, _bind(12, "x", 10), _bind(13, "y", 10, [overtake])])
+    assert [o.outcome for o in reply.intents] == [P.Outcome.SHORT, P.Outcome.OK, P.Outcome.SKIPPED]
+    assert reply.intents[0].shortfall
+
+
+def test_a_short_intent_commits_no_remedy_that_does_not_cover_it(worker):
+    """Remedies are conditional: a prefix is committed only if it covers the gap (now, or once
+    its copies publish); otherwise nothing irreversible happens."""
+    reply = _step(worker, [_bind(1, "a", 60)])
+    sid = reply.intents[0].sid
+    big = _bind(2, "big", 10)
+    big.first_tokens = 10_000
+    big.remedies = [P.TakeBack(sid)]            # pausing "a" would not cover 10 000 tokens
+    reply = _step(worker, [big])
+    assert reply.intents[0].outcome is P.Outcome.SHORT and not reply.intents[0].applied
+    assert worker.prog.sequences[sid].phase is P.Phase.RUNNING
