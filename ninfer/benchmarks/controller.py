@@ -1,8 +1,11 @@
-"""Controller cost per steady decode cycle (issue: Engine controller I).
+"""Controller cost per engine cycle.
 
-C requests decode in lock-step with no memory pressure. Per cycle we measure the controller's
-own CPU time (cycle thread time minus the time spent inside the worker call), round trips per
-cycle and the bytes of the StepPlan/StepReply messages.
+``steady``: C requests decode in lock-step with no memory pressure. ``pressure``: C requests
+share a Main KV pool a third of their total need, with a Host for one or two snapshots, so
+the chain reclaims, pauses and resumes. Per cycle we measure the controller's own CPU time
+(cycle thread time minus the time spent inside the worker call), controller-worker round trips
+per cycle (steady state must be 1: a quote is the pressure path's one extra) and the bytes of
+the StepPlan/StepReply messages.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from ninfer.actors.transport import InprocClient
 from ninfer.actors.worker import Worker
 from ninfer.config import EngineConfig
 from ninfer.engine.core import EngineCore
-from ninfer.protocol import RequestSpec
+from ninfer.protocol import Phase, RequestSpec
 from ninfer.sampling_params import SamplingParams
 
 
@@ -37,37 +40,58 @@ class _Metered(InprocClient):
         return P.decode_reply(out)
 
 
-def measure(model_dir: str, concurrency: int, decode_tokens: int = 64, dtype: str = "float32") -> dict:
-    cfg = EngineConfig(max_concurrency=concurrency, max_context=512, dtype=dtype, prefill_chunk_tokens=512,
-                       context_cache={"host_capacity_bytes": 64 << 20})
+def _decoding(core: EngineCore) -> bool:
+    res = list(core.sched.resident.values())
+    return not core.sched.fresh and bool(res) and all(
+        r.phase is Phase.RUNNING and r.facts is not None and r.facts.frontier >= r.facts.ledger_len - 1 for r in res)
+
+
+def measure(model_dir: str, concurrency: int, mode: str = "steady", decode_tokens: int = 64,
+            dtype: str = "float32") -> dict:
+    if mode == "steady":
+        cfg = EngineConfig(max_concurrency=concurrency, max_context=512, dtype=dtype, prefill_chunk_tokens=512,
+                           context_cache={"host_capacity_bytes": 64 << 20})
+        prompt_len, tokens = 32, decode_tokens
+    else:                        # a third of the pages the requests need together
+        pages = max(4, concurrency * 3 // 3 + 1)
+        cfg = EngineConfig(max_concurrency=concurrency, max_context=pages * 64, kv_capacity=pages * 64, dtype=dtype,
+                           prefill_chunk_tokens=64, context_cache={"host_capacity_bytes": 4 << 20})
+        prompt_len, tokens = 90, 100
     client = _Metered(Worker(model_dir, cfg))
     core = EngineCore(client, cfg, lambda ev: None)
     for i in range(concurrency):
-        core.add(RequestSpec(prompt=list(range(10 + i, 42 + i)),
-                             params=SamplingParams(max_tokens=decode_tokens, ignore_eos=True)))
-    while core.sched.fresh or any(r.in_prefill for r in core.sched.resident.values()):   # warm up
-        core.cycle()
+        core.add(RequestSpec(prompt=[(7 * i + j) % 2000 for j in range(prompt_len)],
+                             params=SamplingParams(max_tokens=tokens, ignore_eos=True)))
+    if mode == "steady":
+        while not _decoding(core):       # warm up: everyone admitted and decoding
+            core.cycle()
     client.worker_s = 0.0
     client.calls = client.plan_bytes = client.reply_bytes = 0
     cycles, total = 0, 0.0
-    while cycles < decode_tokens // 2:
+    limit = decode_tokens // 2 if mode == "steady" else 4000
+    while cycles < limit and core.busy():
         t = time.thread_time()
         core.cycle()
         total += time.thread_time() - t
         cycles += 1
+    stats = core.stats_dict()
     client.worker.shutdown()
     ctrl = total - client.worker_s
-    return {"C": concurrency, "cycles": cycles, "controller_us_per_cycle": 1e6 * ctrl / cycles,
+    return {"mode": mode, "C": concurrency, "cycles": cycles, "controller_us_per_cycle": 1e6 * ctrl / cycles,
             "worker_ms_per_cycle": 1e3 * client.worker_s / cycles,
             "round_trips_per_cycle": client.calls / cycles,
-            "plan_bytes": client.plan_bytes / client.calls, "reply_bytes": client.reply_bytes / client.calls}
+            "plan_bytes": client.plan_bytes / max(1, client.calls),
+            "reply_bytes": client.reply_bytes / max(1, client.calls),
+            "pauses": stats["preemptions"], "resumes": sum(stats["pauses"].values())}
 
 
 def run(model_dir: str, out: str | None = None) -> dict:
     from ninfer.benchmarks.common import ensure_model, report
     model_dir = ensure_model(model_dir)
-    rows = [measure(model_dir, c) for c in (1, 2, 4, 8)]
-    result = {"note": "steady decode, no pressure; controller time excludes the worker call"}
-    report("controller", result, rows, ["C", "controller_us_per_cycle", "worker_ms_per_cycle",
-                                        "round_trips_per_cycle", "plan_bytes", "reply_bytes"], out)
+    rows = [measure(model_dir, c) for c in (1, 2, 4, 8)] + [measure(model_dir, c, "pressure") for c in (2, 4, 8)]
+    result = {"note": "controller time excludes the worker call; steady = decode without pressure, "
+                      "pressure = a third of the pages needed"}
+    report("controller", result, rows, ["mode", "C", "controller_us_per_cycle", "worker_ms_per_cycle",
+                                        "round_trips_per_cycle", "plan_bytes", "reply_bytes", "pauses",
+                                        "resumes"], out)
     return {**result, "rows": rows}

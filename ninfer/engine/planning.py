@@ -25,7 +25,7 @@ from ninfer.engine.request import Request
 from ninfer.engine.units import Unit, next_unit
 from ninfer.policy.pressure import CHUNK, FRESH, RESUME, ROW, Need
 from ninfer.policy.resources import Admission, SavePoint
-from ninfer.protocol import BindMode, SnapshotOwner, UnitKind, unit_pages
+from ninfer.protocol import BindMode, SnapshotOwner, unit_pages
 
 if TYPE_CHECKING:
     from ninfer.engine.core import EngineCore
@@ -235,6 +235,3 @@ class CyclePlanner:
         plan.items += items
         plan.scanned = [r for r, _ in cands]
 
-
-def is_chunk(unit: Unit | None) -> bool:
-    return unit is not None and unit.n_tokens > 1 and unit.kind in (UnitKind.PREFILL, UnitKind.REPLAY)

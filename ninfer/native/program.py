@@ -640,11 +640,6 @@ class Program:
         b.host, b.host_filled = None, 0
 
     # ==== demotion (Device -> Host) ====================================================
-    def movable(self, b: KvBlock) -> bool:
-        """A block whose Device replica may leave: resident, not being read, and no bound or
-        materializing sequence reads it (seed: 其他 active 正在使用的不可变页可以继续共享)."""
-        return b.page is not None and not b.leases and not any(h in self.sequences for h in b.holders)
-
     def demote(self, images: list[Checkpoint], blocks: list[KvBlock]) -> tuple[list[Job], TxPart | None]:
         """Move these Device replicas to the Host: a replica that already has a complete Host
         copy is freed at once, the others get a Host destination (first-fit; the caller checked
@@ -744,8 +739,9 @@ class Program:
         return ck
 
     def pause_plan(self, seq: Sequence) -> tuple[list[KvBlock], list[int]]:
-        """Read-only: the blocks a Snapshot pause demotes (those no other bound sequence reads)
-        and the Host bytes it allocates (its StateImage first)."""
+        """Read-only: the blocks a Snapshot pause demotes — those no other bound sequence reads
+        (seed: 其他 active 正在使用的不可变页可以继续共享) — and the Host bytes it allocates (its
+        StateImage first)."""
         blocks = [b for b in seq.blocks[MAIN] if b.page is not None and not b.leases
                   and not any(h in self.sequences and h != seq.sid for h in b.holders)]
         sizes = [self.mem.image_bytes] + [self.mem.page_bytes for b in blocks

@@ -151,11 +151,16 @@ class Pressure:
                 for k, v in d.items():
                     avail[k] -= v
                 continue
-            v, prior, freed = self._chain(n, short, facts, prior, taken, tx_busy or bool(earlier - taken), protect)
+            before = set(taken)
+            v, planner, freed = self._chain(n, short, facts, prior, taken, tx_busy or bool(earlier - taken), protect)
             verdicts[n.iid] = v
             if v.covered:
+                prior = planner
                 for k, x in d.items():
                     avail[k] = max(0, avail[k] + freed.get(k, 0) - x)
+            else:
+                # remedies that do not cover are not committed: they claim nothing from later needs
+                taken.intersection_update(before)
         return verdicts, prior
 
     def _chain(self, n: Need, short: dict[str, int], facts: P.Facts, prior: Planner | None,

@@ -191,9 +191,8 @@ class ResourceManager:
             return []
         ref, book.wait = book.wait, None
         owner = WaiterOwner(req.rid)
-        info = self.table.ckpts.get(ref.cid)
-        if info is not None:
-            info.owners.discard(owner)
+        if ref.cid in self.table.ckpts:
+            self._drop_use(ref.cid, owner)     # its last owner gone: the mirror forgets it too
         return [P.ReleaseOwner(ref.cid, ref.generation, owner)]
 
     # ==== save opportunities ===========================================================

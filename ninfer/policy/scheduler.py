@@ -46,7 +46,6 @@ class Scheduler:
         self.recovery: Request | None = None    # the one full-recovery-permit holder
         self.state: dict[str, SchedState] = {}
         self.epoch = 0                          # bumps on every event that re-opens a scan
-        self.scan_open = True
 
     def st(self, req: Request) -> SchedState:
         s = self.state.get(req.rid)
@@ -61,7 +60,6 @@ class Scheduler:
         ``causes`` are requests whose own content was released: for them it is not a resume
         opportunity (seed: 刚暂停的请求不因自身释放立刻恢复)."""
         self.epoch += 1
-        self.scan_open = True
         for req in self.paused:
             if req.rid not in causes:
                 self.st(req).wake = True
@@ -142,7 +140,7 @@ class Scheduler:
     def fresh_candidates(self) -> list[tuple[Request, int]]:
         """(request, remaining overtaking budget) for this scan: the head and up to C
         followers, skipping requests that already failed under the current event."""
-        if not self.scan_open or not self.fresh:
+        if not self.fresh:
             return []
         out = []
         for req in self.fresh[: 1 + self.C]:
@@ -170,14 +168,13 @@ class Scheduler:
 
     def after_scan(self, tried: list[Request], admitted: set[str]) -> None:
         """Overtaking bookkeeping: a failed request is overtaken by every younger success of
-        the same scan; the scan closes until the next event."""
+        the same scan; a failed one is not quoted again until the next event."""
         for i, req in enumerate(tried):
             if req.rid in admitted:
                 continue
             st = self.st(req)
             st.failed_epoch = self.epoch
             st.overtaken += sum(1 for later in tried[i + 1:] if later.rid in admitted)
-        self.scan_open = False
 
     def older_resident_than(self, req: Request) -> bool:
         return any(r.ticket < req.ticket for r in self.resident.values())
@@ -202,12 +199,6 @@ class Scheduler:
         out = [r for r in self.resident.values()
                if r.ticket > req.ticket and r.phase is Phase.RUNNING and r is not self.recovery and r.live]
         return sorted(out, key=lambda r: -r.ticket)
-
-    def oldest_live(self) -> Request | None:
-        """The oldest request that is resident or paused (the necessary work that must push
-        through when nothing else can release capacity)."""
-        cands = [r for r in (*self.resident.values(), *self.paused) if r.live]
-        return min(cands, key=lambda r: r.ticket, default=None)
 
 
 def _in_prefill(req: Request) -> bool:

@@ -35,6 +35,23 @@ def _start(model, deployment, faults=(), **kw):
                                deployment=deployment, **kw)
 
 
+def _serves_after_restart(eng, model) -> None:
+    """The frontend reconnects to the restarted controller: a new request is exact again."""
+    deadline = time.time() + 60
+    p = random_prompt(30, seed=41)
+    while True:
+        try:
+            o = eng.generate(p, max_tokens=5, ignore_eos=True).result(120)
+            if o.finish_reason == "length":
+                break
+        except Exception:
+            pass
+        assert time.time() < deadline, "the deployment did not come back"
+        time.sleep(0.5)
+    assert o.token_ids == oracle(model, p, max_tokens=5)
+    eng.check_integrity()
+
+
 def test_worker_killed_mid_cycle(tiny_model, deployment):
     eng = _start(tiny_model, deployment)
     try:
@@ -91,19 +108,7 @@ def test_controller_restarted(tiny_model, deployment):
         ray.kill(_actor(deployment, "controller"), no_restart=False)
         out = h.result(120)
         assert out.finish_reason == "error" and out.error["type"] == "controller_lost"
-        deadline = time.time() + 60
-        while True:                            # the frontend reconnects to the restarted controller
-            try:
-                p = random_prompt(30, seed=41)
-                o = eng.generate(p, max_tokens=5, ignore_eos=True).result(120)
-                if o.finish_reason == "length":
-                    break
-            except Exception:
-                pass
-            assert time.time() < deadline, "the deployment did not come back"
-            time.sleep(0.5)
-        assert o.token_ids == oracle(tiny_model, p, max_tokens=5)
-        eng.check_integrity()
+        _serves_after_restart(eng, tiny_model)
     finally:
         eng.shutdown()
 
@@ -135,5 +140,35 @@ def test_client_disconnect_cancels_its_request(tiny_model, deployment):
         eng.check_integrity()
         s = eng.stats()
         assert all(v["available"] == v["total"] for v in s["occupancy"].values())
+    finally:
+        eng.shutdown()
+
+
+def test_injected_worker_death_over_ray(tiny_model, deployment):
+    """``faults=[worker_death at a point]``: the worker actor's process really exits there; the
+    controller recreates it (without that fault), in-flight requests fail clearly, it serves on."""
+    eng = _start(tiny_model, deployment, [{"kind": "worker_death", "point": "mid_transaction"}])
+    try:
+        outs = [eng.generate(random_prompt(60, seed=60 + i), max_tokens=10, ignore_eos=True,
+                             recovery_frontier=50).result(120) for i in range(3)]
+        assert any(o.finish_reason == "error" and o.error["type"] == "worker_lost" for o in outs)
+        p = random_prompt(40, seed=70)
+        out = eng.generate(p, max_tokens=6, ignore_eos=True).result(120)
+        assert out.token_ids == oracle(tiny_model, p, max_tokens=6)
+        assert eng.stats()["worker_recoveries"] == 1
+        eng.drop_caches()
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
+
+
+def test_injected_controller_restart_over_ray(tiny_model, deployment):
+    """``faults=[controller_restart]``: the controller actor exits, Ray restarts it (the fault
+    does not fire again), the frontend fails what was in flight and serves through the new one."""
+    eng = _start(tiny_model, deployment, [{"kind": "controller_restart", "skip": 5}])
+    try:
+        out = eng.generate(random_prompt(50, seed=71), max_tokens=100, ignore_eos=True).result(120)
+        assert out.finish_reason == "error" and out.error["type"] == "controller_lost"
+        _serves_after_restart(eng, tiny_model)
     finally:
         eng.shutdown()

@@ -65,3 +65,36 @@ def test_a_short_intent_commits_no_remedy_that_does_not_cover_it(worker):
     reply = _step(worker, [big])
     assert reply.intents[0].outcome is P.Outcome.SHORT and not reply.intents[0].applied
     assert worker.prog.sequences[sid].phase is P.Phase.RUNNING
+
+
+def _capture_plan(iid: int, rid: str, n: int, owner, room=()) -> P.BindIntent:
+    b = _bind(iid, rid, n)
+    b.unit = P.UnitSpec(n, P.UnitKind.PREFILL, capture=P.Capture(owner, room=list(room)))
+    return b
+
+
+@pytest.mark.parametrize("slot_free", [True, False])
+def test_a_saves_admitted_room_is_committed_only_when_it_needs_it(tiny_model, slot_free):
+    """The capture admission's replacements ride with the save: with a Device slot free at
+    capture time nothing is deleted; without one, the room is committed and the save made."""
+    extra = 1 if slot_free else 0
+    w = Worker(tiny_model, EngineConfig(dtype="float64", max_concurrency=2, max_context=256, kv_capacity=512,
+                                        context_cache={"device_state_slots": extra, "host_capacity_bytes": 0}))
+    try:
+        first = _step(w, [_capture_plan(1, "a", 20, P.EntryOwner(1))])
+        [unit] = first.units
+        old = unit.captured
+        assert old is not None and old.device
+        w.handle(P.encode(P.StepPlan(2, commands=[P.Release(first.intents[0].sid)])))
+        [fx] = P.decode_reply(w.handle(P.encode(P.StepPlan(3, commands=[P.Quote()])))).commands
+        version = fx.facts.checkpoints[old.cid].version
+        room = [P.Delete(old.cid, old.generation, version)]
+        reply = _step(w, [_capture_plan(4, "b", 30, P.EntryOwner(2), room)])
+        [u] = reply.units
+        assert u.capture is P.CaptureResult.SAVED and u.captured is not None
+        if slot_free:
+            assert u.room_applied is None and old.cid in w.prog.checkpoints
+        else:
+            assert u.room_applied is not None and u.room_applied.ok and old.cid not in w.prog.checkpoints
+    finally:
+        w.shutdown()

@@ -152,11 +152,13 @@ def run_workload(model_dir: str, seed: int) -> dict:
 @given(seed=st.integers(0, 10**6))
 # seeds that once failed: a dropped completion beyond the cycle deadline (0), a demotion that
 # blocked the deletion that would have covered (3), a victim's reservation the worker did not
-# count and a chunk that kept its turn while short (48), a victim's share of a deleted point (195268)
+# count and a chunk that kept its turn while short (48), a victim's share of a deleted point
+# (195268), a waiting reference that was its checkpoint's last owner (2374)
 @example(seed=0)
 @example(seed=3)
 @example(seed=48)
 @example(seed=195268)
+@example(seed=2374)
 @pytest.mark.slow
 def test_random_workloads_match_the_oracle(tiny_model, seed):
     run_workload(tiny_model, seed)

@@ -39,6 +39,26 @@ def test_bounded_overtaking(make, tiny_model):
     h.check_clean()
 
 
+def test_overtaking_bound_holds_across_scans(make, tiny_model):
+    """A later scan with more free lanes than the blocked head's remaining budget admits only
+    that many younger requests (C = 3: two overtake in the first scan, one in the next)."""
+    C = 3
+    h = make(max_concurrency=C, kv_capacity=6 * 64, prefill_chunk_tokens=256,
+             context_cache={"device_state_slots": 3, "host_capacity_bytes": 0})
+    resident = h.submit(random_prompt(200, seed=2), max_tokens=50)   # 4 of 6 pages
+    h.run(until=lambda: len(h.streams.get(resident, [])) >= 1)
+    head_prompt = random_prompt(150, seed=1)                          # needs 3: only 2 are free
+    head = h.submit(head_prompt, max_tokens=2)
+    # one-token prompts run in the decode batch: two of them admitted together finish together,
+    # so the next scan has two free lanes for a head with one overtake left
+    smalls = [h.submit(random_prompt(1, seed=10 + i), max_tokens=2) for i in range(6)]
+    h.run(until=lambda: h.done(resident, head, *smalls))
+    overtakers = [s for s in smalls if _admitted_at(h, s) < _admitted_at(h, head)]
+    assert overtakers == smalls[:C], overtakers
+    assert h.finals[head].token_ids == oracle(tiny_model, head_prompt, max_tokens=2)
+    h.check_clean()
+
+
 def test_failed_checks_do_not_consume_the_quota(make):
     """Younger requests that also fail do not count as overtaking the head."""
     h = make(max_concurrency=2, kv_capacity=4 * 64, prefill_chunk_tokens=256,

@@ -82,3 +82,13 @@ def test_fresh_guards_state_the_lane_and_overtaking_bounds():
     g = Scheduler.fresh_guards([1, 2, 3], [4, 0, 4], lanes=2)
     assert g[0] == [Guard((), (), 2)]
     assert g[2] == [Guard((), (1, 2), 2), Guard((1,), (2,), 4), Guard((2,), (), 0)]
+
+
+def test_rows_are_permitted_recovery_holder_first_then_by_ticket():
+    """Permit order. (From outside its effect is masked: an older row short of a page takes it
+    back from a younger one in the same step — so the order itself is pinned here.)"""
+    a, b, c = R("a", 0), R("b", 1), R("c", 2)
+    s = _sched(c, a, b)
+    assert s.rows() == [a, b, c]
+    s.begin_recovery(c)
+    assert s.rows() == [c, a, b]
