@@ -663,6 +663,8 @@ class Program:
             self.bytes_d2h += self.mem.image_bytes
             moving_images.append(ck)
         for b in blocks:
+            if b.leases:
+                raise NativeError(f"block {b.bid} is being read: it cannot be demoted now")
             if b.host is not None and b.host_filled >= b.filled:
                 self.pools[b.kind].release(b.page)
                 b.page = None

@@ -106,8 +106,9 @@ def verify(prog: "Program", actions: list[Action], gone: set[int] = frozenset())
 
 
 def _migrations(prog: "Program", actions: list[Action]):
-    images = [prog.checkpoints[a.cid] for a in actions if isinstance(a, DemoteState)]
-    blocks = [prog.blocks[bid] for a in actions if isinstance(a, DemoteBlocks) for bid in a.bids]
+    """The replicas a commit migrates, each once (checkpoints that share a block both name it)."""
+    images = list({a.cid: prog.checkpoints[a.cid] for a in actions if isinstance(a, DemoteState)}.values())
+    blocks = list({bid: prog.blocks[bid] for a in actions if isinstance(a, DemoteBlocks) for bid in a.bids}.values())
     return images, blocks
 
 

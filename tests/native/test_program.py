@@ -513,3 +513,32 @@ def test_a_host_save_is_not_lost_to_a_read_back_in_flight(tiny_model, oracle):
     prog.check_integrity(idle=True)
     assert prog.is_empty()
     prog.shutdown()
+
+
+def test_a_block_shared_by_two_demoted_checkpoints_is_copied_once(prog, oracle):
+    """Two checkpoints that share a page both name it in one commit: one copy, and the Device
+    page stays until that copy is published (it is never freed while being read)."""
+    prompt = random_prompt(100, seed=46)
+    s = new_seq(prog, prompt, 4)
+    assert prog.bind(s, None).ok
+    step(prog, s, chunk=80, capture_owner="a")
+    step(prog, s, chunk=80, capture_owner="b")
+    a, b = [ck for ck in prog.checkpoints.values()]
+    prog.release(s)
+    f = quote(prog)
+    acts = [DemoteBlocks(c.cid, c.generation, f.checkpoints[c.cid].blocks,
+                         tuple(f.blocks[x].version for x in f.checkpoints[c.cid].blocks)) for c in (a, b)]
+    d2h = prog.bytes_d2h
+    res = commit(prog, acts)
+    assert res.ok and prog.bytes_d2h - d2h == 2 * prog.mem.page_bytes      # blocks 0 and 1, once each
+    shared = a.blocks[MAIN][0]
+    assert shared.page is not None and shared.leases == 1                  # still read by its copy
+    settle_transfers(prog)
+    assert shared.page is None and shared.host is not None
+    s2 = new_seq(prog, prompt, 4)
+    assert prog.bind(s2, b, BindMode.FORK, first_tokens=1).ok
+    settle_transfers(prog)
+    assert run_to_end(prog, s2) == oracle(prompt, 4)
+    prog.release(s2)
+    prog.release_owner(a, "a")
+    prog.release_owner(b, "b")
