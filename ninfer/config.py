@@ -12,6 +12,8 @@
                              "thread" | "inline" (copies at submission; deterministic, tests)
     completion_timeout_s     a transaction whose copies finished but whose completion never
                              arrived is settled after this long (a dropped completion)
+    cost_calibration         measure the Host→Device copy rate and the prefill rate at startup
+                             for the source cost model (false: the built-in CPU defaults)
     faults                   public fault injection (``ninfer.faults``); empty = none
 
 Checks that need the model (the Main-KV curve, the memory budget) happen when the Native layer
@@ -67,6 +69,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omi
     request_timeout_s: float | None = None
     copy_engine: str = "auto"
     completion_timeout_s: float = 2.0
+    cost_calibration: bool = True       # measure copy and prefill rates at startup
     faults: list[Fault] = []
 
     def __post_init__(self) -> None:

@@ -369,11 +369,15 @@ class Guard(msgspec.Struct, array_like=True, frozen=True):
 class Capture(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Save the unit's end state as a new checkpoint for ``owner`` (an optional cache write).
     ``retire`` lists holds it replaces, given up first; ``room`` the admitted replacements,
-    committed only when the save finds no Device slot nor Host room and they make it fit."""
+    committed only when the save finds no Device slot nor Host room and they make it fit;
+    ``replace`` holds the new point supersedes (an anchor's oldest published or stale one),
+    given up only when the save really happens — or to make room for it (seed: 锚点 … 无法
+    安全替换则放弃本次保存)."""
 
     owner: Owner
     retire: list[Retire] = []
     room: list[Action] = []
+    replace: list[Retire] = []     # holds given up only if the save finds its destination
 
 
 class UnitSpec(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -582,6 +586,8 @@ class StepReply(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     host_free: int = 0
     host_largest: int = 0
     host_kv_pages: int = 0           # KV pages with only a Host replica (bind demands need a quote)
+    placement: list[tuple[int, int, bool, int]] = []   # (cid, generation, image on Device, Main
+    #                                  pages only on the Host) of checkpoints whose placement changed
     facts: Facts | None = None
     demands: dict[int, dict[str, int]] = {}
     bytes_h2d: int = 0
@@ -607,6 +613,8 @@ class WorkerInfo(msgspec.Struct):
     prefill_chunk_tokens: int
     exec_identity: bytes
     dtype: str
+    h2d_bytes_per_s: float = 0.0       # measured at startup (0: not calibrated)
+    prefill_s_per_token: float = 0.0
 
 
 # ---- codecs (module level: importable by Ray workers) --------------------------------------

@@ -79,6 +79,7 @@ class Worker:
         if notify is not None:
             self.prog.transfers.on_done = notify
         self._held = 0
+        self.calibration = self.prog.calibrate() if config.cost_calibration else (0.0, 0.0)
 
     # ---- info ---------------------------------------------------------------------------
     def info(self) -> P.WorkerInfo:
@@ -89,7 +90,7 @@ class Worker:
             kv_pages=lay.main_pages, state_slots=lay.state_slots, page_bytes=self.prog.mem.page_bytes,
             image_bytes=self.prog.mem.image_bytes, host_capacity=lay.host_capacity_bytes,
             prefill_chunk_tokens=lay.prefill_chunk_tokens, exec_identity=self.prog.exec_identity,
-            dtype=lay.dtype,
+            dtype=lay.dtype, h2d_bytes_per_s=self.calibration[0], prefill_s_per_token=self.calibration[1],
         )
 
     def handle(self, data: bytes) -> bytes:
@@ -159,7 +160,8 @@ class Worker:
         reply.pools = {k: P.PoolState(p.size, p.available) for k, p in prog.pools.items()}
         reply.host_free = prog.host.free_bytes
         reply.host_largest = prog.host.largest_free()
-        reply.host_kv_pages = sum(1 for b in prog.blocks.values() if b.page is None)
+        reply.placement = prog.placement_changes()
+        reply.host_kv_pages = prog.host_only_pages
         reply.tx = P.TxRef(prog.tx.tid, prog.tx.generation) if prog.tx is not None else None
         reply.bytes_h2d, reply.bytes_d2h = prog.bytes_h2d, prog.bytes_d2h
         reply.faults_fired = self.faults.fired()
@@ -299,12 +301,14 @@ class _StepRun:
         out.shortfall = short
         if not remedies:
             return P.Outcome.SHORT
-        freed = reclaim.simulate(self.prog, remedies)
+        skipped: set[int] = set()
+        freed = reclaim.simulate(self.prog, remedies, skipped)
         for wait in (False, True):
             for k, f in enumerate(freed):
                 if f.covers(short, wait):
                     for i in range(k + 1):
-                        out.applied.append(self._remedy(i, remedies[i]))
+                        if i not in skipped:
+                            out.applied.append(self._remedy(i, remedies[i]))
                     if wait:
                         return P.Outcome.WAIT
                     short = self._short(demand(), credit)
@@ -415,13 +419,14 @@ class _StepRun:
         when committing it makes the save fit: a Device slot freed now or the Host placing
         the image), else skipped — an optional save never blocks the unit."""
         prog = self.prog
-        dest = prog.prepare_capture(cap.owner, self.w.retires(cap.retire))
+        dest = prog.prepare_capture(cap.owner, self.w.retires(cap.retire), self.w.retires(cap.replace))
         if dest is not None:
             return dest, P.CaptureResult.SAVED, None
         if not cap.room:
             return None, P.CaptureResult.NO_ROOM, None
-        freed = reclaim.simulate(prog, [P.Reclaim(cap.room)])
-        if not freed:
+        stale: set[int] = set()
+        freed = reclaim.simulate(prog, [P.Reclaim(cap.room)], stale)
+        if stale:
             return None, P.CaptureResult.STALE_ROOM, None
         deleted = {a.cid for a in cap.room if isinstance(a, P.Delete)}
         images, blocks = reclaim._migrations(prog, cap.room)
@@ -430,7 +435,7 @@ class _StepRun:
         if freed[0].now.get(P.STATE, 0) < 1 and not fits_host:
             return None, P.CaptureResult.NO_ROOM, None
         res = reclaim.commit(prog, cap.room)
-        dest = prog.prepare_capture(cap.owner) if res.ok else None
+        dest = prog.prepare_capture(cap.owner, (), self.w.retires(cap.replace)) if res.ok else None
         if dest is None:
             return None, P.CaptureResult.STALE_ROOM if not res.ok else P.CaptureResult.NO_ROOM, res
         return dest, P.CaptureResult.SAVED, res

@@ -75,6 +75,8 @@ class EngineCore:
         self.chunk = self.info.prefill_chunk_tokens
         self.sched = Scheduler(self.info.max_concurrency)
         self.rm = ResourceManager(self.info)
+        if self.info.h2d_bytes_per_s or self.info.prefill_s_per_token:   # measured by the worker at start
+            self.rm.cost.calibrate(self.info.h2d_bytes_per_s, self.info.prefill_s_per_token)
         self.pressure = Pressure(self.sched, self.rm, self.info)
         self.planner = CyclePlanner(self)
         self.outcomes = Outcomes(self)
@@ -172,7 +174,7 @@ class EngineCore:
         cmds: list[tuple[P.Command, object]] = []
         live = {i.iid for i in plan.items if i.req.live}
         plan.items = [i for i in plan.items if i.iid in live]
-        verdicts, last = self.pressure.settle(plan.needs(), facts, reply.demands, reply.tx is not None)
+        verdicts, last = self.pressure.settle(plan.needs(), facts, reply.demands, reply.tx is not None, plan.keep)
         for item in plan.items:
             v = verdicts.get(item.iid)
             if v is None:
@@ -199,9 +201,11 @@ class EngineCore:
                 host_ok = False
             else:
                 rec = item.adm.record if item.adm is not None else None
-                room = self.pressure.capture_room(item.req, item.sp, last, facts, plan.sources, rec)
+                room = self.pressure.capture_room(item.req, item.sp, last, facts, plan.sources | plan.keep, rec)
                 if room:
                     item.spec.capture.room = room
+                else:
+                    item.room_refused = room is None and self.pressure.last_refused
         return cmds
 
     def _send(self, plan: P.StepPlan) -> P.StepReply:
@@ -212,6 +216,8 @@ class EngineCore:
         self.host_free = reply.host_free
         self.host_largest = reply.host_largest
         self.host_kv_pages = reply.host_kv_pages
+        if reply.placement:
+            self.rm.placed(reply.placement)
         self.bytes = (reply.bytes_h2d, reply.bytes_d2h)
         self.faults_fired = reply.faults_fired
         self.tx = reply.tx
@@ -351,7 +357,8 @@ class EngineCore:
             "cache": {
                 "queries": c.queries, "hits": c.hits, "queried_tokens": c.queried_tokens,
                 "reused_tokens": c.reused_tokens, "hit_losses": c.lost_hits,
-                "hit_loss_tokens": c.lost_tokens, "captures": c.captures,
+                "hit_loss_tokens": c.lost_tokens, "hit_losses_by_cause": dict(c.lost_by_cause),
+                "captures": c.captures,
                 "captures_skipped": c.captures_skipped,
                 "captures_skipped_with_room": s.captures_skipped_with_room,
                 "summary_hits": c.summary_hits, "waits": c.waits,
@@ -369,6 +376,9 @@ class EngineCore:
             "occupancy": {k: {"total": v.total, "available": v.available} for k, v in self.pools.items()},
             "host_free_bytes": self.host_free, "host_capacity_bytes": self.info.host_capacity,
             "faults_fired": dict(self.faults_fired),
+            "cost_model": {"h2d_bytes_per_s": self.rm.cost.h2d_bytes_per_s,
+                           "prefill_s_per_token": self.rm.cost.prefill_s_per_token,
+                           "calibrated": bool(self.info.h2d_bytes_per_s or self.info.prefill_s_per_token)},
         }
 
     def drop_caches(self) -> None:

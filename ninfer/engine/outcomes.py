@@ -176,6 +176,12 @@ class Outcomes:
         if out.outcome is Outcome.FAILED:
             self.core.fail(req, RuntimeError(f"execution failed: {out.detail}"))
             return True
+        if item.contract is not None and out.outcome is Outcome.SHORT and out.paused is None \
+                and item.need is not None and item.need.source is not None:
+            for cmd in self.core.rm.unfit_source(req, item.need.source):
+                self.core.queue(cmd)               # reselect without it: computing from a
+            self.core.sched.event()                # shallower point may fit where restoring cannot
+            return True
         if item.contract is not None and out.outcome is Outcome.SHORT and out.paused is None:
             # the sole request that holds or needs capacity, short after all legal reclaim (the
             # worker's exact check agrees): the capacity contract, not a wait for nobody
@@ -297,15 +303,29 @@ class Outcomes:
         book = rm.book(req)
         if item.sp in book.save_points:
             book.save_points.remove(item.sp)
+        if item.unit.shared is not None and item.unit.shared.cid in rm.table.ckpts:
+            for r in item.unit.retire + item.unit.replace:   # no capture ran to give them up
+                core.queue(P.ReleaseOwner(r.cid, r.generation, r.owner))
+            rm.retired(req, item.unit.retire + item.unit.replace)
+            for cmd in rm.on_captured(req, item.sp, item.unit.shared.ref, shared=True):
+                core.queue(cmd)
+            return
         rm.retired(req, item.unit.retire)
         if u.room_applied is not None:
             self.committed(item.spec.capture.room, u.room_applied)
         if u.captured is not None:
+            rm.retired(req, item.unit.replace)         # superseded by the save that happened
             self.book(u.capture_tid, "capture", req)
             for cmd in rm.on_captured(req, item.sp, u.captured):
                 core.queue(cmd)
         elif u.capture is not CaptureResult.NONE or item.unit.declined:
-            rm.on_skipped(item.sp)
+            if item.unit.declined:
+                cause = "skipped_no_turn"
+            elif item.room_refused:
+                cause = "skipped_no_admission"
+            else:
+                cause = "skipped_no_room"
+            rm.on_skipped(req, item.sp, cause)
             if u.capture is not CaptureResult.NONE and host_room:
                 core.stats.captures_skipped_with_room += 1
 

@@ -46,6 +46,7 @@ class Item:
     save_points: list[SavePoint] = field(default_factory=list)   # a fresh bind's, tentative
     sp: SavePoint | None = None              # the save point its unit ends on
     contract: str | None = None              # the capacity contract fails it if still short
+    room_refused: bool = False               # the admission table gave its save no room
 
     @property
     def spec(self) -> P.UnitSpec | None:
@@ -59,6 +60,7 @@ class Plan:
     take_back: Request | None = None         # a lane to take back for the resume
     scanned: list[Request] = field(default_factory=list)      # the fresh scan, in order
     sources: set[int] = field(default_factory=set)            # sources this plan adopts
+    keep: set[int] = field(default_factory=set)               # kept points saves will join
 
     def by_iid(self) -> dict[int, Item]:
         return {i.iid: i for i in self.items}
@@ -92,6 +94,7 @@ class CyclePlanner:
     def build(self) -> Plan:
         core = self.core
         sched, plan = core.sched, Plan()
+        self.keep = plan.keep
         lanes = sched.lanes_free
         resume = sched.resume_candidate()
         recovery = sched.recovery is not None or resume is not None
@@ -132,10 +135,22 @@ class CyclePlanner:
             return None, sp
         rm = self.core.rm
         retire = rm.retire_for(req, sp, rec)
+        replace: list[P.Retire] = []
         if "a" in sp.kinds:
-            retire += rm.anchor_overflow(req, rec)
-        unit.retire = list(retire)
-        return P.Capture(sp.owners[0], retire), sp
+            got = rm.anchor_replace(req, sp, rec)
+            if got is None:
+                unit.declined = True         # no safe replacement: the save is given up
+                return None, sp
+            replace = got
+        unit.retire, unit.replace = list(retire), list(replace)
+        existing = rm.existing_point(req, sp.frontier)
+        if existing is not None:
+            # the same position and identity is already kept: one physical point, several
+            # logical holders (its owners are added once the unit ran; kept safe meanwhile)
+            unit.shared = existing
+            self.keep.add(existing.cid)
+            return None, sp
+        return P.Capture(sp.owners[0], retire, replace=replace), sp
 
     def _resident(self, req: Request, kind: str, recovery: bool) -> Item:
         core, f = self.core, req.facts
@@ -196,14 +211,14 @@ class CyclePlanner:
             # no free lane: the scanned still keep their chosen valuable sources (seed: 没有空
             # lane 时仍可保留选中的恢复来源)
             for req, _ in cands:
-                adm = rm.plan_admission(req)
+                adm = rm.plan_admission(req, sched.fresh)
                 if adm.cached:
                     plan.commands += [(c, None) for c in rm.wait_on(req, adm)]
             plan.scanned = [r for r, _ in cands]
             return
         items, budgets = [], []
         for req, budget in cands:
-            adm = rm.plan_admission(req)
+            adm = rm.plan_admission(req, sched.fresh)
             wait = rm.waiting_on(req)
             if wait is not None and (adm.source is None or adm.source.cid != wait.cid or adm.mode is BindMode.MOVE):
                 plan.commands += [(c, None) for c in rm.end_wait(req)]     # reselected, or moved

@@ -27,6 +27,8 @@ class Unit:
     save_index: int | None   # index into the request's save points of the point it ends on
     declined: bool = False   # its save was not attempted (counted as skipped once it runs)
     retire: list = field(default_factory=list)   # holds the worker gives up when it runs
+    replace: list = field(default_factory=list)  # holds it gives up only if the save happens
+    shared: object = None    # an identical kept checkpoint its save point joins instead
 
 
 def next_unit(req: Request, frontier: int, ledger_len: int, chunk: int, save_points=()) -> Unit:

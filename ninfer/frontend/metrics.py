@@ -31,6 +31,12 @@ def prometheus(s: dict, stored_responses: int = 0) -> str:
     out += ["# HELP ninfer_pauses_total Pauses by resume route", "# TYPE ninfer_pauses_total counter"]
     for route, n in s["pauses"].items():
         out.append(f'ninfer_pauses_total{{route="{route}"}} {n}')
+    from ninfer.policy.resources import LOST_CAUSES
+    out += ["# HELP ninfer_cache_hit_losses_by_cause_total Hits lost to a missing restore point, by why it is missing",
+            "# TYPE ninfer_cache_hit_losses_by_cause_total counter"]
+    by = c.get("hit_losses_by_cause", {})
+    for cause in LOST_CAUSES:
+        out.append(f'ninfer_cache_hit_losses_by_cause_total{{cause="{cause}"}} {by.get(cause, 0)}')
     out += ["# HELP ninfer_pool_available Free units per pool", "# TYPE ninfer_pool_available gauge"]
     for pool, v in s["occupancy"].items():
         out.append(f'ninfer_pool_available{{pool="{pool}"}} {v["available"]}')

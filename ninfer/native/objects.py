@@ -45,9 +45,12 @@ class KvBlock:
     appender: int | None = None                      # sequence allowed to append at `filled`
     leases: int = 0                                  # copies / computes reading it now
     version: int = field(default_factory=next_generation)
+    sink: set | None = field(default=None, repr=False)   # the Program's changed-block ids
 
     def touch(self) -> None:
         self.version = next_generation()
+        if self.sink is not None:
+            self.sink.add(self.bid)
 
 
 @dataclass(eq=False)
@@ -73,6 +76,7 @@ class Checkpoint:
     blocks: dict[str, list[KvBlock]]  # per KV kind, covering [0, frontier)
     owners: dict[Owner, int] = field(default_factory=dict)   # logical holders (opaque to Native)
     version: int = field(default_factory=next_generation)
+    sink: set | None = field(default=None, repr=False)   # the Program's changed-checkpoint ids
 
     @property
     def frontier(self) -> int:
@@ -80,6 +84,8 @@ class Checkpoint:
 
     def touch(self) -> None:
         self.version = next_generation()
+        if self.sink is not None:
+            self.sink.add(self.cid)
 
 
 @dataclass(eq=False)

@@ -24,6 +24,7 @@ that is gone (or has another generation) and changes nothing.
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import count
@@ -147,6 +148,9 @@ class Program:
         self._orphans: set[StateImage] = set()       # images of deleted checkpoints still being read
         self.bytes_h2d = 0                           # observation: copies submitted each way
         self.bytes_d2h = 0
+        self._changed_blocks: set[int] = set()       # placement changed since the last report
+        self._changed_ckpts: set[int] = set()
+        self._host_only: set[int] = set()            # blocks with only a Host replica
 
     # ==== identity =====================================================================
     def input_digest(self, tokens: tuple[int, ...] | list[int], media: bytes = b"") -> bytes:
@@ -478,7 +482,8 @@ class Program:
                 raise NativeError(f"block {b.bid} of sequence {seq.sid} is not resident")
 
     def _new_block(self, kind: str, seq: Sequence) -> KvBlock:
-        b = KvBlock(bid=next(self._ids), kind=kind, holders={seq.sid}, appender=seq.sid)
+        b = KvBlock(bid=next(self._ids), kind=kind, holders={seq.sid}, appender=seq.sid,
+                    sink=self._changed_blocks)
         b.page = allocate(self.pools, seq.reservation, kind)
         self.blocks[b.bid] = b
         return b
@@ -493,11 +498,30 @@ class Program:
             b.touch()
 
     # ==== captures =====================================================================
-    def prepare_capture(self, owner: Owner, retire: list[tuple[Checkpoint, Owner]] = ()) -> CaptureDest | None:
+    def prepare_capture(self, owner: Owner, retire: list[tuple[Checkpoint, Owner]] = (),
+                        replace: list[tuple[Checkpoint, Owner]] = ()) -> CaptureDest | None:
         """Destination first (seed: 跨过语义 frontier 前准备目的 state): a Device slot, else the
         Host (its copy joins the context transaction), else nothing. Permitted old points
-        retire first; a failed save does not bring them back (seed: 新保存失败不恢复旧点)."""
+        retire first; a failed save does not bring them back (seed: 新保存失败不恢复旧点).
+        ``replace`` holds go only with a save that happens: released once a destination is
+        found, or first when releasing them is what frees the destination."""
         self._retire(list(retire))
+        replace = [(c, o) for c, o in replace if c.cid in self.checkpoints and o in c.owners]
+        dest = self._capture_dest(owner)
+        if dest is None and replace and self._retiring_frees_a_destination(replace):
+            self._retire(replace)
+            return self._capture_dest(owner)
+        if dest is not None:
+            self._retire(replace)
+        return dest
+
+    def _retiring_frees_a_destination(self, retire: list[tuple[Checkpoint, Owner]]) -> bool:
+        if self.freed_by_retiring(retire).get(STATE, 0) >= 1:
+            return True
+        return any(c.owners == {o: 1} and not c.image.leases and c.image.host is not None
+                   and c.image.host.size >= self.mem.image_bytes for c, o in retire)
+
+    def _capture_dest(self, owner: Owner) -> CaptureDest | None:
         res, _ = reserve_all(self.pools, {STATE: 1})
         if res is not None:
             return CaptureDest(owner, res=res)
@@ -535,7 +559,7 @@ class Program:
     # ==== checkpoints ==================================================================
     def _new_checkpoint(self, kind: CkptKind, seq: Sequence, image: StateImage, owner: Owner) -> Checkpoint:
         tokens = tuple(seq.ledger[:seq.frontier])
-        ck = Checkpoint(cid=next(self._ids), generation=next_generation(), kind=kind, tokens=tokens,
+        ck = Checkpoint(sink=self._changed_ckpts, cid=next(self._ids), generation=next_generation(), kind=kind, tokens=tokens,
                         digest=self.input_digest(tokens), image=image, blocks={}, owners={owner: 1})
         n = pages_for(seq.frontier)
         for k, blocks in seq.blocks.items():
@@ -634,6 +658,70 @@ class Program:
             self.host.release(b.host)
             b.host = None
         del self.blocks[b.bid]
+        self._host_only.discard(b.bid)
+
+    # ==== calibration =================================================================
+    def calibrate(self, tokens: int = 32) -> tuple[float, float]:
+        """Measured (Host→Device bytes/s, prefill seconds per token) for the source cost model
+        (seed: 机器传输与 artifact prefill 校准影响排序): a StateImage-sized copy from (pinned)
+        Host memory to the device, and a scratch prefill through the real execute path (the
+        second of two, after warm-up). Leaves nothing held."""
+        n = max(self.mem.image_bytes, 1 << 16)
+        pin = self.device.type == "cuda"
+        src = torch.empty(n, dtype=torch.uint8, pin_memory=pin)
+        dst = torch.empty(n, dtype=torch.uint8, device=self.device)
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=pin)
+            if pin:
+                torch.cuda.synchronize(self.device)
+            best = min(best, time.perf_counter() - t0)
+        h2d = n / max(best, 1e-9)
+        tokens = max(2, min(tokens, self.layout.max_context - 1, self.layout.main_pages * 64 - 1))
+        vocab = self.model.cfg.vocab_size
+        per_token = 0.0
+        for _ in range(2):
+            seq = self.new_sequence([(7 * i + 3) % vocab for i in range(tokens)], tokens,
+                                    SamplingParams(max_tokens=1, ignore_eos=True), eos_ids=())
+            if not self.bind(seq, None).ok or self.reserve_unit(seq, tokens - 1):
+                self.release(seq)
+                return h2d, 0.0
+            t0 = time.perf_counter()
+            self.execute([UnitRow(seq, tokens - 1, UnitKind.PREFILL)])
+            per_token = (time.perf_counter() - t0) / (tokens - 1)
+            self.settle(seq)
+            self.release(seq)
+        return h2d, per_token
+
+    # ==== placement reports ===========================================================
+    def placement_changes(self) -> list[tuple[int, int, bool, int]]:
+        """(cid, generation, image on the Device, Main pages only on the Host) of every
+        checkpoint whose placement changed since the last call — O(what changed), so the
+        controller's restore-cost mirror never needs a scan of the directory."""
+        cids = {c for c in self._changed_ckpts if c in self.checkpoints}
+        for bid in self._changed_blocks:
+            b = self.blocks.get(bid)
+            if b is None:
+                self._host_only.discard(bid)
+                continue
+            if b.page is None:
+                self._host_only.add(bid)
+            else:
+                self._host_only.discard(bid)
+            cids.update(h for h in b.holders if h in self.checkpoints)
+        self._changed_blocks.clear()
+        self._changed_ckpts.clear()
+        out = []
+        for cid in sorted(cids):
+            ck = self.checkpoints[cid]
+            host_pages = sum(1 for b in ck.blocks.get(MAIN, ()) if b.page is None)
+            out.append((cid, ck.generation, ck.image.slot is not None, host_pages))
+        return out
+
+    @property
+    def host_only_pages(self) -> int:
+        return len(self._host_only)
 
     def _release_host(self, b: KvBlock) -> None:
         self.host.release(b.host)

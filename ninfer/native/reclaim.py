@@ -155,19 +155,23 @@ class _Sim:
     sizes: list[int] = field(default_factory=list)         # Host bytes allocated so far
 
 
-def simulate(prog: "Program", remedies: list[Remedy]) -> list[Freed]:
-    """Cumulative Freed after each remedy, stopping before the first one that could not be
-    committed (changed since its quote, or its Host destinations do not fit)."""
+def simulate(prog: "Program", remedies: list[Remedy], skipped: set[int] | None = None) -> list[Freed]:
+    """Cumulative Freed after each remedy. A reclaim step that could not be committed
+    (changed since its quote, or its Host destinations do not fit after the steps before it)
+    is skipped — its index goes to ``skipped`` — and the later steps are still tried one by one
+    (seed: 批量预约失败时仍可依次尝试单个迁移和删除备选); a take-back that cannot happen stops."""
     sim, out = _Sim(), []
-    for r in remedies:
+    for i, r in enumerate(remedies):
         if isinstance(r, Reclaim):
-            if verify(prog, r.actions, sim.gone):
-                break
             deleted = {a.cid for a in r.actions if isinstance(a, Delete)}
-            images, blocks = _migrations(prog, r.actions)
-            sizes = prog.demotion_sizes(images, blocks)
-            if sizes and place_first_fit(prog.host_holes_after(sim.gone | deleted), sim.sizes + sizes) is None:
-                break
+            images, blocks = _migrations(prog, r.actions) if not verify(prog, r.actions, sim.gone) else (None, None)
+            sizes = prog.demotion_sizes(images, blocks) if images is not None else []
+            if images is None or (sizes and place_first_fit(prog.host_holes_after(sim.gone | deleted),
+                                                            sim.sizes + sizes) is None):
+                if skipped is not None:
+                    skipped.add(i)
+                out.append(_freed(prog, sim))
+                continue
             sim.gone |= deleted
             sim.images |= {ck.cid for ck in images}
             sim.blocks |= {b.bid for b in blocks}

@@ -83,39 +83,48 @@ class PrefixIndex:
 @dataclass
 class Observation:
     frontier: int
+    tag: bytes = b""                                     # identity tag (execution identity, media)
     requests: list[str] = field(default_factory=list)   # distinct observers (the last few)
-    last: float = 0.0
+    last: float = 0.0                                    # time of the latest real observation
+    adopted: bool = False                                # a cross-request adoption happened here
 
     @property
     def repeated(self) -> bool:
-        return len(self.requests) >= 2
+        """Repeat demand: a real cross-request adoption, or two different requests computing it."""
+        return self.adopted or len(self.requests) >= 2
 
 
 class DemandSummary:
-    """At most ``capacity`` candidate positions with real request observations. Summary hits
-    affect retention and admission only: never cache-hit or reused-token statistics, and the
-    summary holds no State/KV."""
+    """At most ``capacity`` candidate positions with real request observations, keyed by
+    (identity tag, digest, frontier): the same tokens under another execution identity (or
+    other media) are another position. Summary hits affect retention and admission only: never
+    cache-hit or reused-token statistics, and the summary holds no State/KV."""
 
-    def __init__(self, capacity: int = 256):
+    def __init__(self, capacity: int = 256, tag: bytes = b""):
         self.capacity = capacity
-        self._entries: OrderedDict[bytes, Observation] = OrderedDict()
+        self.tag = tag
+        self._entries: OrderedDict[tuple[bytes, bytes, int], Observation] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def observe(self, key: bytes, frontier: int, rid: str, now: float) -> Observation:
+    def observe(self, key: bytes, frontier: int, rid: str, now: float, adopted: bool = False,
+                tag: bytes | None = None) -> Observation:
         """A real observation (cross-request adoption, or a new prefill commit crossing the
         position) — once per request per position."""
-        obs = self._entries.get(key)
+        k = (self.tag if tag is None else tag, key, frontier)
+        obs = self._entries.get(k)
         if obs is None:
-            obs = self._entries[key] = Observation(frontier)
+            obs = self._entries[k] = Observation(frontier, k[0])
             while len(self._entries) > self.capacity:
                 self._entries.popitem(last=False)      # the least recently observed goes
         if rid not in obs.requests:
             obs.requests = (obs.requests + [rid])[-8:]
             obs.last = now
-        self._entries.move_to_end(key)
+        if adopted and not obs.adopted:
+            obs.adopted, obs.last = True, now
+        self._entries.move_to_end(k)
         return obs
 
-    def get(self, key: bytes) -> Observation | None:
-        return self._entries.get(key)
+    def get(self, key: bytes, frontier: int, tag: bytes | None = None) -> Observation | None:
+        return self._entries.get((self.tag if tag is None else tag, key, frontier))

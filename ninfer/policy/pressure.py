@@ -73,6 +73,7 @@ class Pressure:
         self.sched = sched
         self.rm = rm
         self.info = info
+        self.last_refused = False               # the last capture_room: refused by the admission table
 
     # ---- prediction (no quote) --------------------------------------------------------
     def fits(self, needs: list[Need], pools: dict[str, P.PoolState]) -> bool:
@@ -107,7 +108,8 @@ class Pressure:
         """Which revocable holds the requester may take (seed: fresh 接纳只能撤销较年轻等待者的
         保护，不能撤销 paused 快照; 必要推进 … 再考虑票号更晚的暂停快照)."""
         tickets = {r.rid: r.ticket for r in (*self.sched.fresh, *self.sched.paused, *self.sched.resident.values())}
-        snaps = {SnapshotOwner(r.sid): r.ticket for r in self.sched.paused if r.sid is not None}
+        snaps: dict[Owner, int] = {SnapshotOwner(r.sid): r.ticket for r in self.sched.paused if r.sid is not None}
+        snaps.update({WaiterOwner(rid): t for rid, t in tickets.items()})   # revocation order: youngest first
 
         def may(owner: Owner) -> bool:
             if isinstance(owner, SnapshotOwner):
@@ -128,7 +130,7 @@ class Pressure:
 
     # ---- planning on a quote ---------------------------------------------------------
     def settle(self, needs: list[Need], facts: P.Facts, demands: dict[int, dict[str, int]],
-               tx_busy: bool) -> tuple[dict[int, Verdict], Planner | None]:
+               tx_busy: bool, keep: set[int] = frozenset()) -> tuple[dict[int, Verdict], Planner | None]:
         """Verdicts for the needs that are short, in permit order, on one quote. A need's
         remedies never touch its own source nor one an earlier intent adopts in this step; a
         later one's source is fair game (that bind then reselects). Returns the last planning
@@ -142,7 +144,7 @@ class Pressure:
         for n in needs:
             earlier = set(seen)
             seen.add(n.req.rid)
-            protect = adopted | ({n.source} if n.source is not None else set())
+            protect = adopted | set(keep) | ({n.source} if n.source is not None else set())
             if n.source is not None:
                 adopted.add(n.source)
             d = demands.get(n.iid, n.demand or {})
@@ -178,8 +180,10 @@ class Pressure:
                 planner, actions, covered = alt, alt_actions, True
         freed = {k: planner.freed_so_far(k) - before[k] for k in short}
         verdict = Verdict()
-        if actions:
-            verdict.remedies.append(P.Reclaim(actions))
+        # one remedy per planned step (a demotion with its Host victims, or a deletion): Native
+        # commits the smallest prefix that covers the real shortfall and skips a step that no
+        # longer commits (seed: Native 按实际缺口 … 裁切严格前缀)
+        verdict.remedies += [P.Reclaim(step) for step in planner.steps]
         if not covered and rights.take_back:
             victims = []
             for victim in self.sched.victims_for(n.req):
@@ -207,8 +211,7 @@ class Pressure:
                 if left:
                     before = {k: planner.freed_so_far(k) for k in left}
                     actions, covered = planner.plan(left)
-                    if actions:
-                        verdict.remedies.append(P.Reclaim(actions))
+                    verdict.remedies += [P.Reclaim(step) for step in planner.steps]
                     for k in left:
                         freed[k] = freed.get(k, 0) + planner.freed_so_far(k) - before[k]
         verdict.covered = covered
@@ -216,7 +219,9 @@ class Pressure:
             if rights.pause_self and n.req.sid is not None:
                 to_host, host_victims = self.pause_route(n.req, planner, facts)
                 verdict.on_short = P.Pause(n.req.sid, to_host, host_victims)
-            elif self.alone(n, taken, tx_busy):
+            elif self.alone(n, taken, tx_busy) and not any(isinstance(r, P.TakeBack) for r in verdict.remedies):
+                # (a take-back releases what it frees only as its snapshot publishes: the
+                # contract is judged again once nobody is about to release anything)
                 verdict.error = self._contract(n, short, facts)
         return verdict, planner, freed
 
@@ -287,6 +292,7 @@ class Pressure:
         actions are conditional: the worker commits them only if they make the save fit."""
         benefit, own, owner_reuse = self.rm.capture_terms(req, sp, rec)
         p = Planner(facts, self.rm.table, self.protected(req) | protect, lambda o: False, None, planner)
+        self.last_refused = bool(p.cands)      # None below with candidates: the admission table said no
         return p.plan_capture(benefit, own, owner_reuse)
 
 

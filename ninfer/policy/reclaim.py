@@ -85,62 +85,98 @@ class Planner:
         self.demote = demote
         self.f = facts
         self.table = table
-        self.tickets = tickets or {}          # pause-snapshot owner -> its request's original ticket
+        self.tickets = tickets or {}          # pause-snapshot or waiter owner -> its request's original ticket
         self.steps: list[list[P.Action]] = []  # the plan as separately committable steps
         self.victims: set[int] = set(prior.victims) if prior else set()
         self.demoted_images: set[int] = set(prior.demoted_images) if prior else set()
         self.demoted_blocks: set[int] = set(prior.demoted_blocks) if prior else set()
         self.host_used: list[tuple[int, int]] = list(prior.host_used) if prior else []
         self.cands: dict[int, Candidate] = {}
+        self._prefix_cache: dict[int, list[tuple[int, int]]] = {}
         for cid, c in facts.checkpoints.items():
             if cid in protect or c.leased:
                 continue
             cls = _classify(c.owners, table, may_revoke)
             if cls is not None:
-                self.cands[cid] = Candidate(cid, cls, _demand_time(c.owners, table), c.frontier)
+                hot = _demand_time(c.owners, table)
+                if cls >= 2:     # revocable holds: the youngest holder's first (seed: 优先考虑较年轻等待者)
+                    hot = -max((self.tickets.get(o, -1) for o in c.owners
+                                if isinstance(o, (WaiterOwner, SnapshotOwner))), default=-1)
+                self.cands[cid] = Candidate(cid, cls, hot, c.frontier)
         self._hot_protection_covers_proven_only()
         self._apply_soft_target()
 
     def _hot_protection_covers_proven_only(self) -> None:
-        """Private hot protection covers the proven position only: a deeper, not yet proven
-        point whose owner's proven position survives in another exact point of the same
-        history is handled as normal content (seed: 私有热保护对应其已证明的采用位置)."""
+        """Private hot protection is per record and covers its proven position only: a deeper,
+        not yet proven point of a reuse record is normal content for that record when another
+        surviving, exact point *of the same record* still covers the proven position (seed:
+        私有热保护对应其已证明的采用位置; 同一 owner 真正幸存的较早、精确兼容恢复点仍覆盖这个位置) —
+        another history's point does not count, nor an input point shallower than the proven
+        position. A shared hot owner (a public entry) protects on its own."""
         for cand in self.cands.values():
             if cand.cls != 1:
                 continue
             owners = self.f.checkpoints[cand.cid].owners
-            recs = [r for o in owners if isinstance(o, RecordOwner) and (r := _owner_record(o, self.table)) is not None]
-            if not recs or any(isinstance(o, EntryOwner) for o in owners):
+            if any(isinstance(o, EntryOwner) and (e := _owner_record(o, self.table)) is not None
+                   and e.level == Level.REUSE for o in owners):
                 continue
-            proven = max(r.evidence.proven_frontier for r in recs)
-            if cand.frontier > proven and self.fallback(cand.cid, set()) >= proven > 0:
+            recs = [r for o in owners if isinstance(o, RecordOwner)
+                    and (r := _owner_record(o, self.table)) is not None and r.level == Level.REUSE]
+            if recs and not any(self._protects(r, cand) for r in recs):
                 cand.cls = 0
 
+    def _protects(self, rec, cand: Candidate) -> bool:
+        proven = rec.evidence.proven_frontier
+        if cand.frontier <= proven or proven <= 0:
+            return True
+        own = {c for _, c in rec.points()}
+        return not any(other in own and pf >= proven for pf, other in self._prefixes(cand.cid))
+
     # ==== retention ======================================================================
-    def _footprint(self, cid: int) -> tuple[set, set, int]:
+    def _footprint(self, cid: int) -> tuple[set, set, set]:
+        """(Device pages, Device slots, Host extents) of one checkpoint, as identities: a
+        union over several points counts shared content once."""
         c = self.f.checkpoints[cid]
         pages = {b for b in c.blocks if self.f.blocks[b].device}
         slots = {cid} if c.image_device else set()
-        host = (c.image_at[1] if c.image_at else 0) + sum(
-            self.f.blocks[b].host_at[1] for b in c.blocks if self.f.blocks[b].host_at)
+        host = ({c.image_at} if c.image_at else set()) | {
+            self.f.blocks[b].host_at for b in c.blocks if self.f.blocks[b].host_at}
         return pages, slots, host
 
     def _apply_soft_target(self) -> None:
-        """Reuse content beyond 3/4 of any physical pool (unique footprint, newest demand
-        first) ranks as normal; the single newest record may exceed the target alone."""
-        reuse = sorted((c for c in self.cands.values() if c.cls == 1), key=lambda c: -c.demand_time)
+        """The reuse segment is kept per record (private records and public entries), newest
+        real demand first, to 3/4 of each physical pool counted by unique footprint (all of
+        the record's points); older reuse records beyond it rank as normal for this pass. The
+        single newest record may exceed the target alone (seed: 复用段 … 软目标)."""
+        holders: dict[int, tuple[float, set[int]]] = {}
+        for c in self.cands.values():
+            if c.cls != 1:
+                continue
+            for o in self.f.checkpoints[c.cid].owners:
+                rec = _owner_record(o, self.table)
+                if rec is None or rec.level != Level.REUSE:
+                    continue
+                pts = {c2 for _, c2 in rec.points()} if isinstance(o, RecordOwner) else {rec.cid}
+                holders[id(rec)] = (rec.evidence.demand_time or 0.0, {p for p in pts if p in self.f.checkpoints})
         pages: set = set()
         slots: set = set()
-        host = 0
+        hosted: set = set()
         cap = self.f.pools
-        for i, c in enumerate(reuse):
-            p, s, h = self._footprint(c.cid)
-            pages |= p
-            slots |= s
-            host += h
+        kept: set[int] = set()
+        for i, (_, pts) in enumerate(sorted(holders.values(), key=lambda x: (-x[0], min(x[1], default=0)))):
+            for cid in pts:
+                p, s, h = self._footprint(cid)
+                pages |= p
+                slots |= s
+                hosted |= h
+            host = sum(size for _, size in hosted)
             over = (len(pages) > SOFT_TARGET * cap[P.MAIN].total or len(slots) > SOFT_TARGET * cap[P.STATE].total
                     or (self.f.host_capacity and host > SOFT_TARGET * self.f.host_capacity))
             if over and i > 0:
+                break
+            kept |= pts
+        for c in self.cands.values():
+            if c.cls == 1 and c.cid not in kept:
                 c.cls = 0
 
     # ==== facts ==========================================================================
@@ -148,22 +184,37 @@ class Planner:
         info = self.table.ckpts.get(cid)
         return info.tokens if info else None
 
+    def _prefixes(self, cid: int) -> list[tuple[int, int]]:
+        """(frontier, cid) of the live cache points that are exact prefixes of ``cid`` (itself
+        excluded), deepest first — found through the prefix index (one pass over the tokens),
+        never by scanning the directory. Cached for this pass."""
+        got = self._prefix_cache.get(cid)
+        if got is None:
+            got = [(f, o) for f, o in self.table.prefixes_of(cid) if o in self.f.checkpoints]
+            self._prefix_cache[cid] = got
+        return got
+
     def fallback(self, cid: int, gone: set[int]) -> int:
         """Deepest surviving exact-prefix point of ``cid`` (0 = root)."""
-        toks = self._tokens(cid)
-        if toks is None:
-            return 0
-        best = 0
-        for other, info in self.table.ckpts.items():
-            if other == cid or other in gone or other not in self.f.checkpoints:
-                continue
-            if info.ref.kind is P.CkptKind.CACHE and info.frontier <= len(toks) and info.tokens == toks[: info.frontier]:
-                best = max(best, info.frontier)
-        return best
+        return next((f for f, other in self._prefixes(cid) if other not in gone), 0)
 
     def loss(self, group: frozenset[int] | set[int]) -> int:
+        """Restore-token loss of deleting ``group`` (with the victims already chosen), counted
+        per history: each member loses down to its surviving fallback, less what a co-deleted
+        shallower point of the same history (or an identical alias) already counts — nested E,
+        input point and Shared do not add the same coverage twice, and aliases deleted
+        together are not each other's fallback."""
         gone = self.victims | set(group)
-        return sum(self.cands[c].frontier - self.fallback(c, gone) for c in group)
+        total = 0
+        for c in group:
+            f = self.cands[c].frontier
+            floor = self.fallback(c, gone)
+            for pf, other in self._prefixes(c):
+                if other in group and (pf < f or other < c):
+                    floor = max(floor, pf)
+                    break
+            total += f - floor
+        return total
 
     def _freed_blocks(self, gone: set[int]) -> set[int]:
         out = set()
@@ -219,32 +270,55 @@ class Planner:
         placed = place_first_fit(free, [s for _, s in self.host_used])
         return placed[1] if placed else []
 
+    def host_gain_cap(self, holes: list[tuple[int, int]], sizes: list[int]) -> int:
+        """What a Host victim's freed bytes count for when ranking (seed: 排序收益以字节缺口为
+        上限): the byte shortfall, or — when the free bytes suffice but do not fit — the
+        largest single allocation."""
+        free = sum(s for _, s in holes)
+        need = sum(sizes)
+        return need - free if free < need else max(sizes)
+
+    def _host_rank(self, c: Candidate, chosen: set[int], sizes: list[int], cap: int, base: int):
+        """Reclaim order for the next Host victim: normal before reuse content; an action that
+        lets the request fit before one that only adds free bytes; normal content by loss per
+        useful freed byte (capped), reuse content oldest demand first."""
+        fits = place_first_fit(self._holes(chosen | {c.cid}), sizes) is not None
+        gain = min(cap, max(1, sum(s for _, s in self._host_freed_by(chosen | {c.cid})) - base))
+        loss = self.loss(chosen | {c.cid}) - self.loss(chosen) if chosen else self.loss({c.cid})
+        order = loss / gain if c.cls == 0 else c.demand_time
+        return (c.cls, not fits, order, c.cid)
+
     def place_host(self, sizes: list[int], admissible: Callable[[Candidate], bool],
-                   budget: float | None = None) -> tuple[list[int], int] | None:
-        """Host victims (in reclaim order) that let ``sizes`` fit first-fit, pruned of the
-        unneeded; (victims, their loss) or None if no admissible set places it."""
+                   budget: float | Callable[[], float] | None = None) -> tuple[list[int], int] | None:
+        """Host victims that let ``sizes`` fit first-fit into contiguous free extents (byte
+        totals do not count), added one by one in reclaim order (``_host_rank``), then pruned
+        of those no longer needed; (victims, their loss) or None if no admissible set places
+        it (then nothing is deleted)."""
         if not sizes:
             return [], 0
         if place_first_fit(self._holes(set()), sizes) is not None:
             return [], 0
         migrating = self._migrating()
-        order = sorted((c for c in self.cands.values()
-                        if c.cid not in self.victims and c.cid not in migrating and admissible(c)
-                        and self.f.checkpoints[c.cid].image_at),
-                       key=lambda c: (c.cls, self.loss({c.cid}), c.demand_time, c.cid))
+        pool = [c for c in self.cands.values()
+                if c.cid not in self.victims and c.cid not in migrating and admissible(c)
+                and self.f.checkpoints[c.cid].image_at]
         chosen: list[int] = []
-        for c in order:
-            chosen.append(c.cid)
-            if place_first_fit(self._holes(set(chosen)), sizes) is not None:
+        while True:
+            holes = self._holes(set(chosen))
+            if place_first_fit(holes, sizes) is not None:
                 break
-        else:
-            return None
+            rest = [c for c in pool if c.cid not in chosen]
+            if not rest:
+                return None
+            cap = self.host_gain_cap(holes, sizes)
+            base = sum(s for _, s in self._host_freed_by(set(chosen)))
+            chosen.append(min(rest, key=lambda c: self._host_rank(c, set(chosen), sizes, cap, base)).cid)
         for cid in list(chosen):                     # drop actions no longer needed
             rest = [x for x in chosen if x != cid]
             if place_first_fit(self._holes(set(rest)), sizes) is not None:
                 chosen = rest
         loss = self.loss(set(chosen))
-        if budget is not None and loss >= budget:
+        if budget is not None and loss >= (budget() if callable(budget) else budget):
             return None
         return chosen, loss
 
@@ -302,7 +376,9 @@ class Planner:
         return sorted(sets, key=sorted)
 
     def _ticket(self, cid: int) -> int | None:
-        return min((self.tickets[o] for o in self.f.checkpoints[cid].owners if o in self.tickets), default=None)
+        """The original ticket of the pause snapshot this checkpoint is (None: not one)."""
+        return min((self.tickets[o] for o in self.f.checkpoints[cid].owners
+                    if isinstance(o, SnapshotOwner) and o in self.tickets), default=None)
 
     def host_admission(self, cand: Candidate):
         """Which Host content a demotion of ``cand`` may replace, and the loss budget
@@ -318,7 +394,8 @@ class Planner:
             return snapshot_may, None
         def own(v: Candidate) -> bool:
             return v.cls == 0 or (cand.cls == 1 and v.cls == 1 and v.demand_time < cand.demand_time)
-        return own, cand.frontier - self.fallback(cand.cid, self.victims)
+        # the budget is computed only if Host victims are needed at all (most placements fit)
+        return own, lambda: cand.frontier - self.fallback(cand.cid, self.victims)
 
     def _options(self, pool: str, short: int) -> list[tuple]:
         """(cls, demand time, loss, freed, action, host sizes, host victims) per option."""

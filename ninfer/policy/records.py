@@ -35,6 +35,7 @@ class CkptInfo:
     ref: CkptRef
     tokens: tuple[int, ...]
     owners: set[Owner] = field(default_factory=set)
+    host_pages: int = 0             # Main KV pages only on the Host (a restore reads them back)
 
     @property
     def cid(self) -> int:
@@ -101,6 +102,8 @@ class RecordTable:
         self.entries: dict[int, PublicEntry] = {}
         self.sessions: dict[str, int] = {}          # session -> record id (newest publication)
         self.index = PrefixIndex()                  # live cache points by exact prefix digest
+        self._adds = 0                              # cache points indexed so far (an epoch)
+        self._prefixes: dict[int, tuple[int, list[tuple[int, int]]]] = {}   # cid -> (epoch, list)
 
     # -- checkpoints -------------------------------------------------------------------------
     def add_ckpt(self, ref: CkptRef, tokens: tuple[int, ...], owner: Owner) -> CkptInfo:
@@ -109,6 +112,7 @@ class RecordTable:
             info = self.ckpts[ref.cid] = CkptInfo(ref, tokens)
             if ref.kind is CkptKind.CACHE:
                 self.index.add(ref.cid, tokens)
+                self._adds += 1
         info.owners.add(owner)
         return info
 
@@ -121,15 +125,18 @@ class RecordTable:
         if not info.owners:
             del self.ckpts[cid]
             self.index.remove(cid)
+            self._prefixes.pop(cid, None)
             return True
         return False
 
     def forget_ckpt(self, cid: int) -> list[Owner]:
         """A physical delete: every logical use of the checkpoint disappears with it."""
+        uses, ents = self.record_of(cid), self.entries_of(cid)     # O(its owners), not O(table)
         info = self.ckpts.pop(cid, None)
         self.index.remove(cid)
+        self._prefixes.pop(cid, None)
         owners = list(info.owners) if info else []
-        for rec in list(self.records.values()):
+        for rec, _ in uses:
             if rec.e == cid:
                 rec.e = None
             if rec.input_point == cid:
@@ -137,9 +144,27 @@ class RecordTable:
             if cid in rec.anchors:
                 rec.anchors.remove(cid)
             self.prune(rec)
-        for ent in [e for e in self.entries.values() if e.cid == cid]:
+        for ent in ents:
             del self.entries[ent.id]
         return owners
+
+    def prefixes_of(self, cid: int) -> list[tuple[int, int]]:
+        """(frontier, cid) of the live cache points that are exact prefixes of ``cid`` (itself
+        excluded; identical aliases included), deepest first — through the prefix index, never
+        a directory scan. Kept until a new point is indexed; deleted ones are filtered out."""
+        got = self._prefixes.get(cid)
+        if got is None or got[0] != self._adds:
+            info = self.ckpts.get(cid)
+            out: list[tuple[int, int]] = []
+            if info is not None:
+                toks = info.tokens
+                for other in self.index.lookup(list(toks), len(toks)):
+                    o = self.ckpts.get(other)
+                    if other != cid and o is not None and o.tokens == toks[: o.frontier]:
+                        out.append((o.frontier, other))
+                out.sort(reverse=True)
+            got = self._prefixes[cid] = (self._adds, out)
+        return [(f, o) for f, o in got[1] if o in self.ckpts]
 
     # -- records ---------------------------------------------------------------------------
     def new_record(self, session: str | None, insert: bool = True) -> PrivateRecord:
@@ -173,7 +198,22 @@ class RecordTable:
             self.sessions[rec.session] = rec.id
 
     def record_of(self, cid: int) -> list[tuple[PrivateRecord, Role]]:
-        return [(r, role) for r in self.records.values() for role, c in r.points() if c == cid]
+        """The records using ``cid`` and in which role, found through the checkpoint's owners
+        (every use is also an owner), in record order."""
+        info = self.ckpts.get(cid)
+        if info is None:
+            return []
+        out = []
+        for o in info.owners:
+            if isinstance(o, RecordOwner) and (r := self.records.get(o.record)) is not None \
+                    and (o.role, cid) in r.points():
+                out.append((r, o.role))
+        out.sort(key=lambda x: (x[0].id, x[1]))
+        return out
 
     def entries_of(self, cid: int) -> list[PublicEntry]:
-        return [e for e in self.entries.values() if e.cid == cid]
+        info = self.ckpts.get(cid)
+        if info is None:
+            return []
+        return sorted((e for o in info.owners if isinstance(o, EntryOwner)
+                       and (e := self.entries.get(o.entry)) is not None and e.cid == cid), key=lambda e: e.id)

@@ -37,7 +37,9 @@ class CacheBook:
     save_points: list[SavePoint] = field(default_factory=list)   # pending, by frontier
     source_cid: int | None = None           # the source it adopts (protected until bound)
     wait: P.CkptRef | None = None           # waiting reference on a blocked valuable source
+    carried: list[P.CkptRef] = field(default_factory=list)   # the compatible points it carries, held too
     observed: set[int] = field(default_factory=set)   # candidate positions already observed
+    unfit: set[int] = field(default_factory=set)      # sources whose restore cannot fit at all
 
 
 @dataclass
@@ -57,14 +59,21 @@ class Admission:
         return self.source.frontier if self.source else 0
 
 
+LOST_CAUSES = ("evicted", "released", "skipped_no_room", "skipped_no_admission", "skipped_no_turn")
+# evicted: reclaim deleted it; released: its last owner let it go (a record's newer E replaced
+# it, an anchor retired); skipped_*: the save never happened — no Device slot or Host room, the
+# admission table refused the replacement, or no turn (a full recovery permit was active)
+
+
 @dataclass
 class CacheStats:
     queries: int = 0
     hits: int = 0
     reused_tokens: int = 0
     queried_tokens: int = 0
-    lost_hits: int = 0                # prefix matched deeper, but its checkpoint is missing
+    lost_hits: int = 0                # prefix matched a history whose restore point is missing
     lost_tokens: int = 0
+    lost_by_cause: dict = field(default_factory=dict)   # cause -> lost hits (LOST_CAUSES)
     captures: int = 0
     captures_skipped: int = 0
     summary_hits: int = 0             # repeat-demand evidence used (retention only; never a hit)
@@ -77,8 +86,8 @@ class ResourceManager:
         self.cost = cost or CostModel()
         self.table = RecordTable()
         self.stats = CacheStats()
-        self.summary = DemandSummary(256)
-        self.remembered: OrderedDict[tuple[int, bytes], None] = OrderedDict()   # deleted points
+        self.summary = DemandSummary(256, info.exec_identity)
+        self.remembered: OrderedDict[tuple[int, bytes], str] = OrderedDict()   # missing points -> cause
         self.books: dict[str, CacheBook] = {}
 
     # ==== the per-request table =========================================================
@@ -100,18 +109,35 @@ class ResourceManager:
         return rec.owner(Role.E) if rec is not None else None
 
     # ==== sources ======================================================================
-    def candidates(self, tokens: list[int], limit: int) -> list[CkptInfo]:
+    def candidates(self, tokens: list[int], limit: int, rid: str | None = None) -> list[CkptInfo]:
         """Complete cache points on the hit path: the index narrows by digest, then tokens are
-        compared exactly."""
+        compared exactly. A point only waiters keep is no public candidate except for its own
+        waiter ``rid`` (seed: 仅由等待者保留的点不作为新的公共目录入口)."""
         out = []
         for cid in self.table.index.lookup(tokens, limit):
             info = self.table.ckpts.get(cid)
-            if info is not None and tuple(tokens[: info.frontier]) == info.tokens:
-                out.append(info)
+            if info is None or tuple(tokens[: info.frontier]) != info.tokens:
+                continue
+            if info.owners and all(isinstance(o, WaiterOwner) and o.rid != rid for o in info.owners):
+                continue
+            out.append(info)
         return out
 
     def _h2d_bytes(self, info: CkptInfo) -> int:
-        return 0 if info.ref.device else self.info.image_bytes
+        """What restoring this source reads back: its StateImage unless on the Device, and
+        its KV pages that only the Host holds (the worker reports placement changes)."""
+        return (0 if info.ref.device else self.info.image_bytes) + info.host_pages * self.info.page_bytes
+
+    def placed(self, changes) -> None:
+        """Mirror the worker's placement report (O(what changed))."""
+        for cid, generation, on_device, host_pages in changes:
+            info = self.table.ckpts.get(cid)
+            if info is None or info.ref.generation != generation:
+                continue
+            r = info.ref
+            if r.device != on_device:
+                info.ref = P.CkptRef(r.cid, r.generation, r.frontier, r.kind, on_device, r.host or not on_device)
+            info.host_pages = host_pages
 
     def _rank_key(self, info: CkptInfo, req: Request, target: int):
         """Cost first; ties by bytes moved, deeper position, legal session hint, private use,
@@ -124,15 +150,20 @@ class ResourceManager:
                 not session, not recs, -order, info.cid)
 
     def choose(self, req: Request, target: int, limit: int) -> CkptInfo | None:
-        cands = self.candidates(req.ledger, limit)
+        cands = self.candidates(req.ledger, limit, req.rid)
+        book = self.books.get(req.rid)
+        if book is not None and book.unfit:
+            cands = [c for c in cands if c.cid not in book.unfit]
         if not cands:
             return None
         best = min(cands, key=lambda c: self._rank_key(c, req, target))
         return best if self._rank_key(best, req, target)[0] <= self.cost.source_cost(0, target) else None
 
-    def plan_admission(self, req: Request) -> Admission:
+    def plan_admission(self, req: Request, queued: list[Request] = ()) -> Admission:
         """Fresh admission: the best source for the prompt, takeover or branch, Move or Fork.
-        A request waiting on a source keeps it unless it became invalid or a better one exists."""
+        A request waiting on a source keeps it unless it became invalid or a better one exists.
+        E is Moved only when no other ``queued`` request (the fresh queue, this scan included)
+        also extends it — a sibling continuation would otherwise recompute it; those Fork."""
         P_len = len(req.prompt)
         src = self.choose(req, P_len, P_len)
         if src is None:
@@ -143,17 +174,36 @@ class ResourceManager:
         own_wait = WaiterOwner(req.rid)
         if rec is not None:
             adm.record, adm.takeover = rec, True
-            if role is Role.E and src.owners - {own_wait} == {rec.owner(Role.E)}:
+            if role is Role.E and src.owners - {own_wait} == {rec.owner(Role.E)} \
+                    and not self._extended_by(src, req, queued):
                 adm.mode, adm.mover = P.BindMode.MOVE, rec.owner(Role.E)
+            adm.retire = self._superseded(rec, src, req)
         else:
             adm.record = self._branch(req)
         return adm
 
+    def _superseded(self, rec: PrivateRecord, src: CkptInfo, req: Request) -> list[P.Retire]:
+        """Taking a record over from a shallower point (an input point after a rewrite): its
+        deeper E that this prompt no longer continues is retired once the bind is admitted
+        (seed: 接纳后退休获准替代的更深私有点); a failed bind retires nothing."""
+        e = self.table.ckpts.get(rec.e) if rec.e is not None else None
+        if e is None or e.cid == src.cid or e.frontier <= src.frontier:
+            return []
+        if e.frontier <= len(req.prompt) and tuple(req.prompt[: e.frontier]) == e.tokens:
+            return []
+        return [P.Retire(e.cid, e.ref.generation, rec.owner(Role.E))]
+
+    @staticmethod
+    def _extended_by(src: CkptInfo, req: Request, queued) -> bool:
+        f = src.frontier
+        return any(r is not req and r.live and len(r.prompt) >= f and tuple(r.prompt[:f]) == src.tokens
+                   for r in queued)
+
     def _may_take_over(self, rec: PrivateRecord, req: Request) -> bool:
         """A non-active record that may be updated is taken over; an occupied relation or a
         cross-entry case (a different named session) branches instead."""
-        if rec.active is not None:
-            return False
+        if rec.active is not None or rec.publication_order > req.ticket:
+            return False          # seed: 重新查询也不能接管 publication order 晚于本请求的记录
         return rec.session is None or req.spec.session_id in (None, rec.session)
 
     def _branch(self, req: Request) -> PrivateRecord:
@@ -179,7 +229,25 @@ class ResourceManager:
         src.owners.add(owner)
         book.wait = src.ref
         self.stats.waits += 1
-        return cmds + [P.AddOwner(src.cid, src.ref.generation, owner)]
+        cmds.append(P.AddOwner(src.cid, src.ref.generation, owner))
+        # it carries the record's still compatible input point and anchors: held with it
+        # (seed: 等待请求引用同一个 Native 检查点，并携带本次兼容的输入恢复点与有限锚点)
+        rec = adm.record if adm.takeover else None
+        for cid in ([rec.input_point, *rec.anchors] if rec is not None else []):
+            info = self.table.ckpts.get(cid) if cid is not None else None
+            if info is None or info.cid == src.cid or owner in info.owners or info.frontier > len(req.prompt) \
+                    or tuple(req.prompt[: info.frontier]) != info.tokens:
+                continue
+            info.owners.add(owner)
+            book.carried.append(info.ref)
+            cmds.append(P.AddOwner(info.cid, info.ref.generation, owner))
+        return cmds
+
+    def unfit_source(self, req: Request, cid: int) -> list[P.Command]:
+        """Restoring this source cannot fit even alone (its KV pages on the Host plus the
+        first unit exceed Main): the request reselects without it rather than failing."""
+        self.book(req).unfit.add(cid)
+        return self.end_wait(req)
 
     def waiting_on(self, req: Request) -> P.CkptRef | None:
         b = self.books.get(req.rid)
@@ -187,21 +255,41 @@ class ResourceManager:
 
     def end_wait(self, req: Request) -> list[P.Command]:
         book = self.books.get(req.rid)
-        if book is None or book.wait is None:
+        if book is None or (book.wait is None and not book.carried):
             return []
-        ref, book.wait = book.wait, None
+        refs = [r for r in (book.wait, *book.carried) if r is not None]
+        book.wait, book.carried = None, []
         owner = WaiterOwner(req.rid)
-        if ref.cid in self.table.ckpts:
+        cmds = []
+        for ref in refs:
+            info = self.table.ckpts.get(ref.cid)
+            if info is None or info.ref.generation != ref.generation or owner not in info.owners:
+                continue                       # deleted meanwhile (revoked): nothing to release
             self._drop_use(ref.cid, owner)     # its last owner gone: the mirror forgets it too
-        return [P.ReleaseOwner(ref.cid, ref.generation, owner)]
+            cmds.append(P.ReleaseOwner(ref.cid, ref.generation, owner))
+        return cmds
 
     # ==== save opportunities ===========================================================
+    @staticmethod
+    def input_point(req: Request) -> int:
+        """The request's input-side restore position: the frontend's C or R, else — with no
+        typed rewrite — P, the raw input end (seed: P 没有 typed rewrite 的 raw/token 输入终点)."""
+        r = req.spec.recovery_frontier
+        return len(req.prompt) if r is None else r
+
     def candidate_positions(self, req: Request) -> list[int]:
         """Positions where this request offers a save: its input restore point, anchors, markers."""
         pos = set(req.spec.anchors) | set(req.spec.markers)
-        if req.spec.recovery_frontier is not None:
-            pos.add(req.spec.recovery_frontier)
+        pos.add(self.input_point(req))
         return sorted(pos)
+
+    def existing_point(self, req: Request, f: int) -> CkptInfo | None:
+        """A cache checkpoint of exactly ``prompt[:f]`` already kept (another request computed
+        it): a save there shares it instead of keeping a second physical copy."""
+        for info in self.candidates(req.prompt, f):
+            if info.frontier == f:
+                return info
+        return None
 
     def save_plan(self, req: Request, start: int, rec: PrivateRecord) -> list[SavePoint]:
         """Input restore point, anchors and markers inside (start, P] — never chunk ends.
@@ -217,8 +305,8 @@ class ResourceManager:
                 if entry is not None:
                     sp.entries[owner] = entry
 
-        r = req.spec.recovery_frontier
-        if r is not None and not self._carried(rec.input_point, req.prompt, r):
+        r = self.input_point(req)
+        if not self._carried(rec.input_point, req.prompt, r):
             add(r, rec.owner(Role.INPUT), "in")
         for a in sorted(set(req.spec.anchors)):
             if not any(self._carried(c, req.prompt, a) for c in rec.anchors):    # updated in place
@@ -248,21 +336,35 @@ class ResourceManager:
             return []
         return [P.Retire(info.cid, info.ref.generation, rec.owner(Role.INPUT))]
 
-    def anchor_overflow(self, req: Request, rec: PrivateRecord | None = None) -> list[P.Retire]:
-        """Over four anchors: the oldest published is replaced (applied once the unit ran)."""
+    def anchor_replace(self, req: Request, sp: SavePoint, rec: PrivateRecord | None = None) -> list[P.Retire] | None:
+        """The anchor hold a new anchor at ``sp`` supersedes (seed: 锚点同位置更新，超限替换最旧
+        发布点；无法安全替换则放弃本次保存): the record's anchor at the same position (its
+        history changed) is updated in place; at the limit, an anchor no longer on this
+        request's history goes before a still-valid one, oldest published first. Given up only
+        if the save happens. None: replacing is unsafe (the point is being adopted right
+        now) — the save is given up."""
         rec = rec or self.book(req).record
-        out = []
-        for cid in rec.anchors[: max(0, len(rec.anchors) - MAX_ANCHORS + 1)]:
-            info = self.table.ckpts.get(cid)
-            if info is not None:
-                out.append(P.Retire(cid, info.ref.generation, rec.owner(Role.ANCHOR)))
-        return out
+        live = [(cid, info) for cid in rec.anchors if (info := self.table.ckpts.get(cid)) is not None]
+        same = [cid for cid, info in live if info.frontier == sp.frontier]
+        if same:
+            victim = same[0]
+        elif len(live) >= MAX_ANCHORS:
+            stale = [cid for cid, info in live
+                     if info.frontier > len(req.prompt) or tuple(req.prompt[: info.frontier]) != info.tokens]
+            victim = (stale or [cid for cid, _ in live])[0]
+        else:
+            return []
+        if victim in self.adopting():
+            return None
+        return [P.Retire(victim, self.table.ckpts[victim].ref.generation, rec.owner(Role.ANCHOR))]
 
     def retired(self, req: Request, retire: list[P.Retire]) -> None:
         """The worker released these holds when the unit ran (whether or not its save found
         room): mirror it."""
         rec = self.book(req).record
         for r in retire:
+            if rec.e == r.cid and r.owner == rec.owner(Role.E):
+                rec.e = None
             if rec.input_point == r.cid and r.owner == rec.owner(Role.INPUT):
                 rec.input_point = None
             if r.cid in rec.anchors and r.owner == rec.owner(Role.ANCHOR):
@@ -276,7 +378,7 @@ class ResourceManager:
         f = sp.frontier
         deeper = [c.frontier for c in self.candidates(req.prompt, f) if c.frontier < f]
         benefit = f - max(deeper, default=0)
-        obs = self.summary.get(digest(req.prompt[:f]))
+        obs = self.summary.get(digest(req.prompt[:f]), f)
         own = obs.last if obs is not None and obs.repeated else None
         if own is not None:
             self.stats.summary_hits += 1
@@ -307,12 +409,12 @@ class ResourceManager:
                 continue
             for rec, role in self.table.record_of(info.cid):
                 rec.level = Level.REUSE
-                rec.evidence.demand_time = now
+                rec.evidence.demand_time = max(rec.evidence.demand_time or 0.0, now)
                 if role is Role.INPUT:
                     rec.evidence.proven_frontier = f
             for ent in self.table.entries_of(info.cid):
                 ent.level = Level.REUSE
-                ent.evidence.demand_time = now
+                ent.evidence.demand_time = max(ent.evidence.demand_time or 0.0, now)
 
     def _note_adoption(self, req: Request, src: CkptInfo, child: PrivateRecord, takeover: bool) -> None:
         """Real cross-request adoption. Consume (takeover) resets the owner's (time, proven
@@ -332,7 +434,7 @@ class ResourceManager:
         for ent in self.table.entries_of(src.cid):
             ent.evidence.demand_time = now
             ent.level = Level.REUSE
-        self.summary.observe(digest(src.tokens), src.frontier, req.rid, now)
+        self.summary.observe(digest(src.tokens), src.frontier, req.rid, now, adopted=True)
 
     # ==== bookkeeping ==================================================================
     def on_bound(self, req: Request, adm: Admission, save_points: list[SavePoint]) -> None:
@@ -343,10 +445,12 @@ class ResourceManager:
         rec.active = req.rid
         book = self.book(req)
         book.record, book.save_points = rec, save_points
+        if adm.retire:
+            self.retired(req, adm.retire)    # the worker gave these up with the admitted bind
         if adm.source is not None and adm.cached:
             self._note_adoption(req, adm.source, rec, adm.takeover)
         if adm.mode is P.BindMode.MOVE and adm.source is not None:
-            self._forget(adm.source.cid)         # consumed by the Move
+            self._forget(adm.source.cid, "moved")   # consumed by the Move: continued, not lost
 
     def on_resumed(self, req: Request, adm: Admission | None) -> None:
         """A Replay resume bound from a cache point (never a hit); a Snapshot resume moved its
@@ -365,19 +469,25 @@ class ResourceManager:
         if fs:
             digs = prefix_digests(req.prompt, fs)
             deeper = max((f for f in fs if (f, digs[f]) in self.remembered), default=0)
-            if deeper:
+            cause = self.remembered[(deeper, digs[deeper])] if deeper else None
+            if cause is not None and cause != "moved":   # a Moved E was continued, not lost
                 s.lost_hits += 1
                 s.lost_tokens += deeper - got
+                s.lost_by_cause[cause] = s.lost_by_cause.get(cause, 0) + 1
 
-    def on_captured(self, req: Request, sp: SavePoint, ref: P.CkptRef) -> list[P.Command]:
-        """Attach a new checkpoint to its uses; returns AddOwner commands for extra owners."""
-        self.stats.captures += 1
+    def on_captured(self, req: Request, sp: SavePoint, ref: P.CkptRef, shared: bool = False) -> list[P.Command]:
+        """Attach a new checkpoint to its uses (``shared``: an identical one that was already
+        kept); returns AddOwner commands for the owners the capture itself did not create."""
+        if not shared:
+            self.stats.captures += 1
         rec = self.book(req).record
         tokens = tuple(req.ledger[: ref.frontier])
         cmds: list[P.Command] = []
         for i, (owner, kind) in enumerate(zip(sp.owners, sp.kinds)):
+            if kind == "m" and shared and self._has_entry(req.prompt, ref.frontier):
+                continue                       # the public entry there already serves
             self.table.add_ckpt(ref, tokens, owner)
-            if i > 0:
+            if i > 0 or shared:
                 cmds.append(P.AddOwner(ref.cid, ref.generation, owner))
             if kind == "m":
                 ent = sp.entries[owner]
@@ -387,14 +497,21 @@ class ResourceManager:
                 rec.input_point = ref.cid
             elif kind == "a":
                 rec.anchors.append(ref.cid)
-        obs = self.summary.get(digest(tokens))
+        obs = self.summary.get(digest(tokens), ref.frontier)
         if obs is not None and obs.repeated:
-            self._promote(list(tokens), ref.frontier, time.monotonic())
+            # the candidate's own demand time: a pure save is no evidence (seed: 单纯保存不刷新证据)
+            self._promote(list(tokens), ref.frontier, obs.last)
         return cmds
 
-    def on_skipped(self, sp: SavePoint) -> None:
-        """No room for an optional save: nothing is kept (tentative entries never existed)."""
+    def on_skipped(self, req: Request, sp: SavePoint, cause: str) -> None:
+        """An optional save that did not happen (``cause``: one of LOST_CAUSES' skip reasons):
+        nothing is kept (tentative entries never existed); a later request that matches this
+        history counts a lost hit of that cause."""
         self.stats.captures_skipped += 1
+        tokens = req.prompt[: sp.frontier]
+        if not self.candidates(tokens, sp.frontier) or all(
+                c.frontier < sp.frontier for c in self.candidates(tokens, sp.frontier)):
+            self._note_missing(sp.frontier, digest(tokens), cause)
 
     def on_finished(self, req: Request, e: P.CkptRef) -> list[P.Command]:
         """Normal finish: the frozen state is the record's new E (the old E, if it survived a
@@ -424,18 +541,19 @@ class ResourceManager:
     def _drop_use(self, cid: int, owner: Owner) -> None:
         info = self.table.ckpts.get(cid)
         if info is not None and self.table.drop_owner(cid, owner):
-            self._remember(info)
+            self._note_missing(info.frontier, digest(info.tokens), "released")
 
-    def _forget(self, cid: int) -> None:
+    def _forget(self, cid: int, cause: str | None = "evicted") -> None:
         info = self.table.ckpts.get(cid)
         self.table.forget_ckpt(cid)
-        if info is not None:
-            self._remember(info)
+        if info is not None and cause is not None:
+            self._note_missing(info.frontier, digest(info.tokens), cause)
 
-    def _remember(self, info: CkptInfo) -> None:
-        """Keep the digest of deleted points (bounded) to count hits lost to a missing
-        checkpoint — the metric users of other engines ask for."""
-        self.remembered[(info.frontier, digest(info.tokens))] = None
+    def _note_missing(self, frontier: int, dig: bytes, cause: str) -> None:
+        """Keep the digest of designed restore points that are missing (bounded), with why,
+        to attribute hits lost to them — the metric users of other engines ask for."""
+        self.remembered[(frontier, dig)] = cause
+        self.remembered.move_to_end((frontier, dig))
         while len(self.remembered) > 256:
             self.remembered.popitem(last=False)
 

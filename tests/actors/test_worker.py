@@ -98,3 +98,33 @@ def test_a_saves_admitted_room_is_committed_only_when_it_needs_it(tiny_model, sl
             assert u.room_applied is not None and u.room_applied.ok and old.cid not in w.prog.checkpoints
     finally:
         w.shutdown()
+
+
+def test_reclaim_steps_are_trimmed_to_the_shortfall_and_a_stale_one_is_skipped(tiny_model):
+    """Finding 10: a plan's reclaim comes as separately committable steps; Native commits the
+    shortest prefix that covers the real shortfall, and a step that no longer commits (stale
+    since its quote) is skipped while the later ones are still tried one by one."""
+    w = Worker(tiny_model, EngineConfig(dtype="float64", max_concurrency=1, max_context=256, kv_capacity=256,
+                                        context_cache={"device_state_slots": 3, "host_capacity_bytes": 0}))
+    try:
+        points = []
+        for i in range(3):                              # three cached points fill the extra slots
+            r = _step(w, [_capture_plan(10 + i, f"p{i}", 20, P.EntryOwner(i + 1))])
+            points.append(r.units[0].captured)
+            w.handle(P.encode(P.StepPlan(20 + i, commands=[P.Release(r.intents[0].sid)])))
+        [fx] = P.decode_reply(w.handle(P.encode(P.StepPlan(30, commands=[P.Quote()])))).commands
+        dels = [P.Delete(c.cid, c.generation, fx.facts.checkpoints[c.cid].version) for c in points]
+        slots = w.prog.pools["state"]
+        held = slots.available
+        slots.reserve(held)                             # no free slot: the bind needs one reclaimed
+        stale = P.Delete(dels[0].cid, dels[0].generation, dels[0].version + 999)
+        b = _bind(41, "b", 10)
+        b.remedies = [P.Reclaim([stale]), P.Reclaim([dels[1]]), P.Reclaim([dels[2]])]
+        out = _step(w, [b]).intents[0]
+        slots.unreserve(held)
+        assert out.outcome is P.Outcome.OK, out
+        assert [a.index for a in out.applied] == [1]     # the stale step skipped, the third not needed
+        assert points[0].cid in w.prog.checkpoints and points[1].cid not in w.prog.checkpoints
+        assert points[2].cid in w.prog.checkpoints
+    finally:
+        w.shutdown()

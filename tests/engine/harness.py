@@ -22,7 +22,8 @@ from ninfer.sampling_params import SamplingParams
 class Harness:
     def __init__(self, model_dir: str, dtype: str = "float64", **cfg):
         self.model_dir = model_dir
-        self.config = EngineConfig.from_dict({"dtype": dtype, **cfg})
+        # the built-in cost defaults: measured rates would make source order depend on timing
+        self.config = EngineConfig.from_dict({"dtype": dtype, "cost_calibration": False, **cfg})
         self.worker = Worker(model_dir, self.config)
         self.core = EngineCore(InprocClient(self.worker), self.config, self._sink)
         self.finals: dict[str, P.FinalEvent] = {}
@@ -109,3 +110,13 @@ def oracle(model_dir: str, prompt: list[int], dtype: str = "float64", **params) 
 def force_pause(h: Harness, rid: str) -> None:
     """Pause a resident now as the preemption chain would (the core's test seam)."""
     h.core.preempt(rid)
+
+
+def run(h: Harness, prompt, **kw) -> P.FinalEvent:
+    """Submit one request, run the engine until it ends, and return its final event (it must
+    have completed normally)."""
+    rid = h.submit(prompt, **kw)
+    h.run(until=lambda: h.done(rid))
+    f = h.finals[rid]
+    assert f.finish_reason in ("length", "stop"), f.error
+    return f

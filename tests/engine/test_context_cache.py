@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ninfer import protocol as P
-from tests.engine.harness import Harness, oracle
+from tests.engine.harness import Harness, oracle, run
 from tests.factories import random_prompt
 
 
@@ -16,14 +16,6 @@ def make(make_harness):
         cfg.setdefault("max_context", 512)
         return make_harness(**cfg)
     return build
-
-
-def run(h: Harness, prompt, **kw):
-    rid = h.submit(prompt, **kw)
-    h.run(until=lambda: h.done(rid))
-    f = h.finals[rid]
-    assert f.finish_reason in ("length", "stop"), f.error
-    return f
 
 
 def facts(h: Harness) -> P.Facts:
@@ -119,14 +111,14 @@ def test_hot_predecessor_with_one_off_branches(make, tiny_model):
 
 
 def test_long_input_without_save_points(make, tiny_model):
-    """Chunk ends are never save opportunities: a long prompt without restore points leaves
-    exactly one checkpoint — its generation end."""
+    """Chunk ends are never save opportunities: a long raw prompt leaves exactly its input end P
+    (the raw input's restore point) and its generation end — nothing at the 32-token chunk ends."""
     h = make(max_concurrency=1, kv_capacity=8 * 64, prefill_chunk_tokens=32,
              context_cache={"device_state_slots": 4, "host_capacity_bytes": 16 << 20})
     p = random_prompt(300, seed=14)
     f = run(h, p, max_tokens=4)
-    assert h.core.rm.stats.captures == 0
-    assert list(points(h)) == [300 + 4 - 1]
+    assert h.core.rm.stats.captures == 1
+    assert sorted(points(h)) == [300, 300 + 4 - 1]
     assert f.usage["prefill_tokens"] == 300 and f.token_ids == oracle(tiny_model, p, max_tokens=4)
     h.check_clean()
 
@@ -184,15 +176,16 @@ def test_repeated_computation_builds_demand_evidence(make, tiny_model):
     run(h, big, max_tokens=2)                        # its E fills the only spare slot
     x = random_prompt(60, seed=31)
     prompts = [x + random_prompt(40, seed=32 + i) for i in range(4)]
-    fa = run(h, prompts[0], max_tokens=2, markers=[60])
-    fb = run(h, prompts[1], max_tokens=2, markers=[60])
+    # the input point is the marker position (one save opportunity per request)
+    fa = run(h, prompts[0], max_tokens=2, markers=[60], recovery_frontier=60)
+    fb = run(h, prompts[1], max_tokens=2, markers=[60], recovery_frontier=60)
     assert 60 not in points(h)                       # row 1: 60 tokens of coverage < losing an E
     assert h.core.rm.stats.captures_skipped == 2
     hits_before = h.core.rm.stats.hits
-    fc = run(h, prompts[2], max_tokens=2, markers=[60])
+    fc = run(h, prompts[2], max_tokens=2, markers=[60], recovery_frontier=60)
     assert 60 in points(h), "repeat demand should admit the save (row 2)"
     assert h.core.rm.stats.summary_hits >= 1 and h.core.rm.stats.hits == hits_before
-    fd = run(h, prompts[3], max_tokens=2, markers=[60])
+    fd = run(h, prompts[3], max_tokens=2, markers=[60], recovery_frontier=60)
     assert fd.usage["cached_tokens"] == 60 and h.core.rm.stats.hits == hits_before + 1
     for f, p in zip((fa, fb, fc, fd), prompts):
         assert f.token_ids == oracle(tiny_model, p, max_tokens=2)
@@ -241,9 +234,10 @@ def test_waiting_reference_protects_a_blocked_source(make):
     for _ in range(5):
         h.cycle()
     held = [c for c in facts(h).checkpoints.values() if any(isinstance(o, P.WaiterOwner) for o in c.owners)]
-    assert held and held[0].frontier == 101
+    # the base prompt's input end P = 100 survived (dropping its E lost only one token)
+    assert held and held[0].frontier == 100
     h.run(until=lambda: h.done(runner, waiter))
-    assert h.finals[waiter].usage["cached_tokens"] == 101
+    assert h.finals[waiter].usage["cached_tokens"] == 100
     assert not any(isinstance(o, P.WaiterOwner) for c in facts(h).checkpoints.values() for o in c.owners)
     assert h.core.rm.stats.waits >= 1
     h.check_clean()
@@ -278,5 +272,6 @@ def test_stats_separate_real_hits_from_summary_hits_and_count_lost_hits(make):
     run(h, p + f1.token_ids + [1, 2], max_tokens=2)
     s = h.core.stats_dict()["cache"]
     assert s["hit_losses"] == 1 and s["hit_loss_tokens"] == 101
+    assert s["hit_losses_by_cause"] == {"evicted": 1}
     assert s["hits"] == 0 and s["summary_hits"] == 0
     h.check_clean()

@@ -188,16 +188,16 @@ def test_a_transfer_in_flight_does_not_stop_the_chain(make, tiny_model):
     save, so no demotion can be the remedy)."""
     image = make(max_concurrency=1).core.info.image_bytes
     h = make(max_concurrency=1, kv_capacity=4 * 64, prefill_chunk_tokens=256,
-             context_cache={"device_state_slots": 1, "host_capacity_bytes": image},
+             context_cache={"device_state_slots": 2, "host_capacity_bytes": image},
              faults=[{"kind": "completion_delay", "steps": 10000, "count": 0}])
-    r0 = h.submit(random_prompt(100, seed=1), max_tokens=8)
+    r0 = h.submit(random_prompt(100, seed=1), max_tokens=8)      # P@100 and E@107: 2 slots, 2 pages
     h.run(until=lambda: h.done(r0))
-    p = random_prompt(100, seed=2)
-    r = h.submit(p, max_tokens=60, recovery_frontier=100)     # its save goes to the Host
+    p = random_prompt(60, seed=2)
+    r = h.submit(p, max_tokens=100, recovery_frontier=60)        # its save at 60 goes to the Host
     h.run(until=lambda: _running(h, r))
     assert h.core.tx_busy
-    assert _skipped_decode_cycles(h, r) == {r: 0}
-    _check(h, tiny_model, r, p, max_tokens=60)
+    assert _skipped_decode_cycles(h, r) == {r: 0}                # at 128: r0's points are deleted
+    _check(h, tiny_model, r, p, max_tokens=100)
     h.check_clean()
 
 
@@ -205,7 +205,7 @@ def test_oldest_paused_takes_back_a_lane(make, tiny_model):
     """Finding 5: the oldest paused request, with no older resident and no free lane, takes
     its lane back from the younger resident instead of waiting for it to finish."""
     h = make(max_concurrency=1, kv_capacity=4 * 64, prefill_chunk_tokens=64,
-             context_cache={"host_capacity_bytes": 4 << 20})
+             context_cache={"host_capacity_bytes": 4 << 20, "device_state_slots": 2})
     pb, pa, pz = random_prompt(40, seed=2), random_prompt(30, seed=3), random_prompt(10, seed=4)
     b = h.submit(pb, max_tokens=30, rid="B")
     a = h.submit(pa, max_tokens=150, rid="A")
@@ -257,7 +257,8 @@ def test_pause_without_host_room_is_destructive_and_replays(make, tiny_model):
     h.run(until=lambda: len(h.streams.get(b, [])) >= 3)
     force_pause(h, b)
     [out] = h.core.call_commands([P.Quote()])
-    assert out.facts.pools[P.MAIN].free == 4 and _req(h, b).snapshot is None
+    cached = {bid for c in out.facts.checkpoints.values() for bid in c.blocks if out.facts.blocks[bid].device}
+    assert out.facts.pools[P.MAIN].free == 4 - len(cached) and _req(h, b).snapshot is None
     h.core.sched.event()
     h.run(until=lambda: h.done(b))
     f = h.finals[b]
@@ -306,7 +307,7 @@ def test_a_host_save_is_not_lost_to_a_read_back(make, tiny_model):
     b = h.submit(fresh, max_tokens=4, recovery_frontier=100)   # its first unit ends on its save
     h.run(until=lambda: h.done(a, b))
     s = h.core.stats_dict()["cache"]
-    assert s["captures"] == 1 and s["captures_skipped"] == 0 and s["captures_skipped_with_room"] == 0
+    assert s["captures"] >= 1 and s["captures_skipped"] == 0 and s["captures_skipped_with_room"] == 0
     again = h.submit(fresh + [7], max_tokens=3)
     h.run(until=lambda: h.done(again))
     assert h.finals[again].usage["cached_tokens"] == 100
@@ -403,10 +404,11 @@ def test_optional_captures_are_skipped_while_a_recovery_permit_is_active(make, t
     h.run(until=lambda: (q := _req(h, r)) is not None and q.phase is Phase.RUNNING)
     assert _req(h, r).recovery_pending or h.core.rm.stats.captures_skipped == 1
     h.run(until=lambda: h.done(r, x))
-    assert h.core.rm.stats.captures_skipped == 1 and h.core.rm.stats.captures == 0
+    assert h.core.rm.stats.captures_skipped == 1               # x's save, during R's recovery
+    saved = h.core.rm.stats.captures
     y = h.submit(random_prompt(90, seed=13), max_tokens=3, recovery_frontier=90)
     h.run(until=lambda: h.done(y))
-    assert h.core.rm.stats.captures == 1                       # no recovery permit: saved
+    assert h.core.rm.stats.captures == saved + 1               # no recovery permit: saved
     _check(h, tiny_model, r, pr, max_tokens=30)
     _check(h, tiny_model, x, px, max_tokens=3)
     h.check_clean()

@@ -39,7 +39,9 @@ def test_worker_death_at_a_named_point(tiny_model, point):
     """In-flight requests fail with worker_lost; requests that were only queued survive; the
     worker is recreated once (the fault does not fire again in the new one)."""
     skip = 1 if point == "mid_transaction" else 3          # steps that end with a save in flight are rarer
-    eng = _start(tiny_model, {"kind": "worker_death", "point": point, "skip": skip}, max_concurrency=1)
+    # inline copies: which steps end with a transaction in flight does not depend on a thread
+    eng = _start(tiny_model, {"kind": "worker_death", "point": point, "skip": skip}, max_concurrency=1,
+                 copy_engine="inline")
     try:
         prompts = [random_prompt(60, seed=i) for i in range(3)]
         hs = [eng.generate(p, max_tokens=20, ignore_eos=True, recovery_frontier=50) for p in prompts]
@@ -97,8 +99,10 @@ def test_completion_faults_keep_outputs_exact(tiny_model, kind):
     try:
         base = random_prompt(100, seed=40)
         prompts = [base + random_prompt(20, seed=41 + i) for i in range(3)]
-        for p in prompts:                       # one at a time: the cache moves Device <-> Host
-            out = eng.generate(p, max_tokens=6, ignore_eos=True, recovery_frontier=100).result(120)
+        for i, p in enumerate(prompts):         # one at a time: the cache moves Device <-> Host
+            # (separate sessions: each branches, so the earlier generation ends stay and move)
+            out = eng.generate(p, max_tokens=6, ignore_eos=True, recovery_frontier=100,
+                               session_id=f"s{i}").result(120)
             assert out.finish_reason == "length" and out.token_ids == _ref(tiny_model, p, 6)
         assert eng.stats()["bytes_d2h"] > 0
         _serves(eng, tiny_model)

@@ -85,7 +85,7 @@ def test_scan_is_not_reopened_by_ordinary_decode(make):
     blocked = h.submit(random_prompt(150, seed=4), max_tokens=2)
     quotes = []
     orig = h.core.rm.plan_admission
-    h.core.rm.plan_admission = lambda req: quotes.append(req.rid) or orig(req)
+    h.core.rm.plan_admission = lambda req, *a: quotes.append(req.rid) or orig(req, *a)
     for _ in range(15):                                # the runner only decodes meanwhile
         h.cycle()
     assert quotes.count(blocked) == 1

@@ -542,3 +542,24 @@ def test_a_block_shared_by_two_demoted_checkpoints_is_copied_once(prog, oracle):
     prog.release(s2)
     prog.release_owner(a, "a")
     prog.release_owner(b, "b")
+
+
+def test_a_replaced_hold_goes_only_with_a_save_that_happens(tiny_model):
+    """Finding 2: a new anchor's replacement is given up only when the save finds its
+    destination — or first, when giving it up is what frees that destination; a save that
+    cannot happen leaves the old anchor in place (seed: 无法安全替换则放弃本次保存)."""
+    prog = make_program(tiny_model, kv_capacity=2048, context_cache={"host_capacity_bytes": 0})
+    old = _capture_at(prog, random_prompt(30, seed=90), owner="anchor")
+    full = prog.pools[STATE].available
+    prog.pools[STATE].reserve(full)                      # no free slot
+    prog.add_owner(old, "other")                         # retiring the anchor frees nothing now
+    assert prog.prepare_capture("new", (), [(old, "anchor")]) is None
+    assert "anchor" in old.owners                        # the failed save retired nothing
+    prog.release_owner(old, "other")
+    dest = prog.prepare_capture("new", (), [(old, "anchor")])
+    assert dest is not None and old.cid not in prog.checkpoints     # replaced to make the room
+    prog.drop_capture(dest)
+    prog.pools[STATE].unreserve(full)
+    prog.check_integrity(idle=True)
+    assert prog.is_empty()
+    prog.shutdown()

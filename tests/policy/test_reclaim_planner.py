@@ -3,6 +3,9 @@ and the admission table's rows (seed: 回收与准入)."""
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from ninfer import protocol as P
 from ninfer.placement import align
 from ninfer.policy.reclaim import Planner
@@ -163,3 +166,155 @@ def test_placement_counts_contiguous_extents_not_bytes():
     q.host = 2 * IMG
     acts, _ = q.planner().plan({P.STATE: 1})
     assert acts == [P.Delete(1, 1, 1)]
+
+
+def test_nested_points_deleted_together_count_their_history_once():
+    """Finding 5: deleting a nested E@100 with its input point @80 loses 100 restore tokens,
+    not 180; with a surviving fallback @50 it loses 50. Identical aliases deleted together
+    count their coverage once and are not each other's fallback."""
+    q = Quote(host=0)
+    toks = list(range(1, 101))
+    e, inp = q.ckpt(1, 100, tokens=toks), q.ckpt(2, 80, tokens=toks[:80])
+    pl = q.planner()
+    assert pl.loss({e, inp}) == 100 and pl.loss({e}) == 20 and pl.loss({inp}) == 80
+    q.ckpt(3, 50, tokens=toks[:50])
+    assert q.planner().loss({e, inp}) == 50
+    q2 = Quote(host=0)
+    a, b = q2.ckpt(1, 60, tokens=toks[:60]), q2.ckpt(2, 60, tokens=toks[:60])
+    pl = q2.planner()
+    assert pl.loss({a}) == 0 and pl.loss({a, b}) == 60
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(points=st.lists(st.tuples(st.integers(10, 200), st.booleans(), st.booleans(), st.sampled_from([0, 1])),
+                       min_size=1, max_size=6),
+       benefit=st.integers(1, 250))
+def test_a_capture_without_own_demand_loses_less_than_its_benefit_in_all(points, benefit):
+    """Finding 6: the fixed new-coverage budget is cumulative — the Device step and the Host
+    step of one admitted save together delete less restore coverage than the save adds
+    (Device slots and the Host are full: every way to make room deletes something)."""
+    points = [(f, dev or not on_host, on_host, nested) for f, dev, on_host, nested in points]
+    q = Quote(slots=sum(1 for _, dev, _, _ in points if dev), host=sum(1 for p in points if p[2]) * IMG)
+    base = list(range(1, 201))
+    for i, (f, dev, on_host, nested) in enumerate(points):
+        toks = base[:f] if nested else None              # nested points share one history
+        q.ckpt(i + 1, f, tokens=toks, device=dev, host_image=on_host)
+    pl = q.planner()
+    acts = pl.plan_capture(benefit=benefit, own_demand=None, owner_reuse=False)
+    if not acts:
+        return
+    deleted = {a.cid for a in acts if isinstance(a, P.Delete)}
+    if deleted:
+        assert q.planner().loss(deleted) < benefit, (acts, benefit)
+
+
+def test_revocable_waiters_go_youngest_first():
+    """Finding 7: when waiting references must be revoked, the youngest waiter's goes first —
+    not the one whose record saw the oldest demand."""
+    young, old = P.WaiterOwner("young"), P.WaiterOwner("old")
+    q = Quote(host=0)
+    q.ckpt(1, 80, demand=1.0)                             # the old waiter's point: older demand
+    q.ckpt(2, 80, demand=9.0)
+    for cid, w in ((1, old), (2, young)):                 # each also held by a waiter
+        c = q.cks[cid]
+        q.cks[cid] = P.CheckpointFact(c.cid, c.generation, c.version, c.kind, c.frontier, c.owners + (w,),
+                                      c.image_device, c.image_host, c.leased, c.blocks, c.image_at)
+        q.table.ckpts[cid].owners.add(w)
+    pl = Planner(q.facts(), q.table, set(), lambda o: True, {old: 3, young: 8})
+    assert pl.cands[1].cls == pl.cands[2].cls == 2
+    acts, covered = pl.plan({P.STATE: 1})
+    assert covered and acts == [P.Delete(2, 1, 1)]
+
+
+def _add_point(q: Quote, rec_id: int, role, cid: int, frontier: int, tokens, n_blocks=1):
+    """A second point of an existing record (its input point or an anchor)."""
+    owner = P.RecordOwner(rec_id, role)
+    q.ckpt(cid, frontier, tokens=tokens, owner=owner, n_blocks=n_blocks)
+    rec = q.table.records[rec_id]
+    if role == P.Role.INPUT:
+        rec.input_point = cid
+    else:
+        rec.anchors.append(cid)
+    del q.table.records[max(q.table.records)]            # the helper's own empty record
+    return cid
+
+
+def test_soft_target_keeps_whole_records_and_the_newest_may_exceed():
+    """Finding 12: the reuse segment is kept per record — the newest record's E and input
+    point stay reuse together even past 3/4 of Main (the single newest record may exceed the
+    target); an older record beyond the target is normal content."""
+    q = Quote(main=8, slots=4, host=0)
+    toks = list(range(1, 400))
+    q.ckpt(1, 300, tokens=toks[:300], level=Level.REUSE, demand=9.0, n_blocks=5)
+    new_rec = next(iter(q.table.records))
+    _add_point(q, new_rec, P.Role.INPUT, 2, 100, toks[:100], n_blocks=2)
+    q.ckpt(3, 64, level=Level.REUSE, demand=1.0)
+    pl = q.planner()
+    assert pl.cands[1].cls == 1 and pl.cands[2].cls == 1        # 7 pages > 6, one record
+    assert pl.cands[3].cls == 0                                  # older, beyond the target
+
+
+def test_hot_protection_is_covered_only_by_the_records_own_points():
+    """Finding 12: a reuse record's deeper unproven E stays protected unless one of the
+    record's own surviving points covers its proven position — another history's point at a
+    deeper position does not count."""
+    q = Quote(main=8, slots=4, host=0)
+    toks = list(range(1, 400))
+    q.ckpt(1, 150, tokens=toks[:150], level=Level.REUSE, demand=5.0)
+    rid = next(iter(q.table.records))
+    q.table.records[rid].evidence.proven_frontier = 100
+    q.ckpt(2, 120, tokens=toks[:120])                            # another record's point
+    pl = q.planner()
+    assert pl.cands[1].cls == 1
+    _add_point(q, rid, P.Role.INPUT, 3, 110, toks[:110])       # its own point covers 100
+    assert q.planner().cands[1].cls == 0
+
+
+def _host_point(q: Quote, cid: int, frontier: int, extent: tuple[int, int], demand: float = 0.0) -> int:
+    """A checkpoint whose StateImage lives only on the Host, at ``extent``."""
+    q.ckpt(cid, frontier, device=False, demand=demand)
+    c = q.cks[cid]
+    q.cks[cid] = P.CheckpointFact(c.cid, c.generation, c.version, c.kind, c.frontier, c.owners,
+                                  False, True, False, c.blocks, extent)
+    q.host_used.append(extent)
+    return cid
+
+
+def test_host_placement_prefers_an_action_that_lets_it_fit():
+    """Finding 11: a victim that lets the allocation fit comes before victims that only add
+    free bytes (seed: 能让申请放下的动作优先于只增加空闲字节的动作), and what is no longer needed is
+    pruned: one image-sized victim (loss 50) instead of two adjacent half-size ones (loss 10
+    each) that together would also make room."""
+    half = IMG // 2
+    q = Quote(host=2 * IMG)
+    a = _host_point(q, 1, 10, (0, half))
+    c = _host_point(q, 2, 10, (half, half))
+    b = _host_point(q, 3, 50, (IMG, IMG))
+    pl = q.planner()
+    got = pl.place_host([IMG], lambda v: True)
+    assert got == ([b], 50), got
+    assert a not in got[0] and c not in got[0]
+
+
+def test_host_placement_prunes_victims_it_no_longer_needs():
+    """Finding 11: when no single victim makes room, victims are added in reclaim order and
+    those the final set does not need are dropped again: the cheapest, isolated one is not
+    deleted for nothing."""
+    half = IMG // 2
+    q = Quote(host=3 * IMG)
+    l1 = _host_point(q, 1, 5, (0, half))
+    l2 = _host_point(q, 2, 6, (half, half))
+    q.host_used.append((IMG, IMG))                           # content nobody may delete
+    lone = _host_point(q, 3, 1, (2 * IMG, half))             # the cheapest, but isolated
+    q.host_used.append((2 * IMG + half, half))
+    got = q.planner().place_host([IMG], lambda v: True)
+    assert got is not None and sorted(got[0]) == [l1, l2] and lone not in got[0], got
+
+
+def test_host_gain_is_capped_at_the_shortfall():
+    """Finding 11: a victim's freed bytes rank only up to the byte shortfall — or, when the
+    free bytes suffice but do not fit, up to the largest single allocation."""
+    q = Quote(host=4 * IMG)
+    pl = q.planner()
+    assert pl.host_gain_cap([(0, IMG // 2)], [IMG]) == IMG - IMG // 2          # short of bytes
+    assert pl.host_gain_cap([(0, IMG // 2), (IMG, IMG)], [IMG, PAGE]) == IMG   # bytes suffice
