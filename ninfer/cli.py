@@ -3,7 +3,7 @@
     ninfer make-tiny-model DIR [--seed N] [--arch qwen3_next|qwen3]
     ninfer demo [--model DIR]
     ninfer serve --model DIR [--config FILE] [--host 127.0.0.1] [--port 8000] [--address auto]
-    ninfer bench controller|agent|actors [--model DIR] [--out FILE]
+    ninfer bench controller|agent|actors|cache-scale [--model DIR] [--out FILE]
 
 Errors a user can cause (bad directory, bad config) print one line and exit with status 2.
 """
@@ -61,7 +61,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from importlib import import_module
 
-    import_module(f"ninfer.benchmarks.{args.name}").run(args.model, out=args.out)
+    import_module(f"ninfer.benchmarks.{args.name.replace('-', '_')}").run(args.model, out=args.out)
     return 0
 
 
@@ -100,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("bench", help="benchmarks: print a table and JSON (see bench/README.md)")
-    p.add_argument("name", choices=["controller", "agent", "actors"], help="controller: cost per steady decode cycle; "
+    p.add_argument("name", choices=["controller", "agent", "actors", "cache-scale"],
+                   help="controller: cost per steady decode cycle; cache-scale: controller cost against cached records; "
                    "agent: multi-turn agent prefill vs the infinite-cache floor at two capacities; "
                    "actors: Ray vs in-process overhead and decode tok/s at C=1..8")
     p.add_argument("--model", default="models/tiny", help="model directory; built if missing")

@@ -36,3 +36,34 @@ def report(name: str, result: dict, rows: list[dict], columns: list[str], out: s
 def ensure_model(path: str) -> str:
     from ninfer.demo import ensure_model as _ensure
     return str(_ensure(path))
+
+
+def plot_svg(path: str, title: str, xs: list[float], series: dict[str, list[float]]) -> None:
+    """A small log-x line plot as a standalone SVG (no plotting dependency)."""
+    import math
+    w, h, pad = 560, 320, 48
+    lx = [math.log10(max(x, 1)) for x in xs]
+    ymax = max((v for ys in series.values() for v in ys if v is not None), default=1.0) or 1.0
+    x0, x1 = min(lx), max(lx) if max(lx) > min(lx) else min(lx) + 1
+
+    def px(x: float) -> float:
+        return pad + (w - 2 * pad) * (x - x0) / (x1 - x0)
+
+    def py(y: float) -> float:
+        return h - pad - (h - 2 * pad) * y / ymax
+    colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"]
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="11">',
+           f'<text x="{w / 2}" y="16" text-anchor="middle" font-size="13">{title}</text>',
+           f'<line x1="{pad}" y1="{h - pad}" x2="{w - pad}" y2="{h - pad}" stroke="black"/>',
+           f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{h - pad}" stroke="black"/>',
+           f'<text x="{pad - 4}" y="{pad}" text-anchor="end">{ymax:.3g}</text>',
+           f'<text x="{pad - 4}" y="{h - pad}" text-anchor="end">0</text>']
+    for x, l in zip(xs, lx):
+        out.append(f'<text x="{px(l)}" y="{h - pad + 14}" text-anchor="middle">{x}</text>')
+    for k, (name, ys) in enumerate(series.items()):
+        c = colors[k % len(colors)]
+        pts = " ".join(f"{px(l):.1f},{py(y):.1f}" for l, y in zip(lx, ys) if y is not None)
+        out.append(f'<polyline fill="none" stroke="{c}" stroke-width="2" points="{pts}"/>')
+        out.append(f'<text x="{w - pad}" y="{pad + 14 * k}" text-anchor="end" fill="{c}">{name}</text>')
+    out.append("</svg>")
+    Path(path).write_text("\n".join(out) + "\n")

@@ -1,0 +1,149 @@
+"""Controller cost against the size of the context cache (issue: bounded policy cost).
+
+The directory is filled with ``N`` cached records by serving ``N`` distinct short requests
+through one engine (each leaves its input point and generation end; the Host tier is sized
+to keep them all). Then, with ``N`` records kept, we measure the controller's own CPU time
+(thread time minus the time inside the worker call):
+
+* ``decode_us``    per steady decode cycle (4 residents, no pressure);
+* ``admit_ms``     per admission of a request whose prefix is cached (bind cycles);
+* ``reclaim_ms``   per admission that must reclaim Device pages held by cached content
+                   (the pressure settle on a quote included), and ``settle_ms`` for that
+                   reclaim decision alone;
+* ``fill_first_ms`` / ``fill_last_ms``: controller CPU per request over the first and the
+                   last 200 requests of the fill (the long-run flatness).
+
+Targets (issue): at 10k records a steady cycle ≤ 0.5 ms, an admission with reclaim ≤ 2 ms,
+cost at 10k ≤ 2× cost at 100, and the last 200 fill requests ≤ 1.5× the first 200.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from ninfer.benchmarks.controller import _Metered
+from ninfer.protocol import RequestSpec
+from ninfer.sampling_params import SamplingParams
+
+PROMPT = 24
+
+
+def _prompt(i: int, n: int = PROMPT) -> list[int]:
+    return [(i * 7919 + j * 104729 + (i >> 11)) % 2003 + 1 for j in range(n)]
+
+
+class _Timer:
+    """Controller CPU of the cycles run through it."""
+
+    def __init__(self, core, client):
+        self.core, self.client = core, client
+
+    def cycle(self) -> float:
+        w0, t = self.client.worker_s, time.thread_time()
+        self.core.cycle()
+        return (time.thread_time() - t) - (self.client.worker_s - w0)
+
+
+def _serve(timer: _Timer, specs: list[RequestSpec]) -> float:
+    reqs = [timer.core.add(s) for s in specs]
+    cpu = 0.0
+    while any(r.finished_at is None for r in reqs):
+        cpu += timer.cycle()
+    return cpu
+
+
+def _spec(i: int, n_out: int = 1, prompt=None) -> RequestSpec:
+    return RequestSpec(prompt=prompt or _prompt(i), params=SamplingParams(max_tokens=n_out, ignore_eos=True))
+
+
+def measure(model_dir: str, records: int, progress=None) -> dict:
+    from ninfer.actors.worker import Worker
+    from ninfer.config import EngineConfig
+    from ninfer.engine.core import EngineCore
+    probe = EngineConfig(max_concurrency=4, max_context=128, prefill_chunk_tokens=128)
+    w = Worker(model_dir, probe)
+    info = w.info()
+    w.shutdown()
+    per = info.image_bytes + 2 * info.page_bytes
+    cfg = EngineConfig(max_concurrency=4, max_context=128, prefill_chunk_tokens=128,
+                       context_cache={"host_capacity_bytes": int(records * per * 1.25) + (8 << 20)})
+    client = _Metered(Worker(model_dir, cfg))
+    core = EngineCore(client, cfg, lambda ev: None)
+    timer = _Timer(core, client)
+    settle = [0.0, 0]
+    orig = core.pressure.settle
+
+    def timed_settle(*a, **kw):
+        t = time.thread_time()
+        try:
+            return orig(*a, **kw)
+        finally:
+            settle[0] += time.thread_time() - t
+            settle[1] += 1
+    core.pressure.settle = timed_settle
+    per_request: list[float] = []
+    i, batch = 0, 4
+    while len(core.rm.table.records) < records and i < 4 * records:
+        cpu = _serve(timer, [_spec(i + k) for k in range(batch)])
+        per_request += [cpu / batch] * batch
+        i += batch
+        if progress:
+            progress(len(core.rm.table.records), records)
+    kept = len(core.rm.table.records)
+    # steady decode: 4 residents, nothing else happening
+    reqs = [core.add(_spec(10**6 + k, 40)) for k in range(4)]
+    for _ in range(6):
+        timer.cycle()
+    decode = [timer.cycle() for _ in range(20)]
+    while any(r.finished_at is None for r in reqs):
+        timer.cycle()
+    # admissions whose prefix is cached (a continuation of an early request)
+    admit = [_serve(timer, [_spec(0, 1, _prompt(k) + _prompt(k + 1, 8))]) for k in range(0, 40, 4)]
+    # admissions that must reclaim: long fresh prompts while the Device holds cached content
+    settle[:] = [0.0, 0]
+    reclaim = [_serve(timer, [_spec(0, 1, _prompt(2 * 10**6 + k, 100))]) for k in range(10)]
+    settles = settle[:]
+    stats = core.stats_dict()
+    client.worker.shutdown()
+    first, last = per_request[:200], per_request[-200:]
+    return {"records": kept, "checkpoints": len(core.rm.table.ckpts), "requests": i,
+            "decode_us": 1e6 * sorted(decode)[len(decode) // 2],
+            "admit_ms": 1e3 * sorted(admit)[len(admit) // 2],
+            "reclaim_ms": 1e3 * sorted(reclaim)[len(reclaim) // 2],
+            "settle_ms": 1e3 * settles[0] / max(1, settles[1]),
+            "fill_first_ms": 1e3 * sum(first) / max(1, len(first)),
+            "fill_last_ms": 1e3 * sum(last) / max(1, len(last)),
+            "captures": stats["cache"]["captures"]}
+
+
+def _bar(done: int, total: int) -> None:
+    n = 30 * done // max(1, total)
+    print(f"\r  [{'#' * n}{'.' * (30 - n)}] {done}/{total} records", end="", file=sys.stderr, flush=True)
+
+
+def run(model_dir: str, out: str | None = None, sizes=(100, 1000, 10000)) -> dict:
+    from ninfer.benchmarks.common import ensure_model, plot_svg, report
+    model_dir = ensure_model(model_dir)
+    rows = []
+    for n in sizes:
+        print(f"filling the cache to {n} records", file=sys.stderr)
+        rows.append(measure(model_dir, n, _bar))
+        print(file=sys.stderr)
+    base = rows[0]
+    for r in rows:
+        r["reclaim_x"] = r["reclaim_ms"] / base["reclaim_ms"] if base["reclaim_ms"] else None
+        r["decode_x"] = r["decode_us"] / base["decode_us"] if base["decode_us"] else None
+        r["fill_growth"] = r["fill_last_ms"] / r["fill_first_ms"] if r["fill_first_ms"] else None
+    result = {"note": "controller CPU (thread time minus the worker call) against cached records; "
+                      "targets at 10k: decode_us <= 500, reclaim_ms <= 2, reclaim_x/decode_x <= 2, fill_growth <= 1.5"}
+    report("cache-scale", result, rows, ["records", "checkpoints", "decode_us", "admit_ms", "reclaim_ms",
+                                         "settle_ms", "fill_first_ms", "fill_last_ms", "reclaim_x", "decode_x",
+                                         "fill_growth"], out)
+    if out:
+        svg = out.rsplit(".", 1)[0] + ".svg"
+        plot_svg(svg, "controller cost vs cached records", [r["records"] for r in rows],
+                 {"decode (ms)": [r["decode_us"] / 1e3 for r in rows], "admit (ms)": [r["admit_ms"] for r in rows],
+                  "admit with reclaim (ms)": [r["reclaim_ms"] for r in rows]})
+        print(f"plot written to {svg}", file=sys.stderr)
+    return {**result, "rows": rows}
