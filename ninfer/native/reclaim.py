@@ -195,15 +195,23 @@ def simulate(prog: "Program", remedies: list[Remedy], skipped: set[int] | None =
 
 
 def _freed(prog: "Program", sim: _Sim) -> Freed:
+    """What the simulated remedies free — looking only at what they touch (their checkpoints,
+    the paused sequences, the demoted blocks), never at the whole directory."""
     now = {STATE: 0, MAIN: 0}
     later = {STATE: 0, MAIN: 0}
-    for cid, ck in prog.checkpoints.items():
+    touched: dict[int, "KvBlock"] = {}
+    for cid in sim.gone | sim.images:
+        ck = prog.checkpoints.get(cid)
+        if ck is None:
+            continue
+        for b in ck.blocks.get(MAIN, ()):
+            touched[b.bid] = b
         img = ck.image
         if img.slot is None or img.leases:
             continue
         if cid in sim.gone:
             now[STATE] += 1
-        elif cid in sim.images:
+        else:
             (now if img.host is not None else later)[STATE] += 1
     for sid in sim.dropped | sim.snapped:        # a pause settles its reservation at once
         for k, n in prog.sequences[sid].reservation.amounts.items():
@@ -212,8 +220,15 @@ def _freed(prog: "Program", sim: _Sim) -> Freed:
         now[STATE] += 1
     for sid in sim.snapped:
         later[STATE] += 1
+    for sid in sim.dropped | sim.snapped:
+        for b in prog.sequences[sid].blocks.get(MAIN, ()):
+            touched[b.bid] = b
+    for bid in sim.blocks:
+        b = prog.blocks.get(bid)
+        if b is not None:
+            touched[bid] = b
     live = set(prog.sequences) - sim.dropped - sim.snapped
-    for b in prog.blocks.values():
+    for b in touched.values():
         if b.page is None or b.leases or b.kind != MAIN:
             continue
         left = b.holders - sim.gone - sim.dropped

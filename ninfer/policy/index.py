@@ -69,6 +69,13 @@ class PrefixIndex:
         else:
             del self._frontiers[key[0]]
 
+    def at(self, tokens: list[int] | tuple[int, ...], frontier: int) -> set[int]:
+        """Candidate checkpoint ids at exactly ``frontier`` whose digest matches
+        ``tokens[:frontier]`` (one digest, no scan)."""
+        if frontier not in self._frontiers or frontier > len(tokens):
+            return set()
+        return set(self._by_key.get((frontier, digest(tokens[:frontier])), ()))
+
     def lookup(self, tokens: list[int], limit: int) -> list[int]:
         """Candidate checkpoint ids whose (frontier, digest) matches a prefix of ``tokens``."""
         fs = [f for f in self._frontiers if f <= limit]

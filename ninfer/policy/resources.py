@@ -286,9 +286,13 @@ class ResourceManager:
     def existing_point(self, req: Request, f: int) -> CkptInfo | None:
         """A cache checkpoint of exactly ``prompt[:f]`` already kept (another request computed
         it): a save there shares it instead of keeping a second physical copy."""
-        for info in self.candidates(req.prompt, f):
-            if info.frontier == f:
-                return info
+        for cid in sorted(self.table.index.at(req.prompt, f)):
+            info = self.table.ckpts.get(cid)
+            if info is None or info.tokens != tuple(req.prompt[:f]):
+                continue
+            if info.owners and all(isinstance(o, WaiterOwner) and o.rid != req.rid for o in info.owners):
+                continue
+            return info
         return None
 
     def save_plan(self, req: Request, start: int, rec: PrivateRecord) -> list[SavePoint]:
@@ -322,8 +326,12 @@ class ResourceManager:
         return info is not None and info.frontier == r and tuple(prompt[:r]) == info.tokens
 
     def _has_entry(self, prompt: list[int], f: int) -> bool:
-        return any(e.frontier == f and tuple(prompt[:f]) == self.table.ckpts[e.cid].tokens
-                   for e in self.table.entries.values() if e.cid in self.table.ckpts)
+        """A public entry already serves exactly ``prompt[:f]`` (through the index, no scan)."""
+        for cid in self.table.index.at(prompt, f):
+            info = self.table.ckpts.get(cid)
+            if info is not None and info.tokens == tuple(prompt[:f]) and self.table.entries_of(cid):
+                return True
+        return False
 
     def retire_for(self, req: Request, sp: SavePoint, rec: PrivateRecord | None = None) -> list[P.Retire]:
         """A needed later input point retires the record's old one before its destination is
