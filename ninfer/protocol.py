@@ -195,7 +195,16 @@ class DemoteBlocks(msgspec.Struct, tag="demote_blocks", frozen=True, array_like=
     versions: tuple[int, ...]
 
 
-Action = Delete | DemoteState | DemoteBlocks
+class DropHostCopy(msgspec.Struct, tag="drop_host_copy", frozen=True, array_like=True):
+    """Release the Host replica of a checkpoint's StateImage that the Device also holds: a
+    safe duplicate, nothing is lost."""
+
+    cid: int
+    generation: int
+    version: int
+
+
+Action = Delete | DemoteState | DemoteBlocks | DropHostCopy
 
 
 class CommitResult(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):

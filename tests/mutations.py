@@ -210,6 +210,9 @@ MUTATIONS = [
     ("Native skips a reclaim step that no longer commits and tries the later ones", "ninfer/native/reclaim.py",
      "                out.append(_freed(prog, sim))\n                continue", "                break",
      ["tests/actors/test_worker.py::test_reclaim_steps_are_trimmed_to_the_shortfall_and_a_stale_one_is_skipped"]),
+    ("Host placement releases safe duplicates before any victim", "ninfer/policy/reclaim.py",
+     "        if dups:\n            spare = sorted(", "        if False:\n            spare = sorted(",
+     ["tests/policy/test_reclaim_planner.py::test_host_placement_releases_safe_duplicates_before_any_victim"]),
 ]
 
 

@@ -431,7 +431,8 @@ class _StepRun:
         deleted = {a.cid for a in cap.room if isinstance(a, P.Delete)}
         images, blocks = reclaim._migrations(prog, cap.room)
         sizes = prog.demotion_sizes(images, blocks) + [prog.mem.image_bytes]
-        fits_host = place_first_fit(prog.host_holes_after(deleted), sizes) is not None
+        dropped = {a.cid for a in cap.room if isinstance(a, P.DropHostCopy)}
+        fits_host = place_first_fit(prog.host_holes_after(deleted, dropped), sizes) is not None
         if freed[0].now.get(P.STATE, 0) < 1 and not fits_host:
             return None, P.CaptureResult.NO_ROOM, None
         res = reclaim.commit(prog, cap.room)

@@ -30,7 +30,9 @@ PROMPT = 24
 
 
 def _prompt(i: int, n: int = PROMPT) -> list[int]:
-    return [(i * 7919 + j * 104729 + (i >> 11)) % 2003 + 1 for j in range(n)]
+    """A distinct prompt per ``i`` (the first two tokens spell it out, up to 4M)."""
+    head = [i % 2000 + 1, (i // 2000) % 2000 + 1]
+    return (head + [(i * 7919 + j * 104729) % 2003 + 1 for j in range(n)])[:n]
 
 
 class _Timer:

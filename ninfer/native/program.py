@@ -805,9 +805,10 @@ class Program:
         return ([self.mem.image_bytes for ck in images if ck.image.host is None]
                 + [self.mem.page_bytes for b in blocks if not (b.host is not None and b.host_filled >= b.filled)])
 
-    def host_holes_after(self, deleted: set[int]) -> list[tuple[int, int]]:
-        """Free Host extents once the deleted checkpoints' exclusive Host replicas are gone
-        (adjacent extents merge, as the arena does)."""
+    def host_holes_after(self, deleted: set[int], dropped: set[int] = frozenset()) -> list[tuple[int, int]]:
+        """Free Host extents once the deleted checkpoints' exclusive Host replicas, and the
+        safe Host duplicates of the ``dropped`` ones, are gone (adjacent extents merge, as the
+        arena does)."""
         extents = list(self.host.free_extents())
         for cid in deleted:
             ck = self.checkpoints[cid]
@@ -816,7 +817,23 @@ class Program:
             for b in ck.blocks[MAIN]:
                 if b.host is not None and not b.leases and b.holders <= deleted:
                     extents.append((b.host.offset, b.host.size))
+        for cid in dropped:
+            extents += [(e.offset, e.size) for e in self.host_duplicates(self.checkpoints[cid])]
         return merge_extents(sorted(set(extents)))
+
+    def host_duplicates(self, ck: Checkpoint) -> list[Extent]:
+        """The Host replica of this checkpoint's StateImage when the Device holds it too and
+        nobody reads it (KV pages are shared between points: their copies stay)."""
+        img = ck.image
+        return [img.host] if img.slot is not None and img.host is not None and not img.leases else []
+
+    def drop_host_copy(self, ck: Checkpoint) -> None:
+        """Release a checkpoint's safe Host duplicate (seed: Host 先释放安全的重复副本)."""
+        img = ck.image
+        if img.slot is not None and img.host is not None and not img.leases:
+            self.host.release(img.host)
+            img.host = None
+            ck.touch()
 
     # ==== lifecycle ====================================================================
     def freeze(self, seq: Sequence, owner: Owner) -> Checkpoint:

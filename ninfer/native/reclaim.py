@@ -13,6 +13,9 @@ Actions:
     DemoteState(cid)       its StateImage leaves the Device (free at once if a Host replica
                            exists, else D2H first)
     DemoteBlocks(cid, ..)  a page group of its KV leaves the Device (same rule per block)
+    DropHostCopy(cid)      the Host replica of its StateImage, which the Device also holds,
+                           is released (a safe duplicate: nothing is lost; Host placement
+                           tries these before any victim)
 Migrations join the context transaction.
 
 ``simulate`` answers, without changing anything, what each prefix of an intent's remedies
@@ -28,8 +31,8 @@ from typing import TYPE_CHECKING
 
 from ninfer.placement import place_first_fit
 from ninfer.protocol import (
-    MAIN, STATE, Action, BlockFact, CheckpointFact, CommitResult, Delete, DemoteBlocks, DemoteState, Facts,
-    PoolFact, Reclaim, Remedy, TakeBack,
+    MAIN, STATE, Action, BlockFact, CheckpointFact, CommitResult, Delete, DemoteBlocks, DemoteState,
+    DropHostCopy, Facts, PoolFact, Reclaim, Remedy, TakeBack,
 )
 
 if TYPE_CHECKING:
@@ -91,6 +94,8 @@ def verify(prog: "Program", actions: list[Action], gone: set[int] = frozenset())
             why = prog.delete_ok(a)
             if why:
                 return why
+        if isinstance(a, DropHostCopy) and (ck.version != a.version or not prog.host_duplicates(ck)):
+            return f"checkpoint {a.cid} has no safe Host duplicate (changed since the quote)"
         if isinstance(a, DemoteState) and ck.version != a.version:
             return f"checkpoint {a.cid} changed since the quote"
         if isinstance(a, DemoteState) and (ck.image.slot is None or ck.image.leases):
@@ -119,11 +124,14 @@ def commit(prog: "Program", actions: list[Action]) -> CommitResult:
     if why:
         return CommitResult(ok=False, reason=f"stale: {why}")
     deleted = {a.cid for a in actions if isinstance(a, Delete)}
+    dropped = {a.cid for a in actions if isinstance(a, DropHostCopy)}
     images, blocks = _migrations(prog, actions)
     sizes = prog.demotion_sizes(images, blocks)
-    if sizes and place_first_fit(prog.host_holes_after(deleted), sizes) is None:
+    if sizes and place_first_fit(prog.host_holes_after(deleted, dropped), sizes) is None:
         return CommitResult(ok=False, reason="host: the destinations do not fit first-fit")
     before = {k: prog.pools[k].free for k in (MAIN, STATE)}
+    for cid in sorted(dropped):                 # safe duplicates first: nothing is lost
+        prog.drop_host_copy(prog.checkpoints[cid])
     for cid in sorted(deleted):
         prog._delete_checkpoint(prog.checkpoints[cid])
     jobs, part = prog.demote(images, blocks)
@@ -153,6 +161,7 @@ class _Sim:
     images: set[int] = field(default_factory=set)          # checkpoint images demoted
     blocks: set[int] = field(default_factory=set)          # blocks demoted explicitly
     sizes: list[int] = field(default_factory=list)         # Host bytes allocated so far
+    copies: set[int] = field(default_factory=set)          # checkpoints whose Host duplicates go
 
 
 def simulate(prog: "Program", remedies: list[Remedy], skipped: set[int] | None = None) -> list[Freed]:
@@ -164,15 +173,21 @@ def simulate(prog: "Program", remedies: list[Remedy], skipped: set[int] | None =
     for i, r in enumerate(remedies):
         if isinstance(r, Reclaim):
             deleted = {a.cid for a in r.actions if isinstance(a, Delete)}
+            dropped = {a.cid for a in r.actions if isinstance(a, DropHostCopy)}
             images, blocks = _migrations(prog, r.actions) if not verify(prog, r.actions, sim.gone) else (None, None)
             sizes = prog.demotion_sizes(images, blocks) if images is not None else []
-            if images is None or (sizes and place_first_fit(prog.host_holes_after(sim.gone | deleted),
-                                                            sim.sizes + sizes) is None):
+            if images is not None and sim.copies:
+                # an earlier step released these Host duplicates: the demotion allocates anew
+                sizes += [prog.mem.image_bytes for ck in images if ck.cid in sim.copies and ck.image.host is not None]
+            if images is None or (sizes and place_first_fit(
+                    prog.host_holes_after(sim.gone | deleted, (sim.copies | dropped) - sim.gone - deleted),
+                    sim.sizes + sizes) is None):
                 if skipped is not None:
                     skipped.add(i)
                 out.append(_freed(prog, sim))
                 continue
             sim.gone |= deleted
+            sim.copies |= dropped
             sim.images |= {ck.cid for ck in images}
             sim.blocks |= {b.bid for b in blocks}
             sim.sizes += sizes
@@ -183,7 +198,7 @@ def simulate(prog: "Program", remedies: list[Remedy], skipped: set[int] | None =
             victims = {a.cid for a in r.host_victims}
             ok = not any(prog.delete_ok(a) or a.cid in sim.gone for a in r.host_victims)
             _, sizes = prog.pause_plan(seq)
-            if r.to_host and ok and place_first_fit(prog.host_holes_after(sim.gone | victims),
+            if r.to_host and ok and place_first_fit(prog.host_holes_after(sim.gone | victims, sim.copies - sim.gone - victims),
                                                     sim.sizes + sizes) is not None:
                 sim.gone |= victims
                 sim.snapped.add(r.sid)

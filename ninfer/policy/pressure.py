@@ -240,7 +240,7 @@ class Pressure:
                 return True
             owners = facts.checkpoints[c.cid].owners
             return c.cls == 3 and all(tickets.get(o, -1) > own for o in owners if isinstance(o, SnapshotOwner))
-        placed = planner.place_host(sizes, admissible)
+        placed = planner.place_host(sizes, admissible, dups=False)   # a pause names deletions only
         if placed is None:
             return False, []
         return True, [a for a in planner.commit_host(sizes, placed[0]) if isinstance(a, P.Delete)]

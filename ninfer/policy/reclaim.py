@@ -91,6 +91,7 @@ class Planner:
         self.demoted_images: set[int] = set(prior.demoted_images) if prior else set()
         self.demoted_blocks: set[int] = set(prior.demoted_blocks) if prior else set()
         self.host_used: list[tuple[int, int]] = list(prior.host_used) if prior else []
+        self.dup_dropped: set[int] = set(prior.dup_dropped) if prior else set()   # Host duplicates released
         self.cands: dict[int, Candidate] = {}
         self._prefix_cache: dict[int, list[tuple[int, int]]] = {}
         for cid, c in facts.checkpoints.items():
@@ -264,8 +265,23 @@ class Planner:
                     out.append(b.host_at)
         return out
 
-    def _holes(self, extra_victims: set[int]) -> list[tuple[int, int]]:
-        free = merge_extents(list(self.f.host_free) + self._host_freed_by(extra_victims))
+    def _dup_extents(self, cid: int) -> list[tuple[int, int]]:
+        """The Host replica of this checkpoint's StateImage when the Device also holds it (a
+        safe duplicate: releasing it loses nothing). KV pages are shared between points, so
+        their Host copies are not released this way (another step may demote onto them)."""
+        c = self.f.checkpoints[cid]
+        return [c.image_at] if c.image_device and c.image_at and not c.leased else []
+
+    def _host_copy(self, cid: int) -> bool:
+        """Its StateImage still has a Host replica (not released as a duplicate in this plan)."""
+        return self.f.checkpoints[cid].image_host and cid not in self.dup_dropped
+
+    def _block_host_copy(self, bid: int) -> bool:
+        return self.f.blocks[bid].host
+
+    def _holes(self, extra_victims: set[int], dups: set[int] = frozenset()) -> list[tuple[int, int]]:
+        dup = [e for cid in self.dup_dropped | dups for e in self._dup_extents(cid)]
+        free = merge_extents(sorted(set(list(self.f.host_free) + self._host_freed_by(extra_victims) + dup)))
         # remove what this plan already placed (first-fit from the lowest offset)
         placed = place_first_fit(free, [s for _, s in self.host_used])
         return placed[1] if placed else []
@@ -278,33 +294,46 @@ class Planner:
         need = sum(sizes)
         return need - free if free < need else max(sizes)
 
-    def _host_rank(self, c: Candidate, chosen: set[int], sizes: list[int], cap: int, base: int):
+    def _host_rank(self, c: Candidate, chosen: set[int], sizes: list[int], cap: int, base: int,
+                   dups: set[int] = frozenset()):
         """Reclaim order for the next Host victim: normal before reuse content; an action that
         lets the request fit before one that only adds free bytes; normal content by loss per
         useful freed byte (capped), reuse content oldest demand first."""
-        fits = place_first_fit(self._holes(chosen | {c.cid}), sizes) is not None
+        fits = place_first_fit(self._holes(chosen | {c.cid}, dups), sizes) is not None
         gain = min(cap, max(1, sum(s for _, s in self._host_freed_by(chosen | {c.cid})) - base))
         loss = self.loss(chosen | {c.cid}) - self.loss(chosen) if chosen else self.loss({c.cid})
         order = loss / gain if c.cls == 0 else c.demand_time
         return (c.cls, not fits, order, c.cid)
 
     def place_host(self, sizes: list[int], admissible: Callable[[Candidate], bool],
-                   budget: float | Callable[[], float] | None = None) -> tuple[list[int], int] | None:
-        """Host victims that let ``sizes`` fit first-fit into contiguous free extents (byte
-        totals do not count), added one by one in reclaim order (``_host_rank``), then pruned
-        of those no longer needed; (victims, their loss) or None if no admissible set places
-        it (then nothing is deleted)."""
+                   budget: float | Callable[[], float] | None = None, dups: bool = True) -> tuple[list, int] | None:
+        """Room for ``sizes`` on the Host, first-fit into contiguous free extents (byte totals
+        do not count). Safe Host duplicates go first (seed: Host 先释放安全的重复副本); then
+        victims, added one by one in reclaim order (``_host_rank``); then what is no longer
+        needed is pruned. Returns (actions, loss) — a victim is its cid, a released duplicate
+        ``("dup", cid)`` — or None if no admissible set places it (then nothing is deleted)."""
         if not sizes:
             return [], 0
         if place_first_fit(self._holes(set()), sizes) is not None:
             return [], 0
         migrating = self._migrating()
+        spare: list[int] = []
+        if dups:
+            spare = sorted((cid for cid in self.f.checkpoints
+                            if cid not in self.victims and cid not in migrating and cid not in self.dup_dropped
+                            and self._dup_extents(cid)),
+                           key=lambda cid: (-sum(s for _, s in self._dup_extents(cid)), cid))
+        taken: list[int] = []
+        for cid in spare:
+            if place_first_fit(self._holes(set(), set(taken)), sizes) is not None:
+                break
+            taken.append(cid)
         pool = [c for c in self.cands.values()
                 if c.cid not in self.victims and c.cid not in migrating and admissible(c)
                 and self.f.checkpoints[c.cid].image_at]
         chosen: list[int] = []
         while True:
-            holes = self._holes(set(chosen))
+            holes = self._holes(set(chosen), set(taken))
             if place_first_fit(holes, sizes) is not None:
                 break
             rest = [c for c in pool if c.cid not in chosen]
@@ -312,18 +341,29 @@ class Planner:
                 return None
             cap = self.host_gain_cap(holes, sizes)
             base = sum(s for _, s in self._host_freed_by(set(chosen)))
-            chosen.append(min(rest, key=lambda c: self._host_rank(c, set(chosen), sizes, cap, base)).cid)
+            chosen.append(min(rest, key=lambda c: self._host_rank(c, set(chosen), sizes, cap, base, set(taken))).cid)
         for cid in list(chosen):                     # drop actions no longer needed
             rest = [x for x in chosen if x != cid]
-            if place_first_fit(self._holes(set(rest)), sizes) is not None:
+            if place_first_fit(self._holes(set(rest), set(taken)), sizes) is not None:
                 chosen = rest
+        taken = [c for c in taken if c not in chosen]    # a deleted one frees its copies anyway
+        for cid in list(taken):
+            rest = [x for x in taken if x != cid]
+            if place_first_fit(self._holes(set(chosen), set(rest)), sizes) is not None:
+                taken = rest
         loss = self.loss(set(chosen))
         if budget is not None and loss >= (budget() if callable(budget) else budget):
             return None
-        return chosen, loss
+        return chosen + [("dup", cid) for cid in taken], loss
 
-    def commit_host(self, sizes: list[int], victims: list[int]) -> list[P.Action]:
-        acts = self._delete(victims)
+    def commit_host(self, sizes: list[int], victims: list) -> list[P.Action]:
+        acts: list[P.Action] = []
+        for v in victims:
+            if isinstance(v, tuple):                 # a safe Host duplicate released first
+                c = self.f.checkpoints[v[1]]
+                self.dup_dropped.add(v[1])
+                acts.append(P.DropHostCopy(c.cid, c.generation, c.version))
+        acts += self._delete([v for v in victims if not isinstance(v, tuple)])
         placed = place_first_fit(self._holes(set()), sizes)
         assert placed is not None
         for off, size in zip(placed[0], sizes):
@@ -407,14 +447,14 @@ class Planner:
             may, budget = self.host_admission(cand)
             admissible = lambda v, cid=cid, may=may: may(v) and v.cid != cid          # noqa: E731
             if pool == P.STATE and self.demote and c.image_device and cid not in self.demoted_images:
-                sizes = [] if c.image_host else [self.f.image_bytes]
+                sizes = [] if self._host_copy(cid) else [self.f.image_bytes]
                 host = self.place_host(sizes, admissible, budget)
                 if host is not None:
                     options.append((cand.cls, cand.demand_time, host[1], 1, ("demote_state", cid), sizes, host[0]))
             if pool == P.MAIN and self.demote:
                 blocks = self.movable_blocks(cid)[-short:]
                 while blocks:                 # page groups that do not fit are halved and retried
-                    sizes = [self.f.page_bytes for b in blocks if not self.f.blocks[b].host]
+                    sizes = [self.f.page_bytes for b in blocks if not self._block_host_copy(b)]
                     host = self.place_host(sizes, admissible, budget)
                     if host is not None:
                         options.append((cand.cls, cand.demand_time, host[1], len(blocks),
@@ -484,7 +524,7 @@ class Planner:
             if budget is None or loss < budget:
                 opt = (loss, 1, ("delete", cid), [], [])
                 best = min(best, opt, key=lambda o: (o[0], o[1], str(o[2]))) if best else opt
-            sizes = [] if c.image_host else [self.f.image_bytes]
+            sizes = [] if self._host_copy(cid) else [self.f.image_bytes]
             host = self.place_host(sizes, lambda v, cid=cid: admissible(v) and v.cid != cid, budget)
             if host is not None:
                 opt = (host[1], 0, ("demote", cid), sizes, host[0])

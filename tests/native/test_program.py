@@ -10,7 +10,7 @@ from ninfer.faults import Fault
 from ninfer.native.layout import MAIN, STATE
 from ninfer.native.program import BindMode, UnitKind, UnitRow
 from ninfer.native.reclaim import commit, quote
-from ninfer.protocol import Delete, DemoteBlocks, DemoteState, Phase, Refusal, SnapshotOwner
+from ninfer.protocol import Delete, DemoteBlocks, DemoteState, DropHostCopy, Phase, Refusal, SnapshotOwner
 from ninfer.reference import reference_generate
 from tests.factories import random_prompt
 from tests.native.program_driver import make_program, new_seq, row, run_batch, run_to_end, settle_transfers, step
@@ -560,6 +560,31 @@ def test_a_replaced_hold_goes_only_with_a_save_that_happens(tiny_model):
     assert dest is not None and old.cid not in prog.checkpoints     # replaced to make the room
     prog.drop_capture(dest)
     prog.pools[STATE].unreserve(full)
+    prog.check_integrity(idle=True)
+    assert prog.is_empty()
+    prog.shutdown()
+
+
+def test_a_safe_host_duplicate_is_released_without_losing_the_checkpoint(tiny_model, oracle):
+    """Finding 10: DropHostCopy releases the Host replicas the Device also holds; the
+    checkpoint stays restorable from the Device."""
+    prog = make_program(tiny_model, kv_capacity=2048, context_cache={"host_capacity_bytes": 8 << 20})
+    prompt = random_prompt(70, seed=91)
+    ck = _capture_at(prog, prompt)
+    ext = prog.host.allocate(prog.mem.image_bytes, kind="state")   # give it a Host copy as well
+    prog.mem.slot_to_host(ck.image.slot, ext, snapshot_now=True)
+    settle_transfers(prog)
+    ck.image.host = ext
+    free, size = prog.host.free_bytes, ext.size
+    f = quote(prog)
+    assert commit(prog, [DropHostCopy(ck.cid, ck.generation, f.checkpoints[ck.cid].version)]).ok
+    assert ck.image.host is None and ck.image.slot is not None and prog.host.free_bytes == free + size
+    assert not commit(prog, [DropHostCopy(ck.cid, ck.generation, quote(prog).checkpoints[ck.cid].version)]).ok
+    s = new_seq(prog, prompt + [5, 6], 4)
+    assert prog.bind(s, ck).ok
+    assert run_to_end(prog, s) == oracle(prompt + [5, 6], 4)
+    prog.release(s)
+    prog.release_owner(ck, "rec")
     prog.check_integrity(idle=True)
     assert prog.is_empty()
     prog.shutdown()

@@ -318,3 +318,16 @@ def test_host_gain_is_capped_at_the_shortfall():
     pl = q.planner()
     assert pl.host_gain_cap([(0, IMG // 2)], [IMG]) == IMG - IMG // 2          # short of bytes
     assert pl.host_gain_cap([(0, IMG // 2), (IMG, IMG)], [IMG, PAGE]) == IMG   # bytes suffice
+
+
+def test_host_placement_releases_safe_duplicates_before_any_victim():
+    """Finding 10: a Host replica of content the Device also holds is released first (nothing
+    is lost), before any checkpoint is deleted for the room (seed: Host 先释放安全的重复副本)."""
+    q = Quote(host=2 * IMG)
+    dup = q.ckpt(1, 200, device=True, host_image=True)          # on both: its Host copy is spare
+    victim = _host_point(q, 2, 5, (IMG, IMG))                   # the cheapest victim otherwise
+    pl = q.planner()
+    got = pl.place_host([IMG], lambda v: True)
+    assert got == ([("dup", dup)], 0), got
+    acts = pl.commit_host([IMG], got[0])
+    assert acts == [P.DropHostCopy(dup, 1, 1)] and victim not in pl.victims
