@@ -213,6 +213,15 @@ MUTATIONS = [
     ("Host placement releases safe duplicates before any victim", "ninfer/policy/reclaim.py",
      "        if dups:\n            spare = sorted(", "        if False:\n            spare = sorted(",
      ["tests/policy/test_reclaim_planner.py::test_host_placement_releases_safe_duplicates_before_any_victim"]),
+    ("source ties: the legal session hint", "ninfer/policy/resources.py",
+     "                not session, not recs, -order, info.cid)", "                False, not recs, -order, info.cid)",
+     [E + "test_context_rules.py::test_source_ties_break_by_session_hint_then_private_use_then_newer_publication"]),
+    ("source ties: private use", "ninfer/policy/resources.py",
+     "                not session, not recs, -order, info.cid)", "                not session, False, -order, info.cid)",
+     [E + "test_context_rules.py::test_source_ties_break_by_session_hint_then_private_use_then_newer_publication"]),
+    ("source ties: the newer publication order", "ninfer/policy/resources.py",
+     "                not session, not recs, -order, info.cid)", "                not session, not recs, 0, info.cid)",
+     [E + "test_context_rules.py::test_source_ties_break_by_session_hint_then_private_use_then_newer_publication"]),
 ]
 
 

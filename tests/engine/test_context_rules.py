@@ -327,3 +327,43 @@ def test_a_fork_from_a_shallower_point_leaves_the_parents_evidence(roomy, tiny_m
     assert h.finals[c].usage["cached_tokens"] == 50
     assert h.finals[c].token_ids == oracle(tiny_model, c_prompt, max_tokens=2)
     h.check_clean()
+
+
+def test_source_ties_break_by_session_hint_then_private_use_then_newer_publication(make_harness):
+    """Seed: 成本相同时依次考虑搬运字节、更深复用位置、合法 session 提示、私有用途、较新 publication
+    order 和稳定序号 — aliases of one position (equal cost) are chosen by these, in this order."""
+    from ninfer.engine.request import Request
+    from ninfer.protocol import RequestSpec
+    from ninfer.sampling_params import SamplingParams
+    h = make_harness(max_concurrency=1, max_context=256)
+    rm = h.core.rm
+    toks = tuple(random_prompt(40, seed=98))
+
+    def alias(cid: int, session=None, order=-1, private=True):
+        ref = P.CkptRef(cid, cid, 40, P.CkptKind.CACHE, True, False)
+        if private:
+            rec = rm.table.new_record(session)
+            rec.e, rec.publication_order = cid, order
+            rm.table.add_ckpt(ref, toks, rec.owner(P.Role.E))
+        else:
+            ent = rm.table.new_entry(cid, 40)
+            rm.table.add_ckpt(ref, toks, ent.owner)
+
+    def pick(session=None) -> int:
+        req = Request(spec=RequestSpec(prompt=list(toks) + [1, 2], params=SamplingParams(max_tokens=1),
+                                       session_id=session), rid=f"q{session}", ticket=10**6)
+        return rm.choose(req, 42, 42).cid
+
+    alias(901, order=5, private=False)
+    alias(902, order=3)
+    alias(903, order=7)
+    alias(904, session="s", order=1)
+    assert pick("s") == 904                 # the legal session hint first
+    assert pick() == 903                    # then private use, then the newer publication order
+    for cid in (901, 902, 903, 904):
+        rm.table.forget_ckpt(cid)
+    alias(911, private=False)               # a public entry, and a private point never published:
+    alias(912, order=-1)                    # private use decides before the stable sequence
+    assert pick() == 912
+    for cid in (911, 912):
+        rm.table.forget_ckpt(cid)
