@@ -201,11 +201,10 @@ class EngineCore:
                 host_ok = False
             else:
                 rec = item.adm.record if item.adm is not None else None
-                room = self.pressure.capture_room(item.req, item.sp, last, facts, plan.sources | plan.keep, rec)
+                room, item.room_refused = self.pressure.capture_room(item.req, item.sp, last, facts,
+                                                                     plan.sources | plan.keep, rec)
                 if room:
                     item.spec.capture.room = room
-                else:
-                    item.room_refused = room is None and self.pressure.last_refused
         return cmds
 
     def _send(self, plan: P.StepPlan) -> P.StepReply:

@@ -176,15 +176,15 @@ class Outcomes:
         if out.outcome is Outcome.FAILED:
             self.core.fail(req, RuntimeError(f"execution failed: {out.detail}"))
             return True
-        if item.contract is not None and out.outcome is Outcome.SHORT and out.paused is None \
-                and item.need is not None and item.need.source is not None:
-            for cmd in self.core.rm.unfit_source(req, item.need.source):
-                self.core.queue(cmd)               # reselect without it: computing from a
-            self.core.sched.event()                # shallower point may fit where restoring cannot
-            return True
         if item.contract is not None and out.outcome is Outcome.SHORT and out.paused is None:
             # the sole request that holds or needs capacity, short after all legal reclaim (the
-            # worker's exact check agrees): the capacity contract, not a wait for nobody
+            # worker's exact check agrees)
+            if item.need is not None and item.need.source is not None:
+                for cmd in self.core.rm.unfit_source(req, item.need.source):
+                    self.core.queue(cmd)           # reselect without it: computing from a
+                self.core.sched.event()            # shallower point may fit where restoring cannot
+                return True
+            # the capacity contract, not a wait for nobody
             self.core.stats.capacity_errors += 1
             self.core.fail(req, CapacityContractError(item.contract))
             return True

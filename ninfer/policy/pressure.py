@@ -73,7 +73,6 @@ class Pressure:
         self.sched = sched
         self.rm = rm
         self.info = info
-        self.last_refused = False               # the last capture_room: refused by the admission table
 
     # ---- prediction (no quote) --------------------------------------------------------
     def fits(self, needs: list[Need], pools: dict[str, P.PoolState]) -> bool:
@@ -286,14 +285,16 @@ class Pressure:
 
     # ---- captures ---------------------------------------------------------------------
     def capture_room(self, req: Request, sp, planner: Planner | None, facts: P.Facts,
-                     protect: set[int] = frozenset(), rec=None) -> list[P.Action] | None:
+                     protect: set[int] = frozenset(), rec=None) -> tuple[list[P.Action] | None, bool]:
         """An optional save that will find neither a Device slot nor Host room: what the
-        admission table lets it replace (seed: 新捕获 … 准入条件), or None to skip it. The
-        actions are conditional: the worker commits them only if they make the save fit."""
+        admission table lets it replace (seed: 新捕获 … 准入条件), or None to skip it — and
+        whether that None was the table's refusal (there were candidates) rather than nothing
+        to replace. The actions are conditional: the worker commits them only if they make the
+        save fit."""
         benefit, own, owner_reuse = self.rm.capture_terms(req, sp, rec)
         p = Planner(facts, self.rm.table, self.protected(req) | protect, lambda o: False, None, planner)
-        self.last_refused = bool(p.cands)      # None below with candidates: the admission table said no
-        return p.plan_capture(benefit, own, owner_reuse)
+        room = p.plan_capture(benefit, own, owner_reuse)
+        return room, room is None and bool(p.cands)
 
 
 def _without(facts: P.Facts, sids: list[int]) -> P.Facts:

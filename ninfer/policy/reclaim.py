@@ -276,9 +276,6 @@ class Planner:
         """Its StateImage still has a Host replica (not released as a duplicate in this plan)."""
         return self.f.checkpoints[cid].image_host and cid not in self.dup_dropped
 
-    def _block_host_copy(self, bid: int) -> bool:
-        return self.f.blocks[bid].host
-
     def _holes(self, extra_victims: set[int], dups: set[int] = frozenset()) -> list[tuple[int, int]]:
         dup = [e for cid in self.dup_dropped | dups for e in self._dup_extents(cid)]
         free = merge_extents(sorted(set(list(self.f.host_free) + self._host_freed_by(extra_victims) + dup)))
@@ -454,7 +451,7 @@ class Planner:
             if pool == P.MAIN and self.demote:
                 blocks = self.movable_blocks(cid)[-short:]
                 while blocks:                 # page groups that do not fit are halved and retried
-                    sizes = [self.f.page_bytes for b in blocks if not self._block_host_copy(b)]
+                    sizes = [self.f.page_bytes for b in blocks if not self.f.blocks[b].host]
                     host = self.place_host(sizes, admissible, budget)
                     if host is not None:
                         options.append((cand.cls, cand.demand_time, host[1], len(blocks),

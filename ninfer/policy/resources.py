@@ -116,12 +116,14 @@ class ResourceManager:
         out = []
         for cid in self.table.index.lookup(tokens, limit):
             info = self.table.ckpts.get(cid)
-            if info is None or tuple(tokens[: info.frontier]) != info.tokens:
-                continue
-            if info.owners and all(isinstance(o, WaiterOwner) and o.rid != rid for o in info.owners):
-                continue
-            out.append(info)
+            if info is not None and tuple(tokens[: info.frontier]) == info.tokens and self._public(info, rid):
+                out.append(info)
         return out
+
+    @staticmethod
+    def _public(info: CkptInfo, rid: str | None) -> bool:
+        """Not a point that only waiters keep — unless ``rid`` is one of them (its own source)."""
+        return not info.owners or not all(isinstance(o, WaiterOwner) and o.rid != rid for o in info.owners)
 
     def _h2d_bytes(self, info: CkptInfo) -> int:
         """What restoring this source reads back: its StateImage unless on the Device, and
@@ -288,11 +290,8 @@ class ResourceManager:
         it): a save there shares it instead of keeping a second physical copy."""
         for cid in sorted(self.table.index.at(req.prompt, f)):
             info = self.table.ckpts.get(cid)
-            if info is None or info.tokens != tuple(req.prompt[:f]):
-                continue
-            if info.owners and all(isinstance(o, WaiterOwner) and o.rid != req.rid for o in info.owners):
-                continue
-            return info
+            if info is not None and info.tokens == tuple(req.prompt[:f]) and self._public(info, req.rid):
+                return info
         return None
 
     def save_plan(self, req: Request, start: int, rec: PrivateRecord) -> list[SavePoint]:
