@@ -174,6 +174,8 @@ class Facts(msgspec.Struct, frozen=True, gc=False):
     checkpoints: dict[int, CheckpointFact]
     blocks: dict[int, BlockFact]
     tx_busy: bool
+    # checkpoints outside these facts (a scoped quote): all of them hold Host content only
+    partial: bool = False
 
 
 class Delete(msgspec.Struct, tag="delete", frozen=True, array_like=True):
@@ -471,6 +473,9 @@ class StepPlan(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     intents: list[Intent] = []
     quote: bool = False
     demands: list[DemandQuery] = []
+    # with ``quote``: None = every checkpoint; a list = the Device's content plus these
+    # Host-resident checkpoints (the policy's window of Host candidates)
+    host_window: list[int] | None = None
 
 
 # ---- replies ---------------------------------------------------------------------------------

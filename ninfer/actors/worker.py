@@ -123,7 +123,7 @@ class Worker:
             self._die("mid_transaction")
         self._die("after_execute")
         if plan.quote:
-            reply.facts = reclaim.quote(self.prog)
+            reply.facts = reclaim.quote(self.prog, plan.host_window)
             reply.demands = {q.iid: self._demand(q) for q in plan.demands}
         self._pools(reply)
         reply.worker_s = time.perf_counter() - t0

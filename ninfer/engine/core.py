@@ -34,7 +34,7 @@ from ninfer.engine.outcomes import Outcomes
 from ninfer.engine.planning import CyclePlanner, Plan
 from ninfer.engine.request import Request
 from ninfer.errors import CapacityContractError, IntegrityError, RequestError
-from ninfer.policy.pressure import Pressure
+from ninfer.policy.pressure import Pressure, Verdict
 from ninfer.policy.reclaim import Planner
 from ninfer.policy.resources import ResourceManager
 from ninfer.policy.scheduler import Scheduler
@@ -42,6 +42,7 @@ from ninfer.protocol import FinishReason, Phase, RequestSpec
 
 log = logging.getLogger("ninfer.engine")
 
+HOST_WINDOW = 32         # Host candidates a scoped quote carries (widened to all when they do not suffice)
 STALL_CYCLES = 3         # cycles without any progress and nothing in flight before the oldest fails
 
 
@@ -52,6 +53,7 @@ class EngineStats:
     preemptions: int = 0
     revocations: int = 0
     take_backs: int = 0
+    wide_quotes: int = 0          # scoped quotes whose Host window did not suffice (quoted again whole)
     resumes_snapshot: int = 0
     resumes_replay: int = 0
     capacity_errors: int = 0
@@ -144,10 +146,7 @@ class EngineCore:
         t0 = time.perf_counter()
         progressed = False
         if self._needs_quote(plan):
-            reply = self._send(P.StepPlan(next(self._steps), commands=[c for c, _ in cmds], quote=True,
-                                          demands=plan.queries()))
-            progressed = self.outcomes.apply(reply, Plan(), cmds)
-            cmds = self._pressure(plan, reply)
+            cmds, progressed = self._quote_and_settle(plan, cmds)
         reply = self._send(P.StepPlan(next(self._steps), commands=[c for c, _ in cmds], intents=plan.intents()))
         progressed = self.outcomes.apply(reply, plan, cmds) or progressed
         self.stats.cycle_s += time.perf_counter() - t0
@@ -167,27 +166,51 @@ class EngineCore:
         slots = avail.get(P.STATE, 0)
         return len(caps) > slots and (len(caps) - max(0, slots) > 1 or self.host_largest < self.info.image_bytes)
 
+    def _quote_and_settle(self, plan: Plan, cmds) -> tuple[list[tuple[P.Command, object]], bool]:
+        """The quote step (it runs the lifecycle commands first) and the pressure settle on
+        its facts. The quote is scoped — the Device's content plus a window of the best Host
+        candidates the records rank (O(Device capacity + window), never the directory); when a
+        Host placement found no admissible victims inside the window, the facts are quoted again
+        without a window (no commands this time) and the plan is settled again from scratch."""
+        # pause snapshots (few: one per paused request) are Host candidates of their own rank
+        window: list[int] | None = self.rm.host_window(HOST_WINDOW) + [
+            r.snapshot.cid for r in self.sched.paused if r.snapshot is not None]
+        reply = self._send(P.StepPlan(next(self._steps), commands=[c for c, _ in cmds], quote=True,
+                                      demands=plan.queries(), host_window=window))
+        progressed = self.outcomes.apply(reply, Plan(), cmds)
+        while True:
+            self.pressure.window_short = False
+            out = self._pressure(plan, reply)
+            if not self.pressure.window_short or window is None or not reply.facts.partial:
+                break
+            window = None
+            self.stats.wide_quotes += 1
+            reply = self._send(P.StepPlan(next(self._steps), quote=True, demands=plan.queries(), host_window=None))
+            progressed = self.outcomes.apply(reply, Plan(), []) or progressed
+        if any(isinstance(c, P.Pause) for c, _ in out):
+            self.stats.take_backs += 1
+        return out, progressed
+
     def _pressure(self, plan: Plan, reply: P.StepReply) -> list[tuple[P.Command, object]]:
         """Settle the plan's shortfalls on the quote: remedies and on-short pauses on the
-        intents, the capacity contract, the lane take-back, the saves' admitted room."""
+        intents, the capacity contract, the lane take-back, the saves' admitted room. It only
+        sets what it decides (so a settle on a wider quote replaces an earlier one whole)."""
         facts = reply.facts
         cmds: list[tuple[P.Command, object]] = []
         live = {i.iid for i in plan.items if i.req.live}
         plan.items = [i for i in plan.items if i.iid in live]
         verdicts, last = self.pressure.settle(plan.needs(), facts, reply.demands, reply.tx is not None, plan.keep)
         for item in plan.items:
-            v = verdicts.get(item.iid)
-            if v is None:
-                continue
+            v = verdicts.get(item.iid, Verdict())
             item.intent.remedies = v.remedies
             item.contract = v.error          # fails it only if the worker confirms it is still short
             if isinstance(item.intent, P.RowIntent):
                 item.intent.on_short = v.on_short
         victim = plan.take_back
         if victim is not None and victim.live:
-            planner = last or Planner(facts, self.rm.table, self.pressure.protected(victim), lambda o: False)
+            planner = last or Planner(facts, self.rm.table, self.pressure.protected(victim), lambda o: False,
+                                      window_short=self.pressure.short_window)
             to_host, host_victims = self.pressure.pause_route(victim, planner, facts)
-            self.stats.take_backs += 1
             cmds.append((P.Pause(victim.sid, to_host, host_victims),
                          lambda out, v=victim, d=host_victims: self.outcomes.paused(v, out, d)))
         # saves: a Device slot left after the intents, else Host room, else admitted room
@@ -195,6 +218,7 @@ class EngineCore:
             reply.demands.get(i.iid, i.need.demand or {}).get(P.STATE, 0) for i in plan.items)
         host_ok = any(size >= facts.image_bytes for _, size in facts.host_free)
         for item in plan.captures():
+            item.spec.capture.room, item.room_refused = [], False
             if slots > 0:
                 slots -= 1
             elif host_ok:
@@ -203,8 +227,7 @@ class EngineCore:
                 rec = item.adm.record if item.adm is not None else None
                 room, item.room_refused = self.pressure.capture_room(item.req, item.sp, last, facts,
                                                                      plan.sources | plan.keep, rec)
-                if room:
-                    item.spec.capture.room = room
+                item.spec.capture.room = room or []
         return cmds
 
     def _send(self, plan: P.StepPlan) -> P.StepReply:
@@ -368,6 +391,7 @@ class EngineCore:
             "bytes_h2d": self.bytes[0], "bytes_d2h": self.bytes[1],
             "pauses": {"snapshot": s.resumes_snapshot, "replay": s.resumes_replay},
             "preemptions": s.preemptions, "revocations": s.revocations, "take_backs": s.take_backs,
+            "wide_quotes": s.wide_quotes,
             "capacity_errors": s.capacity_errors, "copy_failures": s.copy_failures,
             "device_errors": s.device_errors, "stalls": s.stalls, "finished": s.finished,
             "cycles": s.cycles, "round_trips": s.steps, "cycle_s": s.cycle_s, "worker_s": s.worker_s,
@@ -400,3 +424,6 @@ class EngineCore:
             diff = {cid: (real.get(cid), mirror.get(cid)) for cid in set(real) | set(mirror)
                     if real.get(cid) != mirror.get(cid)}
             raise IntegrityError(f"controller mirror and worker disagree on checkpoint owners: {diff}")
+        why = self.rm.host_order.check({cid: c.image_device for cid, c in facts.facts.checkpoints.items()})
+        if why:
+            raise IntegrityError(why)

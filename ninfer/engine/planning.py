@@ -220,7 +220,8 @@ class CyclePlanner:
         for req, budget in cands:
             adm = rm.plan_admission(req, sched.fresh)
             wait = rm.waiting_on(req)
-            if wait is not None and (adm.source is None or adm.source.cid != wait.cid or adm.mode is BindMode.MOVE):
+            if rm.holds_waits(req) and (wait is None or adm.source is None or adm.source.cid != wait.cid
+                                        or adm.mode is BindMode.MOVE):
                 plan.commands += [(c, None) for c in rm.end_wait(req)]     # reselected, or moved
             save_points = rm.save_plan(req, adm.frontier, adm.record)
             unit = next_unit(req, adm.frontier, len(req.prompt), core.chunk, save_points)

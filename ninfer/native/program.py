@@ -151,6 +151,7 @@ class Program:
         self._changed_blocks: set[int] = set()       # placement changed since the last report
         self._changed_ckpts: set[int] = set()
         self._host_only: set[int] = set()            # blocks with only a Host replica
+        self._paged: dict[int, KvBlock] = {}         # blocks with a Device page
 
     # ==== identity =====================================================================
     def input_digest(self, tokens: tuple[int, ...] | list[int], media: bytes = b"") -> bytes:
@@ -355,7 +356,7 @@ class Program:
             for b in blocks:
                 b.holders.add(seq.sid)
                 if b.page is None:
-                    b.page = allocate(self.pools, res, kind)
+                    self._page_in(b, allocate(self.pools, res, kind))
                     b.leases += 1           # in-flight read-back: nobody may rely on it yet
                     leased.append(b)
                     fetched.append(b)
@@ -377,8 +378,7 @@ class Program:
             """The read-back failed: the fetched pages hold nothing valid (their Host replicas
             still do); the sequence is released; a moved-out image is lost."""
             for b in fetched:
-                self.pools[b.kind].release(b.page)
-                b.page = None
+                self._page_out(b)
                 b.touch()
             for obj in leased:
                 self.unlease(obj)
@@ -484,7 +484,7 @@ class Program:
     def _new_block(self, kind: str, seq: Sequence) -> KvBlock:
         b = KvBlock(bid=next(self._ids), kind=kind, holders={seq.sid}, appender=seq.sid,
                     sink=self._changed_blocks)
-        b.page = allocate(self.pools, seq.reservation, kind)
+        self._page_in(b, allocate(self.pools, seq.reservation, kind))
         self.blocks[b.bid] = b
         return b
 
@@ -638,6 +638,23 @@ class Program:
             self.host.release(image.host)
             image.host = None
 
+    def _page_in(self, b: KvBlock, page: int) -> None:
+        b.page = page
+        self._paged[b.bid] = b
+
+    def _page_out(self, b: KvBlock) -> None:
+        self.pools[b.kind].release(b.page)
+        b.page = None
+        self._paged.pop(b.bid, None)
+
+    def device_checkpoints(self) -> set[int]:
+        """Checkpoints with any Device content (a state slot or a KV page) — found through the
+        slots and the paged blocks, so O(Device capacity), never a directory scan."""
+        out = {o.cid for o in self._slot_owner.values() if isinstance(o, Checkpoint)}
+        for b in self._paged.values():
+            out.update(h for h in b.holders if h in self.checkpoints)
+        return out
+
     def _release_slot(self, slot: int) -> None:
         del self._slot_owner[slot]
         self.pools[STATE].release(slot)
@@ -652,8 +669,7 @@ class Program:
 
     def _free_block(self, b: KvBlock) -> None:
         if b.page is not None:
-            self.pools[b.kind].release(b.page)
-            b.page = None
+            self._page_out(b)
         if b.host is not None:
             self.host.release(b.host)
             b.host = None
@@ -754,8 +770,7 @@ class Program:
             if b.leases:
                 raise NativeError(f"block {b.bid} is being read: it cannot be demoted now")
             if b.host is not None and b.host_filled >= b.filled:
-                self.pools[b.kind].release(b.page)
-                b.page = None
+                self._page_out(b)
                 b.touch()
                 continue
             if b.host is not None:
@@ -781,8 +796,7 @@ class Program:
                 self.unlease(img)
             for b in moving_blocks:
                 if b.page is not None and b.holders:
-                    self.pools[b.kind].release(b.page)
-                    b.page = None
+                    self._page_out(b)
                     b.touch()
                 self.unlease(b)
 
@@ -1021,6 +1035,11 @@ class Program:
         pages = [b.page for b in self.blocks.values() if b.page is not None]
         if len(pages) != len(set(pages)) or set(pages) != self.pools[MAIN].used_ids():
             raise IntegrityError("main pool pages and block replicas disagree")
+        if {b.bid for b in self.blocks.values() if b.page is not None} != set(self._paged):
+            raise IntegrityError("the paged-block index disagrees with the blocks")
+        for slot, holder in self._slot_owner.items():
+            if isinstance(holder, Checkpoint) and holder.image.slot != slot:
+                raise IntegrityError(f"slot {slot} names checkpoint {holder.cid}, which is not in it")
         slots = {s.slot: s for s in self.sequences.values() if s.slot is not None}
         slots.update({c.image.slot: c for c in self.checkpoints.values() if c.image.slot is not None})
         slots.update({img.slot: img for img in self._orphans if img.slot is not None})

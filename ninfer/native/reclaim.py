@@ -50,25 +50,37 @@ def _pinned(prog: "Program", b) -> bool:
     return b.leases > 0 or any(h in prog.sequences for h in b.holders)
 
 
-def quote(prog: "Program") -> Facts:
+def quote(prog: "Program", host_window: list[int] | None = None) -> Facts:
+    """Physical facts. ``host_window`` None: every checkpoint and block. A list: a scoped
+    quote — every checkpoint with Device content (so every Device reclaim candidate and every
+    co-holder of a Device page), the listed Host-resident checkpoints, and the blocks of these
+    and of the live sequences; O(Device capacity + window), not O(directory)."""
     def at(ext):
         return (ext.offset, ext.size) if ext is not None else None
 
+    if host_window is None:
+        cks_in, blocks_in = prog.checkpoints, prog.blocks
+    else:
+        ids = prog.device_checkpoints() | {c for c in host_window if c in prog.checkpoints}
+        cks_in = {cid: prog.checkpoints[cid] for cid in sorted(ids)}
+        blocks_in = {b.bid: b for ck in cks_in.values() for bl in ck.blocks.values() for b in bl}
+        for seq in prog.sequences.values():
+            blocks_in.update((b.bid, b) for bl in seq.blocks.values() for b in bl)
     blocks = {
         bid: BlockFact(bid, b.version, b.kind, _holder_ids(prog, b), _pinned(prog, b), b.page is not None,
                        b.host is not None and b.host_filled >= b.filled, b.filled, at(b.host))
-        for bid, b in prog.blocks.items()
+        for bid, b in blocks_in.items()
     }
     cks = {
         cid: CheckpointFact(cid, c.generation, c.version, c.kind, c.frontier, tuple(c.owners),
                             c.image.slot is not None, c.image.host is not None, c.image.leases > 0,
                             tuple(b.bid for b in c.blocks[MAIN]), at(c.image.host))
-        for cid, c in prog.checkpoints.items()
+        for cid, c in cks_in.items()
     }
     pools = {k: PoolFact(k, p.size, p.free, p.reserved) for k, p in prog.pools.items()}
     return Facts(pools=pools, host_capacity=prog.host.capacity, host_free=tuple(prog.host.free_extents()),
                  image_bytes=prog.mem.image_bytes, page_bytes=prog.mem.page_bytes, checkpoints=cks,
-                 blocks=blocks, tx_busy=prog.tx is not None)
+                 blocks=blocks, tx_busy=prog.tx is not None, partial=len(cks) < len(prog.checkpoints))
 
 
 # ---- commit -----------------------------------------------------------------------------

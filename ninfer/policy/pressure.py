@@ -73,6 +73,10 @@ class Pressure:
         self.sched = sched
         self.rm = rm
         self.info = info
+        self.window_short = False           # a plan on scoped facts wanted Host candidates beyond them
+
+    def short_window(self) -> None:
+        self.window_short = True
 
     # ---- prediction (no quote) --------------------------------------------------------
     def fits(self, needs: list[Need], pools: dict[str, P.PoolState]) -> bool:
@@ -168,12 +172,14 @@ class Pressure:
                taken: set[str], tx_busy: bool, protect: set[int]) -> tuple[Verdict, Planner, dict[str, int]]:
         rights = self.rights(n)
         may, snaps = self._revoker(n.req, rights)
-        planner = Planner(facts, self.rm.table, self.protected(n.req) | protect, may, snaps, prior)
+        planner = Planner(facts, self.rm.table, self.protected(n.req) | protect, may, snaps, prior,
+                          window_short=self.short_window)
         before = {k: planner.freed_so_far(k) for k in short}
         actions, covered = planner.plan(short)
         if not covered:
             # the candidate list stays: deletions alone may cover what a demotion first did not
-            alt = Planner(facts, self.rm.table, self.protected(n.req) | protect, may, snaps, prior, demote=False)
+            alt = Planner(facts, self.rm.table, self.protected(n.req) | protect, may, snaps, prior, demote=False,
+                          window_short=self.short_window)
             alt_actions, alt_covered = alt.plan(short)
             if alt_covered:
                 planner, actions, covered = alt, alt_actions, True
@@ -292,7 +298,8 @@ class Pressure:
         to replace. The actions are conditional: the worker commits them only if they make the
         save fit."""
         benefit, own, owner_reuse = self.rm.capture_terms(req, sp, rec)
-        p = Planner(facts, self.rm.table, self.protected(req) | protect, lambda o: False, None, planner)
+        p = Planner(facts, self.rm.table, self.protected(req) | protect, lambda o: False, None, planner,
+                    window_short=self.short_window)
         room = p.plan_capture(benefit, own, owner_reuse)
         return room, room is None and bool(p.cands)
 

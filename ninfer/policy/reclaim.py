@@ -77,12 +77,17 @@ class Planner:
 
     def __init__(self, facts: P.Facts, table: RecordTable, protect: set[int],
                  may_revoke: Callable[[Owner], bool], tickets: dict[Owner, int] | None = None,
-                 prior: "Planner | None" = None, demote: bool = True):
+                 prior: "Planner | None" = None, demote: bool = True,
+                 window_short: Callable[[], None] | None = None):
         """``prior``: an earlier planning pass over the same quote in this cycle (another
         intent's remedies): what it chose is not chosen again, and its Host destinations stay
         placed. ``demote=False``: deletions only (the alternative when a plan that started
-        with demotions cannot cover the gap)."""
+        with demotions cannot cover the gap). On scoped facts (``facts.partial``: the Device's
+        content and a window of Host candidates) ``window_short`` is called when a Host
+        placement found no admissible victims inside the window — the caller may quote a
+        wider one and plan again."""
         self.demote = demote
+        self.window_short = window_short or (prior.window_short if prior else None)
         self.f = facts
         self.table = table
         self.tickets = tickets or {}          # pause-snapshot or waiter owner -> its request's original ticket
@@ -188,10 +193,13 @@ class Planner:
     def _prefixes(self, cid: int) -> list[tuple[int, int]]:
         """(frontier, cid) of the live cache points that are exact prefixes of ``cid`` (itself
         excluded), deepest first — found through the prefix index (one pass over the tokens),
-        never by scanning the directory. Cached for this pass."""
+        never by scanning the directory. Cached for this pass. On scoped facts a point outside
+        them (Host content only) is live when the records still know it."""
         got = self._prefix_cache.get(cid)
         if got is None:
-            got = [(f, o) for f, o in self.table.prefixes_of(cid) if o in self.f.checkpoints]
+            live = self.f.checkpoints
+            got = [(f, o) for f, o in self.table.prefixes_of(cid)
+                   if o in live or (self.f.partial and o in self.table.ckpts)]
             self._prefix_cache[cid] = got
         return got
 
@@ -335,6 +343,8 @@ class Planner:
                 break
             rest = [c for c in pool if c.cid not in chosen]
             if not rest:
+                if self.f.partial and self.window_short is not None:
+                    self.window_short()
                 return None
             cap = self.host_gain_cap(holes, sizes)
             base = sum(s for _, s in self._host_freed_by(set(chosen)))

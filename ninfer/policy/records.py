@@ -104,10 +104,19 @@ class RecordTable:
         self.index = PrefixIndex()                  # live cache points by exact prefix digest
         self._adds = 0                              # cache points indexed so far (an epoch)
         self._prefixes: dict[int, tuple[int, list[tuple[int, int]]]] = {}   # cid -> (epoch, list)
+        self.dirty: set[int] = set()                # cids whose owners, evidence or placement changed
+
+    def touch(self, holder: PrivateRecord | PublicEntry) -> None:
+        """A record's or entry's level or evidence changed: its points are re-ranked."""
+        if isinstance(holder, PublicEntry):
+            self.dirty.add(holder.cid)
+        else:
+            self.dirty.update(c for _, c in holder.points())
 
     # -- checkpoints -------------------------------------------------------------------------
     def add_ckpt(self, ref: CkptRef, tokens: tuple[int, ...], owner: Owner) -> CkptInfo:
         info = self.ckpts.get(ref.cid)
+        self.dirty.add(ref.cid)
         if info is None:
             info = self.ckpts[ref.cid] = CkptInfo(ref, tokens)
             if ref.kind is CkptKind.CACHE:
@@ -121,6 +130,7 @@ class RecordTable:
         info = self.ckpts.get(cid)
         if info is None:
             return True
+        self.dirty.add(cid)
         info.owners.discard(owner)
         if not info.owners:
             del self.ckpts[cid]
@@ -132,6 +142,7 @@ class RecordTable:
     def forget_ckpt(self, cid: int) -> list[Owner]:
         """A physical delete: every logical use of the checkpoint disappears with it."""
         uses, ents = self.record_of(cid), self.entries_of(cid)     # O(its owners), not O(table)
+        self.dirty.add(cid)
         info = self.ckpts.pop(cid, None)
         self.index.remove(cid)
         self._prefixes.pop(cid, None)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from ninfer import protocol as P
 from ninfer.policy.cost import CostModel
+from ninfer.policy.host_order import HostOrder
 from ninfer.policy.index import DemandSummary, digest, prefix_digests
 from ninfer.policy.records import MAX_ANCHORS, CkptInfo, Level, PrivateRecord, PublicEntry, RecordTable
 from ninfer.policy.view import RequestView as Request
@@ -89,6 +90,11 @@ class ResourceManager:
         self.summary = DemandSummary(256, info.exec_identity)
         self.remembered: OrderedDict[tuple[int, bytes], str] = OrderedDict()   # missing points -> cause
         self.books: dict[str, CacheBook] = {}
+        self.host_order = HostOrder(self.table)
+
+    def host_window(self, k: int) -> list[int]:
+        """The Host candidates a scoped quote carries (see policy/host_order.py)."""
+        return self.host_order.window(k)
 
     # ==== the per-request table =========================================================
     def book(self, req: Request) -> CacheBook:
@@ -137,6 +143,7 @@ class ResourceManager:
             if info is None or info.ref.generation != generation:
                 continue
             r = info.ref
+            self.table.dirty.add(cid)
             if r.device != on_device:
                 info.ref = P.CkptRef(r.cid, r.generation, r.frontier, r.kind, on_device, r.host or not on_device)
             info.host_pages = host_pages
@@ -229,6 +236,7 @@ class ResourceManager:
         cmds = self.end_wait(req)
         owner = WaiterOwner(req.rid)
         src.owners.add(owner)
+        self.table.dirty.add(src.cid)
         book.wait = src.ref
         self.stats.waits += 1
         cmds.append(P.AddOwner(src.cid, src.ref.generation, owner))
@@ -241,6 +249,7 @@ class ResourceManager:
                     or tuple(req.prompt[: info.frontier]) != info.tokens:
                 continue
             info.owners.add(owner)
+            self.table.dirty.add(info.cid)
             book.carried.append(info.ref)
             cmds.append(P.AddOwner(info.cid, info.ref.generation, owner))
         return cmds
@@ -254,6 +263,12 @@ class ResourceManager:
     def waiting_on(self, req: Request) -> P.CkptRef | None:
         b = self.books.get(req.rid)
         return b.wait if b is not None else None
+
+    def holds_waits(self, req: Request) -> bool:
+        """It still holds waiting references (its source, or only carried points once the
+        source was revoked)."""
+        b = self.books.get(req.rid)
+        return b is not None and (b.wait is not None or bool(b.carried))
 
     def end_wait(self, req: Request) -> list[P.Command]:
         book = self.books.get(req.rid)
@@ -419,9 +434,11 @@ class ResourceManager:
                 rec.evidence.demand_time = max(rec.evidence.demand_time or 0.0, now)
                 if role is Role.INPUT:
                     rec.evidence.proven_frontier = f
+                self.table.touch(rec)
             for ent in self.table.entries_of(info.cid):
                 ent.level = Level.REUSE
                 ent.evidence.demand_time = max(ent.evidence.demand_time or 0.0, now)
+                self.table.touch(ent)
 
     def _note_adoption(self, req: Request, src: CkptInfo, child: PrivateRecord, takeover: bool) -> None:
         """Real cross-request adoption. Consume (takeover) resets the owner's (time, proven
@@ -434,13 +451,16 @@ class ResourceManager:
                 rec.evidence.demand_time = now
                 rec.evidence.proven_frontier = src.frontier
                 rec.level = Level.REUSE
+                self.table.touch(rec)
         if not takeover:
             child.evidence.demand_time = now
             child.evidence.proven_frontier = src.frontier
             child.level = Level.REUSE
+            self.table.touch(child)
         for ent in self.table.entries_of(src.cid):
             ent.evidence.demand_time = now
             ent.level = Level.REUSE
+            self.table.touch(ent)
         self.summary.observe(digest(src.tokens), src.frontier, req.rid, now, adopted=True)
 
     # ==== bookkeeping ==================================================================
@@ -569,13 +589,16 @@ class ResourceManager:
         revoked = []
         for cid in cids:
             info = self.table.ckpts.get(cid)
-            if info is not None:
-                revoked += [o.rid for o in info.owners if isinstance(o, WaiterOwner)]
+            waiters = [o.rid for o in info.owners if isinstance(o, WaiterOwner)] if info is not None else []
             self._forget(cid)
-        for rid in revoked:
-            book = self.books.get(rid)
-            if book is not None:
-                book.wait = None               # revoked: it reselects its source
+            for rid in waiters:
+                book = self.books.get(rid)
+                if book is None:
+                    continue
+                book.carried = [r for r in book.carried if r.cid != cid]
+                if book.wait is not None and book.wait.cid == cid:
+                    book.wait = None           # its source was revoked: it reselects
+                    revoked.append(rid)
         return revoked
 
     # ==== whole-cache operations =======================================================

@@ -214,19 +214,27 @@ def cache_facts(h: Harness):
     return list(out.facts.checkpoints.values())
 
 
-def test_waiting_references_carry_their_points_and_are_no_public_entry(make_harness, tiny_model):
-    """Finding 7: a waiter holds its source and the record's compatible input point it will
-    carry; points that only waiters keep are not offered to other requests."""
+def _waiter_behind_a_runner(make_harness, seed: int):
+    """A finished 100-token chat (E at 101, input point P at 100), a runner holding the only
+    lane, and the chat's continuation queued behind it, waiting on E."""
     h = make_harness(max_concurrency=1, max_context=512, kv_capacity=8 * 64, prefill_chunk_tokens=256,
                      context_cache={"device_state_slots": 4, "host_capacity_bytes": 0})
-    base = random_prompt(100, seed=80)
+    base = random_prompt(100, seed=seed)
     f = run(h, base, max_tokens=2)
-    runner = h.submit(random_prompt(30, seed=81), max_tokens=40)      # holds the only lane
+    runner = h.submit(random_prompt(30, seed=seed + 1), max_tokens=40)      # holds the only lane
     h.run(until=lambda: len(h.streams.get(runner, [])) >= 1)
     cont = base + f.token_ids + [3, 4]
     waiter = h.submit(cont, max_tokens=2)
     for _ in range(3):
         h.cycle()
+    return h, runner, waiter, cont, f
+
+
+def test_waiting_references_carry_their_points_and_are_no_public_entry(make_harness, tiny_model):
+    """Finding 7: a waiter holds its source and the record's compatible input point it will
+    carry; points that only waiters keep are not offered to other requests."""
+    h, runner, waiter, cont, f = _waiter_behind_a_runner(make_harness, seed=80)
+    base = cont[:100]
     assert _held_by(h, waiter) == [100, 101]            # E and the carried input point P
     h.core.drop_caches()                                # the record lets go: only the waiter keeps them
     other = h.submit(base + f.token_ids + [5], max_tokens=2)
@@ -236,6 +244,29 @@ def test_waiting_references_carry_their_points_and_are_no_public_entry(make_harn
     h.run(until=lambda: h.done(runner, waiter, other))
     assert h.finals[waiter].usage["cached_tokens"] == 101              # its own waited source
     assert h.finals[waiter].token_ids == oracle(tiny_model, cont, max_tokens=2)
+    h.check_clean()
+
+
+def test_a_deleted_carried_point_does_not_end_the_wait_on_its_source(make_harness, tiny_model):
+    """Finding 7 (found by the long run under load): reclaim deletes a point a waiter only
+    carries (its input point P) while its source E survives. The request still waits on E and,
+    once a lane frees, takes E over (Move) — its own waiting reference released first; before,
+    the deletion dropped the wait from the books while the worker kept the hold, and every Move
+    was refused ("still held by" the request's own waiter) until the engine stalled."""
+    h, runner, waiter, cont, _ = _waiter_behind_a_runner(make_harness, seed=84)
+    assert _held_by(h, waiter) == [100, 101]
+    [out] = h.core.call_commands([P.Quote()])
+    p = next(c for c in out.facts.checkpoints.values() if c.frontier == 100)
+    actions = [P.Delete(p.cid, p.generation, p.version)]
+    [res] = h.core.call_commands([P.Commit(actions)])
+    assert res.result.ok
+    h.core.outcomes.committed(actions, res.result)
+    assert _held_by(h, waiter) == [101]
+    h.run(until=lambda: h.done(runner, waiter))
+    assert h.finals[waiter].finish_reason == "length", h.finals[waiter].error
+    assert h.finals[waiter].usage["cached_tokens"] == 101
+    assert h.finals[waiter].token_ids == oracle(tiny_model, cont, max_tokens=2)
+    assert h.core.stats.stalls == 0
     h.check_clean()
 
 
@@ -367,3 +398,25 @@ def test_source_ties_break_by_session_hint_then_private_use_then_newer_publicati
     assert pick() == 912
     for cid in (911, 912):
         rm.table.forget_ckpt(cid)
+
+
+def test_rewrite_execution_frontiers_split_the_math_even_without_a_save(roomy, tiny_model):
+    """Seed: rewrite_execution_frontiers 另行约束数学执行的切分 … 实际恢复位置前移或可选保存失败都不
+    改变这些数学边界 — a split point that is no save point (here the restore position C lies
+    before it) still ends a prefill unit there; the chunk would otherwise run through it."""
+    h = roomy(max_concurrency=1, kv_capacity=8 * 64, prefill_chunk_tokens=128)
+    units: list[int] = []
+    step = h.core.client.step
+
+    def record(plan):
+        for it in plan.intents:
+            n = it.first_tokens if isinstance(it, P.BindIntent) else it.unit.n_tokens
+            units.append(n)
+        return step(plan)
+    h.core.client.step = record
+    prompt = random_prompt(100, seed=86)
+    rid = h.submit(prompt, max_tokens=2, recovery_frontier=30, split_points=[37])
+    h.run(until=lambda: h.done(rid))
+    assert units[:3] == [30, 7, 63], units              # C = 30 is saved; 37 only splits
+    assert h.finals[rid].token_ids == oracle(tiny_model, prompt, max_tokens=2)
+    h.check_clean()

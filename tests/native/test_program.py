@@ -33,6 +33,19 @@ def oracle(tiny_model):
     return run
 
 
+def _restores_exactly_then_empty(prog, ck, prompt, oracle, n: int) -> None:
+    """A Fork of ``ck`` continues exactly; once it and the owner "rec" let go, nothing is held."""
+    s = new_seq(prog, prompt + [7], n)
+    assert prog.bind(s, ck, BindMode.FORK, first_tokens=1).ok
+    settle_transfers(prog)
+    assert run_to_end(prog, s) == oracle(prompt + [7], n)
+    prog.release(s)
+    prog.release_owner(ck, "rec")
+    prog.check_integrity(idle=True)
+    assert prog.is_empty()
+    prog.shutdown()
+
+
 def _capture_at(prog, prompt, owner="rec", where="auto"):
     """Prefill ``prompt`` in one unit and save its end as a checkpoint; release the sequence."""
     s = new_seq(prog, prompt, 4)
@@ -347,15 +360,7 @@ def test_dropped_completion_is_recovered_after_timeout(tiny_model, oracle):
     overdue = prog.overdue()                                 # ... but the copy did finish
     assert [r.tid for r in overdue] == [res.tid] and overdue[0].ok
     assert ck.image.slot is None and ck.image.host is not None
-    s = new_seq(prog, prompt + [7], 5)
-    assert prog.bind(s, ck, BindMode.FORK, first_tokens=1).ok
-    settle_transfers(prog)
-    assert run_to_end(prog, s) == oracle(prompt + [7], 5)
-    prog.release(s)
-    prog.release_owner(ck, "rec")
-    prog.check_integrity(idle=True)
-    assert prog.is_empty()
-    prog.shutdown()
+    _restores_exactly_then_empty(prog, ck, prompt, oracle, 5)
 
 
 def test_capture_falls_back_to_host_then_skips(tiny_model):
@@ -588,3 +593,28 @@ def test_a_safe_host_duplicate_is_released_without_losing_the_checkpoint(tiny_mo
     prog.check_integrity(idle=True)
     assert prog.is_empty()
     prog.shutdown()
+
+
+def test_a_fork_takes_the_sources_device_slot_when_slots_are_short_and_a_host_copy_keeps_it(tiny_model, oracle):
+    """Seed: Device 槽紧张且有 Host 副本时，Fork 可将 Device 槽交给新的 active identity — with no
+    free State slot, a Fork from a checkpoint that the Host also holds needs no new slot: the
+    writer takes the checkpoint's slot, the checkpoint stays restorable from its Host copy, and
+    both continuations are exact. With a free slot it copies instead (the source keeps its own)."""
+    prog = make_program(tiny_model, kv_capacity=2048,
+                        context_cache={"host_capacity_bytes": 8 << 20})
+    prompt = random_prompt(70, seed=93)
+    ck = _capture_at(prog, prompt)
+    ext = prog.host.allocate(prog.mem.image_bytes, kind="state")   # a Host copy as well
+    prog.mem.slot_to_host(ck.image.slot, ext, snapshot_now=True)()
+    ck.image.host = ext
+    assert prog.bind_demand(0, ck, BindMode.FORK, 4)[STATE] == 1          # a slot is free: copy
+    filler = prog.pools[STATE].available                                 # others hold every free slot
+    prog.pools[STATE].reserve(filler)
+    assert prog.bind_demand(0, ck, BindMode.FORK, 4)[STATE] == 0          # short: hand the slot over
+    s = new_seq(prog, prompt + [5, 6], 4)
+    assert prog.bind(s, ck, BindMode.FORK, first_tokens=2).ok
+    assert ck.image.slot is None and ck.image.host is not None and ck.cid in prog.checkpoints
+    assert run_to_end(prog, s) == oracle(prompt + [5, 6], 4)
+    prog.release(s)
+    prog.pools[STATE].unreserve(filler)
+    _restores_exactly_then_empty(prog, ck, prompt, oracle, 3)           # from the Host copy
