@@ -246,6 +246,28 @@ MUTATIONS = [
      "return mode is BindMode.MOVE or (img.host is not None and self.pools[STATE].available == 0)",
      "return mode is BindMode.MOVE",
      ["tests/native/test_program.py::test_a_fork_takes_the_sources_device_slot_when_slots_are_short_and_a_host_copy_keeps_it"]),
+    ("Host copies of pages read back are safe duplicates (Native)", "ninfer/native/program.py",
+     "        return out + [b.host for b in self._dup_pages(ck)]", "        return out",
+     ["tests/native/test_program.py::test_host_copies_of_pages_read_back_are_safe_duplicates"]),
+    ("a demotion after a released duplicate writes the pages again", "ninfer/native/program.py",
+     "                   if not (b.host is not None and b.host_filled >= b.filled) or b.bid in gone_pages])",
+     "                   if not (b.host is not None and b.host_filled >= b.filled)])",
+     ["tests/native/test_program.py::test_host_copies_of_pages_read_back_are_safe_duplicates"]),
+    ("Host placement releases page duplicates first (planner)", "ninfer/policy/reclaim.py",
+     "        return out + [self.f.blocks[b].host_at for b in self._dup_page_ids(cid)]", "        return out",
+     ["tests/policy/test_reclaim_planner.py::test_host_copies_of_device_pages_are_released_before_any_victim_but_not_for_their_own_demotion"]),
+    ("a demotion does not release its own pages' copies", "ninfer/policy/reclaim.py",
+     " and not keep & set(self._dup_page_ids(cid))),", "),",
+     ["tests/policy/test_reclaim_planner.py::test_host_copies_of_device_pages_are_released_before_any_victim_but_not_for_their_own_demotion"]),
+    ("reclaim as separately committable steps (policy)", "ninfer/policy/pressure.py",
+     "        verdict.remedies += [P.Reclaim(step) for step in planner.steps]\n",
+     "        verdict.remedies += [P.Reclaim([a for st in planner.steps for a in st])] if planner.steps else []\n",
+     [E + "test_scoped_quote.py::test_reclaim_is_planned_as_separately_committable_steps"]),
+    ("a deletion counts nothing for pages a chosen demotion frees", "ninfer/policy/reclaim.py",
+     "        before = self._freed_blocks(self.victims) | self.demoted_blocks\n"
+     "        after = self._freed_blocks(self.victims | group) | self.demoted_blocks",
+     "        before = self._freed_blocks(self.victims)\n        after = self._freed_blocks(self.victims | group)",
+     ["tests/policy/test_reclaim_planner.py::test_a_deletion_counts_nothing_for_pages_a_chosen_demotion_already_frees"]),
 ]
 
 

@@ -115,7 +115,7 @@ class Outcomes:
     # ---- remedies ---------------------------------------------------------------------
     def committed(self, actions: list[P.Action], result: P.CommitResult) -> None:
         """Mirror a committed reclaim: deletions revoke snapshots or waiters and forget
-        records; demotions move the mirror's image off the Device."""
+        records."""
         core = self.core
         if not result.ok:
             return
@@ -128,12 +128,8 @@ class Outcomes:
                 req.snapshot = None            # revoked: this request resumes by Replay
                 core.stats.revocations += 1
         core.rm.on_deleted([c for c in deleted if c not in snapshots])
-        for a in actions:
-            if isinstance(a, P.DemoteState):
-                info = core.rm.table.ckpts.get(a.cid)
-                if info is not None:
-                    r = info.ref
-                    info.ref = P.CkptRef(r.cid, r.generation, r.frontier, r.kind, False, True)
+        # demotions: the mirror follows the worker's placement reports (a demotion's copies
+        # may still fail and keep the Device replica; a free-at-once one is reported already)
         self.book(result.tid, "demote", None)
         core.sched.event(causes)               # real capacity release / revocation
 

@@ -801,23 +801,34 @@ class Program:
                 self.unlease(b)
 
         def abort() -> tuple[list[int], list[int]]:
+            """The copies failed: the Device replicas stay (reported as a placement change,
+            so the controller's mirror, which moved them on commit, is corrected)."""
             for ck in moving_images:
                 img = ck.image
                 if img.host is not None:
                     self.host.release(img.host)
                     img.host = None
                 self.unlease(img)
+                self._changed_ckpts.add(ck.cid)
             for b in moving_blocks:
                 if b.host is not None and b.bid in self.blocks:
                     self._release_host(b)
                 self.unlease(b)
+                self._changed_blocks.add(b.bid)
             return [], []
         return jobs, TxPart("demote", publish, abort)
 
-    def demotion_sizes(self, images: list[Checkpoint], blocks: list[KvBlock]) -> list[int]:
-        """Host bytes the demotion of these replicas allocates, in allocation order."""
-        return ([self.mem.image_bytes for ck in images if ck.image.host is None]
-                + [self.mem.page_bytes for b in blocks if not (b.host is not None and b.host_filled >= b.filled)])
+    def demotion_sizes(self, images: list[Checkpoint], blocks: list[KvBlock],
+                       dropped: set[int] = frozenset()) -> list[int]:
+        """Host bytes the demotion of these replicas allocates, in allocation order —
+        ``dropped``: checkpoints whose Host duplicates are released first (their copies must
+        then be written again)."""
+        cks = [self.checkpoints[cid] for cid in dropped if cid in self.checkpoints]
+        gone_images = {ck.cid for ck in cks if ck.image.slot is not None and ck.image.host is not None}
+        gone_pages = {b.bid for ck in cks for b in self._dup_pages(ck)}
+        return ([self.mem.image_bytes for ck in images if ck.image.host is None or ck.cid in gone_images]
+                + [self.mem.page_bytes for b in blocks
+                   if not (b.host is not None and b.host_filled >= b.filled) or b.bid in gone_pages])
 
     def host_holes_after(self, deleted: set[int], dropped: set[int] = frozenset()) -> list[tuple[int, int]]:
         """Free Host extents once the deleted checkpoints' exclusive Host replicas, and the
@@ -836,18 +847,29 @@ class Program:
         return merge_extents(sorted(set(extents)))
 
     def host_duplicates(self, ck: Checkpoint) -> list[Extent]:
-        """The Host replica of this checkpoint's StateImage when the Device holds it too and
-        nobody reads it (KV pages are shared between points: their copies stay)."""
+        """The Host replicas of this checkpoint's content that the Device holds too and nobody
+        reads: its StateImage's, and its Main KV pages' (a restore reads pages back and keeps
+        their Host copies). Releasing them loses nothing."""
         img = ck.image
-        return [img.host] if img.slot is not None and img.host is not None and not img.leases else []
+        out = [img.host] if img.slot is not None and img.host is not None and not img.leases else []
+        return out + [b.host for b in self._dup_pages(ck)]
+
+    def _dup_pages(self, ck: Checkpoint) -> list[KvBlock]:
+        """Its pages on both media that nobody reads or writes now (a live sequence's page keeps
+        its copy: a Snapshot pause would need it)."""
+        return [b for b in ck.blocks[MAIN] if b.page is not None and b.host is not None and not b.leases
+                and not any(h in self.sequences for h in b.holders)]
 
     def drop_host_copy(self, ck: Checkpoint) -> None:
-        """Release a checkpoint's safe Host duplicate (seed: Host 先释放安全的重复副本)."""
+        """Release a checkpoint's safe Host duplicates (seed: Host 先释放安全的重复副本)."""
         img = ck.image
         if img.slot is not None and img.host is not None and not img.leases:
             self.host.release(img.host)
             img.host = None
             ck.touch()
+        for b in self._dup_pages(ck):          # its content is unchanged: no new version
+            self._release_host(b)
+            self._changed_blocks.add(b.bid)
 
     # ==== lifecycle ====================================================================
     def freeze(self, seq: Sequence, owner: Owner) -> Checkpoint:

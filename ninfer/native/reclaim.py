@@ -138,7 +138,7 @@ def commit(prog: "Program", actions: list[Action]) -> CommitResult:
     deleted = {a.cid for a in actions if isinstance(a, Delete)}
     dropped = {a.cid for a in actions if isinstance(a, DropHostCopy)}
     images, blocks = _migrations(prog, actions)
-    sizes = prog.demotion_sizes(images, blocks)
+    sizes = prog.demotion_sizes(images, blocks, dropped)
     if sizes and place_first_fit(prog.host_holes_after(deleted, dropped), sizes) is None:
         return CommitResult(ok=False, reason="host: the destinations do not fit first-fit")
     before = {k: prog.pools[k].free for k in (MAIN, STATE)}
@@ -187,10 +187,8 @@ def simulate(prog: "Program", remedies: list[Remedy], skipped: set[int] | None =
             deleted = {a.cid for a in r.actions if isinstance(a, Delete)}
             dropped = {a.cid for a in r.actions if isinstance(a, DropHostCopy)}
             images, blocks = _migrations(prog, r.actions) if not verify(prog, r.actions, sim.gone) else (None, None)
-            sizes = prog.demotion_sizes(images, blocks) if images is not None else []
-            if images is not None and sim.copies:
-                # an earlier step released these Host duplicates: the demotion allocates anew
-                sizes += [prog.mem.image_bytes for ck in images if ck.cid in sim.copies and ck.image.host is not None]
+            # Host duplicates released by this step or an earlier one: the demotion allocates anew
+            sizes = prog.demotion_sizes(images, blocks, sim.copies | dropped) if images is not None else []
             if images is None or (sizes and place_first_fit(
                     prog.host_holes_after(sim.gone | deleted, (sim.copies | dropped) - sim.gone - deleted),
                     sim.sizes + sizes) is None):
@@ -209,7 +207,10 @@ def simulate(prog: "Program", remedies: list[Remedy], skipped: set[int] | None =
                 break
             victims = {a.cid for a in r.host_victims}
             ok = not any(prog.delete_ok(a) or a.cid in sim.gone for a in r.host_victims)
-            _, sizes = prog.pause_plan(seq)
+            blocks, sizes = prog.pause_plan(seq)
+            if sim.copies:                        # pages whose Host duplicate an earlier step released
+                gone = prog.demotion_sizes([], blocks, sim.copies)
+                sizes = sizes[:1] + gone
             if r.to_host and ok and place_first_fit(prog.host_holes_after(sim.gone | victims, sim.copies - sim.gone - victims),
                                                     sim.sizes + sizes) is not None:
                 sim.gone |= victims

@@ -236,7 +236,7 @@ class Pressure:
         over optional cache, then pause snapshots of later tickets), else destructive."""
         if not facts.host_capacity or victim.sid is None:
             return False, []
-        sizes = self.pause_sizes(victim, facts)
+        sizes = self.pause_sizes(victim, facts, planner.dup_pages)
         own = victim.ticket
         tickets = planner.tickets
 
@@ -255,10 +255,12 @@ class Pressure:
         me = -victim.sid
         return [b for b in facts.blocks.values() if me in b.holders and b.device]
 
-    def pause_sizes(self, victim: Request, facts: P.Facts) -> list[int]:
+    def pause_sizes(self, victim: Request, facts: P.Facts, released: set[int] = frozenset()) -> list[int]:
+        """Host bytes its Snapshot allocates: its StateImage, and its pages no other sequence
+        reads that have no Host copy (or whose duplicate an earlier step releases)."""
         me = -victim.sid
         blocks = [b for b in self._blocks_of(victim, facts) if not any(h < 0 and h != me for h in b.holders)]
-        return [facts.image_bytes] + [facts.page_bytes for b in blocks if not b.host]
+        return [facts.image_bytes] + [facts.page_bytes for b in blocks if not b.host or b.bid in released]
 
     def freed_by_pause(self, victim: Request, to_host: bool, facts: P.Facts) -> dict[str, int]:
         """Device units its pause frees (at once or once the snapshot's copies publish)."""

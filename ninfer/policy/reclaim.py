@@ -97,6 +97,7 @@ class Planner:
         self.demoted_blocks: set[int] = set(prior.demoted_blocks) if prior else set()
         self.host_used: list[tuple[int, int]] = list(prior.host_used) if prior else []
         self.dup_dropped: set[int] = set(prior.dup_dropped) if prior else set()   # Host duplicates released
+        self.dup_pages: set[int] = set(prior.dup_pages) if prior else set()       # ... of these blocks
         self.cands: dict[int, Candidate] = {}
         self._prefix_cache: dict[int, list[tuple[int, int]]] = {}
         for cid, c in facts.checkpoints.items():
@@ -265,27 +266,40 @@ class Planner:
         out = []
         for cid in gone:
             c = self.f.checkpoints[cid]
-            if c.image_at:
+            if c.image_at and not (cid in self.dup_dropped and c.image_device):
                 out.append(c.image_at)
             for bid in c.blocks:
                 b = self.f.blocks[bid]
-                if b.host_at and all(h in gone for h in b.holders) and not b.pinned:
+                if b.host_at and bid not in self.dup_pages and all(h in gone for h in b.holders) and not b.pinned:
                     out.append(b.host_at)
         return out
 
     def _dup_extents(self, cid: int) -> list[tuple[int, int]]:
-        """The Host replica of this checkpoint's StateImage when the Device also holds it (a
-        safe duplicate: releasing it loses nothing). KV pages are shared between points, so
-        their Host copies are not released this way (another step may demote onto them)."""
+        """The Host replicas of this checkpoint's content that the Device also holds (safe
+        duplicates: releasing them loses nothing) — its StateImage's and those of its Main KV
+        pages that no live sequence holds (Native releases exactly these)."""
         c = self.f.checkpoints[cid]
-        return [c.image_at] if c.image_device and c.image_at and not c.leased else []
+        out = [c.image_at] if c.image_device and c.image_at and not c.leased else []
+        return out + [self.f.blocks[b].host_at for b in self._dup_page_ids(cid)]
+
+    def _dup_page_ids(self, cid: int) -> list[int]:
+        """Its pages on both media, not yet released in this plan."""
+        return [bid for bid in self.f.checkpoints[cid].blocks
+                if (b := self.f.blocks[bid]).device and b.host_at and not b.pinned and bid not in self.dup_pages]
 
     def _host_copy(self, cid: int) -> bool:
         """Its StateImage still has a Host replica (not released as a duplicate in this plan)."""
         return self.f.checkpoints[cid].image_host and cid not in self.dup_dropped
 
+    def _page_on_host(self, bid: int) -> bool:
+        """The block's complete Host copy is still there (not released as a duplicate)."""
+        return self.f.blocks[bid].host and bid not in self.dup_pages
+
     def _holes(self, extra_victims: set[int], dups: set[int] = frozenset()) -> list[tuple[int, int]]:
-        dup = [e for cid in self.dup_dropped | dups for e in self._dup_extents(cid)]
+        dup = [e for cid in dups for e in self._dup_extents(cid)]
+        dup += [c.image_at for cid in self.dup_dropped
+                if (c := self.f.checkpoints[cid]).image_device and c.image_at and not c.leased]
+        dup += [self.f.blocks[bid].host_at for bid in self.dup_pages]
         free = merge_extents(sorted(set(list(self.f.host_free) + self._host_freed_by(extra_victims) + dup)))
         # remove what this plan already placed (first-fit from the lowest offset)
         placed = place_first_fit(free, [s for _, s in self.host_used])
@@ -311,12 +325,14 @@ class Planner:
         return (c.cls, not fits, order, c.cid)
 
     def place_host(self, sizes: list[int], admissible: Callable[[Candidate], bool],
-                   budget: float | Callable[[], float] | None = None, dups: bool = True) -> tuple[list, int] | None:
+                   budget: float | Callable[[], float] | None = None, dups: bool = True,
+                   keep: frozenset[int] | set[int] = frozenset()) -> tuple[list, int] | None:
         """Room for ``sizes`` on the Host, first-fit into contiguous free extents (byte totals
         do not count). Safe Host duplicates go first (seed: Host 先释放安全的重复副本); then
         victims, added one by one in reclaim order (``_host_rank``); then what is no longer
         needed is pruned. Returns (actions, loss) — a victim is its cid, a released duplicate
-        ``("dup", cid)`` — or None if no admissible set places it (then nothing is deleted)."""
+        ``("dup", cid)`` — or None if no admissible set places it (then nothing is deleted).
+        ``keep``: blocks this allocation demotes — their Host copies are not released."""
         if not sizes:
             return [], 0
         if place_first_fit(self._holes(set()), sizes) is not None:
@@ -326,7 +342,7 @@ class Planner:
         if dups:
             spare = sorted((cid for cid in self.f.checkpoints
                             if cid not in self.victims and cid not in migrating and cid not in self.dup_dropped
-                            and self._dup_extents(cid)),
+                            and self._dup_extents(cid) and not keep & set(self._dup_page_ids(cid))),
                            key=lambda cid: (-sum(s for _, s in self._dup_extents(cid)), cid))
         taken: list[int] = []
         for cid in spare:
@@ -368,6 +384,7 @@ class Planner:
         for v in victims:
             if isinstance(v, tuple):                 # a safe Host duplicate released first
                 c = self.f.checkpoints[v[1]]
+                self.dup_pages.update(self._dup_page_ids(v[1]))
                 self.dup_dropped.add(v[1])
                 acts.append(P.DropHostCopy(c.cid, c.generation, c.version))
         acts += self._delete([v for v in victims if not isinstance(v, tuple)])
@@ -461,8 +478,8 @@ class Planner:
             if pool == P.MAIN and self.demote:
                 blocks = self.movable_blocks(cid)[-short:]
                 while blocks:                 # page groups that do not fit are halved and retried
-                    sizes = [self.f.page_bytes for b in blocks if not self.f.blocks[b].host]
-                    host = self.place_host(sizes, admissible, budget)
+                    sizes = [self.f.page_bytes for b in blocks if not self._page_on_host(b)]
+                    host = self.place_host(sizes, admissible, budget, keep=frozenset(blocks))
                     if host is not None:
                         options.append((cand.cls, cand.demand_time, host[1], len(blocks),
                                         ("demote_blocks", cid, tuple(blocks)), sizes, host[0]))

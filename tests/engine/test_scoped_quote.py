@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from ninfer import protocol as P
 from ninfer.engine import core as core_mod
 from ninfer.native import reclaim as native_reclaim
 from tests.engine.harness import oracle
@@ -112,3 +113,28 @@ def test_the_host_order_follows_every_change(make_harness, seed):
     assert len(h.core.rm.host_order) > 0
     h.check_clean()
 
+
+
+def test_reclaim_is_planned_as_separately_committable_steps(make_harness):
+    """Seed: 批量预约失败时仍可依次尝试单个迁移和删除备选 — a need's remedies are one Reclaim per
+    planned step (a demotion with its Host victims, or one deletion group), so Native can commit
+    the shortest covering prefix and skip a stale step; never one all-or-nothing batch."""
+    h = make_harness(max_concurrency=2, max_context=256, kv_capacity=8 * 64, prefill_chunk_tokens=128,
+                     context_cache={"device_state_slots": 4, "host_capacity_bytes": 16 << 20})
+    settle = h.core.pressure.settle
+    seen = []
+
+    def record(*a, **kw):
+        got = settle(*a, **kw)
+        seen.extend(v.remedies for v in got[0].values())
+        return got
+    h.core.pressure.settle = record
+    _workload(h, 30, seed=3)
+    steps = [[r for r in rem if isinstance(r, P.Reclaim)] for rem in seen]
+    assert any(len(s) >= 2 for s in steps), steps
+    for s in steps:
+        for r in s:
+            deletes = [a for a in r.actions if isinstance(a, P.Delete)]
+            demotes = [a for a in r.actions if not isinstance(a, (P.Delete, P.DropHostCopy))]
+            assert len(demotes) <= 1 and (demotes or deletes), r
+    h.check_clean()

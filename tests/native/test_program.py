@@ -570,6 +570,44 @@ def test_a_replaced_hold_goes_only_with_a_save_that_happens(tiny_model):
     prog.shutdown()
 
 
+def test_host_copies_of_pages_read_back_are_safe_duplicates(tiny_model, oracle):
+    """Finding 10: a restore reads Host pages back and keeps their Host copies — those are safe
+    duplicates too: DropHostCopy releases them (the checkpoint stays whole on the Device), and a
+    later demotion of the same pages writes them again (its sizes count them)."""
+    prog = make_program(tiny_model, kv_capacity=2048, context_cache={"host_capacity_bytes": 32 << 20})
+    prompt = random_prompt(130, seed=95)
+    ck = _capture_at(prog, prompt[:128])
+    f = quote(prog)
+    cf = f.checkpoints[ck.cid]
+    assert commit(prog, [DemoteBlocks(ck.cid, ck.generation, cf.blocks,
+                                      tuple(f.blocks[b].version for b in cf.blocks))]).ok
+    settle_transfers(prog)
+    assert all(b.page is None and b.host is not None for b in ck.blocks[MAIN])
+    s = new_seq(prog, prompt, 3)
+    assert prog.bind(s, ck, BindMode.FORK, first_tokens=2).ok          # pages read back
+    settle_transfers(prog)
+    assert run_to_end(prog, s) == oracle(prompt, 3)
+    prog.release(s)
+    pages = [b.host for b in ck.blocks[MAIN]]
+    assert all(b.page is not None and b.host is not None for b in ck.blocks[MAIN])
+    assert set(map(id, pages)) <= set(map(id, prog.host_duplicates(ck)))
+    f = quote(prog)
+    assert all(f.blocks[b].device and f.blocks[b].host for b in f.checkpoints[ck.cid].blocks)
+    blocks = list(ck.blocks[MAIN])
+    assert prog.demotion_sizes([], blocks) == []                          # copies there: free at once
+    assert prog.demotion_sizes([], blocks, {ck.cid}) == [prog.mem.page_bytes] * 2
+    free, size = prog.host.free_bytes, sum(e.size for e in pages)
+    assert commit(prog, [DropHostCopy(ck.cid, ck.generation, f.checkpoints[ck.cid].version)]).ok
+    assert prog.host.free_bytes == free + size
+    assert all(b.page is not None and b.host is None for b in ck.blocks[MAIN])
+    f = quote(prog)
+    cf = f.checkpoints[ck.cid]
+    res = commit(prog, [DemoteBlocks(ck.cid, ck.generation, cf.blocks, tuple(f.blocks[b].version for b in cf.blocks))])
+    assert res.ok and res.tid is not None                                 # written again
+    settle_transfers(prog)
+    _restores_exactly_then_empty(prog, ck, prompt[:128], oracle, 3)
+
+
 def test_a_safe_host_duplicate_is_released_without_losing_the_checkpoint(tiny_model, oracle):
     """Finding 10: DropHostCopy releases the Host replicas the Device also holds; the
     checkpoint stays restorable from the Device."""

@@ -331,3 +331,43 @@ def test_host_placement_releases_safe_duplicates_before_any_victim():
     assert got == ([("dup", dup)], 0), got
     acts = pl.commit_host([IMG], got[0])
     assert acts == [P.DropHostCopy(dup, 1, 1)] and victim not in pl.victims
+
+
+def test_host_copies_of_device_pages_are_released_before_any_victim_but_not_for_their_own_demotion():
+    """Finding 10: the Host copies of KV pages the Device also holds (a restore read them back)
+    are safe duplicates: released before any victim is deleted; a demotion of those very pages
+    does not release their copies (it would write them again), and once released in a plan a
+    later demotion of them counts their bytes."""
+    q = Quote(host=2 * PAGE + IMG)
+    dup = q.ckpt(1, 128, n_blocks=2)                            # pages on the Device ...
+    for bid in q.cks[dup].blocks:                               # ... and on the Host
+        b = q.blocks[bid]
+        q.blocks[bid] = P.BlockFact(b.bid, b.version, b.kind, b.holders, False, True, True, b.filled, q._host(PAGE))
+    victim = _host_point(q, 2, 5, (2 * PAGE, IMG))              # the cheapest victim otherwise
+    pl = q.planner()
+    got = pl.place_host([PAGE], lambda v: True)
+    assert got == ([("dup", dup)], 0), got
+    assert pl.place_host([PAGE], lambda v: True, keep=frozenset(q.cks[dup].blocks)) == ([victim], 5)
+    acts = pl.commit_host([PAGE], got[0])
+    assert acts == [P.DropHostCopy(dup, 1, 1)] and victim not in pl.victims
+    assert all(not pl._page_on_host(b) for b in q.cks[dup].blocks)
+
+
+def test_a_deletion_counts_nothing_for_pages_a_chosen_demotion_already_frees():
+    """Finding 10: pages judged by physical identity — once a demotion in the plan frees two
+    shared pages, deleting their other holder frees no more Main for them."""
+    q = Quote(main=4, slots=4, host=8 * IMG)
+    a = q.ckpt(1, 128, n_blocks=2)
+    shared = q.cks[a].blocks
+    for bid in shared:
+        b = q.blocks[bid]
+        q.blocks[bid] = P.BlockFact(b.bid, b.version, b.kind, (1, 2), False, True, False, b.filled, None)
+    q.ckpt(2, 128, n_blocks=0)
+    c = q.cks[2]
+    q.cks[2] = P.CheckpointFact(c.cid, c.generation, c.version, c.kind, c.frontier, c.owners,
+                                c.image_device, c.image_host, c.leased, shared, c.image_at)
+    pl = q.planner()
+    assert pl.freed_by_delete(frozenset({1, 2}), P.MAIN) == 2
+    pl.demoted_blocks.update(shared)                        # a chosen demotion moves them
+    assert pl.freed_by_delete(frozenset({2}), P.MAIN) == 0
+    assert pl.freed_by_delete(frozenset({1, 2}), P.MAIN) == 0
