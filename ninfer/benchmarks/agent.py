@@ -86,12 +86,88 @@ def run_capacity(model_dir: str, kv_pages: int, host_bytes: int, sessions: int =
             "hit_losses": c["hit_losses"], "preemptions": stats["preemptions"], "wall_s": round(wall, 2)}
 
 
+def trace(seed: int = 0, sessions: int = 8, turns: int = 6, system_len: int = 1500, vocab: int = 2000):
+    """The issue's agent trace: a shared system prompt (+ tools), then per session, turn t's
+    prompt = turn t-1's prompt + its output + a segment — a user segment of 40-120 tokens on even
+    turns, a tool result of 120-300 on odd ones (drawn up front from a seeded RNG)."""
+    rng = random.Random(seed)
+    system = [rng.randrange(1, vocab) for _ in range(system_len)]
+    segments = [[[rng.randrange(1, vocab) for _ in range(rng.randint(40, 120) if t % 2 == 0 else rng.randint(120, 300))]
+                 for t in range(turns)] for _ in range(sessions)]
+    return system, segments
+
+
+def run_trace(model_dir: str, transport: str = "inproc", sessions: int = 8, turns: int = 6,
+              out_tokens: int = 32, dtype: str = "float32", check=None) -> dict:
+    """Round by round: every session's turn t is submitted together once every turn t-1 is
+    done. Computed prompt tokens (prefill + replay) against the floor with the shared prefix
+    charged once (each prompt's tokens beyond its longest common prefix with everything
+    submitted or generated before it), and TTFT mean / max. ``check(prompt, tokens)`` may
+    compare outputs with the reference."""
+    system, segments = trace(0, sessions, turns)
+    cfg = {"max_concurrency": sessions, "max_context": 4096, "prefill_chunk_tokens": 256,
+           "context_cache": {"host_capacity_bytes": 256 << 20, "device_state_slots": 2 * sessions}}
+    eng = Engine.start(model_dir, config=cfg, dtype=dtype, transport=transport)
+    computed: list[list[int]] = []
+    prompts = [system + segments[s][0] for s in range(sessions)]
+    floor = work = 0
+    ttft: list[float] = []
+    t0 = time.perf_counter()
+    for t in range(turns):
+        handles = []
+        for s in range(sessions):
+            p = prompts[s]
+            floor += len(p) - max((_lcp(p, c) for c in computed), default=0)
+            computed.append(p)
+            handles.append((s, p, eng.generate(p, max_tokens=out_tokens, ignore_eos=True, session_id=f"agent-{s}",
+                                               cache_markers=[len(system)])))
+        for s, p, h in handles:
+            res = h.result(1200)
+            work += res.usage.prefill_tokens + res.usage.replay_tokens
+            if res.timings.ttft_s is not None:
+                ttft.append(res.timings.ttft_s)
+            if check is not None:
+                check(p, res.token_ids)
+            computed.append(p + res.token_ids)
+            if t + 1 < turns:
+                prompts[s] = p + res.token_ids + segments[s][t + 1]
+    wall = time.perf_counter() - t0
+    stats = eng.stats()
+    eng.shutdown()
+    c = stats["cache"]
+    return {"transport": transport, "requests": sessions * turns, "computed": work, "floor": floor,
+            "over_floor": round(work / max(1, floor), 3),
+            "ttft_mean_ms": round(1e3 * sum(ttft) / max(1, len(ttft)), 1), "ttft_max_ms": round(1e3 * max(ttft, default=0), 1),
+            "pending_waits": c.get("pending_waits", 0), "pending_saved_tokens": c.get("pending_saved_tokens", 0),
+            "hits": c["hits"], "preemptions": stats["preemptions"], "wall_s": round(wall, 2)}
+
+
 def run(model_dir: str, out: str | None = None) -> dict:
-    from ninfer.benchmarks.common import ensure_model, report
+    import sys
+
+    from ninfer.benchmarks.common import ensure_model, report, table
+    from ninfer.reference import reference_generate
     model_dir = ensure_model(model_dir)
+    mismatches = []
+
+    def check(prompt, tokens):
+        if tokens != reference_generate(model_dir, prompt, max_tokens=len(tokens), dtype="float32", ignore_eos=True):
+            mismatches.append(len(prompt))
+    print("agent trace: 8 sessions x 6 turns, 1,500-token shared system prompt, rounds submitted together",
+          file=sys.stderr)
+    traces = []
+    for transport in ("inproc", "ray"):
+        print(f"  transport {transport} ...", file=sys.stderr, flush=True)
+        traces.append({**run_trace(model_dir, transport, check=check if transport == "inproc" else None),
+                       "outputs_exact": None})
+        traces[-1]["outputs_exact"] = not mismatches if transport == "inproc" else None
+    print(table(traces, ["transport", "requests", "computed", "floor", "over_floor", "ttft_mean_ms", "ttft_max_ms",
+                         "pending_waits", "pending_saved_tokens", "wall_s", "outputs_exact"]))
+    print(file=sys.stderr)
     rows = [run_capacity(model_dir, kv_pages=16, host_bytes=2 << 20),
             run_capacity(model_dir, kv_pages=64, host_bytes=64 << 20)]
-    result = {"workload": "6 agent sessions x 5 turns, shared 150-token system prompt, 30% tool-call normalisation"}
+    result = {"workload": "6 agent sessions x 5 turns, shared 150-token system prompt, 30% tool-call normalisation",
+              "trace": traces}
     report("agent", result, rows, ["kv_pages", "host_MiB", "prefill_computed", "replay", "floor", "over_floor",
                                    "hits", "queries", "hit_losses", "preemptions", "wall_s"], out)
     return {**result, "rows": rows}

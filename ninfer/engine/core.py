@@ -384,6 +384,8 @@ class EngineCore:
                 "captures_skipped": c.captures_skipped,
                 "captures_skipped_with_room": s.captures_skipped_with_room,
                 "summary_hits": c.summary_hits, "waits": c.waits,
+                "pending_waits": c.pending_waits, "pending_saved_tokens": c.pending_saved_tokens,
+                "pending_wait_s": c.pending_wait_s, "pending_abandoned": c.pending_abandoned,
                 "records": len(self.rm.table.records), "public_entries": len(self.rm.table.entries),
                 "checkpoints": len(self.rm.table.ckpts),
             },

@@ -201,9 +201,27 @@ class CyclePlanner:
         return {P.STATE: state, P.MAIN: unit_pages(start, first, -(-start // P.PAGE), False)}
 
     # ---- fresh ----------------------------------------------------------------------
+    def _pending_waits(self) -> None:
+        """Fresh requests waiting for another's pending save rejoin the scan once it is
+        published, or once it will not come."""
+        core = self.core
+        sched, rm = core.sched, core.rm
+        for req in list(sched.waiting.values()):   # O(waiters), not O(queue)
+            w = rm.books[req.rid].pending if req.rid in rm.books else None
+            producer = core.requests.get(w.producer) if w is not None else None
+            if not rm.pending_holds(req, producer, producer is not None and producer.rid in sched.resident):
+                sched.wait_pending(req, False)        # it chooses again now
+
+    def _producers(self) -> list:
+        """Residents with saves still ahead: (request, frontier now, pending save points)."""
+        rm = self.core.rm
+        return [(r, r.facts.frontier, rm.books[r.rid].save_points) for r in self.core.sched.resident.values()
+                if r.live and r.facts is not None and r.rid in rm.books and rm.books[r.rid].save_points]
+
     def _fresh(self, plan: Plan, lanes: int, chunk_taken: bool, recovery: bool) -> None:
         core = self.core
         sched, rm = core.sched, core.rm
+        self._pending_waits()
         cands = sched.fresh_candidates()
         if not cands:
             return
@@ -217,8 +235,16 @@ class CyclePlanner:
             plan.scanned = [r for r, _ in cands]
             return
         items, budgets = [], []
+        producers = self._producers()
         for req, budget in cands:
             adm = rm.plan_admission(req, sched.fresh)
+            pending = rm.pending_source(req, adm.frontier, producers)
+            if pending is not None:
+                # another request will publish a deeper point for this prefix: wait for it,
+                # holding nothing (seed: 等待引用; the point is no source until complete)
+                rm.wait_pending(req, pending[0], pending[1], adm.frontier)
+                sched.wait_pending(req, True)
+                continue
             wait = rm.waiting_on(req)
             if rm.holds_waits(req) and (wait is None or adm.source is None or adm.source.cid != wait.cid
                                         or adm.mode is BindMode.MOVE):
@@ -238,6 +264,7 @@ class CyclePlanner:
                         source.cid if source is not None else None)
             items.append(Item(iid, req, FRESH, intent, unit, need, adm=adm, save_points=save_points, sp=sp))
             budgets.append(budget)
+            producers.append((req, adm.frontier, save_points))
         guards = sched.fresh_guards([i.iid for i in items], budgets, lanes)
         chunks: list[int] = []
         for item, g in zip(items, guards):
@@ -249,5 +276,5 @@ class CyclePlanner:
                     item.intent.unit_guards = [P.Guard((), tuple(chunks), 1)]
                     chunks.append(item.iid)
         plan.items += items
-        plan.scanned = [r for r, _ in cands]
+        plan.scanned = [r for r, _ in cands if not sched.st(r).pending]
 

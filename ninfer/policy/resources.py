@@ -41,6 +41,20 @@ class CacheBook:
     carried: list[P.CkptRef] = field(default_factory=list)   # the compatible points it carries, held too
     observed: set[int] = field(default_factory=set)   # candidate positions already observed
     unfit: set[int] = field(default_factory=set)      # sources whose restore cannot fit at all
+    pending: PendingWait | None = None      # waiting for another request's save still to come
+    waited: set[str] = field(default_factory=set)     # producers it waited for in vain (never again)
+    pending_base: int | None = None         # a wait ended with the point there: the source it had
+
+
+@dataclass
+class PendingWait:
+    """A fresh request waits for a restore point another request will publish (seed: 等待
+    引用; 未完成副本不能成为查询来源 — it is no source until it is complete)."""
+
+    producer: str            # rid of the request whose save it waits for
+    frontier: int            # the position of that save
+    base: int                # the frontier of the best complete source it had
+    since: float
 
 
 @dataclass
@@ -79,6 +93,10 @@ class CacheStats:
     captures_skipped: int = 0
     summary_hits: int = 0             # repeat-demand evidence used (retention only; never a hit)
     waits: int = 0
+    pending_waits: int = 0            # fresh requests that waited for another's pending save
+    pending_saved_tokens: int = 0     # tokens they did not compute because they waited
+    pending_wait_s: float = 0.0       # time they spent waiting
+    pending_abandoned: int = 0        # waits whose point never came (producer gone, save skipped)
 
 
 class ResourceManager:
@@ -259,6 +277,72 @@ class ResourceManager:
         first unit exceed Main): the request reselects without it rather than failing."""
         self.book(req).unfit.add(cid)
         return self.end_wait(req)
+
+    # ==== waiting for a pending point =================================================
+    def pending_source(self, req: Request, base: int, producers) -> tuple[str, int] | None:
+        """A deeper restore point another request will publish for this prompt's exact prefix:
+        (producer rid, frontier), or None. ``producers``: (request, its frontier now, its pending
+        save points) — residents and the binds planned earlier in this scan. Source cost: wait
+        while the producer's remaining prefill to the point is no more than computing the prefix
+        from the best complete source (``base``) oneself; the deepest such point wins. A
+        producer it already waited for in vain is never waited for again."""
+        book = self.book(req)
+        prompt = req.prompt
+        best: tuple[str, int] | None = None
+        for producer, now, points in producers:
+            if producer is req or producer.rid in book.waited or not producer.live:
+                continue
+            for sp in points:
+                f = sp.frontier
+                if f <= max(base, now) or f > len(prompt) or (best is not None and f <= best[1]):
+                    continue
+                if f - now > f - base:
+                    continue                  # computing it oneself costs less than the wait
+                if producer.prompt[:f] == prompt[:f]:
+                    best = (producer.rid, f)
+        return best
+
+    def wait_pending(self, req: Request, producer: str, frontier: int, base: int) -> None:
+        self.book(req).pending = PendingWait(producer, frontier, base, time.monotonic())
+        self.stats.pending_waits += 1
+
+    def pending_holds(self, req: Request, producer: Request | None, resident: bool) -> bool:
+        """Whether the wait still holds: the producer is bound, live, before the point and still
+        plans to save it. When it ends with the point published the request adopts it through
+        the ordinary source choice; when the point never came (producer gone, save skipped or
+        refused) that producer is not waited for again."""
+        book = self.books.get(req.rid)
+        w = book.pending if book is not None else None
+        if w is None:
+            return False
+        src = self.choose(req, len(req.prompt), len(req.prompt))
+        if src is not None and src.frontier >= w.frontier:
+            self.end_pending(req)             # published, or a source as good appeared elsewhere
+            book.pending_base = w.base
+            return False
+        if producer is not None and producer.live and resident and producer.facts is not None \
+                and producer.facts.frontier < w.frontier \
+                and any(sp.frontier == w.frontier for sp in self.book(producer).save_points):
+            return True
+        self.end_pending(req)
+        if producer is not None and producer.live and not resident:
+            return False                      # its bind did not happen yet: choose again
+        if self._has_point(req.prompt, w.frontier):
+            book.pending_base = w.base
+        else:
+            book.waited.add(w.producer)
+            self.stats.pending_abandoned += 1
+        return False
+
+    def end_pending(self, req: Request) -> None:
+        book = self.books.get(req.rid)
+        if book is not None and book.pending is not None:
+            self.stats.pending_wait_s += time.monotonic() - book.pending.since
+            book.pending = None
+
+    def _has_point(self, prompt: list[int], f: int) -> bool:
+        return any((info := self.table.ckpts.get(cid)) is not None and info.tokens == tuple(prompt[:f])
+                   for cid in self.table.index.at(prompt, f))
 
     def waiting_on(self, req: Request) -> P.CkptRef | None:
         b = self.books.get(req.rid)
@@ -472,6 +556,9 @@ class ResourceManager:
         rec.active = req.rid
         book = self.book(req)
         book.record, book.save_points = rec, save_points
+        if book.pending_base is not None:       # it waited for a pending point: what that saved
+            self.stats.pending_saved_tokens += max(0, adm.frontier - book.pending_base)
+            book.pending_base = None
         if adm.retire:
             self.retired(req, adm.retire)    # the worker gave these up with the admitted bind
         if adm.source is not None and adm.cached:
@@ -563,6 +650,7 @@ class ResourceManager:
         if rec is not None and rec.active == req.rid:
             rec.active = None
             self.table.prune(rec)
+        self.end_pending(req)
         return self.end_wait(req)
 
     def _drop_use(self, cid: int, owner: Owner) -> None:

@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ class SchedState:
     overtaken: int = 0          # younger successes that overtook it while it was blocked
     failed_epoch: int = -1      # the event under which its last admission check failed
     wake: bool = False          # a paused request saw a capacity event not caused by itself
+    pending: bool = False       # a fresh request waiting for another's pending save: not scanned
 
 
 class Scheduler:
@@ -42,6 +44,7 @@ class Scheduler:
         self.fresh: list[Request] = []          # ticket order (tickets are monotonic)
         self.paused: list[Request] = []         # ticket order
         self.resident: dict[str, Request] = {}
+        self.waiting: dict[str, Request] = {}   # fresh requests waiting for a pending save
         self.turn: deque[str] = deque()         # prefill/replay rotation
         self.recovery: Request | None = None    # the one full-recovery-permit holder
         self.state: dict[str, SchedState] = {}
@@ -110,6 +113,7 @@ class Scheduler:
         if self.recovery is req:
             self.recovery = None
         self.state.pop(req.rid, None)
+        self.waiting.pop(req.rid, None)
         self.event()          # a queue change or a real capacity release
 
     # ---- queries --------------------------------------------------------------------------
@@ -137,13 +141,25 @@ class Scheduler:
             self.turn.remove(req.rid)
             self.turn.append(req.rid)
 
+    def wait_pending(self, req: Request, on: bool) -> None:
+        """A fresh request starts (or stops) waiting for another's pending save: while it waits
+        it is not scanned; when it stops it is tried at once."""
+        self.st(req).pending = on
+        if on:
+            self.waiting[req.rid] = req
+        else:
+            self.waiting.pop(req.rid, None)
+            self.st(req).failed_epoch = -1
+
     def fresh_candidates(self) -> list[tuple[Request, int]]:
         """(request, remaining overtaking budget) for this scan: the head and up to C
-        followers, skipping requests that already failed under the current event."""
+        followers, skipping requests that already failed under the current event. A request
+        waiting for another's pending save is not looked at (it holds nothing and blocks
+        nobody; its own place is kept)."""
         if not self.fresh:
             return []
         out = []
-        for req in self.fresh[: 1 + self.C]:
+        for req in itertools.islice((r for r in self.fresh if not self.st(r).pending), 1 + self.C):
             if not req.live:
                 continue
             budget = max(0, self.C - self.st(req).overtaken)
