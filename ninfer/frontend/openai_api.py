@@ -36,6 +36,7 @@ class ChatCall:
     stream: bool
     include_usage: bool
     stop: list[str]
+    n: int = 1                      # choices: n requests of the one prompt (computed once, then Forked)
 
 
 def _num(body: dict, name: str, kind, default):
@@ -56,8 +57,6 @@ def sampling_from(body: dict, max_name: tuple[str, ...], default_max: int) -> di
     for name in max_name:
         if body.get(name) is not None:
             max_tokens, fill = _num(body, name, int, default_max), False
-    if body.get("n", 1) != 1:
-        raise bad("only n=1 is supported", "n")
     if body.get("logprobs") or body.get("top_logprobs"):
         raise bad("logprobs are not supported", "logprobs")
     return dict(max_tokens=max_tokens, fill_max_tokens=fill, temperature=_num(body, "temperature", float, 1.0),
@@ -78,6 +77,9 @@ def _stop(body: dict) -> list[str]:
     raise bad("stop must be a string or a list of at most 4 strings", "stop")
 
 
+MAX_N = 16
+
+
 def parse_chat(body: dict, default_max: int) -> ChatCall:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -88,7 +90,10 @@ def parse_chat(body: dict, default_max: int) -> ChatCall:
     if body.get("tool_choice") == "none":
         tools = None
     opts = body.get("stream_options") or {}
-    return ChatCall(messages=messages, tools=tools or None,
+    n = _num(body, "n", int, 1)
+    if not 1 <= n <= MAX_N:
+        raise bad(f"n must be between 1 and {MAX_N} (got {n})", "n")
+    return ChatCall(n=n, messages=messages, tools=tools or None,
                     sampling=sampling_from(body, ("max_tokens", "max_completion_tokens"), default_max),
                     session_id=body.get("prompt_cache_key") or body.get("user"),
                     stream=bool(body.get("stream")), include_usage=bool(opts.get("include_usage")),
@@ -130,20 +135,25 @@ def finish(reason: str, calls: list) -> str:
     return {"stop": "stop", "length": "length", "cancelled": "stop"}.get(reason, reason)
 
 
-def chat_completion(rid: str, model: str, text: str, out) -> dict:
-    content, calls = split_tool_calls(text)
-    message = {"role": "assistant", "content": content}
-    if calls:
-        message["tool_calls"] = calls
+def chat_completion(rid: str, model: str, texts: list[str], outs: list) -> dict:
+    """One completion with a choice per output (n > 1: the prompt is counted once in usage, the
+    completion tokens of every choice together)."""
+    choices = []
+    for i, (text, out) in enumerate(zip(texts, outs)):
+        content, calls = split_tool_calls(text)
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        choices.append({"index": i, "message": message, "logprobs": None,
+                        "finish_reason": finish(out.finish_reason, calls)})
     return {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": message, "logprobs": None,
-                         "finish_reason": finish(out.finish_reason, calls)}],
-            "usage": usage_block(out.usage, len(out.token_ids))}
+            "choices": choices, "usage": usage_block(outs[0].usage, sum(len(o.token_ids) for o in outs))}
 
 
-def chunk(rid: str, model: str, delta: dict, finish_reason: str | None = None) -> dict:
+def chunk(rid: str, model: str, delta: dict, finish_reason: str | None = None, index: int = 0) -> dict:
     return {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": int(time.time()),
-            "model": model, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+            "model": model,
+            "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
 
 
 def check_stop(text: str, stop: list[str]) -> int | None:

@@ -12,6 +12,7 @@ counts real reuse only.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -78,74 +79,122 @@ class Server:
             raise oa.request_error(exc) from None
 
     # ---- chat completions ----------------------------------------------------------------------
+    def _submit_choices(self, call: oa.ChatCall) -> list:
+        """One engine request per choice. With n > 1 choice i samples with seed + i (identical
+        for greedy decoding); they arrive together, so the prompt is computed once and the
+        others Fork from its point. A choice that cannot be submitted cancels the ones before."""
+        handles = []
+        try:
+            for i in range(call.n):
+                sampling = call.sampling if i == 0 else {**call.sampling, "seed": call.sampling["seed"] + i}
+                handles.append(self._submit_chat(call.messages, call.tools, sampling, call.session_id))
+        except oa.ApiError:
+            for h in handles:
+                h.cancel()
+            raise
+        return handles
+
     async def chat(self, request: Request) -> Response:
         try:
             body = await self._body(request)
             call = oa.parse_chat(body, self.default_max)
-            handle = self._submit_chat(call.messages, call.tools, call.sampling, call.session_id)
+            handles = self._submit_choices(call)
         except oa.ApiError as exc:
             return self._error(exc)
-        rid = handle.rid
+        rid = handles[0].rid
         if call.stream:
-            return StreamingResponse(self._stream(handle, call, rid, request), media_type="text/event-stream")
-        out = await handle.result_async()
-        if out.finish_reason == "error":
-            return self._error(_engine_error(out))
-        text = out.text
-        cut = oa.check_stop(text, call.stop)
-        if cut is not None:
-            text = text[:cut]
-            out.finish_reason = "stop"
-        return JSONResponse(oa.chat_completion(rid, self.model, text, out))
+            return StreamingResponse(self._stream(handles, call, rid, request), media_type="text/event-stream")
+        outs = [await h.result_async() for h in handles]
+        failed = next((o for o in outs if o.finish_reason == "error"), None)
+        if failed is not None:
+            return self._error(_engine_error(failed))
+        texts = []
+        for out in outs:
+            text = out.text
+            cut = oa.check_stop(text, call.stop)
+            if cut is not None:
+                text = text[:cut]
+                out.finish_reason = "stop"
+            texts.append(text)
+        return JSONResponse(oa.chat_completion(rid, self.model, texts, outs))
 
-    async def _stream(self, handle, call: oa.ChatCall, rid: str, request: Request):
-        def sse(obj) -> str:
-            return f"data: {json.dumps(obj)}\n\n"
+    async def _stream(self, handles, call: oa.ChatCall, rid: str, request: Request):
+        """Server-sent chunks of every choice as they come (``index`` tells them apart), then
+        each choice's finish, one usage block (stream_options.include_usage) and [DONE]."""
+        queue: asyncio.Queue = asyncio.Queue()
 
-        yield sse(oa.chunk(rid, self.model, {"role": "assistant", "content": ""}))
+        async def pump(i: int, handle) -> None:
+            try:
+                async for item in self._choice(i, handle, call, rid, request):
+                    await queue.put(item)
+            finally:
+                await queue.put(None)
+
+        for i in range(len(handles)):
+            yield _sse(oa.chunk(rid, self.model, {"role": "assistant", "content": ""}, index=i))
+        tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
+        outs, error, left = [None] * len(handles), None, len(handles)
+        try:
+            while left:
+                item = await queue.get()
+                if item is None:
+                    left -= 1
+                elif item[0] == "sse":
+                    yield item[1]
+                else:
+                    _, i, out = item
+                    outs[i] = out
+                    if out is not None and out.finish_reason == "error" and error is None:
+                        error = out
+        finally:
+            for t in tasks:
+                t.cancel()
+            if await request.is_disconnected():
+                for h in handles:
+                    h.cancel()
+        if error is not None:
+            yield _sse(_engine_error(error).body())
+        elif call.include_usage and all(o is not None for o in outs):
+            final = oa.chunk(rid, self.model, {})
+            final["choices"] = []
+            final["usage"] = oa.usage_block(outs[0].usage, sum(len(o.token_ids) for o in outs))
+            yield _sse(final)
+        yield "data: [DONE]\n\n"
+
+    async def _choice(self, i: int, handle, call: oa.ChatCall, rid: str, request: Request):
+        """One choice's stream: ("sse", chunk) items, then ("out", i, its Output or None)."""
         ids: list[int] = []
         sent = ""
         stopped = False
-        try:
-            async for ev in handle.aiter():
-                if await request.is_disconnected():
-                    handle.cancel()                        # the client went away: free its resources
-                    return
-                ids.extend(ev.token_ids)
-                text = self.engine._text(ids)
-                if text.endswith("\ufffd"):
-                    continue                               # an incomplete UTF-8 sequence: wait
-                cut = oa.check_stop(text, call.stop)
-                if cut is not None:
-                    text, stopped = text[:cut], True
-                if len(text) > len(sent):
-                    yield sse(oa.chunk(rid, self.model, {"content": text[len(sent):]}))
-                    sent = text
-                if stopped:
-                    handle.cancel()
-                    break
-        finally:
+        async for ev in handle.aiter():
             if await request.is_disconnected():
+                handle.cancel()                            # the client went away: free its resources
+                yield ("out", i, None)
+                return
+            ids.extend(ev.token_ids)
+            text = self.engine._text(ids)
+            if text.endswith("\ufffd"):
+                continue                                   # an incomplete UTF-8 sequence: wait
+            cut = oa.check_stop(text, call.stop)
+            if cut is not None:
+                text, stopped = text[:cut], True
+            if len(text) > len(sent):
+                yield ("sse", _sse(oa.chunk(rid, self.model, {"content": text[len(sent):]}, index=i)))
+                sent = text
+            if stopped:
                 handle.cancel()
+                break
         out = await handle.result_async()
         if not stopped:
-            text = self.engine._text(list(out.token_ids))        # flush what was held back
+            text = self.engine._text(list(out.token_ids))  # flush what was held back
             if len(text) > len(sent):
-                yield sse(oa.chunk(rid, self.model, {"content": text[len(sent):]}))
+                yield ("sse", _sse(oa.chunk(rid, self.model, {"content": text[len(sent):]}, index=i)))
                 sent = text
-        if out.finish_reason == "error":
-            yield sse(_engine_error(out).body())
-            yield "data: [DONE]\n\n"
-            return
-        _, calls = oa.split_tool_calls(sent)
-        reason = "stop" if stopped else oa.finish(out.finish_reason, calls)
-        yield sse(oa.chunk(rid, self.model, {}, reason))
-        if call.include_usage:
-            final = oa.chunk(rid, self.model, {})
-            final["choices"] = []
-            final["usage"] = oa.usage_block(out.usage, len(out.token_ids))
-            yield sse(final)
-        yield "data: [DONE]\n\n"
+        if out.finish_reason != "error":
+            _, calls = oa.split_tool_calls(sent)
+            reason = "stop" if stopped else oa.finish(out.finish_reason, calls)
+            yield ("sse", _sse(oa.chunk(rid, self.model, {}, reason, index=i)))
+        yield ("out", i, out)
 
     # ---- responses ---------------------------------------------------------------------------
     async def responses(self, request: Request) -> Response:
@@ -181,6 +230,10 @@ class Server:
         except Exception as exc:
             return PlainTextResponse(f"# engine unavailable: {exc}\n", status_code=503)
         return PlainTextResponse(prometheus(stats, len(self.store)), media_type="text/plain; version=0.0.4")
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
 
 
 def _engine_error(out) -> oa.ApiError:

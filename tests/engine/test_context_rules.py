@@ -67,10 +67,14 @@ def test_takeover_respects_publication_order(make_harness, tiny_model):
     h.check_clean()
 
 
-def test_one_physical_point_per_shared_prefix(roomy, tiny_model):
-    """Finding 9: concurrent chats with one shared system prompt (a marker) keep one physical
-    checkpoint at that position with several logical holders, not one per request."""
+def test_one_physical_point_per_shared_prefix(roomy, tiny_model, monkeypatch):
+    """Finding 9: concurrent chats with one shared system prompt (a marker) that each compute
+    it keep one physical checkpoint at that position with several logical holders, not one per
+    request. (Requests that arrive together normally wait for the first one's point instead —
+    tests/engine/test_pending.py; here the waiting choice is switched off so that all four
+    compute the prefix, as they do when waiting would cost more.)"""
     h = roomy(max_concurrency=4)
+    monkeypatch.setattr(h.core.rm, "pending_source", lambda *a, **kw: None)
     shared = random_prompt(70, seed=8)
     prompts = [shared + random_prompt(20, seed=9 + i) for i in range(4)]
     rids = [h.submit(p, max_tokens=3, markers=[70]) for p in prompts]

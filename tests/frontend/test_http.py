@@ -109,6 +109,34 @@ def test_streaming(client):
     assert again.usage.prompt_tokens_details.cached_tokens > 0          # same prompt: exact reuse
 
 
+def _metric(server: str, name: str) -> float:
+    text = httpx.get(f"{server}/metrics", timeout=30).text
+    return float(next(ln.split()[-1] for ln in text.splitlines() if ln.startswith(name + " ")))
+
+
+def test_n_choices_share_one_computation_of_the_prompt(server, client):
+    """n > 1: one request per choice, submitted together — the prompt is computed once and the
+    other choices wait for its point (issue: shared prefixes computed once); greedy choices are
+    identical; streamed chunks carry each choice's index."""
+    msgs = [{"role": "user", "content": "count the pebbles on the long quiet beach " * 6}]
+    waits, saved = _metric(server, "ninfer_cache_pending_waits_total"), _metric(server, "ninfer_cache_pending_saved_tokens_total")
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, n=2, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.choices[0].message.content == r.choices[1].message.content
+    assert 2 <= r.usage.completion_tokens <= 8              # both choices counted
+    assert _metric(server, "ninfer_cache_pending_waits_total") >= waits + 1
+    assert _metric(server, "ninfer_cache_pending_saved_tokens_total") > saved
+    text = {0: "", 1: ""}
+    finished = set()
+    for ev in client.chat.completions.create(model="tiny", messages=msgs + [{"role": "user", "content": "again"}],
+                                             max_tokens=4, n=2, temperature=0, stream=True):
+        for c in ev.choices:
+            text[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finished.add(c.index)
+    assert finished == {0, 1} and text[0] == text[1]
+
+
 def test_responses_with_previous_response_id(client):
     r1 = client.responses.create(model="tiny", input="Hello there", max_output_tokens=8, temperature=0)
     assert r1.id.startswith("resp_") and r1.usage.output_tokens == 8
@@ -140,6 +168,7 @@ BAD = [
     ("bad-temperature", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                                  "temperature": -1}, 400, "temperature"),
     ("bad-top-p", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_p": 7}, 400, "top_p"),
+    ("bad-n", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 0}, 400, "n must be"),
     ("unknown-previous", "/v1/responses", {"input": "x", "previous_response_id": "resp_nope"}, 404, "not found"),
     ("body-too-large", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 300000}]}, 413,
      "exceeds"),
