@@ -102,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmarks: print a table and JSON (see bench/README.md)")
     p.add_argument("name", choices=["controller", "agent", "actors", "cache-scale"],
                    help="controller: cost per steady decode cycle; cache-scale: controller cost against cached records; "
-                   "agent: multi-turn agent prefill vs the infinite-cache floor at two capacities; "
+                   "agent: the 8-session agent trace on both transports (computed prompt tokens vs the floor, "
+                   "TTFT, outputs checked) and multi-turn agent prefill vs the floor at two capacities; "
                    "actors: Ray vs in-process overhead and decode tok/s at C=1..8")
     p.add_argument("--model", default="models/tiny", help="model directory; built if missing")
     p.add_argument("--out", default=None, help="also write the JSON result to this file")

@@ -289,7 +289,7 @@ MUTATIONS = [
      "        return True\n        src = None\n        if src is not None and src.frontier >= w.frontier:",
      [E + "test_pending.py::test_identical_prompts_arriving_together_compute_once"]),
     ("a point that never came is an abandoned wait", "ninfer/policy/resources.py",
-     "        if self._has_point(req.prompt, w.frontier):", "        if True:",
+     "        if self.existing_point(req, w.frontier) is not None:", "        if True:",
      [E + "test_pending.py::test_waiters_choose_again_when_the_producers_save_is_skipped"]),
     ("a never-published point is not waited for by the same producer twice", "ninfer/policy/resources.py",
      "            if producer is req or producer.rid in book.waited or not producer.live:",

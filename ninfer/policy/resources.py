@@ -327,7 +327,7 @@ class ResourceManager:
         self.end_pending(req)
         if producer is not None and producer.live and not resident:
             return False                      # its bind did not happen yet: choose again
-        if self._has_point(req.prompt, w.frontier):
+        if self.existing_point(req, w.frontier) is not None:
             book.pending_base = w.base
         else:
             book.waited.add(w.producer)
@@ -339,10 +339,6 @@ class ResourceManager:
         if book is not None and book.pending is not None:
             self.stats.pending_wait_s += time.monotonic() - book.pending.since
             book.pending = None
-
-    def _has_point(self, prompt: list[int], f: int) -> bool:
-        return any((info := self.table.ckpts.get(cid)) is not None and info.tokens == tuple(prompt[:f])
-                   for cid in self.table.index.at(prompt, f))
 
     def waiting_on(self, req: Request) -> P.CkptRef | None:
         b = self.books.get(req.rid)
