@@ -76,18 +76,24 @@ class RequestHandle:
         self._final: Output | None = None
         self._done = threading.Event()
         self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self._aq: tuple[asyncio.AbstractEventLoop, asyncio.Queue] | None = None
         self._lock = threading.Lock()
 
     # called on the engine's control thread
     def _deliver(self, item) -> None:
-        if isinstance(item, Output):
-            with self._lock:
+        waiters = []
+        with self._lock:
+            if isinstance(item, Output):
                 self._final = item
                 self._done.set()
                 waiters, self._async_waiters = self._async_waiters, []
-            for loop, fut in waiters:
-                loop.call_soon_threadsafe(lambda f=fut: f.done() or f.set_result(None))
-        self._q.put(item)
+            sink = self._aq
+            if sink is None:
+                self._q.put(item)
+        if sink is not None:                               # an async reader: no thread blocks on it
+            sink[0].call_soon_threadsafe(sink[1].put_nowait, item)
+        for loop, fut in waiters:
+            loop.call_soon_threadsafe(lambda f=fut: f.done() or f.set_result(None))
 
     def __iter__(self) -> Iterator[StreamEvent]:
         while True:
@@ -115,9 +121,15 @@ class RequestHandle:
         return self._final
 
     async def aiter(self) -> AsyncIterator[StreamEvent]:
-        loop = asyncio.get_running_loop()
+        """Events on the caller's event loop: the control thread hands each one over with
+        call_soon_threadsafe, so many concurrent streams cost no threads."""
+        aq: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            while not self._q.empty():
+                aq.put_nowait(self._q.get_nowait())
+            self._aq = (asyncio.get_running_loop(), aq)
         while True:
-            item = await loop.run_in_executor(None, self._q.get)
+            item = await aq.get()
             if isinstance(item, Output):
                 return
             yield item
@@ -246,6 +258,15 @@ class Engine:
                                         {"type": "connection_lost", "message": message}))
 
     # ---- engine-wide ----------------------------------------------------------------------
+    def alive(self) -> bool:
+        """Cheap liveness (what /health reports): no round trip behind a busy engine step where
+        the runtime can tell without one."""
+        probe = getattr(self._rt, "alive", None)
+        if probe is not None:
+            return probe()
+        self.stats()
+        return True
+
     def stats(self) -> dict[str, Any]:
         return self._rt.call("stats")
 

@@ -53,6 +53,9 @@ class InprocRuntime:
     def cancel(self, rid: str) -> None:
         self.loop.cancel(rid)
 
+    def alive(self) -> bool:
+        return not self.loop._stop and self.loop._thread.is_alive()
+
     def call(self, what: str, timeout: float = 300.0):
         return self.loop.call(what, timeout)
 

@@ -1,22 +1,26 @@
 """The Responses API: stored responses expand to history, and the current input is normalised
 to chat messages before the marker policy applies. The stored raw input never carries the
 automatic markers added for one request. The store has its own byte budget and evicts the
-least recently used responses."""
+least recently used responses; a stored response can be retrieved, deleted and its input items
+listed. Streaming emits OpenAI's typed events (``response.created`` ... ``response.completed``).
+"""
 
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from ninfer.frontend.openai_api import ApiError, bad, sampling_from, split_tool_calls
+from ninfer.frontend import schema as S
+from ninfer.frontend.openai_api import bad, not_found
 
 
 @dataclass
 class Stored:
-    messages: list[dict]          # normalised history including this response's output
+    response: dict                # the response object as returned
+    history: list[dict]           # normalised history including this response's output
+    input_items: list[dict]       # this request's input items, with ids
     size: int
 
 
@@ -29,74 +33,120 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._items)
 
-    def put(self, rid: str, messages: list[dict]) -> None:
-        size = len(json.dumps(messages))
-        self._items[rid] = Stored(messages, size)
+    def put(self, rid: str, response: dict, history: list[dict], input_items: list[dict]) -> None:
+        size = len(json.dumps([response, history, input_items]))
+        self._items[rid] = Stored(response, history, input_items, size)
         self.used += size
         while self.used > self.budget and len(self._items) > 1:
             _, old = self._items.popitem(last=False)
             self.used -= old.size
 
-    def get(self, rid: str) -> list[dict]:
+    def _get(self, rid: str, param: str | None = None) -> Stored:
         item = self._items.get(rid)
         if item is None:
-            raise ApiError(404, f"previous response {rid!r} not found", param="previous_response_id",
-                           code="previous_response_not_found")
+            raise not_found(f"response {rid!r} not found", param=param,
+                            code="previous_response_not_found" if param else "response_not_found")
         self._items.move_to_end(rid)
-        return [dict(m) for m in item.messages]
+        return item
+
+    def history(self, rid: str) -> list[dict]:
+        return [dict(m) for m in self._get(rid, "previous_response_id").history]
+
+    def response(self, rid: str) -> dict:
+        return self._get(rid).response
+
+    def input_items(self, rid: str) -> list[dict]:
+        return self._get(rid).input_items
+
+    def delete(self, rid: str) -> None:
+        item = self._get(rid)
+        del self._items[rid]
+        self.used -= item.size
 
 
-def _text_of(content) -> str | list:
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+def _str(item: dict, key: str, where: str, default=None) -> str:
+    v = item.get(key, default)
+    if not isinstance(v, str):
+        raise bad(f"{where}.{key} must be a string", where)
+    return v
+
+
+def _text_of(content, where: str) -> str | list:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
         parts = []
-        for p in content:
-            if not isinstance(p, dict) or p.get("type") not in ("input_text", "output_text", "text"):
-                raise bad("only text content parts are supported", "input")
-            parts.append({"type": "text", "text": p.get("text", "")})
+        for j, p in enumerate(content):
+            kind = p.get("type") if isinstance(p, dict) else None
+            if kind not in ("input_text", "output_text", "text"):
+                raise bad(f"{where}.content[{j}]: only text content parts are supported (got {kind!r})", where)
+            parts.append({"type": "text", "text": _str(p, "text", f"{where}.content[{j}]")})
         return parts
-    raise bad("content must be a string or a list of parts", "input")
+    raise bad(f"{where}.content must be a string or a list of parts", where)
 
 
-def normalise_input(raw) -> list[dict]:
-    """Responses input (a string or a list of items) -> chat messages."""
+def normalise_input(raw: str | list[dict]) -> tuple[list[dict], list[dict]]:
+    """Responses input (a string or a list of items) -> chat messages, and the items as stored
+    (with ids) for ``input_items``."""
     if isinstance(raw, str):
-        return [{"role": "user", "content": raw}]
-    if not isinstance(raw, list) or not raw:
+        raw = [{"type": "message", "role": "user", "content": raw}]
+    if not raw:
         raise bad("input must be a string or a non-empty list of items", "input")
     out: list[dict] = []
-    for item in raw:
-        if not isinstance(item, dict):
-            raise bad("every input item must be an object", "input")
+    items: list[dict] = []
+    for i, item in enumerate(raw):
+        where = f"input[{i}]"
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
-                raise bad(f"input item role {role!r} is not supported", "input")
-            out.append({"role": role, "content": _text_of(item.get("content"))})
+                raise bad(f"{where}.role {role!r} is not supported", where)
+            content = _text_of(item.get("content"), where)
+            out.append({"role": role, "content": content})
+            parts = [{"type": "input_text" if role != "assistant" else "output_text", "text": content}] \
+                if isinstance(content, str) else \
+                [{"type": "input_text" if role != "assistant" else "output_text", "text": p["text"]} for p in content]
+            items.append({"id": item.get("id") or _item_id("msg"), "type": "message", "role": role,
+                          "content": parts, "status": "completed"})
         elif kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
+            call = {"id": _str(item, "call_id", where), "type": "function",
+                    "function": {"name": _str(item, "name", where), "arguments": _str(item, "arguments", where, "{}")}}
             if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") is not None:
                 out[-1]["tool_calls"].append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            items.append({"id": item.get("id") or _item_id("fc"), "type": "function_call", "status": "completed",
+                          "call_id": call["id"], "name": call["function"]["name"],
+                          "arguments": call["function"]["arguments"]})
         elif kind == "function_call_output":
-            out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": str(item.get("output", ""))})
+            output = item.get("output", "")
+            if not isinstance(output, str):
+                output = json.dumps(output)
+            out.append({"role": "tool", "tool_call_id": _str(item, "call_id", where), "content": output})
+            items.append({"id": item.get("id") or _item_id("fco"), "type": "function_call_output",
+                          "call_id": item["call_id"], "output": output, "status": "completed"})
         else:
-            raise bad(f"input item type {kind!r} is not supported", "input")
-    return out
+            raise bad(f"{where}.type {kind!r} is not supported", where)
+    return out, items
 
 
-def tools_from(raw) -> list[dict] | None:
+def tools_from(raw: list[S.ResponseTool] | None) -> list[dict] | None:
     if not raw:
         return None
     out = []
-    for t in raw:
-        if not isinstance(t, dict) or t.get("type") != "function":
-            raise bad("only function tools are supported", "tools")
-        fn = {k: t[k] for k in ("name", "description", "parameters") if k in t}
+    for i, t in enumerate(raw):
+        if t.type != "function" or not t.name:
+            raise bad(f"tools[{i}]: only function tools with a name are supported (got type {t.type!r})",
+                      f"tools[{i}]")
+        fn = {"name": t.name}
+        if t.description is not None:
+            fn["description"] = t.description
+        if t.parameters is not None:
+            fn["parameters"] = t.parameters
         out.append({"type": "function", "function": fn})
     return out
 
@@ -105,56 +155,146 @@ def tools_from(raw) -> list[dict] | None:
 class ResponsesCall:
     history: list[dict]          # expanded stored history + normalised input (what is stored)
     messages: list[dict]         # what is rendered: instructions first
+    input_items: list[dict]
     tools: list[dict] | None
-    sampling: dict
-    session_id: str | None
+    tool_choice: object
+    req: S.ResponsesRequest
     store: bool
     previous: str | None
+    instructions: str | None = None
+    extra: dict = field(default_factory=dict)
 
 
-def parse_responses(body: dict, store: ResponseStore, default_max: int) -> ResponsesCall:
-    if body.get("stream"):
-        raise bad("stream is not supported on /v1/responses yet; use /v1/chat/completions", "stream")
-    prev = body.get("previous_response_id")
-    history = store.get(prev) if prev else []
-    history += normalise_input(body.get("input"))
-    messages = list(history)
-    instructions = body.get("instructions")
-    if instructions:
-        messages = [{"role": "system", "content": str(instructions)}] + messages
-    return ResponsesCall(history=history, messages=messages, tools=tools_from(body.get("tools")),
-                         sampling=sampling_from(body, ("max_output_tokens",), default_max),
-                         session_id=body.get("prompt_cache_key") or body.get("user"),
-                         store=body.get("store", True) is not False, previous=prev)
+def parse_responses(req: S.ResponsesRequest, store: ResponseStore) -> ResponsesCall:
+    fmt = req.text.format.type if req.text is not None and req.text.format is not None else "text"
+    if fmt != "text":
+        raise bad(f"text.format {fmt!r} is not supported: NInfer has no constrained decoding yet", "text.format")
+    prev = req.previous_response_id
+    history = store.history(prev) if prev else []
+    messages, items = normalise_input(req.input)
+    history += messages
+    rendered = list(history)
+    if req.instructions:
+        rendered = [{"role": "system", "content": req.instructions}] + rendered
+    tools = tools_from(req.tools)
+    choice = req.tool_choice if req.tool_choice is not None else "auto"
+    if isinstance(choice, dict):
+        name = choice.get("name") if choice.get("type") == "function" else None
+        if not isinstance(name, str):
+            raise bad("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", \"name\": ...}",
+                      "tool_choice")
+        choice = {"type": "function", "function": {"name": name}}
+    if choice == "none":
+        tools = None
+    return ResponsesCall(history=history, messages=rendered, input_items=items, tools=tools, tool_choice=choice,
+                         req=req, store=req.store is not False, previous=prev, instructions=req.instructions)
 
 
-def response_object(rid: str, model: str, call: ResponsesCall, text: str, out) -> dict:
-    content, calls = split_tool_calls(text)
+def output_items(content: str, calls: list[dict], status: str, msg_id: str | None = None) -> list[dict]:
+    text = content.strip() if calls else content
     output = []
-    if content or not calls:
-        output.append({"type": "message", "id": f"msg_{uuid.uuid4().hex[:24]}", "status": "completed",
-                       "role": "assistant",
-                       "content": [{"type": "output_text", "text": content or "", "annotations": []}]})
+    if text or not calls:
+        output.append({"type": "message", "id": msg_id or _item_id("msg"), "status": status, "role": "assistant",
+                       "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]})
     for c in calls:
-        output.append({"type": "function_call", "id": f"fc_{uuid.uuid4().hex[:24]}", "call_id": c["id"],
-                       "name": c["function"]["name"], "arguments": c["function"]["arguments"], "status": "completed"})
-    u = out.usage
-    return {"id": rid, "object": "response", "created_at": time.time(), "model": model,
-            "status": "completed" if out.finish_reason != "length" else "incomplete",
-            "incomplete_details": {"reason": "max_output_tokens"} if out.finish_reason == "length" else None,
-            "output": output, "parallel_tool_calls": True, "tool_choice": "auto",
-            "tools": [{"type": "function", **t["function"]} for t in (call.tools or [])],
-            "previous_response_id": call.previous, "store": call.store, "text": {"format": {"type": "text"}},
-            "usage": {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
-                      "output_tokens": len(out.token_ids), "output_tokens_details": {"reasoning_tokens": 0},
-                      "total_tokens": u.prompt_tokens + len(out.token_ids)}}
+        output.append(call_item(c, "completed"))
+    return output
 
 
-def stored_messages(call: ResponsesCall, text: str) -> list[dict]:
+def call_item(c: dict, status: str) -> dict:
+    return {"type": "function_call", "id": f"fc_{c['id'][5:]}", "call_id": c["id"], "name": c["function"]["name"],
+            "arguments": c["function"]["arguments"], "status": status}
+
+
+def response_object(rid: str, model: str, created: int, call: ResponsesCall, output: list[dict],
+                    status: str, usage, output_tokens: int, reason: str | None = None) -> dict:
+    req = call.req
+    return {"id": rid, "object": "response", "created_at": created, "model": model, "status": status,
+            "error": None,
+            "incomplete_details": {"reason": reason} if status == "incomplete" else None,
+            "instructions": call.instructions, "max_output_tokens": req.max_output_tokens,
+            "metadata": req.metadata or {}, "output": output, "parallel_tool_calls": True,
+            "previous_response_id": call.previous, "store": call.store,
+            "temperature": req.temperature if req.temperature is not None else 1.0,
+            "top_p": req.top_p if req.top_p is not None else 1.0,
+            "text": {"format": {"type": "text"}},
+            "tool_choice": call.tool_choice if isinstance(call.tool_choice, str) else
+            {"type": "function", "name": call.tool_choice["function"]["name"]},
+            "tools": [{"type": "function", "strict": None, "parameters": None, "description": None, **t["function"]}
+                      for t in (call.tools or [])],
+            "truncation": "disabled", "user": req.user,
+            "usage": None if usage is None else {
+                "input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+                "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": usage.prompt_tokens + output_tokens}}
+
+
+def stored_history(call: ResponsesCall, content: str, calls: list[dict]) -> list[dict]:
     """History to store: the raw normalised input (no markers added for this request) plus the
     assistant output."""
-    content, calls = split_tool_calls(text)
-    msg: dict = {"role": "assistant", "content": content if (content or not calls) else None}
+    text = content.strip() if calls else content
+    msg: dict = {"role": "assistant", "content": text if (text or not calls) else None}
     if calls:
         msg["tool_calls"] = calls
     return [dict(m) for m in call.history] + [msg]
+
+
+class EventStream:
+    """OpenAI's Responses streaming events for one response, numbered in order."""
+
+    def __init__(self):
+        self.seq = 0
+        self.msg_id = _item_id("msg")
+        self.text = ""
+        self.message_open = False
+        self.index = 0                       # output_index of the next item
+
+    def event(self, kind: str, **fields) -> str:
+        data = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
+
+    def open_message(self) -> list[str]:
+        if self.message_open:
+            return []
+        self.message_open = True
+        item = {"type": "message", "id": self.msg_id, "status": "in_progress", "role": "assistant", "content": []}
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        return [self.event("response.output_item.added", output_index=self.index, item=item),
+                self.event("response.content_part.added", item_id=self.msg_id, output_index=self.index,
+                           content_index=0, part=part)]
+
+    def text_delta(self, delta: str) -> list[str]:
+        if not delta:
+            return []
+        out = self.open_message()
+        self.text += delta
+        return out + [self.event("response.output_text.delta", item_id=self.msg_id, output_index=self.index,
+                                 content_index=0, delta=delta, logprobs=[])]
+
+    def close_message(self, status: str) -> list[str]:
+        if not self.message_open:
+            return []
+        self.message_open = False
+        part = {"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}
+        item = {"type": "message", "id": self.msg_id, "status": status, "role": "assistant", "content": [part]}
+        out = [self.event("response.output_text.done", item_id=self.msg_id, output_index=self.index,
+                          content_index=0, text=self.text, logprobs=[]),
+               self.event("response.content_part.done", item_id=self.msg_id, output_index=self.index,
+                          content_index=0, part=part),
+               self.event("response.output_item.done", output_index=self.index, item=item)]
+        self.index += 1
+        return out
+
+    def call(self, c: dict) -> list[str]:
+        out = self.close_message("completed")
+        item = call_item(c, "in_progress")
+        args = item["arguments"]
+        out += [self.event("response.output_item.added", output_index=self.index, item={**item, "arguments": ""}),
+                self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=self.index,
+                           delta=args),
+                self.event("response.function_call_arguments.done", item_id=item["id"], output_index=self.index,
+                           arguments=args),
+                self.event("response.output_item.done", output_index=self.index, item={**item, "status": "completed"})]
+        self.index += 1
+        return out

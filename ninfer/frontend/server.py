@@ -1,252 +1,712 @@
 """``ninfer serve``: an OpenAI-compatible HTTP server (Starlette on uvicorn + uvloop).
 
-    POST /v1/chat/completions   stream (SSE) and non-stream, tools, stream_options.include_usage
-    POST /v1/responses          store, previous_response_id
-    GET  /v1/models, /health, /metrics (Prometheus)
+    POST /v1/chat/completions   stream (SSE) and non-stream, tools + tool_choice, n, logprobs
+    POST /v1/completions        the legacy endpoint: text or token prompts, echo, logprobs
+    POST /v1/responses          store, previous_response_id, stream; GET / DELETE
+                                /v1/responses/{id}, GET /v1/responses/{id}/input_items
+    GET  /v1/models, /v1/models/{id}; POST /tokenize, /detokenize; GET /version, /health,
+         /metrics (Prometheus)
 
-Bound to 127.0.0.1 by default; optional API key; a request body size limit; OpenAI-shaped
-errors (400 bad input, 401, 404 unknown previous_response_id, 413, 503 engine down) — a bad
-request fails alone and the engine keeps serving. ``usage.prompt_tokens_details.cached_tokens``
-counts real reuse only.
+Nothing CPU-heavy runs on the event loop: rendering, tokenising and every engine call run on a
+bounded thread pool, cheap limits (body size while it streams in, JSON depth, message count,
+a lower bound on prompt tokens from the characters) come before any rendering. One error layer:
+every failure is OpenAI's error JSON with its status and the connection stays usable. A client
+that disconnects cancels its requests in both modes. Bound to 127.0.0.1 by default; with an API
+key every ``/v1`` route needs it, ``/health`` and ``/metrics`` stay open (as in vLLM).
+``usage.prompt_tokens_details.cached_tokens`` counts real reuse only.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import time
+import logging
+import secrets
 import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
 
+import msgspec
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import (
+    JSONResponse,
+    PlainTextResponse,
+    Response,
+    StreamingResponse,
+)
 from starlette.routing import Route
 
 from ninfer.api import Engine
 from ninfer.errors import NInferError
 from ninfer.frontend import openai_api as oa
+from ninfer.frontend import responses as R
+from ninfer.frontend import schema as S
 from ninfer.frontend.metrics import prometheus
-from ninfer.frontend.responses import ResponseStore, parse_responses, response_object, stored_messages
+from ninfer.frontend.streaming import ChoiceStream, Finish, Piece, run_choice
+from ninfer.sampling_params import MAX_SEED
+
+log = logging.getLogger("ninfer.server")
+MAX_N = 16
+MAX_CHOICES = 64                       # legacy completions: prompts x n
+
+
+class Disconnected(Exception):
+    pass
+
+
+@dataclass
+class Choice:
+    """What one engine request of a response needs: how to submit it and how to read it."""
+
+    submit: object                       # () -> RequestHandle, run on the intake pool
+    stop: list[str]
+    parse_tools: bool
+    handle: object = None
+
+
+@dataclass
+class Collected:
+    content: list[str] = field(default_factory=list)
+    calls: list[dict] = field(default_factory=list)
+    logprobs: list[dict] = field(default_factory=list)
+    fin: Finish | None = None
+
+    def add(self, piece: Piece) -> None:
+        self.content.append(piece.content)
+        self.calls += piece.calls
+        self.logprobs += piece.logprobs
+
+    @property
+    def text(self) -> str:
+        return "".join(self.content)
 
 
 class Server:
     def __init__(self, engine: Engine, model_name: str, api_key: str | None = None,
-                 max_body_bytes: int = 16 << 20, store_bytes: int = 64 << 20, default_max_tokens: int = 256):
+                 max_body_bytes: int = 16 << 20, store_bytes: int = 64 << 20, default_max_tokens: int = 256,
+                 max_messages: int = 4096, intake_threads: int = 4):
         self.engine = engine
         self.model = model_name
         self.api_key = api_key
         self.max_body = max_body_bytes
-        self.store = ResponseStore(store_bytes)
+        self.max_messages = max_messages
+        self.store = R.ResponseStore(store_bytes)
         self.default_max = default_max_tokens
-        self.started = int(time.time())
+        self.started = oa.now()
+        self.pool = ThreadPoolExecutor(intake_threads, thread_name_prefix="ninfer-intake")
+        self.tok = engine._intake.tokenizer if engine._intake is not None else None
+        self.max_token_chars = _max_token_chars(self.tok)
+        self._token_strs: dict[int, str] = {}
         self.app = Starlette(routes=[
-            Route("/v1/chat/completions", self.chat, methods=["POST"]),
-            Route("/v1/responses", self.responses, methods=["POST"]),
-            Route("/v1/models", self.models, methods=["GET"]),
-            Route("/health", self.health, methods=["GET"]),
-            Route("/metrics", self.metrics, methods=["GET"]),
-        ])
+            Route("/v1/chat/completions", self._endpoint(self.chat), methods=["POST"]),
+            Route("/v1/completions", self._endpoint(self.completions), methods=["POST"]),
+            Route("/v1/responses", self._endpoint(self.responses), methods=["POST"]),
+            Route("/v1/responses/{rid}", self._endpoint(self.response_get), methods=["GET"]),
+            Route("/v1/responses/{rid}", self._endpoint(self.response_delete), methods=["DELETE"]),
+            Route("/v1/responses/{rid}/input_items", self._endpoint(self.response_items), methods=["GET"]),
+            Route("/v1/models", self._endpoint(self.models), methods=["GET"]),
+            Route("/v1/models/{model:path}", self._endpoint(self.model_get), methods=["GET"]),
+            Route("/tokenize", self._endpoint(self.tokenize), methods=["POST"]),
+            Route("/detokenize", self._endpoint(self.detokenize), methods=["POST"]),
+            Route("/version", self._endpoint(self.version), methods=["GET"]),
+            Route("/health", self._endpoint(self.health), methods=["GET"]),
+            Route("/metrics", self._endpoint(self.metrics), methods=["GET"]),
+        ], exception_handlers={HTTPException: self._http_error, Exception: self._internal_error})
 
-    # ---- plumbing ---------------------------------------------------------------------------
-    async def _body(self, request: Request) -> dict:
-        if self.api_key is not None:
-            auth = request.headers.get("authorization", "")
-            if auth != f"Bearer {self.api_key}":
-                raise oa.ApiError(401, "invalid or missing API key", kind="authentication_error",
-                                  code="invalid_api_key")
-        size = int(request.headers.get("content-length") or 0)
-        if size > self.max_body:
-            raise oa.ApiError(413, f"request body of {size} bytes exceeds the limit of {self.max_body}")
-        raw = await request.body()
-        if len(raw) > self.max_body:
-            raise oa.ApiError(413, f"request body exceeds the limit of {self.max_body} bytes")
+    # ---- the error layer ----------------------------------------------------------------------
+    def _endpoint(self, fn):
+        async def run(request: Request) -> Response:
+            try:
+                self._authorize(request)
+                return await fn(request)
+            except oa.ApiError as exc:
+                return _error(exc)
+            except NInferError as exc:
+                return _error(oa.request_error(exc))
+            except Exception as exc:                       # a bug: say so, keep serving
+                log.exception("internal error on %s", request.url.path)
+                return _error(ApiError500(exc))
+        return run
+
+    async def _http_error(self, request: Request, exc: HTTPException) -> Response:
+        """Unknown routes and wrong methods, in the OpenAI shape."""
+        if exc.status_code == 404:
+            err = oa.not_found(f"no route {request.method} {request.url.path}")
+        elif exc.status_code == 405:
+            err = oa.ApiError(405, f"method {request.method} is not allowed on {request.url.path}",
+                              headers=exc.headers)
+        else:
+            err = oa.ApiError(exc.status_code, str(exc.detail))
+        return _error(err)
+
+    async def _internal_error(self, request: Request, exc: Exception) -> Response:
+        log.exception("internal error on %s", request.url.path)
+        return _error(ApiError500(exc))
+
+    def _authorize(self, request: Request) -> None:
+        if self.api_key is None or not request.url.path.startswith("/v1"):
+            return
+        if request.headers.get("authorization", "") != f"Bearer {self.api_key}":
+            raise oa.ApiError(401, "invalid or missing API key", kind="authentication_error",
+                              code="invalid_api_key")
+
+    async def _json(self, request: Request) -> dict:
+        """The body as a JSON object: content type checked, size bounded while it streams in."""
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype and ctype != "application/json" and not ctype.endswith("+json"):
+            raise oa.ApiError(415, f"the request body must be application/json (got Content-Type {ctype!r})")
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body:
+            raise oa.ApiError(413, f"request body of {declared} bytes exceeds the limit of {self.max_body}")
+        chunks, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size > self.max_body:
+                raise oa.ApiError(413, f"request body exceeds the limit of {self.max_body} bytes")
+            chunks.append(part)
+        raw = b"".join(chunks)
         try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise oa.bad(f"malformed JSON: {exc}") from None
+            body = msgspec.json.decode(raw)
+        except msgspec.DecodeError as exc:
+            hint = " (a lone UTF-16 surrogate escape such as \\ud800 is not valid text)" \
+                if b"\\ud" in raw.lower() else ""
+            raise oa.bad(f"malformed JSON: {exc}{hint}") from None
+        except RecursionError:
+            raise oa.bad("malformed JSON: nested too deeply") from None
         if not isinstance(body, dict):
             raise oa.bad("the request body must be a JSON object")
         return body
 
-    @staticmethod
-    def _error(exc: oa.ApiError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model:
+            raise oa.ApiError(404, f"The model `{model}` does not exist.", kind="not_found_error", param="model",
+                              code="model_not_found")
 
-    def _submit_chat(self, messages, tools, sampling, session_id):
+    async def _off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.pool, partial(fn, *args))
+
+    # ---- shared request parts -------------------------------------------------------------------
+    def _sampling(self, req: S.Sampling, max_tokens: int | None, default_max: int, n: int | None) -> dict:
+        if n is not None and not 1 <= n <= MAX_N:
+            raise oa.bad(f"n must be between 1 and {MAX_N} (got {n})", "n")
+        top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
+        return dict(max_tokens=max_tokens or default_max, fill_max_tokens=max_tokens is None,
+                    temperature=1.0 if req.temperature is None else req.temperature,
+                    top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k,
+                    seed=secrets.randbelow(MAX_SEED) if req.seed is None else req.seed,
+                    presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+                    repetition_penalty=req.repetition_penalty or 1.0, ignore_eos=bool(req.ignore_eos))
+
+    @staticmethod
+    def _stop(req: S.Sampling) -> list[str]:
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if len(stop) > 4:
+            raise oa.bad(f"stop: at most 4 stop strings are allowed, got {len(stop)}", "stop")
+        return stop
+
+    def _bound_prompt(self, messages: list[S.Message]) -> None:
+        """Cheap limits before any rendering: the message count, and the prompt's characters
+        against the context (no token is longer than ``max_token_chars`` characters)."""
+        if len(messages) > self.max_messages:
+            raise oa.bad(f"messages: at most {self.max_messages} messages are allowed, got {len(messages)}",
+                         "messages")
+        chars = 0
+        for m in messages:
+            c = m.content
+            chars += len(c) if isinstance(c, str) else sum(len(p.text) for p in c or () if isinstance(p, S.TextPart))
+        least = chars // self.max_token_chars
+        if least > self.engine.info.max_context:
+            raise oa.bad(f"this engine's max_context is {self.engine.info.max_context} tokens, but the messages "
+                         f"have {chars} characters (at least {least} tokens)", "messages")
+
+    def _token_str(self, tid: int) -> str:
+        s = self._token_strs.get(tid)
+        if s is None:
+            s = self._token_strs[tid] = self.tok.decode([tid], skip_special_tokens=False) if self.tok else str(tid)
+        return s
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids) if self.tok is not None and ids else ""
+
+    def _submit_all(self, choices: list[Choice]) -> None:
+        """Submit every choice (on the intake pool); one that cannot be submitted cancels the
+        ones before it and fails the response."""
         try:
-            return self.engine.chat(messages, tools=tools, session_id=session_id, **sampling)
+            for c in choices:
+                c.handle = c.submit()
         except NInferError as exc:
+            for c in choices:
+                if c.handle is not None:
+                    c.handle.cancel()
             raise oa.request_error(exc) from None
 
-    # ---- chat completions ----------------------------------------------------------------------
-    def _submit_choices(self, call: oa.ChatCall) -> list:
-        """One engine request per choice. With n > 1 choice i samples with seed + i (identical
-        for greedy decoding); they arrive together, so the prompt is computed once and the
-        others Fork from its point. A choice that cannot be submitted cancels the ones before."""
-        handles = []
-        try:
-            for i in range(call.n):
-                sampling = call.sampling if i == 0 else {**call.sampling, "seed": call.sampling["seed"] + i}
-                handles.append(self._submit_chat(call.messages, call.tools, sampling, call.session_id))
-        except oa.ApiError:
-            for h in handles:
-                h.cancel()
-            raise
-        return handles
-
-    async def chat(self, request: Request) -> Response:
-        try:
-            body = await self._body(request)
-            call = oa.parse_chat(body, self.default_max)
-            handles = self._submit_choices(call)
-        except oa.ApiError as exc:
-            return self._error(exc)
-        rid = handles[0].rid
-        if call.stream:
-            return StreamingResponse(self._stream(handles, call, rid, request), media_type="text/event-stream")
-        outs = [await h.result_async() for h in handles]
-        failed = next((o for o in outs if o.finish_reason == "error"), None)
-        if failed is not None:
-            return self._error(_engine_error(failed))
-        texts = []
-        for out in outs:
-            text = out.text
-            cut = oa.check_stop(text, call.stop)
-            if cut is not None:
-                text = text[:cut]
-                out.finish_reason = "stop"
-            texts.append(text)
-        return JSONResponse(oa.chat_completion(rid, self.model, texts, outs))
-
-    async def _stream(self, handles, call: oa.ChatCall, rid: str, request: Request):
-        """Server-sent chunks of every choice as they come (``index`` tells them apart), then
-        each choice's finish, one usage block (stream_options.include_usage) and [DONE]."""
+    async def _drive(self, choices: list[Choice], request: Request):
+        """(index, Piece | Finish) of every choice as they come; Disconnected when the client
+        goes away (its requests are cancelled)."""
         queue: asyncio.Queue = asyncio.Queue()
+        gone = object()
 
-        async def pump(i: int, handle) -> None:
+        async def pump(i: int, c: Choice) -> None:
             try:
-                async for item in self._choice(i, handle, call, rid, request):
-                    await queue.put(item)
-            finally:
-                await queue.put(None)
+                async for item in run_choice(c.handle, ChoiceStream(self._decode, c.stop, c.parse_tools)):
+                    queue.put_nowait((i, item))
+            except Exception as exc:                        # a bug in one choice fails that choice
+                log.exception("choice %d failed", i)
+                queue.put_nowait((i, exc))
 
-        for i in range(len(handles)):
-            yield _sse(oa.chunk(rid, self.model, {"role": "assistant", "content": ""}, index=i))
-        tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
-        outs, error, left = [None] * len(handles), None, len(handles)
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            queue.put_nowait(gone)
+
+        tasks = [asyncio.create_task(pump(i, c)) for i, c in enumerate(choices)]
+        watcher = asyncio.create_task(watch())
+        left, done = len(choices), False
         try:
             while left:
                 item = await queue.get()
-                if item is None:
+                if item is gone:
+                    raise Disconnected
+                if isinstance(item[1], Exception):
+                    raise item[1]
+                if isinstance(item[1], Finish):
                     left -= 1
-                elif item[0] == "sse":
-                    yield item[1]
-                else:
-                    _, i, out = item
-                    outs[i] = out
-                    if out is not None and out.finish_reason == "error" and error is None:
-                        error = out
+                yield item
+            done = True
         finally:
+            watcher.cancel()
             for t in tasks:
                 t.cancel()
-            if await request.is_disconnected():
-                for h in handles:
-                    h.cancel()
-        if error is not None:
-            yield _sse(_engine_error(error).body())
-        elif call.include_usage and all(o is not None for o in outs):
-            final = oa.chunk(rid, self.model, {})
+            if not done:
+                for c in choices:
+                    c.handle.cancel()
+
+    async def _collect(self, choices: list[Choice], request: Request) -> list[Collected] | None:
+        got = [Collected() for _ in choices]
+        try:
+            async for i, item in self._drive(choices, request):
+                if isinstance(item, Finish):
+                    got[i].fin = item
+                else:
+                    got[i].add(item)
+        except Disconnected:
+            return None
+        failed = next((g.fin for g in got if g.fin.reason == "error"), None)
+        if failed is not None:
+            raise oa.engine_error(failed.out)
+        return got
+
+    # ---- chat completions ----------------------------------------------------------------------
+    async def chat(self, request: Request) -> Response:
+        body = await self._json(request)
+        req: S.ChatRequest = S.convert(body, S.ChatRequest)
+        self._check_model(req.model)
+        if not req.messages:
+            raise oa.bad("messages must be a non-empty list", "messages")
+        S.check_media(req.messages)
+        self._bound_prompt(req.messages)
+        if req.response_format is not None and req.response_format.type != "text":
+            raise oa.bad(f"response_format {req.response_format.type!r} is not supported: NInfer has no "
+                         "constrained decoding yet", "response_format")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise oa.bad("top_logprobs requires logprobs to be true", "top_logprobs")
+        choice = _tool_choice(req.tool_choice, req.tools)
+        tools = body.get("tools") if choice != "none" else None
+        sampling = self._sampling(req, req.max_completion_tokens or req.max_tokens, self.default_max, req.n)
+        if req.logprobs:
+            sampling["logprobs"] = req.top_logprobs or 0
+        stop = self._stop(req)
+        session = req.prompt_cache_key or req.user
+        n = req.n or 1
+        choices = [Choice(partial(self.engine.chat, body["messages"], tools=tools or None, session_id=session,
+                                  **_nth_seed(sampling, i)), stop, bool(tools)) for i in range(n)]
+        await self._off_loop(self._submit_all, choices)
+        rid, created = choices[0].handle.rid, oa.now()
+        ctx = ChatCtx(rid, created, choice, req)
+        if req.stream:
+            return _sse_response(self._chat_stream(choices, ctx, request))
+        got = await self._collect(choices, request)
+        if got is None:
+            return Response(status_code=499)
+        out = []
+        for i, g in enumerate(got):
+            _verify_tool_choice(choice, g.calls)
+            msg = oa.chat_message("" if choice not in ("auto", "none") and g.calls else g.text, g.calls)
+            out.append({"index": i, "message": msg, "finish_reason": g.fin.reason,
+                        "logprobs": oa.chat_logprobs(g.logprobs, self._token_str, req.top_logprobs or 0)
+                        if req.logprobs else None})
+        usage = oa.usage_block(got[0].fin.out.usage, sum(g.fin.completion_tokens for g in got))
+        return JSONResponse(oa.chat_completion(rid, self.model, created, out, usage))
+
+    async def _chat_stream(self, choices: list[Choice], ctx: ChatCtx, request: Request):
+        rid, created, req = ctx.rid, ctx.created, ctx.req
+        content_ok = ctx.tool_choice in ("auto", "none")
+        ncalls = [0] * len(choices)
+        calls: list[list[dict]] = [[] for _ in choices]
+        fins: list[Finish | None] = [None] * len(choices)
+        for i in range(len(choices)):
+            yield _sse(oa.chunk(rid, self.model, created, {"role": "assistant", "content": ""}, index=i))
+        try:
+            async for i, item in self._drive(choices, request):
+                if isinstance(item, Finish):
+                    fins[i] = item
+                    if item.reason == "error":
+                        yield _sse(oa.engine_error(item.out).body())
+                        yield "data: [DONE]\n\n"
+                        return
+                    continue
+                delta: dict = {}
+                if item.content and content_ok:
+                    delta["content"] = item.content
+                if item.calls:
+                    delta["tool_calls"] = oa.tool_call_deltas(item.calls, ncalls[i])
+                    ncalls[i] += len(item.calls)
+                    calls[i] += item.calls
+                lp = oa.chat_logprobs(item.logprobs, self._token_str, req.top_logprobs or 0) \
+                    if req.logprobs and item.logprobs else None
+                if delta or lp:
+                    yield _sse(oa.chunk(rid, self.model, created, delta, index=i, logprobs=lp))
+        except Disconnected:
+            return
+        for i, fin in enumerate(fins):
+            try:
+                _verify_tool_choice(ctx.tool_choice, calls[i])
+            except oa.ApiError as exc:
+                yield _sse(exc.body())
+                yield "data: [DONE]\n\n"
+                return
+            yield _sse(oa.chunk(rid, self.model, created, {}, fin.reason, index=i))
+        if req.stream_options is not None and req.stream_options.include_usage:
+            final = oa.chunk(rid, self.model, created, {})
             final["choices"] = []
-            final["usage"] = oa.usage_block(outs[0].usage, sum(len(o.token_ids) for o in outs))
+            final["usage"] = oa.usage_block(fins[0].out.usage, sum(f.completion_tokens for f in fins))
             yield _sse(final)
         yield "data: [DONE]\n\n"
 
-    async def _choice(self, i: int, handle, call: oa.ChatCall, rid: str, request: Request):
-        """One choice's stream: ("sse", chunk) items, then ("out", i, its Output or None)."""
-        ids: list[int] = []
-        sent = ""
-        stopped = False
-        async for ev in handle.aiter():
-            if await request.is_disconnected():
-                handle.cancel()                            # the client went away: free its resources
-                yield ("out", i, None)
-                return
-            ids.extend(ev.token_ids)
-            text = self.engine._text(ids)
-            if text.endswith("\ufffd"):
-                continue                                   # an incomplete UTF-8 sequence: wait
-            cut = oa.check_stop(text, call.stop)
-            if cut is not None:
-                text, stopped = text[:cut], True
-            if len(text) > len(sent):
-                yield ("sse", _sse(oa.chunk(rid, self.model, {"content": text[len(sent):]}, index=i)))
-                sent = text
-            if stopped:
-                handle.cancel()
-                break
-        out = await handle.result_async()
-        if not stopped:
-            text = self.engine._text(list(out.token_ids))  # flush what was held back
-            if len(text) > len(sent):
-                yield ("sse", _sse(oa.chunk(rid, self.model, {"content": text[len(sent):]}, index=i)))
-                sent = text
-        if out.finish_reason != "error":
-            _, calls = oa.split_tool_calls(sent)
-            reason = "stop" if stopped else oa.finish(out.finish_reason, calls)
-            yield ("sse", _sse(oa.chunk(rid, self.model, {}, reason, index=i)))
-        yield ("out", i, out)
+    # ---- legacy completions ----------------------------------------------------------------------
+    def _prompts(self, prompt) -> list[list[int]]:
+        """Text or token prompts -> token ids (tokenising runs on the intake pool)."""
+        if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+            prompt = [prompt]
+        if not prompt:
+            raise oa.bad("prompt must not be empty", "prompt")
+        if not all(isinstance(p, str) for p in prompt) and not all(isinstance(p, list) for p in prompt):
+            raise oa.bad("prompt must be a string, a list of token ids, or a list of strings or of token-id lists",
+                         "prompt")
+        out = []
+        for p in prompt:
+            if isinstance(p, str):
+                if self.tok is None:
+                    raise oa.bad("this model has no tokenizer; send token ids as the prompt", "prompt")
+                if len(p) // self.max_token_chars > self.engine.info.max_context:
+                    raise oa.bad(f"this engine's max_context is {self.engine.info.max_context} tokens, but the "
+                                 f"prompt has {len(p)} characters", "prompt")
+                p = self.tok.tokenizer.encode(p, add_special_tokens=True).ids
+            if not p:
+                raise oa.bad("prompt must not be empty", "prompt")
+            out.append(list(p))
+        return out
 
-    # ---- responses ---------------------------------------------------------------------------
-    async def responses(self, request: Request) -> Response:
+    async def completions(self, request: Request) -> Response:
+        body = await self._json(request)
+        req: S.CompletionRequest = S.convert(body, S.CompletionRequest)
+        self._check_model(req.model)
+        if req.suffix:
+            raise oa.bad("suffix is not supported", "suffix")
+        if req.echo and req.logprobs is not None:
+            raise oa.bad("echo with logprobs (prompt logprobs) is not supported", "echo")
+        if req.best_of is not None and req.best_of != (req.n or 1):
+            raise oa.bad("best_of must equal n (NInfer returns every sample)", "best_of")
+        sampling = self._sampling(req, req.max_tokens, 16, req.n)
+        sampling.pop("fill_max_tokens")
+        if req.logprobs is not None:
+            sampling["logprobs"] = req.logprobs
+        stop, n = self._stop(req), req.n or 1
+        prompts = await self._off_loop(self._prompts, req.prompt)
+        if len(prompts) * n > MAX_CHOICES:
+            raise oa.bad(f"at most {MAX_CHOICES} choices (prompts x n) are allowed", "prompt")
+        choices = [Choice(partial(self.engine.generate, p, session_id=req.user, **_nth_seed(sampling, i)), stop, False)
+                   for p in prompts for i in range(n)]
+        await self._off_loop(self._submit_all, choices)
+        rid, created = choices[0].handle.rid, oa.now()
+        echo = [self._decode(p) if req.echo else "" for p in prompts for _ in range(n)]
+        if req.stream:
+            return _sse_response(self._completion_stream(choices, rid, created, req, echo, request))
+        got = await self._collect(choices, request)
+        if got is None:
+            return Response(status_code=499)
+        out = [{"index": i, "text": echo[i] + g.text, "finish_reason": g.fin.reason,
+                "logprobs": oa.completion_logprobs(g.logprobs, self._token_str, len(echo[i]))
+                if req.logprobs is not None else None} for i, g in enumerate(got)]
+        firsts = [got[k * n].fin.out for k in range(len(prompts))]
+        usage = oa.usage_block(oa.prompt_usage(firsts), sum(g.fin.completion_tokens for g in got))
+        return JSONResponse(oa.completion(rid, self.model, created, out, usage))
+
+    async def _completion_stream(self, choices, rid, created, req: S.CompletionRequest, echo, request):
+        fins: list[Finish | None] = [None] * len(choices)
+        offsets = [len(e) for e in echo]
+
+        def part(i: int, text: str, reason=None, lps=None) -> str:
+            return _sse(oa.completion(rid, self.model, created, [{"index": i, "text": text, "logprobs": lps,
+                                                                  "finish_reason": reason}], None))
+        for i, e in enumerate(echo):
+            if e:
+                yield part(i, e)
         try:
-            body = await self._body(request)
-            call = parse_responses(body, self.store, self.default_max)
-            handle = self._submit_chat(call.messages, call.tools, call.sampling, call.session_id)
-        except oa.ApiError as exc:
-            return self._error(exc)
-        out = await handle.result_async()
-        if out.finish_reason == "error":
-            return self._error(_engine_error(out))
-        rid = f"resp_{uuid.uuid4().hex}"
-        if call.store:
-            self.store.put(rid, stored_messages(call, out.text))
-        return JSONResponse(response_object(rid, self.model, call, out.text, out))
+            async for i, item in self._drive(choices, request):
+                if isinstance(item, Finish):
+                    fins[i] = item
+                    if item.reason == "error":
+                        yield _sse(oa.engine_error(item.out).body())
+                        yield "data: [DONE]\n\n"
+                        return
+                    yield part(i, "", item.reason)
+                    continue
+                lps = None
+                if req.logprobs is not None and item.logprobs:
+                    lps = oa.completion_logprobs(item.logprobs, self._token_str, offsets[i])
+                offsets[i] += len(item.content)
+                if item.content or lps:
+                    yield part(i, item.content, None, lps)
+        except Disconnected:
+            return
+        if req.stream_options is not None and req.stream_options.include_usage:
+            n = req.n or 1
+            firsts = [fins[k].out for k in range(0, len(fins), n)]
+            usage = oa.usage_block(oa.prompt_usage(firsts), sum(f.completion_tokens for f in fins))
+            yield _sse(oa.completion(rid, self.model, created, [], usage))
+        yield "data: [DONE]\n\n"
 
-    # ---- info --------------------------------------------------------------------------------
+    # ---- responses ---------------------------------------------------------------------------------
+    async def responses(self, request: Request) -> Response:
+        body = await self._json(request)
+        req: S.ResponsesRequest = S.convert(body, S.ResponsesRequest)
+        self._check_model(req.model)
+        call = R.parse_responses(req, self.store)
+        _tool_choice(call.tool_choice if call.tool_choice != "none" else None, call.tools)
+        sampling = self._sampling(req, req.max_output_tokens, self.default_max, None)
+        choice = Choice(partial(self.engine.chat, call.messages, tools=call.tools,
+                                session_id=req.prompt_cache_key or req.user, **sampling), [], bool(call.tools))
+        await self._off_loop(self._submit_all, [choice])
+        rid, created = f"resp_{uuid.uuid4().hex}", oa.now()
+        if req.stream:
+            return _sse_response(self._responses_stream(choice, call, rid, created, request))
+        got = await self._collect([choice], request)
+        if got is None:
+            return Response(status_code=499)
+        g = got[0]
+        _verify_tool_choice(call.tool_choice, g.calls)
+        status = "incomplete" if g.fin.reason == "length" else "completed"
+        obj = R.response_object(rid, self.model, created, call, R.output_items(g.text, g.calls, status), status,
+                                g.fin.out.usage, g.fin.completion_tokens, "max_output_tokens")
+        self._keep(rid, call, obj, g.text, g.calls)
+        return JSONResponse(obj)
+
+    def _keep(self, rid: str, call: R.ResponsesCall, obj: dict, text: str, calls: list[dict]) -> None:
+        if call.store:
+            self.store.put(rid, obj, R.stored_history(call, text, calls), call.input_items)
+
+    async def _responses_stream(self, choice: Choice, call: R.ResponsesCall, rid: str, created: int,
+                                request: Request):
+        ev = R.EventStream()
+        obj = R.response_object(rid, self.model, created, call, [], "in_progress", None, 0)
+        yield ev.event("response.created", response=obj)
+        yield ev.event("response.in_progress", response=obj)
+        got = Collected()
+        try:
+            async for _, item in self._drive([choice], request):
+                if isinstance(item, Finish):
+                    got.fin = item
+                    continue
+                got.add(item)
+                for e in ev.text_delta(item.content):
+                    yield e
+                for c in item.calls:
+                    for e in ev.call(c):
+                        yield e
+        except Disconnected:
+            return
+        fin = got.fin
+        if fin.reason == "error":
+            err = oa.engine_error(fin.out)
+            yield ev.event("response.failed", response={**obj, "status": "failed",
+                                                        "error": {"code": err.kind, "message": str(err)}})
+            return
+        try:
+            _verify_tool_choice(call.tool_choice, got.calls)
+        except oa.ApiError as exc:
+            yield ev.event("error", code=exc.code, message=str(exc), param=None)
+            return
+        status = "incomplete" if fin.reason == "length" else "completed"
+        for e in ev.close_message(status):
+            yield e
+        final = R.response_object(rid, self.model, created, call,
+                                  R.output_items(got.text, got.calls, status, ev.msg_id), status,
+                                  fin.out.usage, fin.completion_tokens, "max_output_tokens")
+        self._keep(rid, call, final, got.text, got.calls)
+        yield ev.event("response.completed" if status == "completed" else "response.incomplete", response=final)
+
+    async def response_get(self, request: Request) -> Response:
+        return JSONResponse(self.store.response(request.path_params["rid"]))
+
+    async def response_delete(self, request: Request) -> Response:
+        rid = request.path_params["rid"]
+        self.store.delete(rid)
+        return JSONResponse({"id": rid, "object": "response.deleted", "deleted": True})
+
+    async def response_items(self, request: Request) -> Response:
+        items = list(self.store.input_items(request.path_params["rid"]))
+        order = request.query_params.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise oa.bad("order must be 'asc' or 'desc'", "order")
+        if order == "desc":
+            items.reverse()
+        return JSONResponse({"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
+                             "last_id": items[-1]["id"] if items else None, "has_more": False})
+
+    # ---- tokenizer and info -----------------------------------------------------------------------
+    def _need_tokenizer(self) -> None:
+        if self.tok is None:
+            raise oa.bad("this model directory has no tokenizer")
+
+    async def tokenize(self, request: Request) -> Response:
+        body = await self._json(request)
+        req: S.TokenizeRequest = S.convert(body, S.TokenizeRequest)
+        self._check_model(req.model)
+        self._need_tokenizer()
+        if (req.prompt is None) == (req.messages is None):
+            raise oa.bad("send exactly one of prompt or messages", "prompt")
+        if req.messages is not None:
+            S.check_media(req.messages)
+            self._bound_prompt(req.messages)
+            render = partial(self.tok.render, body["messages"], body.get("tools"), req.add_generation_prompt)
+            ids = await self._off_loop(lambda: self.tok.encode(render()))
+        else:
+            ids = await self._off_loop(lambda: self.tok.tokenizer.encode(
+                req.prompt, add_special_tokens=req.add_special_tokens).ids)
+        return JSONResponse({"count": len(ids), "max_model_len": self.engine.info.max_context, "tokens": list(ids),
+                             "token_strs": [self._token_str(t) for t in ids] if req.return_token_strs else None})
+
+    async def detokenize(self, request: Request) -> Response:
+        req: S.DetokenizeRequest = S.convert(await self._json(request), S.DetokenizeRequest)
+        self._check_model(req.model)
+        self._need_tokenizer()
+        vocab = self.engine.info.vocab_size
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise oa.bad(f"token id {bad} is out of range: allowed 0..{vocab - 1}", "tokens")
+        return JSONResponse({"prompt": await self._off_loop(self.tok.decode, req.tokens)})
+
+    def _model_card(self) -> dict:
+        return {"id": self.model, "object": "model", "created": self.started, "owned_by": "ninfer",
+                "root": self.engine.model_dir, "parent": None, "max_model_len": self.engine.info.max_context}
+
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.model, "object": "model", "created": self.started, "owned_by": "ninfer"}]})
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model_get(self, request: Request) -> Response:
+        model = request.path_params["model"]
+        self._check_model(model)
+        return JSONResponse(self._model_card())
+
+    async def version(self, request: Request) -> Response:
+        from ninfer import __version__
+        return JSONResponse({"version": __version__})
 
     async def health(self, request: Request) -> Response:
         try:
-            self.engine.stats()
+            ok = await asyncio.wait_for(self._off_loop(self.engine.alive), timeout=5.0)
         except Exception as exc:
-            return JSONResponse({"status": "unavailable", "detail": str(exc)}, status_code=503)
+            return JSONResponse({"status": "unavailable", "detail": f"{type(exc).__name__}: {exc}"}, status_code=503)
+        if not ok:
+            return JSONResponse({"status": "unavailable", "detail": "the engine has shut down"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     async def metrics(self, request: Request) -> Response:
         try:
-            stats = self.engine.stats()
+            stats = await self._off_loop(self.engine.stats)
         except Exception as exc:
             return PlainTextResponse(f"# engine unavailable: {exc}\n", status_code=503)
         return PlainTextResponse(prometheus(stats, len(self.store)), media_type="text/plain; version=0.0.4")
+
+
+@dataclass
+class ChatCtx:
+    rid: str
+    created: int
+    tool_choice: object
+    req: S.ChatRequest
+
+
+def ApiError500(exc: Exception) -> oa.ApiError:
+    return oa.ApiError(500, f"internal error: {type(exc).__name__}: {exc}", kind="internal_error")
+
+
+def _tool_choice(choice, tools) -> str | dict:
+    """'none' | 'auto' | 'required' | {"type": "function", "function": {"name": ...}}, checked
+    against the tools of the request."""
+    if choice is None:
+        return "auto"
+    if isinstance(choice, S.NamedToolChoice):
+        choice = {"type": "function", "function": {"name": choice.function.name}}
+    if choice in ("none", "auto"):
+        return choice
+    if not tools:
+        raise oa.bad("tool_choice requires tools", "tool_choice")
+    if isinstance(choice, dict):
+        name = choice["function"]["name"]
+        names = [t.function.name if isinstance(t, S.Tool) else t["function"]["name"] for t in tools]
+        if name not in names:
+            raise oa.bad(f"tool_choice names the function {name!r}, which is not among the tools", "tool_choice")
+    return choice
+
+
+def _verify_tool_choice(choice, calls: list[dict]) -> None:
+    """``required`` and a named function are verified (NInfer does not constrain decoding yet):
+    an answer without the call is a 422 instead of a silently different reply."""
+    if choice == "required" and not calls:
+        raise oa.ApiError(422, "tool_choice is 'required' but the model answered without a tool call "
+                               "(NInfer verifies tool_choice; it does not constrain decoding)",
+                          code="tool_choice_not_satisfied", param="tool_choice")
+    if isinstance(choice, dict):
+        name = choice["function"]["name"]
+        if not any(c["function"]["name"] == name for c in calls):
+            raise oa.ApiError(422, f"tool_choice names {name!r} but the model did not call it "
+                                   "(NInfer verifies tool_choice; it does not constrain decoding)",
+                              code="tool_choice_not_satisfied", param="tool_choice")
+
+
+def _nth_seed(sampling: dict, i: int) -> dict:
+    """Choice i of n samples with seed + i (identical for greedy decoding)."""
+    return sampling if i == 0 else {**sampling, "seed": (sampling["seed"] + i) % (MAX_SEED + 1)}
+
+
+def _max_token_chars(tok) -> int:
+    """No token decodes to more characters than its longest vocabulary string (byte-level
+    vocabularies spell each byte as one character) — the bound behind the cheap length check."""
+    if tok is None:
+        return 1 << 30
+    return max(1, max((len(s) for s in tok.tokenizer.get_vocab(with_added_tokens=True)), default=1))
+
+
+def _error(exc: oa.ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-def _engine_error(out) -> oa.ApiError:
-    err = out.error or {}
-    kind = err.get("type", "error")
-    status = 503 if kind in ("worker_lost", "controller_lost", "connection_lost") else \
-        400 if kind == "RequestError" else 500
-    return oa.ApiError(status, err.get("message", "the request failed"), kind=kind)
+def _sse_response(gen) -> StreamingResponse:
+    return StreamingResponse(gen, media_type="text/event-stream", headers={"cache-control": "no-cache"})
 
 
 def serve(engine: Engine, model_name: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          max_body_bytes: int = 16 << 20, log_level: str = "warning") -> None:
+          max_body_bytes: int = 16 << 20, log_level: str = "warning", max_messages: int = 4096) -> None:
     import uvicorn
 
-    server = Server(engine, model_name, api_key=api_key, max_body_bytes=max_body_bytes)
+    server = Server(engine, model_name, api_key=api_key, max_body_bytes=max_body_bytes, max_messages=max_messages)
     uvicorn.run(server.app, host=host, port=port, loop="uvloop", log_level=log_level)

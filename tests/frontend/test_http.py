@@ -49,7 +49,7 @@ def server(tiny_model, tmp_path_factory):
                    'host_capacity_bytes = 16777216\n')
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "ninfer.cli", "serve", "--model", tiny_model, "--config", str(cfg),
-                             "--port", str(port), "--transport", "inproc", "--api-key", KEY,
+                             "--port", str(port), "--transport", "inproc", "--api-key", KEY, "--served-model-name", "tiny",
                              "--max-body-bytes", "200000"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
     base = f"http://127.0.0.1:{port}"
@@ -148,7 +148,7 @@ def test_responses_with_previous_response_id(client):
 
 
 def test_models_health_metrics(server, client, tiny_model):
-    assert [m.id for m in client.models.list().data] == [os.path.basename(tiny_model)]
+    assert [m.id for m in client.models.list().data] == ["tiny"]
     assert httpx.get(f"{server}/health").json() == {"status": "ok"}
     m = httpx.get(f"{server}/metrics").text
     for name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
@@ -214,7 +214,7 @@ def test_serve_through_the_ray_actors(tiny_model):
     """`ninfer serve` with the default Ray transport (a private local deployment)."""
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "ninfer.cli", "serve", "--model", tiny_model, "--port", str(port),
-                             "--deployment", "http-ray"],
+                             "--deployment", "http-ray", "--served-model-name", "tiny"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
     try:
         base = f"http://127.0.0.1:{port}"
