@@ -7,56 +7,18 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
+from tests.frontend.conftest import KEY, free_port as _free_port, wait_up as _wait_up
+
 openai = pytest.importorskip("openai")
 
-KEY = "test-key"
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
-
-
-def _wait_up(proc: subprocess.Popen, base: str) -> None:
-    for _ in range(600):
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert proc.poll() is None, proc.stderr.read()
-        time.sleep(0.1)
-    raise AssertionError("ninfer serve did not come up")
-
-
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model, tmp_path_factory):
-    cfg = tmp_path_factory.mktemp("serve") / "engine.toml"
-    cfg.write_text('max_concurrency = 2\nmax_context = 1024\ndtype = "float32"\n\n[context_cache]\n'
-                   'host_capacity_bytes = 16777216\n')
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "ninfer.cli", "serve", "--model", tiny_model, "--config", str(cfg),
-                             "--port", str(port), "--transport", "inproc", "--api-key", KEY, "--served-model-name", "tiny",
-                             "--max-body-bytes", "200000"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
-    base = f"http://127.0.0.1:{port}"
-    _wait_up(proc, base)
-    yield base
-    proc.terminate()
-    proc.wait(timeout=30)
 
 
 @pytest.fixture
@@ -170,7 +132,7 @@ BAD = [
     ("bad-top-p", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_p": 7}, 400, "top_p"),
     ("bad-n", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 0}, 400, "n must be"),
     ("unknown-previous", "/v1/responses", {"input": "x", "previous_response_id": "resp_nope"}, 404, "not found"),
-    ("body-too-large", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 300000}]}, 413,
+    ("body-too-large", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 2100000}]}, 413,
      "exceeds"),
 ]
 

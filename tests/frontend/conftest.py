@@ -1,0 +1,58 @@
+"""One `ninfer serve` (in-process transport, the tiny model, an API key) for every HTTP test of
+this package, started on a free loopback port; and helpers to reach it."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+KEY = "test-key"
+
+
+def free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def wait_up(proc: subprocess.Popen, base: str) -> None:
+    for _ in range(600):
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None, proc.stderr.read()
+        time.sleep(0.1)
+    raise AssertionError("ninfer serve did not come up")
+
+
+@pytest.fixture(scope="session")
+def served(tiny_model, tmp_path_factory):
+    cfg = tmp_path_factory.mktemp("serve") / "engine.toml"
+    cfg.write_text('max_concurrency = 2\nmax_context = 1024\ndtype = "float32"\n\n[context_cache]\n'
+                   'host_capacity_bytes = 16777216\n')
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "ninfer.cli", "serve", "--model", tiny_model, "--config", str(cfg),
+                             "--port", str(port), "--transport", "inproc", "--api-key", KEY,
+                             "--served-model-name", "tiny", "--max-body-bytes", "2000000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+    base = f"http://127.0.0.1:{port}"
+    wait_up(proc, base)
+    yield SimpleNamespace(base=base, pid=proc.pid, model=tiny_model)
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture
+def server(served) -> str:
+    return served.base

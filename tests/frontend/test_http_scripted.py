@@ -1,0 +1,194 @@
+"""The HTTP layer against a scripted engine, over real HTTP with the official client: what the
+tiny random model cannot be made to say — a tool call, a stop string split across tokens —
+is scripted here (the last user message is the answer, tokenised with the real tokenizer and
+streamed token by token), so streamed tool calls, stop-string hold-back, tool_choice
+verification and disconnect cancellation are pinned exactly."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from types import SimpleNamespace
+
+import httpx
+import pytest
+import uvicorn
+
+from ninfer.api import Output, StreamEvent, TimingsView, UsageView
+from ninfer.frontend.render import ChatTokenizer
+from ninfer.frontend.server import Server
+from ninfer.frontend.streaming import ChoiceStream, partial_suffix
+from tests.frontend.conftest import free_port
+
+openai = pytest.importorskip("openai")
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+
+
+class ScriptedHandle:
+    def __init__(self, rid: str, ids: list[int], delay: float):
+        self.rid, self.ids, self.delay = rid, ids, delay
+        self.sent = 0
+        self.cancelled = False
+
+    async def aiter(self):
+        while self.sent < len(self.ids) and not self.cancelled:
+            await asyncio.sleep(self.delay)
+            self.sent += 1
+            yield StreamEvent(self.rid, self.sent - 1, [self.ids[self.sent - 1]])
+
+    async def result_async(self) -> Output:
+        while self.sent < len(self.ids) and not self.cancelled:
+            await asyncio.sleep(0.005)
+        return Output(self.rid, self.ids[:self.sent], "", "cancelled" if self.cancelled else "stop", None,
+                      UsageView(prompt_tokens=5, completion_tokens=self.sent), TimingsView())
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class ScriptedEngine:
+    model_dir = "scripted"
+
+    def __init__(self, tok: ChatTokenizer):
+        self._intake = SimpleNamespace(tokenizer=tok)
+        self.info = SimpleNamespace(max_context=4096, vocab_size=tok.tokenizer.get_vocab_size())
+        self.handles: list[ScriptedHandle] = []
+        self.delay = 0.002
+
+    def chat(self, messages, tools=None, **kw) -> ScriptedHandle:
+        script = messages[-1]["content"]
+        h = ScriptedHandle(f"s{len(self.handles)}", self._intake.tokenizer.encode(script), self.delay)
+        self.handles.append(h)
+        return h
+
+    def alive(self) -> bool:
+        return True
+
+
+@pytest.fixture(scope="module")
+def scripted(tiny_model):
+    engine = ScriptedEngine(ChatTokenizer(tiny_model))
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(Server(engine, "tiny").app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.02)
+    yield SimpleNamespace(engine=engine, base=f"http://127.0.0.1:{port}",
+                          client=openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0))
+    srv.should_exit = True
+    thread.join(timeout=10)
+
+
+def _say(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def _stream(client, **kw) -> tuple[str, list, list]:
+    text, calls, reasons = "", [], []
+    for ch in client.chat.completions.create(model="tiny", stream=True, **kw):
+        for c in ch.choices:
+            text += c.delta.content or ""
+            calls += c.delta.tool_calls or []
+            if c.finish_reason:
+                reasons.append(c.finish_reason)
+    return text, calls, reasons
+
+
+def test_a_partial_stop_match_never_leaks_into_the_stream(scripted):
+    c = scripted.client
+    r = c.chat.completions.create(model="tiny", messages=_say("JSON I[en the rest"), stop="I[en")
+    text, _, reasons = _stream(c, messages=_say("JSON I[en the rest"), stop=["I[en"])
+    assert r.choices[0].message.content == text == "JSON "
+    assert reasons == ["stop"] and r.choices[0].finish_reason == "stop"
+    tok = scripted.engine._intake.tokenizer
+    full = tok.encode("JSON I[en the rest")
+    need = next(k for k in range(1, len(full) + 1) if "I[en" in tok.decode(full[:k]))
+    assert r.usage.completion_tokens == need < len(full)
+    assert scripted.engine.handles[-1].cancelled                    # the engine stops at the stop string
+
+
+def test_a_stop_prefix_that_never_completes_is_released_at_the_end(scripted):
+    text, _, reasons = _stream(scripted.client, messages=_say("JSON I[e and more"), stop=["I[en"])
+    assert text == "JSON I[e and more" and reasons == ["stop"]
+
+
+def test_tool_calls_stream_as_delta_tool_calls(scripted):
+    c = scripted.client
+    script = "Let me check." + CALL
+    text, calls, reasons = _stream(c, messages=_say(script), tools=TOOLS)
+    assert text == "Let me check." and "<tool_call>" not in text
+    assert len(calls) == 1 and calls[0].index == 0 and calls[0].id.startswith("call_")
+    assert calls[0].function.name == "get_weather" and calls[0].function.arguments == '{"city": "Paris"}'
+    assert reasons == ["tool_calls"]
+    r = c.chat.completions.create(model="tiny", messages=_say(script), tools=TOOLS)
+    msg = r.choices[0].message
+    assert msg.content == "Let me check." and msg.tool_calls[0].function.name == "get_weather"
+    assert r.choices[0].finish_reason == "tool_calls"
+
+
+def test_tool_choice_required_and_named_are_verified(scripted):
+    c = scripted.client
+    r = c.chat.completions.create(model="tiny", messages=_say(CALL), tools=TOOLS, tool_choice="required")
+    assert r.choices[0].message.tool_calls[0].function.name == "get_weather"
+    with pytest.raises(openai.UnprocessableEntityError, match="required"):
+        c.chat.completions.create(model="tiny", messages=_say("no call here"), tools=TOOLS, tool_choice="required")
+    named = {"type": "function", "function": {"name": "get_time"}}
+    with pytest.raises(openai.UnprocessableEntityError, match="get_time"):
+        c.chat.completions.create(model="tiny", messages=_say(CALL), tools=TOOLS, tool_choice=named)
+    text, calls, _ = _stream(c, messages=_say("words " + CALL), tools=TOOLS,
+                             tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert text == "" and calls[0].function.name == "get_weather"     # named: only the call is streamed
+    r = c.chat.completions.create(model="tiny", messages=_say(CALL), tools=TOOLS, tool_choice="none")
+    assert r.choices[0].message.tool_calls is None and "<tool_call>" in r.choices[0].message.content
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
+def test_disconnect_cancels_the_request(scripted, stream):
+    scripted.engine.delay = 0.05
+    try:
+        try:
+            with httpx.Client(timeout=0.3) as h:
+                with h.stream("POST", f"{scripted.base}/v1/chat/completions",
+                              json={"messages": _say("word " * 100), "stream": stream}) as r:
+                    for _ in r.iter_bytes():
+                        break
+        except httpx.TimeoutException:
+            pass
+        handle = scripted.engine.handles[-1]
+        deadline = time.monotonic() + 3
+        while not handle.cancelled and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert handle.cancelled and handle.sent < len(handle.ids)
+    finally:
+        scripted.engine.delay = 0.002
+
+
+def test_n_choices_each_end_at_their_stop(scripted):
+    r = scripted.client.chat.completions.create(model="tiny", messages=_say("one. two. three."), n=3, stop=". t")
+    assert [ch.message.content for ch in r.choices] == ["one", "one", "one"]
+    assert r.usage.completion_tokens == 3 * (r.usage.completion_tokens // 3)
+
+
+# ---- the choice stream on its own ---------------------------------------------------------------------
+
+def test_partial_suffix():
+    assert partial_suffix("abc I[", ["I[en"]) == 2
+    assert partial_suffix("abc I[en", ["I[en"]) == 0            # a whole match is the scan's, not held
+    assert partial_suffix("abc", ["zz", "c"]) == 0
+    assert partial_suffix("xx<tool", ["<tool_call>"]) == 5
+
+
+def test_a_stop_split_across_many_tokens_counts_the_completing_token(tiny_model):
+    tok = ChatTokenizer(tiny_model)
+    ids = tok.encode("alpha beta gamma delta")
+    for stop in ("beta g", "a d", "ta", "gamma delta"):
+        s = ChoiceStream(tok.decode, [stop], False)
+        out = "".join(s.feed([t]).content for t in ids)
+        want = "alpha beta gamma delta"
+        assert out == want[:want.find(stop)], stop
+        assert "".join(tok.decode(ids[:s.stopped_at])).find(stop) >= 0
+        assert stop not in tok.decode(ids[:s.stopped_at - 1])
