@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from ninfer.protocol import CkptRef, FinishReason, Phase, RequestSpec, SeqFacts, TokenLogprob  # noqa: F401  (re-exported)
+from ninfer.protocol import CkptRef, FinishReason, Phase, RequestSpec, SeqFacts  # noqa: F401  (re-exported)
+from ninfer.protocol import TokenLogprob
 from ninfer.sampling_params import SamplingParams
 
 

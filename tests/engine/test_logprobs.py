@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 import ninfer
-import ninfer.native.program as program
 from ninfer.errors import RequestError
+from ninfer.native import program
 from tests.engine.harness import assert_logprobs_close, force_pause, oracle_logprobs, run
 from tests.factories import random_prompt
 
