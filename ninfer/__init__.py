@@ -19,6 +19,7 @@ _LAZY = {
     "reference_generate": "ninfer.reference",
     "render_chat": "ninfer.frontend.render",
     "make_tiny_model": "ninfer.tiny.build",
+    "TokenLogprob": "ninfer.protocol",
 }
 
 __all__ = [

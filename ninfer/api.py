@@ -18,7 +18,7 @@ import msgspec
 
 from ninfer import protocol as P
 from ninfer.config import EngineConfig
-from ninfer.protocol import RequestSpec
+from ninfer.protocol import RequestSpec, TokenLogprob
 from ninfer.errors import RequestError
 from ninfer.sampling_params import SamplingParams
 
@@ -45,7 +45,8 @@ class TimingsView:
 @dataclass
 class Output:
     """A terminal result (API.md: out.token_ids, text, finish_reason, error, usage, timings,
-    pauses)."""
+    pauses). ``logprobs``: one ``TokenLogprob`` per output token when the request asked
+    (``logprobs=k``), else None."""
 
     rid: str
     token_ids: list[int]
@@ -56,16 +57,19 @@ class Output:
     timings: TimingsView
     pauses: list[dict] = field(default_factory=list)
     prompt_token_ids: list[int] = field(default_factory=list)   # exactly what the engine computed
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
 class StreamEvent:
-    """Newly committed tokens of one request; no event is ever repeated."""
+    """Newly committed tokens of one request; no event is ever repeated. ``logprobs``: one
+    entry per token in ``token_ids`` when the request asked, else None."""
 
     rid: str
     index: int
     token_ids: list[int]
     text: str = ""
+    logprobs: list[TokenLogprob] | None = None
 
 
 class RequestHandle:
@@ -183,9 +187,12 @@ class Engine:
                  ignore_eos: bool = False, session_id: str | None = None, anchors: list[int] | None = None,
                  cache_markers: list[int] | None = None, presence_penalty: float = 0.0,
                  frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
-                 recovery_frontier: int | None = None, request_id: str | None = None) -> RequestHandle:
+                 recovery_frontier: int | None = None, request_id: str | None = None,
+                 logprobs: int | None = None) -> RequestHandle:
+        """``logprobs=k``: every output token's raw log-probability and its k most likely
+        alternatives (0..20), on the stream events and the Output; None: none."""
         params = _params(max_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos,
-                         presence_penalty, frequency_penalty, repetition_penalty)
+                         presence_penalty, frequency_penalty, repetition_penalty, logprobs)
         spec = RequestSpec(prompt=list(prompt_token_ids) if isinstance(prompt_token_ids, (list, tuple)) else prompt_token_ids,
                            params=params, session_id=session_id, anchors=list(anchors or []),
                            markers=list(cache_markers or []), recovery_frontier=recovery_frontier,
@@ -197,12 +204,14 @@ class Engine:
              session_id: str | None = None, cache_markers: list[int] | None = None,
              stop_token_ids: list[int] | None = None, ignore_eos: bool = False,
              presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
-             request_id: str | None = None, fill_max_tokens: bool = False) -> RequestHandle:
+             request_id: str | None = None, fill_max_tokens: bool = False,
+             logprobs: int | None = None) -> RequestHandle:
         """OpenAI-style chat input: rendered with the model's template; the frontend finds the
         typed R, the restore position and the markers (cache_control on messages or parts).
-        ``fill_max_tokens``: treat max_tokens as a cap on the remaining context."""
+        ``fill_max_tokens``: treat max_tokens as a cap on the remaining context. ``logprobs``:
+        as in ``generate`` (OpenAI's ``logprobs=true, top_logprobs=k``)."""
         params = _params(max_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos,
-                         presence_penalty, frequency_penalty, repetition_penalty)
+                         presence_penalty, frequency_penalty, repetition_penalty, logprobs)
         chat = P.ChatSpec(messages=messages, tools=tools, params=params, session_id=session_id,
                           markers=list(cache_markers or []), fill_max_tokens=fill_max_tokens,
                           rid=request_id or "")
@@ -235,7 +244,8 @@ class Engine:
         if handle is None:
             return
         if isinstance(ev, P.TokensEvent):
-            handle._deliver(StreamEvent(ev.rid, ev.index, list(ev.token_ids), self._text(ev.token_ids)))
+            handle._deliver(StreamEvent(ev.rid, ev.index, list(ev.token_ids), self._text(ev.token_ids),
+                                        ev.logprobs))
             return
         with self._lock:
             self._handles.pop(ev.rid, None)
@@ -246,7 +256,7 @@ class Engine:
             rid=ev.rid, token_ids=list(ev.token_ids), text=self._text(ev.token_ids),
             finish_reason=str(ev.finish_reason), error=ev.error, usage=UsageView(**usage),
             timings=TimingsView(max_output_gap_s=ev.timings.get("max_output_gap_s") or 0.0, **timings),
-            pauses=list(ev.pauses), prompt_token_ids=list(ev.prompt_token_ids)))
+            pauses=list(ev.pauses), prompt_token_ids=list(ev.prompt_token_ids), logprobs=ev.logprobs))
 
     def _text(self, ids: list[int]) -> str:
         return self._intake.text(ids) if self._intake is not None else ""
@@ -287,12 +297,17 @@ class Engine:
 
 
 def _params(max_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos, presence_penalty,
-            frequency_penalty, repetition_penalty) -> SamplingParams:
-    return SamplingParams(
+            frequency_penalty, repetition_penalty, logprobs) -> SamplingParams:
+    params = SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
         stop_token_ids=tuple(stop_token_ids or ()), ignore_eos=ignore_eos,
         presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-        repetition_penalty=repetition_penalty)
+        repetition_penalty=repetition_penalty, logprobs=logprobs)
+    if logprobs is not None:
+        # here, not only at the intake: over Ray a value of the wrong type would otherwise
+        # fail to decode instead of giving this request a clear RequestError
+        params.validate()
+    return params
 
 
 def connect(address: str = "auto", deployment: str = "ninfer", model_dir: str | None = None) -> Engine:

@@ -557,6 +557,17 @@ class CaptureResult(IntEnum):
     STALE_ROOM = 3      # the admitted replacements changed since the quote
 
 
+class TokenLogprob(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """The log-probability of one committed output token and, when asked, its top
+    alternatives: raw log_softmax of the model's logits in float64 (before penalties,
+    temperature and top-k/top-p; vLLM's default "raw_logprobs"). ``top``: (token_id, logprob)
+    pairs ordered by logprob desc, ties by id asc; empty when the request asked for 0."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 class UnitOut(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     sid: int
     ran: bool
@@ -568,6 +579,7 @@ class UnitOut(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     room_applied: CommitResult | None = None
     facts: SeqFacts | None = None
     error: str | None = None       # the forward failed: the sequence was released
+    logprobs: list[TokenLogprob] = []   # one per committed token, when the request asked
 
 
 class Settled(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -659,11 +671,14 @@ def decode_info(data: bytes) -> WorkerInfo:
 
 class TokensEvent(msgspec.Struct, tag="tokens", array_like=True, gc=False):
     """Newly committed output tokens (``index`` = position of the first one in the output).
-    Replay never re-publishes: every token is sent exactly once."""
+    Replay never re-publishes: every token is sent exactly once, and with it its logprob entry
+    (``logprobs``: one per token when the request asked, else None). New fields go last, with
+    defaults: an older encoding still decodes."""
 
     rid: str
     index: int
     token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
 
 
 class FinalEvent(msgspec.Struct, tag="final", array_like=True):
@@ -675,6 +690,7 @@ class FinalEvent(msgspec.Struct, tag="final", array_like=True):
     pauses: list[dict]
     error: dict | None = None
     prompt_token_ids: list[int] = []   # the exact prompt the engine computed
+    logprobs: list[TokenLogprob] | None = None   # one per output token, when the request asked
 
 
 Event = TokensEvent | FinalEvent

@@ -15,7 +15,8 @@ from ninfer.errors import RequestError
 from ninfer.native.model.config import PAGE_SIZE, load_eos_ids
 from ninfer.native.model.forward import ForwardBatch, SeqInput
 from ninfer.native.model.model import HybridModel, parse_dtype
-from ninfer.native.sampler import sample_token, stop_reason
+from ninfer.native.sampler import sample_token, stop_reason, token_logprobs
+from ninfer.protocol import TokenLogprob
 from ninfer.sampling_params import SamplingParams
 
 _LOCK = threading.Lock()
@@ -38,8 +39,9 @@ def load_cached(model_dir: str | Path, dtype: str) -> tuple[HybridModel, tuple[i
 
 
 def generate_with_model(model: HybridModel, eos_ids: tuple[int, ...], prompt: list[int],
-                        params: SamplingParams) -> list[int]:
-    """Prefill ``prompt`` in one call, then decode until a stop rule fires."""
+                        params: SamplingParams, logprobs_out: list[TokenLogprob] | None = None) -> list[int]:
+    """Prefill ``prompt`` in one call, then decode until a stop rule fires. When
+    ``params.logprobs`` is set, one entry per output token is appended to ``logprobs_out``."""
     vocab = model.cfg.vocab_size
     if not prompt:
         raise RequestError("prompt_token_ids must not be empty")
@@ -57,6 +59,8 @@ def generate_with_model(model: HybridModel, eos_ids: tuple[int, ...], prompt: li
         position = len(prompt) + len(out)
         tok = sample_token(logits, params, position, prompt, out)
         out.append(tok)
+        if params.logprobs is not None and logprobs_out is not None:
+            logprobs_out.append(token_logprobs(logits, tok, params.logprobs))
         if stop_reason(tok, len(out), params, eos_ids):
             return out
         step = SeqInput(token_ids=[tok], start=position, page_table=pages)
@@ -66,13 +70,23 @@ def reference_generate(model_dir: str | Path, prompt_token_ids: list[int], max_t
                        temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
                        dtype: str = "float32", stop_token_ids: list[int] | None = None,
                        ignore_eos: bool = False, presence_penalty: float = 0.0,
-                       frequency_penalty: float = 0.0, repetition_penalty: float = 1.0) -> list[int]:
-    """Isolated, uncached generation of one request: the output-invariance oracle."""
+                       frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
+                       logprobs: int | None = None, return_logprobs: bool = False
+                       ) -> list[int] | tuple[list[int], list[TokenLogprob]]:
+    """Isolated, uncached generation of one request: the output-invariance oracle.
+
+    ``return_logprobs=True`` returns ``(token_ids, logprobs)``: one ``TokenLogprob`` per output
+    token with the ``logprobs`` (default 0) top alternatives, exactly as the engine reports
+    them (raw log_softmax of the logits in float64)."""
+    if return_logprobs and logprobs is None:
+        logprobs = 0
     params = SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
         stop_token_ids=tuple(stop_token_ids or ()), ignore_eos=ignore_eos,
         presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-        repetition_penalty=repetition_penalty,
+        repetition_penalty=repetition_penalty, logprobs=logprobs,
     )
     model, eos = load_cached(model_dir, dtype)
-    return generate_with_model(model, eos, list(prompt_token_ids), params)
+    lps: list[TokenLogprob] = []
+    ids = generate_with_model(model, eos, list(prompt_token_ids), params, lps if return_logprobs else None)
+    return (ids, lps) if return_logprobs else ids

@@ -9,6 +9,7 @@ import msgspec
 from ninfer.errors import RequestError
 
 MAX_SEED = 2**63 - 1
+MAX_LOGPROBS = 20        # top alternatives per token (vLLM's default max_logprobs, OpenAI's cap)
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -18,6 +19,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     follow the usual OpenAI/vLLM meaning: presence/frequency act on generated tokens,
     repetition (multiplicative, 1 = off) on prompt and generated tokens. Randomness is keyed
     by (seed, logical position, purpose), so recomputing a position draws the same number.
+
+    ``logprobs``: None returns none; k >= 0 returns, for every output token, its log-probability
+    and the k most likely alternatives (0 <= k <= 20). As vLLM's default ``logprobs_mode``
+    ("raw_logprobs"), these are of the model's raw distribution: log_softmax of the logits in
+    float64, before penalties, temperature and top-k/top-p. They are computed only when asked
+    and only read the logits: they never change which token is drawn.
     """
 
     max_tokens: int = 16
@@ -30,6 +37,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         """Raise RequestError naming the field and its allowed range; return self."""
@@ -53,6 +61,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
             bad("repetition_penalty", self.repetition_penalty, "> 0")
         if not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED:
             bad("seed", self.seed, f"0..{MAX_SEED}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad("logprobs", self.logprobs, f"None or 0..{MAX_LOGPROBS} (top alternatives per token)")
         if vocab_size is not None:
             for t in self.stop_token_ids:
                 if not 0 <= t < vocab_size:

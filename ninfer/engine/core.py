@@ -349,7 +349,8 @@ class EngineCore:
                    "replay_tokens": u.replay_tokens},
             timings={**{k: getattr(req.timings(), k) for k in ("ttft_s", "e2e_s", "max_output_gap_s", "queue_s")},
                      "arrival": req.arrival, "admitted_at": req.first_admitted},
-            pauses=list(req.pauses), error=req.error, prompt_token_ids=list(req.prompt)))
+            pauses=list(req.pauses), error=req.error, prompt_token_ids=list(req.prompt),
+            logprobs=list(req.logprobs) if req.params.logprobs is not None else None))
 
     def fail(self, req: Request, exc: Exception, kind: str | None = None) -> None:
         """Fail one request with a clear error (it alone); its books close next cycle."""

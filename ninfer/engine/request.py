@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from ninfer.protocol import CkptRef, FinishReason, Phase, RequestSpec, SeqFacts  # noqa: F401  (re-exported)
+from ninfer.protocol import TokenLogprob
 from ninfer.sampling_params import SamplingParams
 
 
@@ -42,6 +43,7 @@ class Request:
     phase: Phase = Phase.QUEUED
     sid: int | None = None
     outputs: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)   # one per output, when asked
     finish_reason: FinishReason | None = None
     error: dict | None = None
     cancel_requested: bool = False
@@ -84,9 +86,10 @@ class Request:
         """Neither terminal nor being cancelled."""
         return self.finish_reason is None and not self.cancel_requested
 
-    def note_tokens(self, tokens: list[int], now: float) -> None:
+    def note_tokens(self, tokens: list[int], now: float, logprobs: list[TokenLogprob] = ()) -> None:
         if not tokens:
             return
+        self.logprobs.extend(logprobs)          # the worker sends one per token, or none
         if self.first_token is None:
             self.first_token = now
         elif self.last_token is not None:

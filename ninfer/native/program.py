@@ -38,12 +38,13 @@ from ninfer.native.model.config import PAGE_SIZE
 from ninfer.native.model.forward import ForwardBatch, SeqInput
 from ninfer.native.model.model import HybridModel
 from ninfer.native.objects import Checkpoint, KvBlock, Sequence, StateImage, next_generation, pages_for
-from ninfer.native.sampler import sample_token, stop_reason
+from ninfer.native.sampler import sample_token, stop_reason, token_logprobs
 from ninfer.native.stores import Extent, HostArena, IdPool, IntegrityError, Reservation, allocate, reserve_all, settle
 from ninfer.native.transfer import TransferEngine
 from ninfer.faults import FaultPlan
 from ninfer.placement import merge_extents, place_first_fit
-from ninfer.protocol import BindMode, CkptKind, Delete, Owner, Phase, Refusal, SnapshotOwner, UnitKind, unit_pages
+from ninfer.protocol import (BindMode, CkptKind, Delete, Owner, Phase, Refusal, SnapshotOwner, TokenLogprob, UnitKind,
+                             unit_pages)
 from ninfer.sampling_params import SamplingParams
 
 Job = Callable[[], None]
@@ -78,6 +79,7 @@ class RowResult:
     sid: int
     frontier: int
     committed: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)   # one per committed token, when asked
     finish_reason: str | None = None
     captured: Checkpoint | None = None
     capture_tid: int | None = None
@@ -457,6 +459,10 @@ class Program:
         tok = sample_token(logits, seq.params, pos, seq.ledger[:seq.prompt_len], seq.outputs)
         seq.ledger.append(tok)
         res.committed.append(tok)
+        if seq.params.logprobs is not None:
+            # only a newly sampled token gets an entry: Replay recomputes committed positions
+            # as inputs and never samples them again, so each token's logprob is made once
+            res.logprobs.append(token_logprobs(logits, tok, seq.params.logprobs))
         seq.finished = stop_reason(tok, seq.n_generated, seq.params, seq.eos_ids)
         res.finish_reason = seq.finished
 

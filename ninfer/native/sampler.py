@@ -4,6 +4,10 @@ Exactness contract: the token drawn at a logical position depends only on the lo
 committed history and (seed, position, purpose) — never on batch composition, on how often the
 position was recomputed, or on any global RNG. Replay after a pause therefore re-derives the
 same token, and the oracle (an isolated run) draws the same numbers as the engine.
+
+Log-probabilities (``token_logprobs``) are read from the same logits only when a request asks;
+they are the raw distribution (vLLM's default "raw_logprobs"), so they never feed back into the
+draw.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from enum import IntEnum
 
 import torch
 
+from ninfer.protocol import TokenLogprob
 from ninfer.sampling_params import SamplingParams
 
 MASK64 = (1 << 64) - 1
@@ -82,6 +87,27 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, position: int,
     u = keyed_uniform(params.seed, position) * float(cdf[-1])
     idx = int(torch.searchsorted(cdf, torch.tensor([u], dtype=cdf.dtype, device=cdf.device), right=True))
     return int(ids[min(idx, ids.numel() - 1)])
+
+
+def token_logprobs(logits: torch.Tensor, token: int, k: int) -> TokenLogprob:
+    """The raw log-probability of ``token`` and the ``k`` most likely tokens from one row of
+    logits [V]: log_softmax in float64 of the model's logits, before penalties, temperature and
+    top-k/top-p (vLLM's default ``logprobs_mode="raw_logprobs"``).
+
+    ``top`` is ordered by (logprob desc, id asc), the sampler's total order, so ties cannot make
+    two runs differ. Cost: one log_softmax, and for k > 0 a top-k plus a sort of the candidates
+    tied with the k-th value (not a sort of the vocabulary).
+    """
+    lp = torch.log_softmax(logits.to(torch.float64), dim=-1)
+    chosen = float(lp[token])
+    k = min(k, lp.numel())
+    if k <= 0:
+        return TokenLogprob(token, chosen)
+    kth = torch.topk(lp, k).values[-1]
+    cand = torch.nonzero(lp >= kth).flatten()          # ascending ids, ties with the k-th included
+    vals = lp[cand]
+    order = torch.sort(vals, descending=True, stable=True).indices[:k]
+    return TokenLogprob(token, chosen, tuple(zip(cand[order].tolist(), vals[order].tolist())))
 
 
 def stop_reason(token: int, n_generated: int, params: SamplingParams, eos_ids: tuple[int, ...]) -> str | None:

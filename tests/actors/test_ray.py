@@ -11,7 +11,7 @@ import pytest
 
 import ninfer
 from ninfer.errors import RequestError
-from tests.engine.harness import oracle
+from tests.engine.harness import assert_logprobs_close, oracle, oracle_logprobs
 from tests.factories import random_prompt
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -70,6 +70,22 @@ def test_streaming_cancel_and_async_over_ray(ray_engine, tiny_model):
     with pytest.raises(RequestError, match="out of range"):
         ray_engine.generate([1, 10**6])
     ray_engine.check_integrity()
+
+
+def test_logprobs_over_ray(ray_engine, tiny_model):
+    """Logprob entries cross both actor boundaries (worker -> controller -> frontend -> client)
+    once per token, equal to the oracle's; a bad value fails that request alone."""
+    p = random_prompt(40, seed=11)
+    kw = dict(max_tokens=8, temperature=1.0, seed=4, ignore_eos=True)
+    h = ray_engine.generate(p, logprobs=3, **kw)
+    streamed = [e for ev in h for e in ev.logprobs]
+    out = h.result(120)
+    ids, want = oracle_logprobs(tiny_model, p, 3, **kw)
+    assert out.token_ids == ids and streamed == out.logprobs
+    assert_logprobs_close(out.logprobs, want)
+    with pytest.raises(RequestError, match="logprobs=21"):
+        ray_engine.generate(p, logprobs=21)
+    assert ray_engine.generate(p, max_tokens=2, ignore_eos=True).result(60).logprobs is None
 
 
 def test_many_clients_and_connect(ray_engine, tiny_model, deployment):

@@ -28,6 +28,7 @@ class Harness:
         self.core = EngineCore(InprocClient(self.worker), self.config, self._sink)
         self.finals: dict[str, P.FinalEvent] = {}
         self.streams: dict[str, list[int]] = {}
+        self.logprobs: dict[str, list[P.TokenLogprob]] = {}     # streamed, for requests that asked
         self.dtype = dtype
 
     def _sink(self, ev) -> None:
@@ -35,6 +36,9 @@ class Harness:
             toks = self.streams.setdefault(ev.rid, [])
             assert ev.index == len(toks), "an event was repeated or skipped"
             toks.extend(ev.token_ids)
+            if ev.logprobs is not None:
+                assert len(ev.logprobs) == len(ev.token_ids), "a token without its logprob entry (or two)"
+                self.logprobs.setdefault(ev.rid, []).extend(ev.logprobs)
         else:       # the public spelling of the finish reason ("stop", "length", ...)
             self.finals[ev.rid] = msgspec.structs.replace(ev, finish_reason=str(ev.finish_reason))
 
@@ -104,7 +108,27 @@ def _oracle(model_dir: str, prompt: tuple, dtype: str, params: SamplingParams) -
 
 def oracle(model_dir: str, prompt: list[int], dtype: str = "float64", **params) -> list[int]:
     params.setdefault("ignore_eos", True)
+    params.pop("logprobs", None)                 # they never change the tokens
     return list(_oracle(model_dir, tuple(prompt), dtype, SamplingParams(**params)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _oracle_logprobs(model_dir: str, prompt: tuple, dtype: str, params: SamplingParams) -> tuple:
+    ids, lps = reference_generate(
+        model_dir, list(prompt), max_tokens=params.max_tokens, temperature=params.temperature,
+        top_p=params.top_p, top_k=params.top_k, seed=params.seed, dtype=dtype,
+        stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
+        presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty, logprobs=params.logprobs, return_logprobs=True)
+    return tuple(ids), tuple(lps)
+
+
+def oracle_logprobs(model_dir: str, prompt: list[int], logprobs: int, dtype: str = "float64",
+                    **params) -> tuple[list[int], list[P.TokenLogprob]]:
+    """The isolated run's tokens and their logprob entries (top ``logprobs`` alternatives)."""
+    params.setdefault("ignore_eos", True)
+    ids, lps = _oracle_logprobs(model_dir, tuple(prompt), dtype, SamplingParams(**params, logprobs=logprobs))
+    return list(ids), list(lps)
 
 
 def force_pause(h: Harness, rid: str) -> None:
@@ -120,3 +144,14 @@ def run(h: Harness, prompt, **kw) -> P.FinalEvent:
     f = h.finals[rid]
     assert f.finish_reason in ("length", "stop"), f.error
     return f
+
+
+def assert_logprobs_close(got, want, tol: float = 1e-9) -> None:
+    """Same tokens and alternatives, values equal up to ``tol`` (float64 models: chunking and
+    recomputation change the logits only in the last bits)."""
+    assert got is not None and len(got) == len(want), (got and len(got), len(want))
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.token_id == w.token_id, f"token {i}"
+        assert abs(g.logprob - w.logprob) <= tol, f"token {i}: {g.logprob} vs {w.logprob}"
+        assert [t for t, _ in g.top] == [t for t, _ in w.top], f"token {i}: alternatives differ"
+        assert all(abs(a - b) <= tol for (_, a), (_, b) in zip(g.top, w.top)), f"token {i}"

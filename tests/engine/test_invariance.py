@@ -4,7 +4,8 @@ requests, cancels, shared prefixes and multi-turn continuations, Main KV at the 
 the capacity curve, tight Device state slots, a Host that holds a snapshot or two (or none) —
 and faults injected through the public surface (copy and forward errors, delayed, dropped,
 duplicated and reordered completions), every completed request's tokens equal the isolated
-oracle's; a request may fail only with the error of a fault that fired; every workload ends
+oracle's (and, for requests that ask for logprobs, so do their logprobs, one entry per token
+even for a request that failed or was cancelled); a request may fail only with the error of a fault that fired; every workload ends
 under a cycle deadline with nothing held after ``drop_caches``. Both resume routes and lane
 take-back really happen (counted over the run; ``test_pressure_is_real`` reports them).
 
@@ -20,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from tests.engine.harness import Harness, force_pause, oracle
+from tests.engine.harness import Harness, assert_logprobs_close, force_pause, oracle, oracle_logprobs
 from tests.factories import random_prompt
 
 MAX_CTX = 256
@@ -60,6 +61,9 @@ def _workload(seed: int):
         n = rng.randint(8, min(60, MAX_CTX - len(p)))
         params = dict(max_tokens=n, temperature=rng.choice([0.0, 0.0, 1.0]), seed=i,
                       top_p=rng.choice([1.0, 0.9]))
+        lp = random.Random(seed * 1009 + i)     # its own stream: the seeds above keep their workloads
+        if lp.random() < 0.3:
+            params["logprobs"] = lp.choice([0, 1, 5])
         extra = {}
         if rng.random() < 0.4:
             extra["recovery_frontier"] = rng.randint(1, len(p))
@@ -78,6 +82,12 @@ def _workload(seed: int):
 def _check_final(model_dir: str, h: Harness, rid: str, prompt, params, seed: int) -> None:
     f = h.finals[rid]
     assert h.streams.get(rid, []) == f.token_ids          # what was streamed is the output
+    k = params.get("logprobs")
+    if k is not None:                                      # one entry per token, streamed once
+        assert f.logprobs is not None and len(f.logprobs) == len(f.token_ids)
+        assert h.logprobs.get(rid, []) == f.logprobs
+    else:
+        assert f.logprobs is None and rid not in h.logprobs
     if f.finish_reason == "cancelled":
         TOTALS["cancelled"] += 1
         return
@@ -88,7 +98,12 @@ def _check_final(model_dir: str, h: Harness, rid: str, prompt, params, seed: int
         TOTALS["failed_by_fault"] += 1
         return
     assert f.finish_reason == "length", f.error
-    assert f.token_ids == oracle(model_dir, prompt, **params), f"seed {seed}: {rid} differs from the oracle"
+    if k is None:
+        assert f.token_ids == oracle(model_dir, prompt, **params), f"seed {seed}: {rid} differs from the oracle"
+        return
+    ids, want = oracle_logprobs(model_dir, prompt, **params)
+    assert f.token_ids == ids, f"seed {seed}: {rid} differs from the oracle"
+    assert_logprobs_close(f.logprobs, want)
 
 
 def _preempt(h: Harness, rng: random.Random) -> None:
@@ -212,6 +227,8 @@ def run_api_workload(model_dir: str, seed: int) -> Counter:
                 fired.add(out.error["type"])
                 continue
             assert out.finish_reason == "length" and out.token_ids == oracle(model_dir, p, **{**params, "ignore_eos": True})
+            assert (out.logprobs is None) == (params.get("logprobs") is None)
+            assert out.logprobs is None or len(out.logprobs) == len(out.token_ids)
             seen["ok"] += 1
         s = eng.stats()
         seen["recovered"] += s["worker_recoveries"] + s["controller_restarts"]

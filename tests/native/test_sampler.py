@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ninfer.errors import RequestError
-from ninfer.native.sampler import Purpose, apply_penalties, keyed_uniform, sample_token, stop_reason
+from ninfer.native.sampler import Purpose, apply_penalties, keyed_uniform, sample_token, stop_reason, token_logprobs
 from ninfer.reference import reference_generate
 from ninfer.sampling_params import SamplingParams
 from tests.factories import random_prompt
@@ -83,9 +83,38 @@ def test_stop_rules():
     assert stop_reason(5, 1, SamplingParams(max_tokens=3, ignore_eos=True), eos_ids=(5,)) is None
 
 
+def test_logprobs_are_the_raw_distribution_with_ordered_alternatives():
+    """Raw log_softmax in float64 (before penalties and temperature); top: logprob desc, ties
+    by id asc; k = 0: the chosen token only."""
+    logits = torch.tensor([1.0, 3.0, 2.0, 3.0, -1.0, 2.0], dtype=torch.float32)
+    raw = torch.log_softmax(logits.to(torch.float64), -1)
+    e = token_logprobs(logits, 2, 4)
+    assert e.token_id == 2 and e.logprob == float(raw[2])
+    assert [t for t, _ in e.top] == [1, 3, 2, 5]
+    assert [lp for _, lp in e.top] == [float(raw[i]) for i in (1, 3, 2, 5)]
+    assert token_logprobs(logits, 4, 0).top == () and token_logprobs(logits, 4, 0).logprob == float(raw[4])
+    assert len(token_logprobs(logits, 0, 50).top) == 6          # k beyond the vocabulary: all of it
+    p = SamplingParams(temperature=0.5, repetition_penalty=1.7, seed=3, logprobs=2)
+    tok = sample_token(logits, p, 7, [1, 3], [])
+    assert token_logprobs(logits, tok, 2).logprob == float(raw[tok])   # not the penalised one
+
+
+@given(st.integers(0, 2**31 - 1))
+@settings(max_examples=30, deadline=None)
+def test_asking_for_logprobs_never_changes_the_draw(seed):
+    logits = torch.randn(64, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    plain = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, presence_penalty=0.5, seed=seed)
+    asked = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, presence_penalty=0.5, seed=seed, logprobs=5)
+    before = logits.clone()
+    tok = sample_token(logits, asked, 3, [1], [2, 2])
+    token_logprobs(logits, tok, 5)
+    assert torch.equal(logits, before) and tok == sample_token(logits, plain, 3, [1], [2, 2])
+
+
 @pytest.mark.parametrize("field,value", [
     ("max_tokens", 0), ("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1),
     ("presence_penalty", 3.0), ("repetition_penalty", 0.0), ("seed", -1),
+    ("logprobs", -1), ("logprobs", 21), ("logprobs", 2.0), ("logprobs", True),
 ])
 def test_bad_sampling_values_name_the_field(field, value):
     with pytest.raises(RequestError, match=f"{field}="):
