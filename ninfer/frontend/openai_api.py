@@ -67,23 +67,23 @@ def prompt_usage(outs: list) -> SimpleNamespace:
 
 # ---- logprobs -------------------------------------------------------------------------------
 
-def chat_logprobs(entries: list[dict], token_str, top: int) -> dict:
-    """Engine logprob entries -> chat ``choices[].logprobs`` ({"content": [...]})."""
+def chat_logprobs(entries: list, token_str, top: int) -> dict:
+    """Engine ``TokenLogprob`` entries -> chat ``choices[].logprobs`` ({"content": [...]})."""
     def one(tid: int, lp: float) -> dict:
         s = token_str(tid)
         return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8", "replace"))}
-    return {"content": [{**one(e["token_id"], e["logprob"]),
-                         "top_logprobs": [one(t, lp) for t, lp in e.get("top", [])[:top]]} for e in entries]}
+    return {"content": [{**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top[:top]]}
+                        for e in entries]}
 
 
-def completion_logprobs(entries: list[dict], token_str, offset: int) -> dict:
+def completion_logprobs(entries: list, token_str, offset: int) -> dict:
     """Engine logprob entries -> legacy completions ``choices[].logprobs``."""
     tokens, lps, tops, offsets = [], [], [], []
     for e in entries:
-        s = token_str(e["token_id"])
+        s = token_str(e.token_id)
         tokens.append(s)
-        lps.append(e["logprob"])
-        tops.append({token_str(t): lp for t, lp in e.get("top", [])})
+        lps.append(e.logprob)
+        tops.append({token_str(t): lp for t, lp in e.top})
         offsets.append(offset)
         offset += len(s)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}

@@ -71,7 +71,7 @@ class Choice:
 class Collected:
     content: list[str] = field(default_factory=list)
     calls: list[dict] = field(default_factory=list)
-    logprobs: list[dict] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
     fin: Finish | None = None
 
     def add(self, piece: Piece) -> None:

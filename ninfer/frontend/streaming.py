@@ -127,7 +127,7 @@ class ToolStream:
 class Piece:
     content: str = ""
     calls: list[dict] = field(default_factory=list)
-    logprobs: list[dict] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)      # TokenLogprob per counted token
 
 
 @dataclass
@@ -151,14 +151,14 @@ class ChoiceStream:
         self.stopped_at: int | None = None   # tokens counted when a stop string matched
         self.ncalls = 0
 
-    def _release(self, text: str, logprobs: list[dict]) -> Piece:
+    def _release(self, text: str, logprobs: list) -> Piece:
         if self.tools is None:
             return Piece(text, [], logprobs)
         content, calls = self.tools.feed(text)
         self.ncalls += len(calls)
         return Piece(content, calls, logprobs)
 
-    def feed(self, token_ids: list[int], logprobs: list[dict] | None = None) -> Piece:
+    def feed(self, token_ids: list[int], logprobs: list | None = None) -> Piece:
         if self.stopped_at is not None:
             return Piece()
         first = len(self.lens)
