@@ -33,6 +33,7 @@ from ninfer.config import EngineConfig
 from ninfer.engine.outcomes import Outcomes
 from ninfer.engine.planning import CyclePlanner, Plan
 from ninfer.engine.request import Request
+from ninfer.engine.telemetry import Telemetry
 from ninfer.errors import CapacityContractError, IntegrityError, RequestError
 from ninfer.policy.pressure import Pressure, Verdict
 from ninfer.policy.reclaim import Planner
@@ -85,6 +86,7 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self.by_sid: dict[int, Request] = {}
         self.stats = EngineStats()
+        self.telemetry = Telemetry()           # latency histograms and token counters
         self._tickets = itertools.count()
         self._steps = itertools.count(1)
         self.pending: list[tuple[P.Command, object]] = []
@@ -342,6 +344,7 @@ class EngineCore:
         self.stats.replay_tokens += req.usage.replay_tokens
         u = req.usage
         u.completion_tokens = len(req.outputs)
+        self.telemetry.finished_request(req)
         self.sink(P.FinalEvent(
             rid=req.rid, finish_reason=req.finish_reason, token_ids=list(req.outputs),
             usage={"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
@@ -401,7 +404,8 @@ class EngineCore:
             "running": len(sched.resident), "waiting": len(sched.fresh), "paused": len(sched.paused),
             "occupancy": {k: {"total": v.total, "available": v.available} for k, v in self.pools.items()},
             "host_free_bytes": self.host_free, "host_capacity_bytes": self.info.host_capacity,
-            "faults_fired": dict(self.faults_fired),
+            "faults_fired": dict(self.faults_fired), "host_largest_free_bytes": self.host_largest,
+            "telemetry": self.telemetry.snapshot(),
             "cost_model": {"h2d_bytes_per_s": self.rm.cost.h2d_bytes_per_s,
                            "prefill_s_per_token": self.rm.cost.prefill_s_per_token,
                            "calibrated": bool(self.info.h2d_bytes_per_s or self.info.prefill_s_per_token)},

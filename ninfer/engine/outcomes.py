@@ -283,7 +283,7 @@ class Outcomes:
             self._saved(req, item, u, host_room)
         if u.committed:
             index = len(req.outputs)
-            req.note_tokens(u.committed, time.monotonic(), u.logprobs)
+            core.telemetry.token_gap(req.note_tokens(u.committed, time.monotonic(), u.logprobs))
             core.sink(P.TokensEvent(req.rid, index, list(u.committed),
                                     list(u.logprobs) if req.params.logprobs is not None else None))
         if req.recovery_pending and (u.committed or unit.kind is UnitKind.PREFILL):

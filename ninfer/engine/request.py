@@ -86,16 +86,20 @@ class Request:
         """Neither terminal nor being cancelled."""
         return self.finish_reason is None and not self.cancel_requested
 
-    def note_tokens(self, tokens: list[int], now: float, logprobs: list[TokenLogprob] = ()) -> None:
+    def note_tokens(self, tokens: list[int], now: float, logprobs: list[TokenLogprob] = ()) -> float | None:
+        """Record committed tokens; the gap since the previous token event (None for the first)."""
         if not tokens:
-            return
+            return None
         self.logprobs.extend(logprobs)          # the worker sends one per token, or none
+        gap = None
         if self.first_token is None:
             self.first_token = now
         elif self.last_token is not None:
-            self.max_gap = max(self.max_gap, now - self.last_token)
+            gap = now - self.last_token
+            self.max_gap = max(self.max_gap, gap)
         self.last_token = now
         self.outputs.extend(tokens)
+        return gap
 
     def timings(self) -> Timings:
         t = Timings(max_output_gap_s=self.max_gap)

@@ -44,6 +44,7 @@ from ninfer.errors import NInferError
 from ninfer.frontend import openai_api as oa
 from ninfer.frontend import responses as R
 from ninfer.frontend import schema as S
+from ninfer.frontend.metrics import CONTENT_TYPE as METRICS_TYPE
 from ninfer.frontend.metrics import prometheus
 from ninfer.frontend.streaming import ChoiceStream, Finish, Piece, run_choice
 from ninfer.sampling_params import MAX_SEED
@@ -630,7 +631,7 @@ class Server:
             stats = await self._off_loop(self.engine.stats)
         except Exception as exc:
             return PlainTextResponse(f"# engine unavailable: {exc}\n", status_code=503)
-        return PlainTextResponse(prometheus(stats, len(self.store)), media_type="text/plain; version=0.0.4")
+        return Response(prometheus(stats, len(self.store), self.model), media_type=METRICS_TYPE)
 
 
 @dataclass

@@ -56,3 +56,18 @@ def served(tiny_model, tmp_path_factory):
 @pytest.fixture
 def server(served) -> str:
     return served.base
+
+
+def scrape(server: str) -> dict:
+    """/metrics parsed by prometheus_client's own parser: family name -> family."""
+    from prometheus_client.parser import text_string_to_metric_families
+    return {f.name: f for f in text_string_to_metric_families(httpx.get(f"{server}/metrics", timeout=30).text)}
+
+
+def metric(server: str, sample: str, **labels) -> float:
+    """The value of one sample (its exposed name, e.g. ``vllm:prefix_cache_hits_total``)."""
+    for fam in scrape(server).values():
+        for s in fam.samples:
+            if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    raise KeyError(sample)

@@ -13,7 +13,9 @@ import sys
 import httpx
 import pytest
 
-from tests.frontend.conftest import KEY, free_port as _free_port, wait_up as _wait_up
+from tests.frontend.conftest import KEY, metric, scrape
+from tests.frontend.conftest import free_port as _free_port
+from tests.frontend.conftest import wait_up as _wait_up
 
 openai = pytest.importorskip("openai")
 
@@ -71,9 +73,7 @@ def test_streaming(client):
     assert again.usage.prompt_tokens_details.cached_tokens > 0          # same prompt: exact reuse
 
 
-def _metric(server: str, name: str) -> float:
-    text = httpx.get(f"{server}/metrics", timeout=30).text
-    return float(next(ln.split()[-1] for ln in text.splitlines() if ln.startswith(name + " ")))
+_metric = metric
 
 
 def test_n_choices_share_one_computation_of_the_prompt(server, client):
@@ -112,11 +112,36 @@ def test_responses_with_previous_response_id(client):
 def test_models_health_metrics(server, client, tiny_model):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     assert httpx.get(f"{server}/health").json() == {"status": "ok"}
-    m = httpx.get(f"{server}/metrics").text
-    for name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
-                 "ninfer_replay_tokens_total", "ninfer_cache_hit_losses_total", "ninfer_bytes_h2d_total",
-                 'ninfer_pauses_total{route="snapshot"}'):
-        assert name in m
+
+
+def test_metrics_parse_into_typed_families_after_real_traffic(server, client):
+    """/metrics through prometheus_client's parser: typed families, vLLM's names, the
+    model_name label on every sample, histograms with buckets that count the traffic."""
+    before = metric(server, "vllm:time_to_first_token_seconds_count", model_name="tiny")
+    gen = metric(server, "vllm:generation_tokens_total")
+    for i in range(3):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": f"metrics {i}"}],
+                                       max_tokens=4, temperature=0)
+    fams = scrape(server)
+    kinds = {name: f.type for name, f in fams.items()}
+    for name, kind in [("vllm:prefix_cache_queries", "counter"), ("vllm:prefix_cache_hits", "counter"),
+                       ("vllm:num_preemptions", "counter"), ("vllm:prompt_tokens", "counter"),
+                       ("vllm:generation_tokens", "counter"), ("vllm:num_requests_running", "gauge"),
+                       ("vllm:num_requests_waiting", "gauge"), ("vllm:kv_cache_usage_perc", "gauge"),
+                       ("vllm:time_to_first_token_seconds", "histogram"), ("vllm:inter_token_latency_seconds", "histogram"),
+                       ("vllm:e2e_request_latency_seconds", "histogram"), ("vllm:request_queue_time_seconds", "histogram"),
+                       ("ninfer_replay_tokens", "counter"), ("ninfer_cache_hit_losses_by_cause", "counter"),
+                       ("ninfer_pauses", "counter"), ("ninfer_bytes_h2d", "counter"), ("ninfer_pool_total", "gauge"),
+                       ("ninfer_host_largest_free_bytes", "gauge"), ("ninfer_controller_cpu_seconds", "counter")]:
+        assert kinds.get(name) == kind, (name, kinds.get(name))
+    assert all(s.labels.get("model_name") == "tiny" for f in fams.values() for s in f.samples)
+    ttft = fams["vllm:time_to_first_token_seconds"]
+    buckets = [s for s in ttft.samples if s.name.endswith("_bucket")]
+    assert len(buckets) > 10 and buckets[-1].labels["le"] == "+Inf"
+    assert [b.value for b in buckets] == sorted(b.value for b in buckets)          # cumulative
+    assert metric(server, "vllm:time_to_first_token_seconds_count", model_name="tiny") == before + 3
+    assert metric(server, "vllm:generation_tokens_total") == gen + 12
+    assert {s.labels["route"] for s in fams["ninfer_pauses"].samples} == {"snapshot", "replay"}
 
 
 BAD = [
