@@ -1,0 +1,193 @@
+"""The HTTP side of ``ninfer bench serve``: concurrent chat users streaming
+``POST /chat/completions`` against any OpenAI-compatible server, one ``Record`` per request.
+
+Each client runs its conversation's rounds one after another (a round starts when the client's
+previous round has finished), and all clients run at once. A stream counts as an error unless
+it answered 200, carried no error object, ended with a ``finish_reason`` other than ``error``
+and closed with ``data: [DONE]``; a read that waits longer than ``timeout`` seconds (a stall)
+is an error too.
+
+    t0 ──request──> first content delta (TTFT) ──deltas (gaps)──> finish_reason ── usage ─ [DONE]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+from ninfer.benchmarks.chat_workload import Conversation
+from ninfer.errors import NInferError
+
+
+class ServerError(NInferError):
+    """The server under test could not be reached or listed no model."""
+
+
+@dataclass
+class Record:
+    """One request as the client saw it; times in seconds, ``start_s`` from the run's start."""
+    client: int
+    round: int
+    start_s: float = 0.0
+    ttft_s: float | None = None          # to the first non-empty content (or tool-call) delta
+    e2e_s: float | None = None           # to the end of the stream
+    max_gap_s: float | None = None       # the longest wait between two content deltas
+    output_tokens: int = 0               # usage.completion_tokens, else the content deltas counted
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None     # usage.prompt_tokens_details.cached_tokens
+    finish_reason: str | None = None
+    status: int | None = None
+    error: str | None = None
+    text: str = field(default="", repr=False)
+
+    def public(self) -> dict:
+        d = asdict(self)
+        del d["text"]
+        return d
+
+
+def _headers(api_key: str | None) -> dict:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def first_model(base_url: str, api_key: str | None = None) -> str:
+    """The first id that ``GET {base_url}/models`` lists."""
+    import httpx
+    try:
+        r = httpx.get(f"{base_url}/models", headers=_headers(api_key), timeout=30)
+        r.raise_for_status()
+        return r.json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
+        raise ServerError(f"cannot list models at {base_url}/models: {type(exc).__name__}: {exc}") from None
+
+
+async def stream_chat(http, body: dict, rec: Record, t_run: float) -> None:
+    """One streaming chat completion; fills ``rec`` (an exception is recorded, not raised)."""
+    t0 = time.perf_counter()
+    rec.start_s = t0 - t_run
+    last = None
+    deltas = 0
+    done = False
+    parts: list[str] = []
+    try:
+        async with http.stream("POST", "/chat/completions", json=body) as resp:
+            rec.status = resp.status_code
+            if resp.status_code != 200:
+                rec.error = f"HTTP {resp.status_code}: {_message((await resp.aread()).decode(errors='replace'))}"
+                return
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue                               # blank separators, comments, event: lines
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    done = True
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    rec.error = f"stream error: {_message(data)}"
+                    return
+                if chunk.get("usage"):
+                    u = chunk["usage"]
+                    rec.output_tokens = u.get("completion_tokens") or rec.output_tokens
+                    rec.prompt_tokens = u.get("prompt_tokens")
+                    rec.cached_tokens = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                for ch in chunk.get("choices") or []:
+                    delta = ch.get("delta") or {}
+                    if delta.get("content") or delta.get("tool_calls"):
+                        now = time.perf_counter()
+                        if last is None:
+                            rec.ttft_s = now - t0
+                        else:
+                            rec.max_gap_s = max(rec.max_gap_s or 0.0, now - last)
+                        last = now
+                        deltas += 1
+                        parts.append(delta.get("content") or "")
+                    if ch.get("finish_reason"):
+                        rec.finish_reason = ch["finish_reason"]
+    except Exception as exc:                               # noqa: BLE001 — a load generator records, never dies
+        rec.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        return
+    finally:
+        rec.e2e_s = time.perf_counter() - t0
+        rec.text = "".join(parts)
+        if not rec.output_tokens:
+            rec.output_tokens = deltas
+    if rec.finish_reason is None:
+        rec.error = "stream ended without a finish_reason"
+    elif rec.finish_reason == "error":
+        rec.error = "finish_reason error"
+    elif not done:
+        rec.error = "stream ended without data: [DONE]"
+
+
+def _message(body: str) -> str:
+    """The OpenAI error shape's message, else the body itself (shortened)."""
+    try:
+        err = json.loads(body)["error"]
+        return str(err.get("message", err)) if isinstance(err, dict) else str(err)
+    except (ValueError, KeyError, TypeError):
+        return body[:200]
+
+
+class Progress:
+    """Completed requests on stderr: tqdm when installed, else a ``\\r`` counter."""
+
+    def __init__(self, total: int):
+        self.total, self.done, self.errors = total, 0, 0
+        try:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, desc="requests", unit="req", file=sys.stderr, dynamic_ncols=True)
+        except ImportError:
+            self.bar = None
+
+    def update(self, rec: Record) -> None:
+        self.done += 1
+        self.errors += rec.error is not None
+        if self.bar is not None:
+            self.bar.update(1)
+            if rec.error is not None:
+                self.bar.set_postfix(errors=self.errors)
+        else:
+            print(f"\rrequests {self.done}/{self.total}  errors {self.errors}", end="", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        else:
+            print(file=sys.stderr)
+
+
+async def _run(base_url: str, model: str, convs: list[Conversation], rounds: int, sampling: dict,
+               api_key: str | None, timeout: float) -> tuple[list[Record], float]:
+    import httpx
+    limits = httpx.Limits(max_connections=len(convs), max_keepalive_connections=len(convs))
+    progress = Progress(len(convs) * rounds)
+    records: list[Record] = []
+
+    async def user(c: int, conv: Conversation) -> None:
+        for r in range(rounds):
+            body = {"model": model, "messages": conv.ask(r), "stream": True,
+                    "stream_options": {"include_usage": True}, "user": f"bench-client-{c}", **sampling}
+            rec = Record(c, r)
+            await stream_chat(http, body, rec, t_run)
+            records.append(rec)
+            progress.update(rec)
+            conv.answer(rec.text)              # an errored round continues with what arrived
+
+    async with httpx.AsyncClient(base_url=base_url, headers=_headers(api_key), limits=limits,
+                                 timeout=httpx.Timeout(timeout, connect=30)) as http:
+        t_run = time.perf_counter()
+        await asyncio.gather(*(user(c, conv) for c, conv in enumerate(convs)))
+        wall = time.perf_counter() - t_run
+    progress.close()
+    records.sort(key=lambda r: (r.round, r.client))
+    return records, wall
+
+
+def run_load(base_url: str, model: str, convs: list[Conversation], rounds: int, sampling: dict,
+             api_key: str | None = None, timeout: float = 120.0) -> tuple[list[Record], float]:
+    """Every conversation's ``rounds`` requests; the records (by round, then client) and the wall time."""
+    return asyncio.run(_run(base_url.rstrip("/"), model, convs, rounds, sampling, api_key, timeout))

@@ -1,0 +1,177 @@
+"""``ninfer bench serve``: a streaming chat load against any OpenAI-compatible server (ours,
+vLLM, SGLang), reported per round.
+
+``clients`` simulated chat users run at once; each sends ``rounds`` streaming chat completions,
+one after another, every round's prompt carrying the earlier rounds' replies (see
+``chat_workload``), so rounds after the first exercise prefix reuse. Per round and in total:
+requests, errors, TTFT p50/p95/p99, end-to-end p50/p95, the longest inter-delta gap, output
+tokens per second (the round's tokens over the span from its first start to its last end; in
+total over the run's wall time) and mean cached prompt tokens as the server reports them.
+
+Without ``base_url`` the bench starts ``ninfer serve --transport inproc`` on the built-in tiny
+model on a free loopback port (the engine config below) and stops it at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ninfer.benchmarks.chat_workload import conversations
+from ninfer.benchmarks.http_load import Record, ServerError, first_model, run_load
+
+# The built-in server: every lane the engine allows, a context that fits 4+ rounds of the mix
+# or --prompt-words turns of a few hundred words, and a Host tier that keeps every client's
+# history cached between its rounds.
+LOCAL_CONFIG = """max_concurrency = 8
+max_context = 4096
+kv_capacity = 32768
+dtype = "float32"
+prefill_chunk_tokens = 256
+
+[context_cache]
+device_state_slots = 16
+host_capacity_bytes = 268435456
+"""
+COLUMNS = ["round", "requests", "errors", "ttft_p50_ms", "ttft_p95_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p95_ms",
+           "max_gap_ms", "out_tok_s", "prompt_mean", "cached_mean"]
+
+
+class LocalServer:
+    """``ninfer serve`` on the tiny model in a child process, for ``with``: yields the base URL."""
+
+    def __init__(self, model_dir: str, name: str = "tiny"):
+        self.model_dir, self.name = model_dir, name
+        self.tmp = tempfile.TemporaryDirectory(prefix="ninfer-bench-serve-")
+        self.log = Path(self.tmp.name) / "server.log"
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> str:
+        import httpx
+        cfg = Path(self.tmp.name) / "engine.toml"
+        cfg.write_text(LOCAL_CONFIG)
+        port = _free_port()
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "ninfer.cli", "serve", "--model", self.model_dir,
+                                          "--config", str(cfg), "--port", str(port), "--transport", "inproc",
+                                          "--served-model-name", self.name],
+                                         stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerError(f"ninfer serve exited with {self.proc.returncode}: {self.tail()}")
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    return f"{base}/v1"
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.__exit__()
+        raise ServerError("ninfer serve did not come up within 300 s")
+
+    def tail(self, n: int = 5) -> str:
+        return " | ".join(self.log.read_text(errors="replace").strip().splitlines()[-n:])
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.tmp.cleanup()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    """The q-th percentile (0..100), linear between closest ranks (numpy's default)."""
+    if not xs:
+        return None
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q / 100
+    i = int(k)
+    return xs[i] + (xs[min(i + 1, len(xs) - 1)] - xs[i]) * (k - i)
+
+
+def ms(v: float | None) -> float | None:
+    return None if v is None else round(1e3 * v, 1)
+
+
+def summarise(name, recs: list[Record], span_s: float | None = None) -> dict:
+    """One table row; ``span_s`` defaults to the first start to the last end of ``recs``."""
+    ok = [r for r in recs if r.error is None]
+    ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
+    e2e = [r.e2e_s for r in ok]
+    if span_s is None and recs:
+        span_s = max(r.start_s + (r.e2e_s or 0) for r in recs) - min(r.start_s for r in recs)
+    tokens = sum(r.output_tokens for r in ok)
+    cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
+    prompt = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
+    return {"round": name, "requests": len(recs), "errors": len(recs) - len(ok),
+            "ttft_p50_ms": ms(pct(ttft, 50)), "ttft_p95_ms": ms(pct(ttft, 95)), "ttft_p99_ms": ms(pct(ttft, 99)),
+            "e2e_p50_ms": ms(pct(e2e, 50)), "e2e_p95_ms": ms(pct(e2e, 95)),
+            "max_gap_ms": ms(max((r.max_gap_s for r in ok if r.max_gap_s is not None), default=None)),
+            "out_tok_s": round(tokens / span_s, 1) if span_s else None, "output_tokens": tokens,
+            "prompt_mean": round(sum(prompt) / len(prompt), 1) if prompt else None,
+            "cached_mean": round(sum(cached) / len(cached), 1) if cached else None,
+            "finished": sum(r.finish_reason is not None for r in recs)}
+
+
+def run(base_url: str | None = None, model: str | None = None, api_key: str | None = None, clients: int = 64,
+        rounds: int = 4, max_tokens: int = 32, prompt_words: int | None = None, temperature: float = 0.0,
+        ignore_eos: bool = False, timeout: float = 120.0, model_dir: str = "models/tiny", out: str | None = None,
+        plot: str | None = None) -> dict:
+    """Run the load, print the table (and the JSON unless ``out``), write ``out`` / ``plot``."""
+    from contextlib import nullcontext
+
+    from ninfer.benchmarks.common import ensure_model
+    local = base_url is None
+    with LocalServer(ensure_model(model_dir)) if local else nullcontext(base_url) as url:
+        model = model or first_model(url, api_key)
+        sampling = {"max_tokens": max_tokens, "temperature": temperature} | ({"ignore_eos": True} if ignore_eos else {})
+        workload = f"--prompt-words {prompt_words}" if prompt_words else "built-in chat mix"
+        print(f"bench serve: {clients} clients x {rounds} rounds, max_tokens {max_tokens}, {workload}, "
+              f"model {model} at {url}", file=sys.stderr)
+        records, wall = run_load(url, model, conversations(clients, rounds, prompt_words), rounds, sampling,
+                                 api_key, timeout)
+    config = {"clients": clients, "rounds": rounds, "max_tokens": max_tokens, "prompt_words": prompt_words,
+              "temperature": temperature, "ignore_eos": ignore_eos, "timeout_s": timeout, "base_url": url,
+              "model": model, "server": "built in: ninfer serve --transport inproc, tiny model" if local
+              else "external"}
+    if local:
+        config["engine_config"] = LOCAL_CONFIG
+    return _report(records, wall, config, out, plot)
+
+
+def _report(records: list[Record], wall: float, config: dict, out, plot) -> dict:
+    from ninfer.benchmarks.common import plot_cdf_svg, report
+    rounds = config["rounds"]
+    rows = [summarise(r, [x for x in records if x.round == r]) for r in range(rounds)]
+    total = summarise("total", records, wall)
+    errors = [x.public() for x in records if x.error is not None]
+    result = {"config": config, "wall_s": round(wall, 2),
+              "errors": total["errors"], "unfinished": total["requests"] - total["finished"],
+              "error_samples": errors[:20]}
+    if out:                                       # every request's record only in the file
+        result["requests"] = [x.public() for x in records]
+    report("serve", result, rows + [total], COLUMNS, out)
+    if plot:
+        plot_cdf_svg(plot, f"TTFT, {config['clients']} clients x {rounds} rounds",
+                     {f"round {r}": [1e3 * x.ttft_s for x in records if x.round == r and x.ttft_s is not None]
+                      for r in range(rounds)}, "TTFT (ms)")
+        print(f"plot written to {plot}", file=sys.stderr)
+    if errors:
+        print(f"{len(errors)} of {len(records)} requests failed; first: {errors[0]['error']}", file=sys.stderr)
+    return {**result, "rows": rows + [total]}

@@ -1,0 +1,107 @@
+"""`ninfer bench serve` as a user runs it, against `ninfer serve` started by the test (inproc,
+tiny model, an API key): every stream finishes, the JSON carries the report, and the second
+round of every conversation reuses the first."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+KEY = "bench-key"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_up(proc: subprocess.Popen, base: str) -> None:
+    for _ in range(600):
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None, proc.stderr.read()
+        time.sleep(0.1)
+    raise AssertionError("ninfer serve did not come up")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    cfg = tmp_path_factory.mktemp("serve") / "engine.toml"
+    cfg.write_text('max_concurrency = 4\nmax_context = 1024\ndtype = "float32"\n\n[context_cache]\n'
+                   'host_capacity_bytes = 67108864\n')
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "ninfer.cli", "serve", "--model", tiny_model, "--config", str(cfg),
+                             "--port", str(port), "--transport", "inproc", "--api-key", KEY,
+                             "--served-model-name", "tiny"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+    base = f"http://127.0.0.1:{port}"
+    _wait_up(proc, base)
+    yield f"{base}/v1"
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def _bench(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ninfer.cli", "bench", "serve", *args], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+@pytest.mark.slow
+def test_bench_serve_against_a_running_server(server, tmp_path):
+    out, svg = tmp_path / "serve.json", tmp_path / "serve.svg"
+    r = _bench("--base-url", server, "--api-key", KEY, "--clients", "8", "--rounds", "2", "--max-tokens", "8",
+               "--out", str(out), "--plot", str(svg))
+    assert r.returncode == 0, r.stderr
+    assert "ttft_p50_ms" in r.stdout and "total" in r.stdout
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "serve" and data["errors"] == 0 and data["unfinished"] == 0
+    assert data["config"]["model"] == "tiny" and data["config"]["clients"] == 8
+    reqs = data["requests"]
+    assert len(reqs) == 16 and all(q["error"] is None and q["finish_reason"] in ("stop", "length") for q in reqs)
+    assert all(q["ttft_s"] is not None or q["output_tokens"] == 0 for q in reqs)
+    rows = {row["round"]: row for row in data["rows"]}
+    for key in ("requests", "errors", "ttft_p50_ms", "ttft_p95_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p95_ms",
+                "out_tok_s", "cached_mean"):
+        assert rows["total"][key] is not None, key
+    assert rows["total"]["requests"] == 16 and rows[0]["requests"] == rows[1]["requests"] == 8
+    second = [q for q in reqs if q["round"] == 1]
+    assert all(q["cached_tokens"] > 0 for q in second)               # the first round's prompt was reused
+    assert rows[1]["cached_mean"] > rows[0]["cached_mean"]
+    assert svg.read_text().startswith("<svg")
+
+
+@pytest.mark.slow
+def test_bench_serve_fails_on_request_errors(server):
+    r = _bench("--base-url", server, "--model", "tiny", "--api-key", "wrong", "--clients", "2", "--rounds", "1",
+               "--max-tokens", "4")
+    assert r.returncode == 1
+    assert "2 of 2 requests failed; first: HTTP 401" in r.stderr
+
+
+@pytest.mark.slow
+def test_bench_serve_without_a_server_prints_one_line():
+    r = _bench("--base-url", f"http://127.0.0.1:{_free_port()}/v1", "--clients", "1", "--rounds", "1")
+    assert r.returncode == 2
+    assert "cannot list models" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_bench_serve_starts_and_stops_its_own_server(tiny_model):
+    r = _bench("--model-dir", tiny_model, "--clients", "2", "--rounds", "2", "--max-tokens", "4")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout[r.stdout.index("\n{"):])              # the table, then the JSON
+    assert data["errors"] == 0 and data["config"]["server"].startswith("built in")
+    assert "requests" not in data                                    # per-request records only with --out
+    with pytest.raises(httpx.HTTPError):                              # the server is gone
+        httpx.get(data["config"]["base_url"] + "/models", timeout=2)
