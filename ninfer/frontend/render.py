@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from functools import lru_cache
 from pathlib import Path
 
@@ -10,6 +11,8 @@ from tokenizers import Tokenizer
 
 from ninfer.errors import ModelLoadError, RequestError
 from ninfer.frontend.template import render_template
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 # Pre-tokenizers that treat every split alike, wherever it sits in the input. Metaspace with
 # prepend_scheme "first" is the known exception: it looks at the split's original offset.
@@ -39,6 +42,7 @@ class ChatTokenizer:
                                              else segment_cuts(json.loads(spec_text)))
 
     def encode(self, text: str) -> list[int]:
+        check_text(text, "the text")
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -48,7 +52,41 @@ class ChatTokenizer:
                add_generation_prompt: bool = True) -> str:
         if self.chat_template is None:
             raise RequestError("this model has no chat template; send prompt_token_ids instead")
-        return render_template(self.chat_template, messages, tools, add_generation_prompt)
+        text = render_template(self.chat_template, messages, tools, add_generation_prompt)
+        if _SURROGATE.search(text):
+            raise RequestError(f"{_surrogate_source(messages, tools)} contains an unpaired surrogate "
+                               "(a lone UTF-16 half such as \\ud800); text must be valid Unicode")
+        return text
+
+
+def check_text(text: str, where: str) -> None:
+    """Text the tokenizer cannot take (a lone surrogate, e.g. "\\ud800" decoded from JSON) is
+    a RequestError naming ``where``, not a crash inside the tokenizer. One scan of ``text``."""
+    if _SURROGATE.search(text):
+        raise RequestError(f"{where} contains an unpaired surrogate (a lone UTF-16 half such as \\ud800); "
+                           "text must be valid Unicode")
+
+
+def _surrogate_source(messages: list[dict], tools: list[dict] | None) -> str:
+    """The first message field (or tool) holding a surrogate; searched only once one was found."""
+    def has(x) -> bool:
+        if isinstance(x, str):
+            return bool(_SURROGATE.search(x))
+        if isinstance(x, dict):
+            return any(has(k) or has(v) for k, v in x.items())
+        if isinstance(x, (list, tuple)):
+            return any(has(v) for v in x)
+        return False
+
+    for i, m in enumerate(messages):
+        if isinstance(m, dict):
+            for key, value in m.items():
+                if has(value):
+                    return f"messages[{i}].{key}"
+    for j, tool in enumerate(tools or []):
+        if has(tool):
+            return f"tools[{j}]"
+    return "the rendered chat"
 
 
 def segment_cuts(spec: dict) -> dict[int, str]:
