@@ -8,7 +8,9 @@ of the message prefix is an exact prefix of the full rendering; a plan needs a b
 them, so they are rendered on demand and remembered (each costs one O(n) render). A character
 position becomes a token frontier only when (1) it falls on a token boundary of the full
 tokenization and (2) tokenizing the text before it gives exactly the same tokens — appending
-text can change the BPE tail token, so a naive character position is not enough.
+text can change the BPE tail token, so a naive character position is not enough. (2) tokenizes
+only from the last special token before the position, where the tokenizer restarts anyway
+(render.segment_cuts), so a frontier costs at most one message's length.
 
     text:    <|im_start|>user\\n[ content ]<|im_end|>\\n<|im_start|>assistant\\n
                                a         C            R
