@@ -18,6 +18,11 @@
                merged, the automatic one yielding when four explicit positions are taken.
     splits     rewrite execution frontiers (ResponseReplay, TurnClosure): where the math splits;
                they do not move when the restore position moves or a save fails.
+
+Cost: a constant number of full renders (the text, the marked text, the probe, the tools
+preamble) and of prefix renders (the boundary before the open turn, explicit message markers,
+the leading instructions, two bounded searches: provenance.last_boundary), a constant number of
+frontier checks, everything else one pass — linear in the conversation.
 """
 
 from __future__ import annotations
@@ -30,8 +35,9 @@ from ninfer.frontend.provenance import Rendered, render_with_provenance
 from ninfer.frontend.render import ChatTokenizer
 from ninfer.protocol import MAX_MARKERS
 
-PROBE = {"role": "user", "content": "\ue0ffnext-user probe"}
 CLOSING_ROLES = ("user", "system", "developer")
+# message-level cache_control entries rendered at most (each a prefix render); more is refused
+MAX_MESSAGE_MARKS = 4 * MAX_MARKERS
 
 
 class OutputMemory:
@@ -71,7 +77,7 @@ class _Tokens:
 
     def __init__(self, r: Rendered, messages: list[dict], memory: OutputMemory | None):
         self.r = r
-        self.tokens = list(r.tokens)
+        self.tokens = r.tokens
         self.shifts: list[tuple[int, int, int]] = []        # (char start, char end, token delta)
         if memory is not None:
             self._substitute(messages, memory)
@@ -84,20 +90,24 @@ class _Tokens:
                 continue
             for p in r.parts_of(i):
                 ids = memory.get(r.text[p.start:p.end])
-                a, b = self._exact(p.start), self._exact(p.end)
-                if ids is None or a is None or b is None or list(ids) == self.tokens[a:b]:
+                if ids is None:
+                    continue
+                a, b = r.exact_token(p.start), r.exact_token(p.end)
+                if a is None or b is None or list(ids) == r.tokens[a:b]:
                     continue
                 edits.append((a, b, list(ids), p.start, p.end))
-        for a, b, ids, cs, ce in sorted(edits, reverse=True):
-            self.tokens[a:b] = ids
-            self.shifts.append((cs, ce, len(ids) - (b - a)))
-
-    def _exact(self, char_pos: int) -> int | None:
-        starts = [s for s, _ in self.r.offsets] + [len(self.r.text)]
-        try:
-            return starts.index(char_pos) if char_pos < len(self.r.text) else len(self.r.tokens)
-        except ValueError:
-            return None
+        if not edits:
+            return
+        # disjoint parts have disjoint token ranges (offsets never decrease): one ordered pass
+        edits = [e for e in sorted(edits) if e[0] <= e[1]]
+        edits = [e for k, e in enumerate(edits) if k == 0 or e[0] >= edits[k - 1][1]]
+        out, at = [], 0
+        for a, b, ids, _, _ in edits:
+            out += r.tokens[at:a]
+            out += ids
+            at = b
+        self.tokens = out + r.tokens[at:]
+        self.shifts = [(cs, ce, len(ids) - (b - a)) for a, b, ids, cs, ce in reversed(edits)]
 
     def frontier(self, char_pos: int | None) -> int | None:
         if char_pos is None:
@@ -126,41 +136,62 @@ def plan_chat(tok: ChatTokenizer, messages: list[dict], tools: list[dict] | None
     r = render_with_provenance(tok, messages, tools, add_generation_prompt=True)
     t = _Tokens(r, messages, memory)
     plan = ChatPlan(prompt=t.tokens)
-    n = len(messages)
-    # ---- typed R -----------------------------------------------------------------------------
-    rr_char = r.prompt_end
-    users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
-    tc_char = rr_char
-    if users:
-        after = [i for i in range(users[-1] + 1, n) if messages[i].get("role") == "assistant"]
-        if after and r.message_end[after[0] - 1] is not None:
-            tc_char = r.message_end[after[0] - 1]
-    probe = tok.render(list(messages) + [PROBE], tools, add_generation_prompt=True)
-    if not probe.startswith(r.text[:tc_char]):
-        # the next user turn would re-render the open turn: the last boundary that survives it
-        tc_char = max((e for e in r.message_end if e is not None and probe.startswith(r.text[:e])), default=0)
+    rr_char, tc_char, typed_r_char = _typed_r(r, messages)
     plan.response_replay = t.frontier(rr_char)
     plan.turn_closure = t.frontier(tc_char)
-    typed_r_char = rr_char if probe.startswith(r.text[:rr_char]) else tc_char
-    # ---- the actual restore position: C or R ------------------------------------------------
-    r_tok = t.frontier(typed_r_char)
-    plan.recovery_frontier = r_tok
-    last = next((i for i in range(n - 1, -1, -1) if r.message_end[i] is not None and r.message_end[i] <= typed_r_char),
-                None)
-    if last is not None and messages[last].get("role") in CLOSING_ROLES and _content_parts_complete(messages[last]):
-        parts = r.parts_of(last)
-        if parts:
-            c_char = parts[-1].end
-            closing_only = not any(p.start < typed_r_char and p.end > c_char for p in r.parts)
-            c_tok = t.frontier(c_char)
-            if closing_only and c_tok is not None and r.message_end[last] == typed_r_char:
-                plan.recovery_frontier = c_tok
+    plan.recovery_frontier = _recovery(r, t, messages, typed_r_char)
     plan.split_points = sorted({x for x in (plan.response_replay, plan.turn_closure) if x})
-    # ---- markers -------------------------------------------------------------------------
+    plan.markers, plan.auto_marker = _markers(r, t, messages)
+    return plan
+
+
+def _typed_r(r: Rendered, messages: list[dict]) -> tuple[int, int, int]:
+    """Char positions of ResponseReplay, TurnClosure and the typed R the restore follows."""
+    n = len(messages)
+    rr_char = r.prompt_end
+    tc_char = rr_char
+    last_user = next((i for i in range(n - 1, -1, -1) if messages[i].get("role") == "user"), None)
+    if last_user is not None:
+        after = next((i for i in range(last_user + 1, n) if messages[i].get("role") == "assistant"), None)
+        if after is not None and r.message_end(after - 1) is not None:
+            tc_char = r.message_end(after - 1)
+    kept = r.probe_prefix()                         # probe.startswith(text[:e]) iff e <= kept
+    if tc_char > kept:
+        # the next user turn would re-render the open turn: the last boundary that survives it
+        last = r.last_boundary(kept)
+        tc_char = r.message_end(last) if last is not None else 0
+    return rr_char, tc_char, rr_char if rr_char <= kept else tc_char
+
+
+def _recovery(r: Rendered, t: _Tokens, messages: list[dict], typed_r_char: int) -> int | None:
+    """C when C->R right after a User/System/Developer message is pure closing structure and C
+    is exact; otherwise R (seed: recovery C vs R)."""
+    r_tok = t.frontier(typed_r_char)
+    last = r.last_boundary(typed_r_char)
+    if last is None or messages[last].get("role") not in CLOSING_ROLES or not _content_parts_complete(messages[last]):
+        return r_tok
+    parts = r.parts_of(last)
+    if not parts or r.message_end(last) != typed_r_char:
+        return r_tok
+    c_char = parts[-1].end
+    if any(p.start < typed_r_char and p.end > c_char for p in r.parts):
+        return r_tok                                # content between C and R: not closing only
+    c_tok = t.frontier(c_char)
+    return c_tok if c_tok is not None else r_tok
+
+
+def _markers(r: Rendered, t: _Tokens, messages: list[dict]) -> tuple[list[int], int | None]:
+    """The resolved marker frontiers and the automatic one (None when it yields)."""
+    n = len(messages)
+    on_messages = sum(1 for m in messages if m.get("cache_control"))
+    if on_messages > MAX_MESSAGE_MARKS:
+        # each needs a prefix render; far more than the allowed markers is refused unrendered
+        raise RequestError(f"cache_control: at most {MAX_MARKERS} cache markers are allowed, got "
+                           f"{on_messages} messages with cache_control")
     explicit: list[int] = []
     for i, m in enumerate(messages):
-        if m.get("cache_control") and r.message_end[i] is not None:
-            explicit.append(r.message_end[i])                 # a message boundary stays one
+        if m.get("cache_control") and r.message_end(i) is not None:
+            explicit.append(r.message_end(i))                 # a message boundary stays one
         content = m.get("content")
         if isinstance(content, list):
             for part in r.parts_of(i):
@@ -170,18 +201,17 @@ def plan_chat(tok: ChatTokenizer, messages: list[dict], tools: list[dict] | None
     if len(set(explicit)) > MAX_MARKERS:
         raise RequestError(f"cache_control: at most {MAX_MARKERS} cache markers are allowed, got {len(set(explicit))}")
     resolved = {k for k in (t.frontier(c) for c in explicit) if k}
-    auto = _auto_marker(messages, r)
-    auto_tok = t.frontier(auto)
+    auto_marker = None
+    auto_tok = t.frontier(_auto_marker(messages, r))
     if auto_tok and (auto_tok in resolved or len(resolved) < MAX_MARKERS):
         resolved.add(auto_tok)
-        plan.auto_marker = auto_tok
-    for structural in (r.message_end[0] if n and messages[0].get("role") in ("system", "developer") else None,
+        auto_marker = auto_tok
+    for structural in (r.message_end(0) if n and messages[0].get("role") in ("system", "developer") else None,
                        r.tools_end):
         k = t.frontier(structural)
         if k and len(resolved) < MAX_MARKERS:
             resolved.add(k)
-    plan.markers = sorted(resolved)
-    return plan
+    return sorted(resolved), auto_marker
 
 
 def _auto_marker(messages: list[dict], r: Rendered) -> int | None:
@@ -189,7 +219,7 @@ def _auto_marker(messages: list[dict], r: Rendered) -> int | None:
     its message boundary; with no message content the tools boundary."""
     last_msg = len(messages) - 1
     if last_msg >= 0 and messages[last_msg].get("tool_calls") and not r.parts_of(last_msg):
-        return r.message_end[last_msg]
+        return r.message_end(last_msg)
     if r.parts:
         return max(p.end for p in r.parts if p.cacheable)
     return r.tools_end

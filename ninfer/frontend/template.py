@@ -40,3 +40,6 @@ def render_template(source: str, messages: list[dict], tools: list[dict] | None 
                                                add_generation_prompt=add_generation_prompt, **extra)
     except jinja2.exceptions.TemplateError as exc:
         raise RequestError(f"chat template rejected the messages: {exc}") from None
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+        # the template met input of a shape it does not handle (a part list where it adds strings)
+        raise RequestError(f"chat template failed on the messages: {type(exc).__name__}: {exc}") from None
