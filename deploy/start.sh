@@ -4,7 +4,8 @@ set -euo pipefail
 MODEL=${1:?usage: deploy/start.sh MODEL_DIR [extra ninfer serve args]}
 shift || true
 HERE=$(cd "$(dirname "$0")" && pwd)
-if ! ray status >/dev/null 2>&1; then
+# A cluster named by RAY_ADDRESS, or one already running here, is used as it is.
+if [ -z "${RAY_ADDRESS:-}" ] && ! ray status >/dev/null 2>&1; then
   GPUS=$(python3 -c "import torch; print(1 if torch.cuda.is_available() else 0)")
   ray start --head --num-gpus="$GPUS" --include-dashboard=false
 fi

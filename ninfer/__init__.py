@@ -8,7 +8,8 @@ from __future__ import annotations
 from importlib import import_module
 
 from ninfer.config import ContextCacheConfig, EngineConfig
-from ninfer.errors import CapacityContractError, ConfigError, ModelLoadError, NInferError, RequestError
+from ninfer.errors import (CapacityContractError, ConfigError, DeploymentError, ModelLoadError, NInferError,
+                           RequestError)
 from ninfer.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
@@ -23,7 +24,7 @@ _LAZY = {
 }
 
 __all__ = [
-    "CapacityContractError", "ConfigError", "ContextCacheConfig", "EngineConfig", "ModelLoadError",
+    "CapacityContractError", "ConfigError", "ContextCacheConfig", "DeploymentError", "EngineConfig", "ModelLoadError",
     "NInferError", "RequestError", "SamplingParams", *_LAZY,
 ]
 

@@ -7,6 +7,7 @@ through a queue and receive events through per-request queues. Nothing else touc
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Iterator
@@ -21,6 +22,8 @@ from ninfer.config import EngineConfig
 from ninfer.protocol import RequestSpec, TokenLogprob
 from ninfer.errors import RequestError
 from ninfer.sampling_params import SamplingParams
+
+log = logging.getLogger("ninfer.api")
 
 
 @dataclass
@@ -165,13 +168,21 @@ class Engine:
               dtype: str | None = None, transport: str = "inproc", address: str | None = None,
               deployment: str = "ninfer", detached: bool = False, **kw) -> "Engine":
         """Start an engine on ``model``. transport="inproc": one process; "ray": the three
-        actors on a local Ray (or the cluster at ``address``)."""
+        actors on the Ray cluster at ``address``, else on the cluster this machine runs (as a
+        plain ``ray.init()`` finds it), else on a private local Ray.
+
+        The config is checked against the model here, before any actor starts: a bad model
+        directory or config value is one ModelLoadError / ConfigError; values above what the
+        model can use (a generic file's max_context) are lowered with a warning on the
+        ``ninfer`` logger (``EngineConfig.fit_to_model``)."""
         from ninfer.native.model.config import load_config
 
         cfg = EngineConfig.coerce(config)
         if dtype is not None:
             cfg = msgspec.structs.replace(cfg, dtype=dtype)
-        load_config(model)                     # a bad directory is one clear error, before any actor
+        cfg, notes = cfg.fit_to_model(load_config(model).max_position_embeddings)
+        for note in notes:
+            log.warning("%s", note)
         if transport == "inproc":
             from ninfer.actors.runtime import InprocRuntime
             return Engine(InprocRuntime(str(model), cfg), str(model), transport)

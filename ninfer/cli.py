@@ -6,12 +6,14 @@
     ninfer bench controller|agent|actors|cache-scale [--model DIR] [--out FILE]
     ninfer bench serve [--base-url URL] [--clients 64] [--rounds 4] [--out FILE] [--plot FILE]
 
-Errors a user can cause (bad directory, bad config) print one line and exit with status 2.
+Errors a user can cause (bad directory, bad config, a deployment that cannot start) print one
+line and exit with status 2; NInfer's warnings and notices print as ``ninfer: warning: ...``.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from ninfer.errors import NInferError
@@ -38,14 +40,9 @@ def _serve(args: argparse.Namespace) -> int:
     from ninfer.api import Engine, connect
     from ninfer.frontend.server import serve
 
-    engine = None
-    if args.connect or args.address:
-        try:                                   # attach to a running deployment of that name
-            engine = connect(address=args.address or "auto", deployment=args.deployment, model_dir=args.model)
-        except NInferError:
-            if args.connect:
-                raise
-    if engine is None:
+    if args.connect:
+        engine = connect(address=args.address or "auto", deployment=args.deployment, model_dir=args.model)
+    else:                                      # with --address: attaches to the same deployment if it runs
         engine = Engine.start(args.model, config=args.config, transport=args.transport, address=args.address,
                               deployment=args.deployment, detached=bool(args.address))
     name = args.served_model_name or Path(args.model).name
@@ -54,8 +51,9 @@ def _serve(args: argparse.Namespace) -> int:
         serve(engine, name, host=args.host, port=args.port, api_key=args.api_key or os.environ.get("NINFER_API_KEY"),
               max_body_bytes=args.max_body_bytes)
     finally:
-        if not args.address:
-            engine.shutdown()
+        # A deployment started without --address goes with the server; from a detached or an
+        # attached one only this client leaves.
+        engine.shutdown()
     return 0
 
 
@@ -122,8 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--address", default=None,
-                   help="Ray cluster address (e.g. auto after `ray start --head`); the deployment stays up "
-                        "after the server exits; without it a local deployment is started and stopped")
+                   help="Ray cluster address (e.g. auto after `ray start --head`): the deployment stays up after "
+                        "the server exits, and a later serve with the same model and config attaches to it; "
+                        "without it a deployment is started (on the cluster this machine runs, else on a "
+                        "private Ray) and stopped on exit")
     p.add_argument("--transport", choices=["ray", "inproc"], default="ray")
     p.add_argument("--deployment", default="ninfer", help="deployment name on the Ray cluster")
     p.add_argument("--connect", action="store_true", help="attach to a deployment that is already running")
@@ -162,8 +162,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _OneLineFormatter(logging.Formatter):
+    """``ninfer: warning: message`` (``ninfer: message`` for notices): the CLI's error style."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        kind = f"{record.levelname.lower()}: " if record.levelno >= logging.WARNING else ""
+        text = f"ninfer: {kind}{record.getMessage()}"
+        return f"{text}\n{self.formatException(record.exc_info)}" if record.exc_info else text
+
+
+def _log_to_stderr() -> None:
+    """NInfer's own log lines (config values lowered, a deployment attached or replaced) go to
+    stderr in the CLI's style; Ray's loggers are left alone."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_OneLineFormatter())
+    logger = logging.getLogger("ninfer")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _log_to_stderr()
     try:
         return args.func(args)
     except NInferError as exc:

@@ -126,6 +126,48 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omi
                                f"1..{model_max_positions} (the model's max_position_embeddings)")
         return self.max_context
 
+    def checked_kv_pages(self, max_context: int) -> int | None:
+        """Explicit kv_capacity in pages, checked against the Main-KV curve for this
+        max_context (None when it is to be solved from the memory budget)."""
+        pages = self.kv_pages()
+        if pages is None:
+            return None
+        lo, hi = kv_page_bounds(max_context, self.max_concurrency)
+        if not lo <= pages <= hi:
+            raise ConfigError(
+                f"kv_capacity={self.kv_capacity} ({pages} pages of {PAGE_SIZE} tokens) is out of range: "
+                f"allowed {lo}..{hi} pages = [max(ceil(max_context {max_context} / 64), C {self.max_concurrency}), "
+                f"C × ceil(max_context / 64)]")
+        return pages
+
+    def fit_to_model(self, model_max_positions: int) -> tuple["EngineConfig", list[str]]:
+        """This config made servable on a model with ``model_max_positions`` positions, and one
+        warning per value lowered on the way.
+
+        A config file is generic (deploy/engine.toml asks for 32k of context) while models are
+        not, so, as a vLLM user expects, values *above* what the model can use are lowered:
+        max_context to max_position_embeddings, an explicit kv_capacity to C full contexts
+        (capacity is not split per lane, so more can never be used). A value no model could
+        serve (kv_capacity below one full context) stays an error naming the field and the
+        range. Engine.start calls this before any actor starts.
+        """
+        notes: list[str] = []
+        cfg = self
+        if cfg.max_context is not None and cfg.max_context > model_max_positions:
+            notes.append(f"max_context={cfg.max_context} is above the model's max_position_embeddings "
+                         f"({model_max_positions}): using {model_max_positions}")
+            cfg = msgspec.structs.replace(cfg, max_context=model_max_positions)
+        max_context = cfg.resolve_max_context(model_max_positions)
+        pages = cfg.kv_pages()
+        _, hi = kv_page_bounds(max_context, cfg.max_concurrency)
+        if pages is not None and pages > hi:
+            notes.append(f"kv_capacity={cfg.kv_capacity} is above C × ceil(max_context / 64) = {hi} pages, "
+                         f"the most {cfg.max_concurrency} full contexts of {max_context} tokens can hold: "
+                         f"using {hi * PAGE_SIZE}")
+            cfg = msgspec.structs.replace(cfg, kv_capacity=hi * PAGE_SIZE)
+        cfg.checked_kv_pages(max_context)
+        return cfg, notes
+
     # ---- construction ------------------------------------------------------------------
     @staticmethod
     def from_dict(raw: dict) -> "EngineConfig":

@@ -23,6 +23,13 @@ class ModelLoadError(NInferError):
     """A model directory is missing, unsupported or inconsistent (config or weights)."""
 
 
+class DeploymentError(NInferError):
+    """A Ray deployment cannot be started or attached: no cluster at the address, a healthy
+    deployment of that name serving something else, or an actor that failed to start for a
+    reason that is not a config or model error. The message says what to do.
+    """
+
+
 class CapacityContractError(NInferError):
     """The sole remaining request cannot get a legal unit after all legal reclaim.
 

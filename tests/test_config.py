@@ -85,3 +85,29 @@ def test_the_deploy_example_config_loads():
     from pathlib import Path
     c = EngineConfig.from_toml(Path(__file__).resolve().parents[1] / "deploy" / "engine.toml")
     assert c.max_concurrency == 4 and c.context_cache.device_state_slots == 4 and c.dtype == "bfloat16"
+
+
+def test_fit_to_model_lowers_what_the_model_cannot_use():
+    """A generic file on a short-context model: max_context and an explicit kv_capacity above
+    C full contexts are lowered, one warning each; a config that fits is left alone."""
+    cfg, notes = EngineConfig(max_context=32768, kv_capacity=262144).fit_to_model(4096)
+    assert cfg.max_context == 4096 and cfg.kv_capacity == 4 * 64 * 64
+    assert notes == [
+        "max_context=32768 is above the model's max_position_embeddings (4096): using 4096",
+        "kv_capacity=262144 is above C × ceil(max_context / 64) = 256 pages, the most 4 full contexts of "
+        "4096 tokens can hold: using 16384"]
+    fits = EngineConfig(max_context=1024, kv_capacity=4096)
+    assert fits.fit_to_model(4096) == (fits, [])
+
+
+def test_fit_to_model_rejects_a_kv_capacity_below_one_full_context():
+    with pytest.raises(ConfigError, match=r"kv_capacity=64 \(1 pages of 64 tokens\) is out of range: allowed 64..256"):
+        EngineConfig(kv_capacity=64).fit_to_model(4096)
+
+
+def test_the_deploy_example_config_fits_the_tiny_model():
+    from pathlib import Path
+    c = EngineConfig.from_toml(Path(__file__).resolve().parents[1] / "deploy" / "engine.toml")
+    fitted, notes = c.fit_to_model(4096)                 # the tiny model's max_position_embeddings
+    assert fitted.max_context == 4096 and len(notes) == 1
+    assert fitted.context_cache.host_capacity_bytes is None   # the default follows the model

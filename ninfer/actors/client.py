@@ -6,56 +6,37 @@ are cancelled)."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorAlreadyExistsError, RayActorError, RayError
 
 from ninfer import protocol as P
+from ninfer.actors.deployment import find_deployment, init_ray, remove_deployment, wait_for_free_gpu
 from ninfer.actors.ray_actors import NAMESPACE, FrontendActor, names
+from ninfer.actors.startup import startup_error
 from ninfer.config import EngineConfig
+from ninfer.errors import DeploymentError, RequestError
 from ninfer.protocol import RequestSpec
-from ninfer.errors import RequestError
 
 log = logging.getLogger("ninfer.client")
 
-
-def init_ray(address: str | None) -> None:
-    if ray.is_initialized():
-        return
-    kw = dict(namespace=NAMESPACE, include_dashboard=False, logging_level=logging.WARNING,
-              ignore_reinit_error=True)
-    if address:
-        ray.init(address=address, **kw)
-    else:
-        import torch
-        ray.init(num_gpus=1 if torch.cuda.is_available() else 0, **kw)
-
-
-def _startup_error(exc: Exception) -> Exception:
-    """The deepest NInfer error behind a failed actor start, as one line."""
-    from ninfer.errors import ConfigError, ModelLoadError, NInferError
-    text = str(exc)
-    for line in reversed(text.splitlines()):
-        for kind, cls in (("ModelLoadError", ModelLoadError), ("ConfigError", ConfigError)):
-            if f"{kind}:" in line:
-                return cls(line.split(f"{kind}:", 1)[1].strip())
-    return NInferError(f"the deployment failed to start: {text.splitlines()[0] if text else type(exc).__name__}")
+__all__ = ["RayClientRuntime", "init_ray"]
 
 
 class RayClientRuntime:
-    def __init__(self, frontend, owns: bool, model_dir: str):
+    """One client of a deployment's frontend (``attached``: a deployment this process found
+    running rather than started)."""
+
+    def __init__(self, frontend, info: bytes, owns: bool, model_dir: str, attached: bool = False):
         self.frontend = frontend
         self.owns = owns
+        self.attached = attached
         self.model_dir = model_dir
-        try:
-            self.info = P.decode_info(ray.get(frontend.ready.remote()))
-        except ray.exceptions.RayError as exc:
-            if owns:
-                ray.kill(frontend)
-            raise _startup_error(exc) from None
+        self.info = P.decode_info(info)
         self.client_id = ray.get(frontend.register_client.remote())
         self._target: Callable[[P.Event], None] = lambda ev: None
         self._on_lost: Callable[[str], None] = lambda msg: None
@@ -65,21 +46,57 @@ class RayClientRuntime:
     @classmethod
     def start(cls, model_dir: str, config: EngineConfig, address: str | None, deployment: str,
               detached: bool = False, client_timeout: float = 10.0) -> "RayClientRuntime":
+        """A new deployment named ``deployment`` (detached: it outlives this process).
+
+        What already runs under the name decides: a deployment that failed to start (or whose
+        starter died mid-start and it failed since) is removed and replaced; a healthy detached
+        one with the same model and config is attached to, so running ``ninfer serve --address
+        auto`` twice serves the same engine; any other healthy one is an error that says what
+        to do. A start that fails removes what it created and raises the cause in one line.
+        """
         init_ray(address)
+        model_dir = os.path.abspath(model_dir)        # the actors may run in another directory
+        encoded = P.encode(config)
+        found = find_deployment(deployment)
+        if found is not None and found.error is None:
+            if detached and found.serves(model_dir, encoded):
+                log.info("attached to the running deployment %r (same model and engine config)", deployment)
+                return cls(found.frontend, found.info, owns=False, model_dir=model_dir, attached=True)
+            raise found.conflict(deployment, model_dir, detached)
+        if found is not None:
+            log.warning("replacing the deployment %r that a failed start left on this Ray cluster (%s)",
+                        deployment, found.error)
+            remove_deployment(deployment)
+        wait_for_free_gpu()
+        frontend = cls._create_frontend(model_dir, encoded, deployment, detached, client_timeout)
+        try:
+            info = ray.get(frontend.ready.remote())
+        except RayError as exc:
+            remove_deployment(deployment)
+            raise startup_error(exc) from None
+        return cls(frontend, info, owns=not detached, model_dir=model_dir)
+
+    @staticmethod
+    def _create_frontend(model_dir: str, config: bytes, deployment: str, detached: bool, client_timeout: float):
         opts = dict(name=names(deployment)["frontend"], namespace=NAMESPACE)
         if detached:
             opts["lifetime"] = "detached"
-        frontend = FrontendActor.options(**opts).remote(model_dir, P.encode(config), deployment, client_timeout)
-        return cls(frontend, owns=not detached, model_dir=model_dir)
+        try:
+            return FrontendActor.options(**opts).remote(model_dir, config, deployment, client_timeout)
+        except ActorAlreadyExistsError:
+            raise DeploymentError(f"another start of deployment {deployment!r} is under way on this Ray cluster: "
+                                  "wait for it and attach (ninfer serve --address auto), or use another name") from None
 
     @classmethod
     def connect(cls, address: str, deployment: str) -> "RayClientRuntime":
         init_ray(address)
-        try:
-            frontend = ray.get_actor(names(deployment)["frontend"], namespace=NAMESPACE)
-        except ValueError:
-            raise RequestError(f"no NInfer deployment named {deployment!r} is serving on this Ray cluster") from None
-        return cls(frontend, owns=False, model_dir=ray.get(frontend.model_dir.remote()))
+        found = find_deployment(deployment)
+        if found is None:
+            raise RequestError(f"no NInfer deployment named {deployment!r} is serving on this Ray cluster")
+        if found.error is not None:
+            raise DeploymentError(f"the deployment {deployment!r} on this Ray cluster failed to start: {found.error} "
+                                  "(a new start under that name replaces it)")
+        return cls(found.frontend, found.info, owns=False, model_dir=found.model_dir, attached=True)
 
     def attach(self, sink: Callable[[P.Event], None], on_lost: Callable[[str], None] | None = None) -> None:
         self._target = sink

@@ -10,6 +10,11 @@
 
 Ownership follows supervision: the frontend creates the controller, the controller creates the
 worker; a dead owner takes what it owns down with it, and the supervisor recreates it.
+
+An error while starting (a config the node cannot serve, a bad model directory) does not kill
+the actor in its constructor: the actor keeps it and raises it from ``info``/``ready``, so the
+client gets the typed error and its message (``actors/startup.py``) instead of a creation-task
+death that Ray reports only as text, with a native stack dump in the logs.
 """
 
 from __future__ import annotations
@@ -20,13 +25,15 @@ import os
 import threading
 import time
 import uuid
+import warnings
 
 import msgspec
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayError
 
 from ninfer import protocol as P
 from ninfer.config import decode_config
+from ninfer.actors.startup import last_error_line, startup_error
 from ninfer.errors import NInferError, RequestError
 from ninfer.faults import Fault
 from ninfer.protocol import FinishReason, RequestSpec
@@ -43,11 +50,28 @@ def _gpus() -> int:
     return 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
 
 
+def _kept_startup_failure(exc: Exception, what: str) -> Exception:
+    """An exception a constructor keeps for its ``info`` to raise. A NInfer error is expected
+    (its message says it all); anything else is a bug, so its traceback goes to the log."""
+    if not isinstance(exc, NInferError):
+        log.error("the %s failed to start", what, exc_info=exc)
+    return exc
+
+
+def _was_restarted() -> bool:
+    """Whether Ray restarted the calling actor. Ray's property reads a deprecated attribute
+    internally, and its warning would be forwarded to every client's terminal."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+
+
 # ---- GPU worker --------------------------------------------------------------------------------
 
 @ray.remote(num_cpus=0, max_concurrency=2)
 class GpuWorkerActor:
-    """Holds the Worker. ``handle`` runs one StepPlan; copy completions call ``notify``."""
+    """Holds the Worker. ``handle`` runs one StepPlan; copy completions call ``notify``.
+    A Worker that could not be built leaves its exception for ``info`` to raise."""
 
     def __init__(self, model_dir: str, config: bytes, controller_name: str, faults: bytes):
         import torch
@@ -57,8 +81,12 @@ class GpuWorkerActor:
         self._controller_name = controller_name
         self._controller = None
         self._death = WorkerDeath
-        self.worker = Worker(model_dir, decode_config(config), notify=self._notify,
-                             faults=msgspec.msgpack.decode(faults, type=list[Fault]))
+        self._failed: Exception | None = None
+        try:
+            self.worker = Worker(model_dir, decode_config(config), notify=self._notify,
+                                 faults=msgspec.msgpack.decode(faults, type=list[Fault]))
+        except Exception as exc:
+            self.worker, self._failed = None, _kept_startup_failure(exc, "GPU worker")
 
     def _notify(self) -> None:
         try:
@@ -69,6 +97,8 @@ class GpuWorkerActor:
             self._controller = None
 
     def info(self) -> bytes:
+        if self._failed is not None:
+            raise self._failed
         return P.encode(self.worker.info())
 
     def handle(self, plan: bytes) -> bytes:
@@ -93,6 +123,10 @@ class RayWorkerClient:
         try:
             return ray.get(ref)
         except RayActorError as exc:
+            if exc.actor_init_failed:          # died in its constructor: the cause is deep in the text
+                found = last_error_line(str(exc))
+                if found is not None:
+                    raise WorkerLost(f"the GPU worker failed to start: {found[0]}: {found[1]}") from None
             raise WorkerLost(f"{type(exc).__name__}: {str(exc).splitlines()[0]}") from None
 
     def info(self) -> P.WorkerInfo:
@@ -112,6 +146,10 @@ class RayWorkerClient:
 
 @ray.remote(num_cpus=0, max_concurrency=16, max_restarts=3)
 class EngineControllerActor:
+    """Holds the ControlLoop. A start that failed (here or in the worker) leaves its error, as
+    one line, for ``info`` to raise; a worker that failed is killed at once (it holds the GPU),
+    the client that started the deployment removes the rest."""
+
     def __init__(self, model_dir: str, config: bytes, deployment: str):
         from ninfer.actors.control import ControlLoop
         self.names = names(deployment)
@@ -120,9 +158,14 @@ class EngineControllerActor:
         self._events: list[P.Event] = []
         self._lock = threading.Lock()
         self._frontend = ray.get_actor(self.names["frontend"], namespace=NAMESPACE)
-        restarted = ray.get_runtime_context().was_current_actor_reconstructed
-        self.loop = ControlLoop(self._make_client, decode_config(config), self._sink, self._flush,
-                                on_restart=lambda: os._exit(1), restarted=restarted)
+        self._failed: Exception | None = None
+        self.loop = None
+        try:
+            self.loop = ControlLoop(self._make_client, decode_config(config), self._sink, self._flush,
+                                    on_restart=lambda: os._exit(1), restarted=_was_restarted())
+        except Exception as exc:              # RayTaskError(ConfigError) from the worker, too
+            failure = exc if isinstance(exc, RayError) else _kept_startup_failure(exc, "engine controller")
+            self._failed = startup_error(failure)
         self.started = time.time()
 
     def _make_client(self, faults: list[Fault] | None = None) -> RayWorkerClient:
@@ -140,7 +183,11 @@ class EngineControllerActor:
             except ValueError:                 # the old name is still being released
                 time.sleep(0.05)
         client = RayWorkerClient(actor)
-        client.info()                          # wait until it is up
+        try:
+            client.info()                      # wait until it is up
+        except Exception:
+            client.shutdown()                  # a worker that failed to start still holds its GPU
+            raise
         return client
 
     def _sink(self, ev: P.Event) -> None:
@@ -155,6 +202,8 @@ class EngineControllerActor:
 
     # remote methods (run on Ray's threads; the control thread owns the core)
     def info(self) -> bytes:
+        if self._failed is not None:
+            raise self._failed
         return P.encode(self.loop.info)
 
     def submit(self, spec: bytes) -> None:
@@ -331,3 +380,7 @@ class FrontendActor:
 
     async def model_dir(self) -> str:
         return self._model_dir
+
+    async def config(self) -> bytes:
+        """The engine config it was started with: a later start attaches only to the same one."""
+        return self._config

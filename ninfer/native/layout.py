@@ -13,7 +13,7 @@ import torch
 
 from ninfer.config import EngineConfig, kv_page_bounds
 from ninfer.errors import ConfigError
-from ninfer.native.model.config import PAGE_SIZE, ModelConfig
+from ninfer.native.model.config import ModelConfig
 from ninfer.native.model.forward import state_dtype
 
 from ninfer.protocol import DFLASH, KV_KINDS, MAIN, MTP, STATE  # noqa: E402,F401  (pool kinds)
@@ -68,13 +68,8 @@ def resolve_layout(cfg: ModelConfig, ec: EngineConfig, device: torch.device,
     if budget_bytes is None and device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         budget_bytes = int(free * ec.gpu_memory_utilization)
-    explicit = ec.kv_pages()
+    explicit = ec.checked_kv_pages(max_ctx)
     if explicit is not None:
-        if not lo <= explicit <= hi:
-            raise ConfigError(
-                f"kv_capacity={ec.kv_capacity} ({explicit} pages of {PAGE_SIZE} tokens) is out of range: "
-                f"allowed {lo}..{hi} pages = [max(ceil(max_context {max_ctx} / 64), C {ec.max_concurrency}), "
-                f"C × ceil(max_context / 64)]")
         pages = explicit
         if budget_bytes is not None and fixed + pages * page_bytes > budget_bytes:
             raise ConfigError(

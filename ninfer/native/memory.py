@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 
+from ninfer.errors import ConfigError
 from ninfer.native.model.forward import ModelCache
 from ninfer.native.model.model import HybridModel
 from ninfer.native.stores import Extent
@@ -33,15 +34,26 @@ def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _host_backing(host_bytes: int, pin: bool) -> torch.Tensor:
+    """The one Host backing tensor. On the CPU an untouched torch.empty costs address space, not
+    resident memory, but the kernel still refuses more than the node can back; that refusal is
+    a config value this node cannot serve, so it is reported as one, naming the field."""
+    try:
+        return torch.empty(host_bytes, dtype=torch.uint8, pin_memory=pin)
+    except RuntimeError as exc:
+        reason = str(exc).strip().splitlines()[-1]
+        raise ConfigError(
+            f"context_cache.host_capacity_bytes={host_bytes} cannot be allocated on this node ({reason}): "
+            "allowed at most what the node's memory can back (default 8 GiB + 8 × the model's StateImage)") from None
+
+
 class Memory:
     def __init__(self, model: HybridModel, pages: int, slots: int, host_bytes: int):
         self.model = model
         self.device = model.device
         self.cache: ModelCache = model.new_cache(pages, slots)
         self.hidden = torch.zeros(slots, model.cfg.hidden_size, dtype=model.dtype, device=self.device)
-        pin = self.device.type == "cuda"
-        # CPU: an untouched torch.empty costs address space, not resident memory.
-        self.host = torch.empty(host_bytes, dtype=torch.uint8, pin_memory=pin)
+        self.host = _host_backing(host_bytes, pin=self.device.type == "cuda")
         c = self.cache
         self._conv_bytes = _bytes(c.conv[:, 0])
         self._ssm_bytes = _bytes(c.ssm[:, 0])

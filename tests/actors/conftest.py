@@ -1,4 +1,5 @@
-"""One local Ray instance for all actor tests (ray.init takes seconds: start it once)."""
+"""One private local Ray instance for all actor tests (ray.init takes seconds: start it once).
+"local": never the cluster a `ray start` left running on this machine (or RAY_ADDRESS)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ _names = itertools.count()
 def ray_session():
     ray = pytest.importorskip("ray")
     from ninfer.actors.client import init_ray
-    init_ray(None)
+    init_ray("local")
     yield ray
     ray.shutdown()
 

@@ -1,0 +1,188 @@
+"""A named NInfer deployment on a Ray cluster, as a client process sees it: which cluster to
+join, what already runs under a name, and how to clear what a failed start left behind.
+
+    init_ray(address)          an explicit address joins that cluster; None joins the cluster
+                               a plain ray.init() would (RAY_ADDRESS, the latest live `ray
+                               start`), else starts a private Ray; "local": always private
+    find_deployment(name)      None | Found(frontend, info or error, model_dir, config)
+    remove_deployment(name)    kills the three named actors, waits until the names are free
+    wait_for_free_gpu()        a new worker needs a free GPU on a cluster that has GPUs
+
+The deployment's names are ``<deployment>-frontend``, ``-controller`` and ``-worker``
+(``ray_actors.names``); the frontend owns the controller, which owns the worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, NamedTuple
+
+import ray
+from ray.exceptions import RayError
+
+from ninfer.actors.ray_actors import NAMESPACE, names
+from ninfer.actors.startup import last_error_line, startup_error
+from ninfer.errors import DeploymentError, NInferError
+
+log = logging.getLogger("ninfer.deployment")
+
+
+# ---- joining a cluster -------------------------------------------------------------------------
+
+def init_ray(address: str | None) -> None:
+    """Connect this process to Ray (once; a second call must not silently mean another cluster).
+
+    A private Ray is started with ``num_gpus`` (one when torch sees a GPU: a CPU-only machine
+    can then still place the GPU worker); an existing cluster brings its own resources, and
+    Ray refuses ``num_gpus`` when joining one, so that is only passed for a private start.
+    """
+    if ray.is_initialized():
+        _check_same_cluster(address)
+        return
+    kw = dict(namespace=NAMESPACE, include_dashboard=False, logging_level=logging.WARNING,
+              ignore_reinit_error=True)
+    private = address == "local" or (address is None and not _cluster_running())
+    try:
+        if private:
+            import torch
+            ray.init(address="local", num_gpus=1 if torch.cuda.is_available() else 0, **kw)
+        else:
+            ray.init(address=address, **kw)
+    except ConnectionError:
+        raise DeploymentError(
+            f"no Ray cluster is running at address {address or os.environ.get('RAY_ADDRESS')!r}: start one "
+            "with `ray start --head` (or deploy/start.sh), or leave the address out for a private Ray") from None
+    except (RuntimeError, RayError) as exc:
+        found = last_error_line(str(exc))
+        detail = f"{found[0]}: {found[1]}" if found else str(exc).splitlines()[0]
+        raise DeploymentError(f"cannot join the Ray cluster at {address or 'RAY_ADDRESS'!r}: {detail}") from None
+
+
+def _cluster_running() -> bool:
+    """Whether a plain ray.init() would join a running cluster: RAY_ADDRESS is set, or the
+    latest `ray start` on this machine still runs (the address file a stopped cluster leaves
+    behind does not count: that would fail to connect instead of starting a private Ray)."""
+    if os.environ.get("RAY_ADDRESS"):
+        return True
+    try:
+        from ray._private import services     # Ray's own lookup, so the answer matches ray.init
+        latest = services.find_bootstrap_address(None)
+        return latest is not None and latest in services.find_gcs_addresses()
+    except Exception:                          # the private lookup moved: start a private Ray
+        return False
+
+
+def _check_same_cluster(address: str | None) -> None:
+    """A process holds one Ray connection; asking for another cluster is an error, not a
+    quiet deployment on the wrong one."""
+    if address in (None, "auto", "local"):
+        return
+    current = ray.get_runtime_context().gcs_address
+    if _canonical(address) != _canonical(current):
+        raise DeploymentError(
+            f"this process is already connected to the Ray cluster at {current}, not {address}: "
+            "use a separate process for the other cluster (or ray.shutdown() first)")
+
+
+def _canonical(address: str) -> str:
+    try:
+        from ray._private.services import canonicalize_bootstrap_address
+        return canonicalize_bootstrap_address(address) or address
+    except Exception:
+        return address
+
+
+# ---- what runs under a name ----------------------------------------------------------------------
+
+class Found(NamedTuple):
+    """A deployment already on the cluster: healthy (``info`` set) or failed (``error`` set)."""
+
+    frontend: Any
+    info: bytes | None
+    error: NInferError | None
+    model_dir: str
+    config: bytes
+
+    def serves(self, model_dir: str, config: bytes) -> bool:
+        return os.path.realpath(self.model_dir) == os.path.realpath(model_dir) and self.config == config
+
+    def conflict(self, deployment: str, model_dir: str, detached: bool) -> DeploymentError:
+        """What to do when a healthy deployment holds the name a start wants."""
+        if not detached:
+            return DeploymentError(
+                f"a deployment named {deployment!r} is already serving {self.model_dir} on this Ray cluster: "
+                f"attach to it with ninfer.connect(deployment={deployment!r}) or `ninfer serve --address auto`, "
+                "or start this one under another name (deployment= / --deployment)")
+        what = ("another model" if os.path.realpath(self.model_dir) != os.path.realpath(model_dir)
+                else "another engine config")
+        return DeploymentError(
+            f"the deployment {deployment!r} on this Ray cluster serves {self.model_dir} with {what}: stop it "
+            f"first (deploy/stop.sh {deployment}) or serve this one under another name (--deployment NAME)")
+
+
+def find_deployment(deployment: str) -> Found | None:
+    """The deployment named ``deployment``, once it has finished starting or failed.
+
+    A start still under way is waited for (loading a large model takes minutes, and killing it
+    would throw that away); a failed one answers ready() with its startup error.
+    """
+    try:
+        frontend = ray.get_actor(names(deployment)["frontend"], namespace=NAMESPACE)
+    except ValueError:
+        return None
+    try:
+        info, error = ray.get(frontend.ready.remote()), None
+    except RayError as exc:
+        info, error = None, startup_error(exc)
+    return Found(frontend, info, error, *_describe(frontend))
+
+
+def _describe(frontend) -> tuple[str, bytes]:
+    """(model_dir, encoded config) of a deployment; empty when it cannot say (it died, or an
+    older frontend has no ``config`` method): such a one is never attached to."""
+    try:
+        return tuple(ray.get([frontend.model_dir.remote(), frontend.config.remote()]))
+    except (RayError, AttributeError):
+        return "", b""
+
+
+def remove_deployment(deployment: str, timeout: float = 10.0) -> None:
+    """Kill the deployment's named actors and wait until the names are free, so that a start
+    right after does not collide with them."""
+    for name in names(deployment).values():
+        try:
+            ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+        except ValueError:                     # not there (never created, or already gone)
+            pass
+    deadline = time.monotonic() + timeout
+    while any(_exists(name) for name in names(deployment).values()):
+        if time.monotonic() > deadline:
+            raise DeploymentError(f"the actors of deployment {deployment!r} were killed but still hold their "
+                                  f"names after {timeout:g} s; try again, or stop Ray (deploy/stop.sh)")
+        time.sleep(0.05)
+
+
+def wait_for_free_gpu(timeout: float = 10.0) -> None:
+    """On a cluster with GPUs, wait until one is free for the new worker (a deployment just
+    removed releases its GPU a moment later); none free is an error, not a start that would
+    wait forever for the GPU another deployment holds."""
+    if ray.cluster_resources().get("GPU", 0) < 1:
+        return                                 # the worker asks for no GPU here
+    deadline = time.monotonic() + timeout
+    while ray.available_resources().get("GPU", 0) < 1:
+        if time.monotonic() > deadline:
+            raise DeploymentError(
+                "no GPU is free on this Ray cluster for the new deployment's worker: stop the deployment that "
+                "holds it (deploy/stop.sh NAME) or attach to it (ninfer serve --address auto --deployment NAME)")
+        time.sleep(0.1)
+
+
+def _exists(name: str) -> bool:
+    try:
+        ray.get_actor(name, namespace=NAMESPACE)
+        return True
+    except ValueError:
+        return False
+
