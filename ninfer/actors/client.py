@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable
 
+import msgspec
 import ray
 from ray.exceptions import ActorAlreadyExistsError, RayActorError, RayError
 
 from ninfer import protocol as P
+from ninfer.actors.channel import OK, recv_frame, send_frame
 from ninfer.actors.deployment import find_deployment, init_ray, remove_deployment, wait_for_free_gpu
 from ninfer.actors.ray_actors import NAMESPACE, FrontendActor, names
 from ninfer.actors.startup import startup_error
@@ -41,6 +44,8 @@ class RayClientRuntime:
         self._target: Callable[[P.Event], None] = lambda ev: None
         self._on_lost: Callable[[str], None] = lambda msg: None
         self._stop = False
+        self._stream: socket.socket | None = None      # events from a frontend on this node
+        self._no_stream = False
         self._thread = threading.Thread(target=self._poll, name="ninfer-client-poll", daemon=True)
 
     @classmethod
@@ -81,6 +86,8 @@ class RayClientRuntime:
         opts = dict(name=names(deployment)["frontend"], namespace=NAMESPACE)
         if detached:
             opts["lifetime"] = "detached"
+        if os.environ.get("NINFER_RAY_STEP_CHANNEL"):       # the actors it creates inherit it
+            opts["runtime_env"] = {"env_vars": {"NINFER_RAY_STEP_CHANNEL": os.environ["NINFER_RAY_STEP_CHANNEL"]}}
         try:
             return FrontendActor.options(**opts).remote(model_dir, config, deployment, client_timeout)
         except ActorAlreadyExistsError:
@@ -106,12 +113,23 @@ class RayClientRuntime:
             self._thread.start()
 
     def _poll(self) -> None:
+        """Events of this client: streamed over a local socket when the frontend is on this
+        node (no actor call per batch), else long polls; a lost frontend fails what is in
+        flight and the client registers again."""
         while not self._stop:
             try:
-                batch = ray.get(self.frontend.poll.remote(self.client_id, 1.0))
+                sock = self._stream or self._open_stream()
+                if sock is not None:
+                    frame = recv_frame(sock)
+                    if frame is None:
+                        raise ConnectionError("the frontend closed the event stream")
+                    batch = msgspec.msgpack.decode(frame[1], type=list[bytes])
+                else:
+                    batch = ray.get(self.frontend.poll.remote(self.client_id, 1.0))
             except (RayActorError, RequestError, Exception) as exc:   # frontend restarted or gone
                 if self._stop:
                     return
+                self._close_stream()
                 log.warning("lost the frontend: %s", exc)
                 self._on_lost(f"the frontend was lost ({type(exc).__name__}); requests in flight failed")
                 time.sleep(0.5)
@@ -122,6 +140,38 @@ class RayClientRuntime:
                 continue
             for raw in batch:
                 self._target(P.decode_event(raw))
+
+    @property
+    def streaming(self) -> bool:
+        """Whether this client's events arrive on a socket from the frontend (else polls)."""
+        return self._stream is not None
+
+    def _open_stream(self):
+        if self._no_stream:
+            return None
+        self._no_stream = True                      # one try per registration
+        try:
+            address, node = ray.get(self.frontend.client_stream_address.remote())
+            if address is None or node != ray.get_runtime_context().get_node_id():
+                return None
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(address)
+            send_frame(sock, OK, self.client_id.encode())
+        except Exception as exc:
+            log.info("events by polling (%s)", exc)
+            return None
+        self._stream = sock
+        return sock
+
+    def _close_stream(self) -> None:
+        sock, self._stream = self._stream, None
+        self._no_stream = False
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
+            except OSError:
+                pass
 
     def _check(self, err) -> None:
         if err:
@@ -148,6 +198,7 @@ class RayClientRuntime:
             ray.get(self.frontend.close_client.remote(self.client_id), timeout=10)
         except Exception:
             pass
+        self._close_stream()
         self._thread.join(timeout=5)
         if self.owns:
             try:

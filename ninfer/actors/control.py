@@ -123,7 +123,8 @@ class ControlLoop:
         try:
             if what == "stats":
                 fut.set_result({**core.stats_dict(), "worker_recoveries": self.recoveries,
-                                "controller_restarts": self.restarts})
+                                "controller_restarts": self.restarts,
+                                "step_channel": getattr(self.client, "channel_kind", "inproc")})
             elif what == "check_integrity":
                 self._settle_idle()
                 core.check_integrity()

@@ -82,6 +82,7 @@ class GpuWorkerActor:
         self._controller = None
         self._death = WorkerDeath
         self._failed: Exception | None = None
+        self._channel = None
         try:
             self.worker = Worker(model_dir, decode_config(config), notify=self._notify,
                                  faults=msgspec.msgpack.decode(faults, type=list[Fault]))
@@ -107,16 +108,26 @@ class GpuWorkerActor:
         except self._death:                  # an injected worker death: this process dies here
             os._exit(1)
 
+    def channel_address(self) -> tuple[str | None, str]:
+        """Where the per-cycle step channel listens (``actors/channel.py``), and this node."""
+        if self._channel is None and self.worker is not None:
+            from ninfer.actors.channel import ChannelServer
+            self._channel = ChannelServer(self.handle)
+        address = self._channel.address if self._channel is not None else None
+        return address, ray.get_runtime_context().get_node_id()
+
     def ping(self) -> bool:
         return True
 
 
 class RayWorkerClient:
     """The controller's view of the worker actor: bytes in, bytes out; a dead actor is
-    reported as WorkerLost so the control loop can supervise."""
+    reported as WorkerLost so the control loop can supervise. Steps travel on the direct step
+    channel (``actors/channel.py``) once the worker is up; everything else is a plain call."""
 
     def __init__(self, actor):
         self.actor = actor
+        self.channel = None
 
     def _get(self, ref):
         from ninfer.actors.transport import WorkerLost
@@ -132,10 +143,25 @@ class RayWorkerClient:
     def info(self) -> P.WorkerInfo:
         return P.decode_info(self._get(self.actor.info.remote()))
 
+    def open_channel(self) -> None:
+        """The per-cycle channel, built once the worker answered ``info``."""
+        from ninfer.actors.channel import StepChannel
+        from ninfer.actors.transport import WorkerLost
+        self.channel = StepChannel(self.actor, WorkerLost)
+
+    @property
+    def channel_kind(self) -> str:
+        """What the steps travel on: "socket" (the direct channel) or "call"."""
+        return "socket" if self.channel is not None and self.channel.direct else "call"
+
     def step(self, plan: P.StepPlan) -> P.StepReply:
-        return P.decode_reply(self._get(self.actor.handle.remote(P.encode(plan))))
+        if self.channel is None:
+            return P.decode_reply(self._get(self.actor.handle.remote(P.encode(plan))))
+        return P.decode_reply(self.channel.call(P.encode(plan)))
 
     def shutdown(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
         try:
             ray.kill(self.actor)
         except Exception:
@@ -157,6 +183,8 @@ class EngineControllerActor:
         self._model_dir = model_dir
         self._events: list[P.Event] = []
         self._lock = threading.Lock()
+        self._events_out = None                           # FrameSender to the frontend, when local
+        self._events_retry_at = 0.0
         self._frontend = ray.get_actor(self.names["frontend"], namespace=NAMESPACE)
         self._failed: Exception | None = None
         self.loop = None
@@ -185,6 +213,7 @@ class EngineControllerActor:
         client = RayWorkerClient(actor)
         try:
             client.info()                      # wait until it is up
+            client.open_channel()
         except Exception:
             client.shutdown()                  # a worker that failed to start still holds its GPU
             raise
@@ -195,10 +224,32 @@ class EngineControllerActor:
             self._events.append(ev)
 
     def _flush(self) -> None:
+        """The cycle's events in one message: over the frontend's event socket when it is on
+        this node (no actor call per cycle), else a deliver call."""
         with self._lock:
             events, self._events = self._events, []
-        if events:
-            self._frontend.deliver.remote(P.encode(events))
+        if not events:
+            return
+        data = P.encode(events)
+        out = self._events_out or self._connect_events()
+        if out is not None and out.send(data):
+            return
+        self._events_out = None
+        self._frontend.deliver.remote(data)
+
+    def _connect_events(self):
+        now = time.monotonic()
+        if now < self._events_retry_at:
+            return None
+        self._events_retry_at = now + 1.0                  # a frontend that restarts: try again later
+        try:
+            from ninfer.actors.channel import FrameSender
+            address, node = ray.get(self._frontend.event_address.remote(), timeout=10)
+            if address is not None and node == ray.get_runtime_context().get_node_id():
+                self._events_out = FrameSender(address)
+        except Exception as exc:
+            log.info("events go by actor call (%s)", exc)
+        return self._events_out
 
     # remote methods (run on Ray's threads; the control thread owns the core)
     def info(self) -> bytes:
@@ -230,6 +281,7 @@ class _ClientState:
         self.ready = asyncio.Event()
         self.last_seen = time.monotonic()
         self.live: set[str] = set()
+        self.writer = None              # a client on this node streams events over a socket
 
 
 @ray.remote(num_cpus=0, max_concurrency=1000, max_restarts=1)
@@ -250,6 +302,9 @@ class FrontendActor:
         self.intake = None
         self._intake_cls = Intake
         self._watch = None
+        self._events_server = None
+        self._clients_server = None
+        self._touched: set[str] = set()
 
     async def ready(self) -> bytes:
         if self.info_bytes is None:
@@ -329,11 +384,23 @@ class FrontendActor:
         return await self.controller.call.remote(what)
 
     # ---- from the controller ----------------------------------------------------------------
+    async def event_address(self) -> tuple[str | None, str]:
+        """Where the controller sends its events (a local socket, ``actors/channel.py``)."""
+        if self._events_server is None:
+            from ninfer.actors.channel import new_address, serve_frames
+            address = new_address()
+            self._events_server = (await serve_frames(address, self._deliver), address)
+        return self._events_server[1], ray.get_runtime_context().get_node_id()
+
     async def deliver(self, data: bytes) -> None:
+        self._deliver(data)
+
+    def _deliver(self, data: bytes) -> None:
         for ev in P.decode_events(data):
             if self.intake is not None:
                 self.intake.observe(ev)
             self._route(ev)
+        self._push()
 
     def _route(self, ev: P.Event) -> None:
         cid = self.owner.get(ev.rid)
@@ -344,7 +411,57 @@ class FrontendActor:
                 state.live.discard(ev.rid)
         if state is not None:
             state.events.append(P.encode(ev))
-            state.ready.set()
+            if state.writer is not None:
+                self._touched.add(cid)
+            else:
+                state.ready.set()
+
+    def _push(self) -> None:
+        """Events routed to streaming clients go out, one frame per client per batch."""
+        from ninfer.actors.channel import HEADER, OK
+        touched, self._touched = self._touched, set()
+        for cid in touched:
+            state = self.clients.get(cid)
+            if state is None or state.writer is None or not state.events:
+                continue
+            out, state.events = state.events, []
+            data = msgspec.msgpack.encode(out)
+            try:
+                state.writer.write(HEADER.pack(OK, len(data)) + data)
+            except Exception:                 # the client went away: its reader ends it
+                state.writer = None
+
+    async def client_stream_address(self) -> tuple[str | None, str]:
+        """Where a client on this node reads its events (instead of polling)."""
+        if self._clients_server is None:
+            from ninfer.actors.channel import new_address, serve_connections
+            address = new_address()
+            self._clients_server = (await serve_connections(address, self._client_stream), address)
+        return self._clients_server[1], ray.get_runtime_context().get_node_id()
+
+    async def _client_stream(self, reader, writer) -> None:
+        """One client's event stream: it names itself, then reads; its end is the client
+        leaving (its requests are cancelled, as a client that stops polling)."""
+        from ninfer.actors.channel import HEADER
+        cid = None
+        try:
+            _, n = HEADER.unpack(await reader.readexactly(HEADER.size))
+            cid = (await reader.readexactly(n)).decode()
+            state = self.clients.get(cid)
+            if state is None:
+                return
+            state.writer = writer
+            self._touched.add(cid)
+            self._push()                       # what arrived before it connected
+            await reader.read()                # until the client closes
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+            state = self.clients.get(cid) if cid else None
+            if state is not None and state.writer is writer:
+                state.writer = None
+                await self.close_client(cid)
 
     # ---- supervision --------------------------------------------------------------------------
     async def _watchdog(self) -> None:
@@ -354,7 +471,7 @@ class FrontendActor:
             await asyncio.sleep(0.5)
             now = time.monotonic()
             for cid, state in list(self.clients.items()):
-                if state.live and now - state.last_seen > self.client_timeout:
+                if state.live and state.writer is None and now - state.last_seen > self.client_timeout:
                     log.info("client %s disconnected: cancelling %d requests", cid, len(state.live))
                     await self.close_client(cid)
             try:
@@ -370,6 +487,7 @@ class FrontendActor:
         for rid, cid in list(self.owner.items()):
             self._route(P.FinalEvent(rid, FinishReason.ERROR, [], {}, {}, [],
                                      {"type": "controller_lost", "message": message}))
+        self._push()
         try:
             self.controller_epoch = await asyncio.wait_for(self.controller.ping.remote(), 60.0)
         except Exception:

@@ -42,8 +42,23 @@ def test_float64_invariance_over_ray(ray_engine, tiny_model):
         assert out.token_ids == oracle(tiny_model, p, **kw)
     s = ray_engine.stats()
     assert s["preemptions"] > 0
+    # the steady cycle and the events took the direct local channels, not per-cycle actor calls
+    assert s["step_channel"] == "socket" and ray_engine._rt.streaming
     ray_engine.drop_caches()
     ray_engine.check_integrity()
+
+
+def test_plain_actor_calls_remain_a_working_fallback(tiny_model, deployment, monkeypatch):
+    """NINFER_RAY_STEP_CHANNEL=call: the same workload over plain step calls equals the oracle."""
+    monkeypatch.setenv("NINFER_RAY_STEP_CHANNEL", "call")
+    eng = ninfer.Engine.start(tiny_model, config=TIGHT, dtype="float64", transport="ray", deployment=deployment)
+    try:
+        p = random_prompt(60, seed=901)
+        out = eng.generate(p, max_tokens=12, ignore_eos=True).result(300)
+        assert out.token_ids == oracle(tiny_model, p, max_tokens=12, ignore_eos=True)
+        assert eng.stats()["step_channel"] == "call"
+    finally:
+        eng.shutdown()
 
 
 def test_streaming_cancel_and_async_over_ray(ray_engine, tiny_model):

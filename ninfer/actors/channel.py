@@ -1,0 +1,206 @@
+"""The controller's per-cycle channel to the GPU worker actor.
+
+A plain Ray actor call costs ≈ 1 ms p50 on these machines (DESIGN.md §8), several times the
+controller's own work per cycle. Ray's compiled graphs get the round trip to ≈ 0.09 ms, but
+their channels busy-poll: measured here, an idle compiled graph kept the worker process at 60 %
+of a core and a waiting controller at a third of one — on a 2-core node that CPU is taken from
+the model. So the steady cycle runs over a Unix-domain stream socket between the two actor
+processes (both on the one node the product serves), set up through Ray: the worker listens,
+tells the controller where, and the controller connects. A round trip is tens of microseconds,
+waiting costs nothing (a blocked ``recv``), and the bytes are the same msgspec bytes as over a
+plain call. Setup, supervision and the worker's other methods stay plain actor calls.
+
+Frames are ``kind (1 byte) | length (8 bytes) | payload``: kind 0 a reply, 1 an exception in
+the worker's ``handle`` (its text; the control loop treats it as it treated a failed Ray task).
+A dead worker closes the socket, so the step in flight fails at once with ``WorkerLost`` and the
+control loop recreates the worker (and with it a new channel). ``NINFER_RAY_STEP_CHANNEL=call``
+keeps plain actor calls; actors on different nodes use them too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import struct
+import sys
+import threading
+import uuid
+from collections.abc import Callable
+
+log = logging.getLogger("ninfer.ray")
+HEADER = struct.Struct("!BQ")
+OK, ERROR = 0, 1
+
+
+class WorkerStepError(RuntimeError):
+    """The worker's ``handle`` raised (not a death): the cycle fails as a Ray task error would."""
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            return None                                   # the peer closed
+        got += k
+    return bytes(buf)
+
+
+def recv_frame(sock: socket.socket) -> tuple[int, bytes] | None:
+    head = _recv_exact(sock, HEADER.size)
+    if head is None:
+        return None
+    kind, n = HEADER.unpack(head)
+    body = _recv_exact(sock, n) if n else b""
+    return None if body is None else (kind, body)
+
+
+def send_frame(sock: socket.socket, kind: int, data: bytes) -> None:
+    sock.sendmsg([HEADER.pack(kind, len(data)), data])
+
+
+def _address() -> str:
+    """An abstract-namespace address on Linux (no file to clean up), a temp path elsewhere."""
+    name = f"ninfer-step-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    if sys.platform.startswith("linux"):
+        return "\0" + name
+    import tempfile
+    return os.path.join(tempfile.gettempdir(), name + ".sock")
+
+
+class ChannelServer:
+    """The worker side: one thread serving one controller connection at a time."""
+
+    def __init__(self, handle: Callable[[bytes], bytes]):
+        self.handle = handle
+        self.address = _address()
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(self.address)
+        self.sock.listen(1)
+        threading.Thread(target=self._serve, name="ninfer-step-channel", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return                                    # closed
+            with conn:
+                self._connection(conn)
+
+    def _connection(self, conn: socket.socket) -> None:
+        try:
+            while (frame := recv_frame(conn)) is not None:
+                try:
+                    reply, kind = self.handle(frame[1]), OK
+                except Exception as exc:                  # a death exits the process inside handle
+                    reply, kind = f"{type(exc).__name__}: {exc}".encode(), ERROR
+                send_frame(conn, kind, reply)
+        except OSError:
+            pass                                          # the controller went away
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+class FrameSender:
+    """A one-way frame stream to a listener (the controller's events to the frontend)."""
+
+    def __init__(self, address: str):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(address)
+
+    def send(self, data: bytes) -> bool:
+        """False when the listener is gone (the caller falls back to an actor call)."""
+        try:
+            send_frame(self.sock, OK, data)
+            return True
+        except OSError:
+            self.close()
+            return False
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+async def serve_frames(address: str, on_frame: Callable[[bytes], None]):
+    """An asyncio listener calling ``on_frame`` for every frame of every connection."""
+    import asyncio
+
+    async def connection(reader, writer) -> None:
+        try:
+            while True:
+                kind, n = HEADER.unpack(await reader.readexactly(HEADER.size))
+                on_frame(await reader.readexactly(n) if n else b"")
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+    return await asyncio.start_unix_server(connection, path=address)
+
+
+async def serve_connections(address: str, handler):
+    """An asyncio listener handing each connection (reader, writer) to ``handler``."""
+    import asyncio
+    return await asyncio.start_unix_server(handler, path=address)
+
+
+def new_address() -> str:
+    return _address()
+
+
+class StepChannel:
+    """The controller side: bytes -> bytes over the worker's socket, or plain actor calls."""
+
+    def __init__(self, actor, lost: Callable[[str], Exception]):
+        import ray
+        self.actor, self.lost, self.sock = actor, lost, None
+        if os.environ.get("NINFER_RAY_STEP_CHANNEL", "socket") != "socket":
+            return
+        address, node = ray.get(actor.channel_address.remote())
+        if node != ray.get_runtime_context().get_node_id() or address is None:
+            log.info("the GPU worker is on another node: steps use plain actor calls")
+            return
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(address)
+        self.sock = sock
+
+    @property
+    def direct(self) -> bool:
+        return self.sock is not None
+
+    def call(self, data: bytes) -> bytes:
+        if self.sock is None:
+            import ray
+            from ray.exceptions import RayActorError
+            try:
+                return ray.get(self.actor.handle.remote(data))
+            except RayActorError as exc:
+                raise self.lost(f"{type(exc).__name__}: {str(exc).splitlines()[0]}") from None
+        try:
+            send_frame(self.sock, OK, data)
+            frame = recv_frame(self.sock)
+        except OSError as exc:
+            raise self.lost(f"the step channel to the GPU worker failed: {exc}") from None
+        if frame is None:
+            raise self.lost("the GPU worker closed the step channel (it died)")
+        kind, body = frame
+        if kind == ERROR:
+            raise WorkerStepError(body.decode(errors="replace"))
+        return body
+
+    def close(self) -> None:
+        sock, self.sock = self.sock, None
+        if sock is not None:
+            try:
+                sock.close()
+            except OSError:
+                pass
