@@ -49,7 +49,7 @@ def _serve(args: argparse.Namespace) -> int:
     print(f"serving {name} on http://{args.host}:{args.port}/v1 (transport={engine.transport})", flush=True)
     try:
         serve(engine, name, host=args.host, port=args.port, api_key=args.api_key or os.environ.get("NINFER_API_KEY"),
-              max_body_bytes=args.max_body_bytes)
+              max_body_bytes=args.max_body_bytes, max_messages=args.max_messages)
     finally:
         # A deployment started without --address goes with the server; from a detached or an
         # attached one only this client leaves.
@@ -128,7 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deployment", default="ninfer", help="deployment name on the Ray cluster")
     p.add_argument("--connect", action="store_true", help="attach to a deployment that is already running")
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (or set NINFER_API_KEY)")
-    p.add_argument("--max-body-bytes", type=int, default=16 << 20)
+    p.add_argument("--max-body-bytes", type=int, default=16 << 20,
+                   help="request body limit, checked while the body streams in (default 16 MiB)")
+    p.add_argument("--max-messages", type=int, default=4096,
+                   help="messages per chat request, checked before any rendering (default 4096)")
     p.add_argument("--served-model-name", default=None)
     p.set_defaults(func=_serve)
 
