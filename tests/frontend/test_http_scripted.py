@@ -28,16 +28,16 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 
 
 class ScriptedHandle:
-    def __init__(self, rid: str, ids: list[int], delay: float):
-        self.rid, self.ids, self.delay = rid, ids, delay
+    def __init__(self, rid: str, ids: list[int], delay: float, chunk: int = 1):
+        self.rid, self.ids, self.delay, self.chunk = rid, ids, delay, chunk
         self.sent = 0
         self.cancelled = False
 
     async def aiter(self):
         while self.sent < len(self.ids) and not self.cancelled:
             await asyncio.sleep(self.delay)
-            self.sent += 1
-            yield StreamEvent(self.rid, self.sent - 1, [self.ids[self.sent - 1]])
+            first, self.sent = self.sent, min(len(self.ids), self.sent + self.chunk)
+            yield StreamEvent(self.rid, first, self.ids[first:self.sent])    # several tokens per event
 
     async def result_async(self) -> Output:
         while self.sent < len(self.ids) and not self.cancelled:
@@ -57,10 +57,11 @@ class ScriptedEngine:
         self.info = SimpleNamespace(max_context=4096, vocab_size=tok.tokenizer.get_vocab_size())
         self.handles: list[ScriptedHandle] = []
         self.delay = 0.002
+        self.chunk = 1
 
     def chat(self, messages, tools=None, **kw) -> ScriptedHandle:
         script = messages[-1]["content"]
-        h = ScriptedHandle(f"s{len(self.handles)}", self._intake.tokenizer.encode(script), self.delay)
+        h = ScriptedHandle(f"s{len(self.handles)}", self._intake.tokenizer.encode(script), self.delay, self.chunk)
         self.handles.append(h)
         return h
 
@@ -109,6 +110,21 @@ def test_a_partial_stop_match_never_leaks_into_the_stream(scripted):
     need = next(k for k in range(1, len(full) + 1) if "I[en" in tok.decode(full[:k]))
     assert r.usage.completion_tokens == need < len(full)
     assert scripted.engine.handles[-1].cancelled                    # the engine stops at the stop string
+
+
+def test_a_stop_inside_a_many_token_event_counts_only_the_tokens_up_to_it(scripted):
+    """Tokens can commit several per event (a prefill's first token with others, speculative
+    decoding): the count still ends at the token that completed the stop string."""
+    scripted.engine.chunk = 6
+    try:
+        r = scripted.client.chat.completions.create(model="tiny", messages=_say("JSON I[en the rest of it"),
+                                                    stop="I[en")
+    finally:
+        scripted.engine.chunk = 1
+    tok = scripted.engine._intake.tokenizer
+    full = tok.encode("JSON I[en the rest of it")
+    need = next(k for k in range(1, len(full) + 1) if "I[en" in tok.decode(full[:k]))
+    assert r.choices[0].message.content == "JSON " and r.usage.completion_tokens == need
 
 
 def test_a_stop_prefix_that_never_completes_is_released_at_the_end(scripted):
