@@ -29,6 +29,7 @@ from ninfer import protocol as P
 from ninfer.config import decode_config
 from ninfer.errors import NInferError, RequestError
 from ninfer.faults import Fault
+from ninfer.logs import configure as configure_logging
 from ninfer.protocol import FinishReason, RequestSpec
 
 log = logging.getLogger("ninfer.ray")
@@ -54,10 +55,13 @@ class GpuWorkerActor:
 
         from ninfer.actors.worker import Worker, WorkerDeath
         torch.set_num_threads(1)
+        cfg = decode_config(config)
+        if cfg.log_format:
+            configure_logging(cfg.log_format)
         self._controller_name = controller_name
         self._controller = None
         self._death = WorkerDeath
-        self.worker = Worker(model_dir, decode_config(config), notify=self._notify,
+        self.worker = Worker(model_dir, cfg, notify=self._notify,
                              faults=msgspec.msgpack.decode(faults, type=list[Fault]))
 
     def _notify(self) -> None:
@@ -87,6 +91,7 @@ class RayWorkerClient:
 
     def __init__(self, actor):
         self.actor = actor
+        self.bytes_out = self.bytes_in = 0     # protocol bytes (the periodic engine summary)
 
     def _get(self, ref):
         from ninfer.actors.transport import WorkerLost
@@ -99,7 +104,11 @@ class RayWorkerClient:
         return P.decode_info(self._get(self.actor.info.remote()))
 
     def step(self, plan: P.StepPlan) -> P.StepReply:
-        return P.decode_reply(self._get(self.actor.handle.remote(P.encode(plan))))
+        data = P.encode(plan)
+        self.bytes_out += len(data)
+        reply = self._get(self.actor.handle.remote(data))
+        self.bytes_in += len(reply)
+        return P.decode_reply(reply)
 
     def shutdown(self) -> None:
         try:
@@ -121,7 +130,10 @@ class EngineControllerActor:
         self._lock = threading.Lock()
         self._frontend = ray.get_actor(self.names["frontend"], namespace=NAMESPACE)
         restarted = ray.get_runtime_context().was_current_actor_reconstructed
-        self.loop = ControlLoop(self._make_client, decode_config(config), self._sink, self._flush,
+        cfg = decode_config(config)
+        if cfg.log_format:                     # its summaries go to this actor's stderr (Ray's log)
+            configure_logging(cfg.log_format)
+        self.loop = ControlLoop(self._make_client, cfg, self._sink, self._flush,
                                 on_restart=lambda: os._exit(1), restarted=restarted)
         self.started = time.time()
 
@@ -189,6 +201,9 @@ class FrontendActor:
 
     def __init__(self, model_dir: str, config: bytes, deployment: str, client_timeout: float = 10.0):
         from ninfer.frontend.intake import Intake
+        fmt = decode_config(config).log_format
+        if fmt:
+            configure_logging(fmt)
         self.names = names(deployment)
         self._model_dir, self._config, self._deployment = model_dir, config, deployment
         self.client_timeout = client_timeout

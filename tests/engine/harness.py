@@ -14,6 +14,7 @@ from ninfer.config import EngineConfig
 from ninfer.engine.core import EngineCore
 from ninfer.faults import Fault
 from ninfer.frontend.validate import validate_spec
+from ninfer.lifecycle import as_dict
 from ninfer.protocol import RequestSpec
 from ninfer.reference import reference_generate
 from ninfer.sampling_params import SamplingParams
@@ -29,6 +30,7 @@ class Harness:
         self.finals: dict[str, P.FinalEvent] = {}
         self.streams: dict[str, list[int]] = {}
         self.logprobs: dict[str, list[P.TokenLogprob]] = {}     # streamed, for requests that asked
+        self.events: dict[str, list[dict]] = {}                 # lifecycle, public form
         self.dtype = dtype
 
     def _sink(self, ev) -> None:
@@ -39,6 +41,8 @@ class Harness:
             if ev.logprobs is not None:
                 assert len(ev.logprobs) == len(ev.token_ids), "a token without its logprob entry (or two)"
                 self.logprobs.setdefault(ev.rid, []).extend(ev.logprobs)
+        elif isinstance(ev, P.LifecycleEvent):
+            self.events.setdefault(ev.rid, []).append(as_dict(ev))
         else:       # the public spelling of the finish reason ("stop", "length", ...)
             self.finals[ev.rid] = msgspec.structs.replace(ev, finish_reason=str(ev.finish_reason))
 
