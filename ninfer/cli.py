@@ -4,6 +4,8 @@
     ninfer demo [--model DIR]
     ninfer serve --model DIR [--config FILE] [--host 127.0.0.1] [--port 8000] [--address auto]
     ninfer bench controller|agent|actors|cache-scale [--model DIR] [--out FILE]
+    ninfer report FILE [--stall-s S]    the seed's evaluation order over a JSON log or bench JSON
+    ninfer --log-format text|json ...   the engine's log lines (also NINFER_LOG_FORMAT)
 
 Errors a user can cause (bad directory, bad config) print one line and exit with status 2.
 """
@@ -11,7 +13,9 @@ Errors a user can cause (bad directory, bad config) print one line and exit with
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 from ninfer.errors import NInferError
 
@@ -65,8 +69,20 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    from ninfer.report import render
+
+    if not Path(args.file).is_file():
+        raise NInferError(f"no such file: {args.file}")
+    print(render(args.file, stall_s=args.stall_s))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ninfer", description=__doc__.split("\n")[0])
+    parser.add_argument("--log-format", choices=["text", "json"], default=None,
+                        help="log lines as readable text or one JSON object each (default: NINFER_LOG_FORMAT, "
+                             "else text for serve)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("make-tiny-model", help="generate a tiny HF-layout model directory (no hub needed)")
@@ -108,12 +124,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="models/tiny", help="model directory; built if missing")
     p.add_argument("--out", default=None, help="also write the JSON result to this file")
     p.set_defaults(func=_bench)
+
+    p = sub.add_parser("report", help="verdicts in the seed's evaluation order, then a table, from a JSON log "
+                                      "(NINFER_LOG_FORMAT=json) or a bench JSON")
+    p.add_argument("file", help="a JSON-lines log or a bench JSON (--out of ninfer bench)")
+    p.add_argument("--stall-s", type=float, default=1.0, help="an output gap this long is a stall (default 1 s)")
+    p.set_defaults(func=_report)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.log_format or os.environ.get("NINFER_LOG_FORMAT") or args.command == "serve":
+            from ninfer.logs import configure
+            configure(args.log_format)
+            if args.log_format:            # engines started here (and their actors) log so too
+                os.environ["NINFER_LOG_FORMAT"] = args.log_format
         return args.func(args)
     except NInferError as exc:
         print(f"ninfer: error: {exc}", file=sys.stderr)
