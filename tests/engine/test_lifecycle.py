@@ -237,3 +237,36 @@ def test_events_through_the_api(tiny_model):
         assert ev[0]["t"] == out.timings.arrival
     finally:
         eng.shutdown()
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_lifecycle_over_ray(tiny_model):
+    """The same events cross both actor boundaries (controller -> frontend -> client) in order,
+    once each, under pressure that pauses some requests; the timings the client gets are the
+    ones derived from them."""
+    import random
+
+    pytest.importorskip("ray")
+    from ninfer.actors.client import init_ray
+    init_ray(None)                      # shared with the actor tests' session when they run too
+    cfg = {"max_concurrency": 3, "max_context": 256, "kv_capacity": 4 * 64, "prefill_chunk_tokens": 48,
+           "context_cache": {"device_state_slots": 1, "host_capacity_bytes": 1 << 20}}
+    eng = ninfer.Engine.start(tiny_model, config=cfg, dtype="float64", transport="ray", deployment="t-lifecycle")
+    try:
+        rng = random.Random(7)
+        hs = []
+        for i in range(8):
+            p = random_prompt(rng.randint(20, 140), seed=300 + i)
+            hs.append(eng.generate(p, max_tokens=rng.randint(5, 40), temperature=rng.choice([0.0, 1.0]), seed=i,
+                                   ignore_eos=True))
+        paused = 0
+        for h in hs:
+            out = h.result(300)
+            ev = h.events()
+            check_lifecycle(ev, out.pauses, "length")
+            assert_timings_derived(ev, out.timings)
+            paused += sum(e["event"] == "paused" for e in ev)
+        assert paused == eng.stats()["preemptions"] > 0
+    finally:
+        eng.shutdown()
