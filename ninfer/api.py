@@ -187,9 +187,8 @@ class Engine:
               deployment: str = "ninfer", detached: bool = False, **kw) -> "Engine":
         """Start an engine on ``model``. transport="inproc": one process; "ray": the three
         actors on a local Ray (or the cluster at ``address``)."""
-        from ninfer.native.model.config import load_config
-
         from ninfer import logs
+        from ninfer.native.model.config import load_config
 
         cfg = EngineConfig.coerce(config)
         if dtype is not None:

@@ -23,7 +23,7 @@ log = logging.getLogger("ninfer.stats")
 
 
 class EngineSummary:
-    def __init__(self, core: "EngineCore", interval_s: float):
+    def __init__(self, core: EngineCore, interval_s: float):
         self.core = core
         self.interval = interval_s
         self._at = time.monotonic()
@@ -52,7 +52,9 @@ class EngineSummary:
     def _emit(self, dt: float, cur: dict, last: dict) -> None:
         core = self.core
         d = {k: cur[k] - last[k] for k in cur}
-        rate = lambda k: round(d[k] / dt, 1)   # noqa: E731
+
+        def rate(k: str) -> float:
+            return round(d[k] / dt, 1)
         host_cap = core.info.host_capacity
         host_used = max(0, host_cap - core.host_free) if host_cap else 0
         fields = {
