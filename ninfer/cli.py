@@ -81,8 +81,8 @@ def _report(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ninfer", description=__doc__.split("\n")[0])
     parser.add_argument("--log-format", choices=["text", "json"], default=None,
-                        help="log lines as readable text or one JSON object each (default: NINFER_LOG_FORMAT, "
-                             "else text for serve)")
+                        help="install the engine's log handler: readable lines or one JSON object each "
+                             "(default: NINFER_LOG_FORMAT; unset: warnings only)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("make-tiny-model", help="generate a tiny HF-layout model directory (no hub needed)")
@@ -136,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.log_format or os.environ.get("NINFER_LOG_FORMAT") or args.command == "serve":
+        if args.log_format or os.environ.get("NINFER_LOG_FORMAT"):   # asked for: else logging stays quiet
             from ninfer.logs import configure
             configure(args.log_format)
             if args.log_format:            # engines started here (and their actors) log so too
