@@ -10,52 +10,8 @@ import pytest
 import ninfer
 from ninfer import protocol as P
 from ninfer.engine.request import Phase
-from ninfer.lifecycle import TIMINGS, derive_timings
-from tests.engine.harness import Harness, oracle
+from tests.engine.harness import REASONS, Harness, assert_timings_derived, check_lifecycle, oracle
 from tests.factories import random_prompt
-
-ONCE = ("queued", "generation_start", "admitted", "first_token", "finished")
-REASONS = {"taken_back", "lane_take_back", "cannot_progress", "forced"}
-
-
-def check_lifecycle(events: list[dict], pauses: list[dict], finish: str | None = None) -> None:
-    """Well-formed: the once-only moments at most once (finished exactly once, last), in their
-    order; times never go back; one paused per pause, each followed by its resume (unless it
-    ended paused), the routes and times those of ``Output.pauses``."""
-    kinds = [e["event"] for e in events]
-    assert kinds[:2] == ["queued", "generation_start"], kinds
-    assert kinds[-1] == "finished" and kinds.count("finished") == 1, kinds
-    for k in ONCE:
-        assert kinds.count(k) <= 1, kinds
-    present = [k for k in kinds if k in ONCE]
-    assert present == [k for k in ONCE if k in present], f"once-only moments out of order: {kinds}"
-    ts = [e["t"] for e in events]
-    assert ts == sorted(ts), "a lifecycle time went back"
-    assert all(e["wall"] > 0 for e in events)
-    turns = [e for e in events if e["event"] in ("paused", "resumed")]
-    assert [e["event"] for e in turns] == ["paused", "resumed"] * (len(turns) // 2) + ["paused"] * (len(turns) % 2)
-    paused = [e for e in turns if e["event"] == "paused"]
-    resumed = [e for e in turns if e["event"] == "resumed"]
-    assert len(paused) == len(pauses), (kinds, pauses)
-    if paused:
-        assert "admitted" in kinds and kinds.index("admitted") < kinds.index("paused")
-    for ev, p in zip(paused, pauses):
-        assert ev["t"] == p["paused_at"] and ev["frontier"] == p["frontier"]
-        assert ev["route"] in ("snapshot", "replay") and ev["reason"] in REASONS
-    for ev, p in zip(resumed, pauses):
-        assert ev["t"] == p["resumed_at"] and ev["route"] == p["route"]
-    if finish is not None:
-        assert events[-1]["finish_reason"] == finish
-
-
-def assert_timings_derived(events: list[dict], timings) -> None:
-    """``Output.timings`` (a dict from the harness, a TimingsView from the API) are exactly the
-    ones derived from the events."""
-    got = derive_timings(events)
-    for k in TIMINGS:
-        want = timings[k] if isinstance(timings, dict) else getattr(timings, k)
-        assert got[k] == want, (k, got[k], want)
-
 
 def _settle(h: Harness) -> None:
     for _ in range(200):
@@ -88,7 +44,7 @@ def test_plain_request_publishes_each_moment_once(make, tiny_model):
     rid = h.submit(p, max_tokens=8)
     h.run(until=lambda: h.done(rid))
     ev, f = h.events[rid], h.finals[rid]
-    assert [e["event"] for e in ev] == list(ONCE)
+    assert [e["event"] for e in ev] == ["queued", "generation_start", "admitted", "first_token", "finished"]
     check_lifecycle(ev, f.pauses, "length")
     assert isinstance(ev[1]["ticket"], int)
     assert_timings_derived(ev, f.timings)
