@@ -10,8 +10,15 @@ import pytest
 import ninfer
 from ninfer import protocol as P
 from ninfer.engine.request import Phase
-from tests.engine.harness import REASONS, Harness, assert_timings_derived, check_lifecycle, oracle
+from tests.engine.harness import (
+    REASONS,
+    Harness,
+    assert_timings_derived,
+    check_lifecycle,
+    oracle,
+)
 from tests.factories import random_prompt
+
 
 def _settle(h: Harness) -> None:
     for _ in range(200):
