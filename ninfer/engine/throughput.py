@@ -5,7 +5,7 @@ the cache hit rate, bytes copied each way, Host use, lost restore points, pauses
 controller itself cost (cycle time outside the worker, protocol bytes).
 
 It is checked once per engine cycle (one clock read); an idle engine runs no cycles and logs
-nothing.
+nothing, and its idle time is in no window.
 """
 
 from __future__ import annotations
@@ -26,19 +26,27 @@ class EngineSummary:
     def __init__(self, core: EngineCore, interval_s: float):
         self.core = core
         self.interval = interval_s
-        self._at = time.monotonic()
+        self._at = self._seen = time.monotonic()     # window start; the last cycle
         self._last = self._counters()
 
     def tick(self) -> None:
+        """Once per cycle. An idle engine runs no cycles: a gap longer than the interval since
+        the last one closes the window at that cycle, so idle time never dilutes the rates."""
         if self.interval <= 0:
             return
         now = time.monotonic()
-        if now - self._at < self.interval:
-            return
+        if now - self._seen > self.interval:
+            self._close(self._seen, busy=False)
+            self._at = now
+        self._seen = now
+        if now - self._at >= self.interval:
+            self._close(now, busy=bool(self.core.requests))
+
+    def _close(self, end: float, busy: bool) -> None:
         cur = self._counters()
-        if log.isEnabledFor(logging.INFO) and (cur != self._last or self.core.requests):
-            self._emit(now - self._at, cur, self._last)
-        self._at, self._last = now, cur
+        if end > self._at and (cur != self._last or busy) and log.isEnabledFor(logging.INFO):
+            self._emit(end - self._at, cur, self._last)
+        self._at, self._last = end, cur
 
     def _counters(self) -> dict:
         core = self.core
