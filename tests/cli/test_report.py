@@ -159,7 +159,12 @@ def test_verdicts_on_a_real_pressure_log(tiny_model, json_log):
         assert r["ttft_s"] == f.timings["ttft_s"] and r["paused_s"] == f.timings["paused_s"]
         assert sum(r["pauses"].values()) == len(f.pauses)
     assert by_rid["retry"]["lost"] == {"frontier": 60, "tokens": 60, "cause": "skipped_no_room"}
-    assert any(r.get("event") == "engine" for r in records)
+    engine = [r for r in records if r.get("event") == "engine"]
+    assert engine, "no periodic engine summary while busy"
+    for key in ("prefill_tps", "replay_tps", "generation_tps", "running", "waiting", "paused", "cache_hit_rate",
+                "bytes_h2d", "bytes_d2h", "host_used_bytes", "host_use", "controller_s", "protocol_bytes"):
+        assert all(key in e for e in engine), key
+    assert sum(e["generation_tps"] * e["interval_s"] for e in engine) <= sum(len(f.token_ids) for f in finals.values()) + len(engine)
 
     verdicts, table = _sections(render(json_log, stall_s=60))
     text = "\n".join(verdicts)
