@@ -10,6 +10,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,7 @@ import msgspec
 
 from ninfer import protocol as P
 from ninfer.config import EngineConfig
+from ninfer.lifecycle import as_dict
 from ninfer.protocol import RequestSpec, TokenLogprob
 from ninfer.errors import RequestError
 from ninfer.sampling_params import SamplingParams
@@ -37,12 +39,18 @@ class UsageView:
 
 @dataclass
 class TimingsView:
+    """Derived from the request's lifecycle events (``ninfer.lifecycle.derive_timings``); times
+    are the controller's time.monotonic()."""
+
     ttft_s: float | None = None
     e2e_s: float | None = None
     max_output_gap_s: float = 0.0
     queue_s: float | None = None
-    arrival: float | None = None           # time.monotonic() of submission
-    admitted_at: float | None = None       # time.monotonic() of the first admission
+    arrival: float | None = None           # the ``queued`` moment
+    admitted_at: float | None = None       # the first admission
+    paused_s: float = 0.0                  # time spent paused (every pause, until its resume)
+    source_wait_s: float = 0.0             # time waiting for a restore point another request
+                                           # was about to publish (a pending source)
 
 
 @dataclass
@@ -85,6 +93,19 @@ class RequestHandle:
         self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._aq: tuple[asyncio.AbstractEventLoop, asyncio.Queue] | None = None
         self._lock = threading.Lock()
+        self._events: list[dict] = []
+
+    def events(self) -> list[dict]:
+        """The lifecycle so far — queued, generation_start, admitted, first_token, paused,
+        resumed, finished, each published once (one paused/resumed pair per pause) — as
+        ``{"event": name, "t": controller time.monotonic(), "wall": time.time(), ...}``; the
+        whole list once ``result()`` has returned."""
+        with self._lock:
+            return [dict(e) for e in self._events]
+
+    def _note(self, event: dict) -> None:
+        with self._lock:
+            self._events.append(event)
 
     # called on the engine's control thread
     def _deliver(self, item) -> None:
@@ -175,11 +196,17 @@ class Engine:
         directory or config value is one ModelLoadError / ConfigError; values above what the
         model can use (a generic file's max_context) are lowered with a warning on the
         ``ninfer`` logger (``EngineConfig.fit_to_model``)."""
+        from ninfer import logs
         from ninfer.native.model.config import load_config
 
         cfg = EngineConfig.coerce(config)
         if dtype is not None:
             cfg = msgspec.structs.replace(cfg, dtype=dtype)
+        fmt = logs.requested_format(cfg.log_format)
+        if fmt:                                # asked for: this process and every actor log so
+            logs.formatter(fmt)                # (a bad NINFER_LOG_FORMAT is one clear error)
+            cfg = msgspec.structs.replace(cfg, log_format=fmt)
+            logs.configure(fmt)
         cfg, notes = cfg.fit_to_model(load_config(model).max_position_embeddings)
         for note in notes:
             log.warning("%s", note)
@@ -258,15 +285,24 @@ class Engine:
             handle._deliver(StreamEvent(ev.rid, ev.index, list(ev.token_ids), self._text(ev.token_ids),
                                         ev.logprobs))
             return
+        if isinstance(ev, P.LifecycleEvent):
+            handle._note(as_dict(ev))
+            return
         with self._lock:
             self._handles.pop(ev.rid, None)
+        if not any(e["event"] == "finished" for e in handle._events):
+            # ended outside the engine core (rejected at its intake, connection or controller
+            # lost): the client marks the end itself, so every handle's lifecycle has one
+            handle._note({"event": "finished", "t": time.monotonic(), "wall": time.time(),
+                          "finish_reason": str(ev.finish_reason), **({"error": ev.error.get("type")} if ev.error else {})})
         usage = {k: ev.usage.get(k, 0) for k in ("prompt_tokens", "completion_tokens", "cached_tokens",
                                                  "prefill_tokens", "replay_tokens")}
         timings = {k: ev.timings.get(k) for k in ("ttft_s", "e2e_s", "queue_s", "arrival", "admitted_at")}
+        extra = {k: ev.timings.get(k) or 0.0 for k in ("max_output_gap_s", "paused_s", "source_wait_s")}
         handle._deliver(Output(
             rid=ev.rid, token_ids=list(ev.token_ids), text=self._text(ev.token_ids),
             finish_reason=str(ev.finish_reason), error=ev.error, usage=UsageView(**usage),
-            timings=TimingsView(max_output_gap_s=ev.timings.get("max_output_gap_s") or 0.0, **timings),
+            timings=TimingsView(**timings, **extra),
             pauses=list(ev.pauses), prompt_token_ids=list(ev.prompt_token_ids), logprobs=ev.logprobs))
 
     def _text(self, ids: list[int]) -> str:

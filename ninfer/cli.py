@@ -5,6 +5,8 @@
     ninfer serve --model DIR [--config FILE] [--host 127.0.0.1] [--port 8000] [--address auto]
     ninfer bench controller|agent|actors|cache-scale [--model DIR] [--out FILE]
     ninfer bench serve [--base-url URL] [--clients 64] [--rounds 4] [--out FILE] [--plot FILE]
+    ninfer report FILE [--stall-s S]    the seed's evaluation order over a JSON log or bench JSON
+    ninfer --log-format text|json ...   the engine's log lines (also NINFER_LOG_FORMAT)
 
 Errors a user can cause (bad directory, bad config, a deployment that cannot start) print one
 line and exit with status 2; NInfer's warnings and notices print as ``ninfer: warning: ...``.
@@ -14,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+from pathlib import Path
 
 from ninfer.errors import NInferError
 
@@ -96,8 +100,20 @@ def _positive(text: str) -> int:
     return int(text)
 
 
+def _report(args: argparse.Namespace) -> int:
+    from ninfer.report import render
+
+    if not Path(args.file).is_file():
+        raise NInferError(f"no such file: {args.file}")
+    print(render(args.file, stall_s=args.stall_s))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ninfer", description=__doc__.split("\n")[0])
+    parser.add_argument("--log-format", choices=["text", "json"], default=None,
+                        help="install the engine's log handler: readable lines or one JSON object each "
+                             "(default: NINFER_LOG_FORMAT; unset: warnings only)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("make-tiny-model", help="generate a tiny HF-layout model directory (no hub needed)")
@@ -162,6 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default=None, help="also write the JSON result (with every request's record) here")
     b.add_argument("--plot", default=None, help="write the TTFT CDF per round to this SVG file")
     b.set_defaults(func=_bench_serve)
+
+    p = sub.add_parser("report", help="verdicts in the seed's evaluation order, then a table, from a JSON log "
+                                      "(NINFER_LOG_FORMAT=json) or a bench JSON")
+    p.add_argument("file", help="a JSON-lines log or a bench JSON (--out of ninfer bench)")
+    p.add_argument("--stall-s", type=float, default=1.0, help="an output gap this long is a stall (default 1 s)")
+    p.set_defaults(func=_report)
     return parser
 
 
@@ -189,6 +211,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _log_to_stderr()
     try:
+        if args.log_format or os.environ.get("NINFER_LOG_FORMAT"):   # asked for: else logging stays quiet
+            from ninfer.logs import configure
+            configure(args.log_format)
+            if args.log_format:            # engines started here (and their actors) log so too
+                os.environ["NINFER_LOG_FORMAT"] = args.log_format
         return args.func(args)
     except NInferError as exc:
         print(f"ninfer: error: {exc}", file=sys.stderr)

@@ -15,6 +15,10 @@
     cost_calibration         measure the Host→Device copy rate and the prefill rate at startup
                              for the source cost model (false: the built-in CPU defaults)
     faults                   public fault injection (``ninfer.faults``); empty = none
+    log_format               "text" | "json": install the ``ninfer`` log handler in every engine
+                             process (None: ``NINFER_LOG_FORMAT`` if set, else leave logging to
+                             the application; see ``ninfer.logs``)
+    log_stats_interval_s     the periodic engine summary's interval while busy (0 = never)
 
 Checks that need the model (the Main-KV curve, the memory budget) happen when the Native layer
 resolves the layout; they raise the same ConfigError with the numbers.
@@ -30,6 +34,7 @@ import msgspec
 
 from ninfer.errors import ConfigError
 from ninfer.faults import Fault
+from ninfer.logs import FORMATS as LOG_FORMATS
 
 PAGE_SIZE = 64
 GIB = 1 << 30
@@ -71,6 +76,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omi
     completion_timeout_s: float = 2.0
     cost_calibration: bool = True       # measure copy and prefill rates at startup
     faults: list[Fault] = []
+    log_format: str | None = None
+    log_stats_interval_s: float = 10.0
 
     def __post_init__(self) -> None:
         if isinstance(self.context_cache, dict):     # EngineConfig(context_cache={...})
@@ -99,6 +106,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omi
             self.faults = [msgspec.convert(f, Fault) if isinstance(f, dict) else f for f in self.faults]
         except msgspec.ValidationError as exc:
             raise ConfigError(str(exc)) from None
+        if self.log_format is not None and self.log_format not in LOG_FORMATS:
+            raise _range_error("log_format", self.log_format, " | ".join(LOG_FORMATS))
+        if not self.log_stats_interval_s >= 0:
+            raise _range_error("log_stats_interval_s", self.log_stats_interval_s, ">= 0 seconds (0 = never)")
         if self.request_timeout_s is not None and not self.request_timeout_s > 0:
             raise _range_error("request_timeout_s", self.request_timeout_s, "> 0 seconds (None = no timeout)")
 

@@ -693,7 +693,49 @@ class FinalEvent(msgspec.Struct, tag="final", array_like=True):
     logprobs: list[TokenLogprob] | None = None   # one per output token, when the request asked
 
 
-Event = TokensEvent | FinalEvent
+class Life(IntEnum):
+    """A request's lifecycle moments, in the order they can happen (seed: GenerationStart 和首次
+    admitted/first-token 只发布一次). PAUSED and RESUMED repeat once per pause; the others are
+    published at most once per request."""
+
+    QUEUED = 0              # the controller accepted it (its intake queue)
+    GENERATION_START = 1    # the engine opened its record: original ticket, ingress timeout runs
+    ADMITTED = 2            # first admission (a lane and its first unit); a resume is RESUMED
+    FIRST_TOKEN = 3         # first output token committed (Replay never re-commits it)
+    PAUSED = 4
+    RESUMED = 5
+    FINISHED = 6
+
+    def __str__(self) -> str:          # the public spelling: "queued", "generation_start", ...
+        return self.name.lower()
+
+
+class LifecycleEvent(msgspec.Struct, tag="life", array_like=True, omit_defaults=True, gc=False):
+    """One lifecycle moment of a request, published once on the same path as its tokens.
+    ``t``: time.monotonic() on the controller; ``wall``: time.time() at the same moment.
+
+        paused     route (planned: "snapshot" keeps State/KV, "replay" is destructive), reason
+                   (taken_back | lane_take_back | cannot_progress | forced), frontier
+        resumed    route (taken: a revoked snapshot resumes by "replay"), frontier
+        finished   finish_reason, error (its type), max_output_gap_s and source_wait_s (measured
+                   on the controller: token commits and pending-source waits are no events)
+    """
+
+    rid: str
+    kind: Life
+    t: float
+    wall: float = 0.0
+    ticket: int | None = None               # generation_start: the original FIFO ticket
+    route: str | None = None
+    reason: str | None = None
+    frontier: int | None = None
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    max_output_gap_s: float | None = None
+    source_wait_s: float | None = None
+
+
+Event = TokensEvent | FinalEvent | LifecycleEvent
 _event_dec = msgspec.msgpack.Decoder(Event)
 _events_dec = msgspec.msgpack.Decoder(list[Event])
 

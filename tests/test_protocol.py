@@ -72,3 +72,16 @@ def test_tokens_pack_as_int32(tokens):
     data = P.pack_tokens(tokens)
     assert len(data) == 4 * len(tokens)
     assert P.unpack_tokens(data) == tokens
+
+
+def test_event_union_keeps_old_encodings():
+    """Adding the lifecycle event to the Event union leaves the older token and final
+    encodings decoding as before (array-like: tag first, then the fields)."""
+    old_tokens = msgspec.msgpack.encode(["tokens", "r1", 0, [5, 6]])
+    assert P.decode_event(old_tokens) == P.TokensEvent("r1", 0, [5, 6])
+    old_final = msgspec.msgpack.encode(["final", "r1", 0, [5], {"prompt_tokens": 3}, {"ttft_s": 0.1}, []])
+    assert P.decode_event(old_final) == P.FinalEvent("r1", P.FinishReason.STOP, [5], {"prompt_tokens": 3},
+                                                     {"ttft_s": 0.1}, [])
+    life = P.LifecycleEvent("r1", P.Life.PAUSED, 1.5, 2.5, route="replay", reason="forced", frontier=64)
+    assert P.decode_events(P.encode([life, P.TokensEvent("r1", 0, [1])]))[0] == life
+    assert str(P.Life.GENERATION_START) == "generation_start"

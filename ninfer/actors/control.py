@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -57,7 +58,7 @@ class ControlLoop:
 
     # ---- any thread --------------------------------------------------------------------------
     def submit(self, spec: RequestSpec) -> None:
-        self._put(("submit", spec, None))
+        self._put(("submit", spec, time.monotonic()))     # the request's ``queued`` moment
 
     def cancel(self, rid: str) -> None:
         self._put(("cancel", rid, None))
@@ -109,7 +110,7 @@ class ControlLoop:
                 return
             if kind == "submit":
                 try:
-                    self.core.add(arg)
+                    self.core.add(arg, queued_at=fut)
                 except RequestError as exc:
                     self._sink(P.FinalEvent(arg.rid, FinishReason.ERROR, [], {}, {}, [],
                                             {"type": "RequestError", "message": str(exc)}))
@@ -168,8 +169,8 @@ class ControlLoop:
         if any(f.kind == "worker_death" for f in self._worker_faults.faults):
             consumed["worker_death"] = consumed.get("worker_death", 0) + 1   # it died before reporting
         self._renew(self._worker_faults.remaining(consumed))
-        for spec in keep:
-            self.core.add(spec)
+        for req in keep:                 # its arrival and published moments carry over
+            self.core.add(req.spec, carry=req)
 
     def _restart_in_process(self) -> None:
         """The in-process twin of a restarted controller actor: every request fails with
@@ -179,11 +180,11 @@ class ControlLoop:
         self._end_all("controller_lost", "the engine controller was restarted", keep_queued=False)
         self._renew(self._worker_faults.remaining(self.core.faults_fired))
 
-    def _end_all(self, kind: str, message: str, keep_queued: bool) -> list[RequestSpec]:
+    def _end_all(self, kind: str, message: str, keep_queued: bool) -> list:
         old, keep = self.core, []
         for req in list(old.requests.values()):
             if keep_queued and req.phase is Phase.QUEUED and req.live:
-                keep.append(req.spec)
+                keep.append(req)
                 continue
             if req.finish_reason is None:
                 req.error = {"type": kind, "message": message}

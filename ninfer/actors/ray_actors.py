@@ -36,6 +36,7 @@ from ninfer.config import decode_config
 from ninfer.actors.startup import last_error_line, startup_error
 from ninfer.errors import NInferError, RequestError
 from ninfer.faults import Fault
+from ninfer.logs import configure as configure_logging
 from ninfer.protocol import FinishReason, RequestSpec
 
 log = logging.getLogger("ninfer.ray")
@@ -78,13 +79,16 @@ class GpuWorkerActor:
 
         from ninfer.actors.worker import Worker, WorkerDeath
         torch.set_num_threads(1)
+        cfg = decode_config(config)
+        if cfg.log_format:
+            configure_logging(cfg.log_format)
         self._controller_name = controller_name
         self._controller = None
         self._death = WorkerDeath
         self._failed: Exception | None = None
         self._channel = None
         try:
-            self.worker = Worker(model_dir, decode_config(config), notify=self._notify,
+            self.worker = Worker(model_dir, cfg, notify=self._notify,
                                  faults=msgspec.msgpack.decode(faults, type=list[Fault]))
         except Exception as exc:
             self.worker, self._failed = None, _kept_startup_failure(exc, "GPU worker")
@@ -128,6 +132,7 @@ class RayWorkerClient:
     def __init__(self, actor):
         self.actor = actor
         self.channel = None
+        self.bytes_out = self.bytes_in = 0     # protocol bytes (the periodic engine summary)
 
     def _get(self, ref):
         from ninfer.actors.transport import WorkerLost
@@ -155,9 +160,14 @@ class RayWorkerClient:
         return "socket" if self.channel is not None and self.channel.direct else "call"
 
     def step(self, plan: P.StepPlan) -> P.StepReply:
+        data = P.encode(plan)
+        self.bytes_out += len(data)
         if self.channel is None:
-            return P.decode_reply(self._get(self.actor.handle.remote(P.encode(plan))))
-        return P.decode_reply(self.channel.call(P.encode(plan)))
+            reply = self._get(self.actor.handle.remote(data))
+        else:
+            reply = self.channel.call(data)
+        self.bytes_in += len(reply)
+        return P.decode_reply(reply)
 
     def shutdown(self) -> None:
         if self.channel is not None:
@@ -188,8 +198,11 @@ class EngineControllerActor:
         self._frontend = ray.get_actor(self.names["frontend"], namespace=NAMESPACE)
         self._failed: Exception | None = None
         self.loop = None
+        cfg = decode_config(config)
+        if cfg.log_format:                     # its summaries go to this actor's stderr (Ray's log)
+            configure_logging(cfg.log_format)
         try:
-            self.loop = ControlLoop(self._make_client, decode_config(config), self._sink, self._flush,
+            self.loop = ControlLoop(self._make_client, cfg, self._sink, self._flush,
                                     on_restart=lambda: os._exit(1), restarted=_was_restarted())
         except Exception as exc:              # RayTaskError(ConfigError) from the worker, too
             failure = exc if isinstance(exc, RayError) else _kept_startup_failure(exc, "engine controller")
@@ -290,6 +303,9 @@ class FrontendActor:
 
     def __init__(self, model_dir: str, config: bytes, deployment: str, client_timeout: float = 10.0):
         from ninfer.frontend.intake import Intake
+        fmt = decode_config(config).log_format
+        if fmt:
+            configure_logging(fmt)
         self.names = names(deployment)
         self._model_dir, self._config, self._deployment = model_dir, config, deployment
         self.client_timeout = client_timeout

@@ -20,6 +20,7 @@ class InprocClient:
     def __init__(self, worker):
         self.worker = worker
         self.dead: str | None = None
+        self.bytes_out = self.bytes_in = 0     # protocol bytes (the periodic engine summary)
 
     def info(self) -> P.WorkerInfo:
         return P.decode_info(P.encode(self.worker.info()))
@@ -28,7 +29,11 @@ class InprocClient:
         if self.dead is not None:
             raise WorkerLost(self.dead)
         try:
-            return P.decode_reply(self.worker.handle(P.encode(plan)))
+            data = P.encode(plan)
+            self.bytes_out += len(data)
+            reply = self.worker.handle(data)
+            self.bytes_in += len(reply)
+            return P.decode_reply(reply)
         except WorkerDeath as exc:
             self.dead = str(exc)
             self.worker.shutdown()

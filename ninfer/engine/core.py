@@ -30,16 +30,18 @@ from dataclasses import dataclass
 
 from ninfer import protocol as P
 from ninfer.config import EngineConfig
+from ninfer.engine.events import Lifecycle
 from ninfer.engine.outcomes import Outcomes
 from ninfer.engine.planning import CyclePlanner, Plan
 from ninfer.engine.request import Request
 from ninfer.engine.telemetry import Telemetry
+from ninfer.engine.throughput import EngineSummary
 from ninfer.errors import CapacityContractError, IntegrityError, RequestError
 from ninfer.policy.pressure import Pressure, Verdict
 from ninfer.policy.reclaim import Planner
 from ninfer.policy.resources import ResourceManager
 from ninfer.policy.scheduler import Scheduler
-from ninfer.protocol import FinishReason, Phase, RequestSpec
+from ninfer.protocol import FinishReason, Life, Phase, RequestSpec
 
 log = logging.getLogger("ninfer.engine")
 
@@ -64,9 +66,12 @@ class EngineStats:
     captures_skipped_with_room: int = 0
     cycle_s: float = 0.0            # wall time of cycles that made a round trip
     worker_s: float = 0.0           # of which the worker was busy
-    prefill_tokens: int = 0
+    prefill_tokens: int = 0         # of finished requests
     replay_tokens: int = 0
     finished: int = 0
+    tokens_prefilled: int = 0       # as units run (the periodic summary's rates)
+    tokens_replayed: int = 0
+    tokens_generated: int = 0
 
 
 class EngineCore:
@@ -83,6 +88,7 @@ class EngineCore:
         self.pressure = Pressure(self.sched, self.rm, self.info)
         self.planner = CyclePlanner(self)
         self.outcomes = Outcomes(self)
+        self.life = Lifecycle(sink)
         self.requests: dict[str, Request] = {}
         self.by_sid: dict[int, Request] = {}
         self.stats = EngineStats()
@@ -102,17 +108,26 @@ class EngineCore:
         self.bytes = (0, 0)
         self.faults_fired: dict[str, int] = {}
         self._stuck = 0
+        self.summary = EngineSummary(self, config.log_stats_interval_s)
 
     # ==== intake =========================================================================
-    def add(self, spec: RequestSpec) -> Request:
+    def add(self, spec: RequestSpec, queued_at: float | None = None, carry: Request | None = None) -> Request:
         """Queue a request (the frontend validated it: bad input never reaches the core); a
-        request id already in use raises RequestError for it alone."""
+        request id already in use raises RequestError for it alone. ``queued_at``: when the
+        controller accepted it (its intake; default now). ``carry``: the record of this
+        request in a core that lost its worker — its arrival and published moments go on."""
         rid = spec.rid or f"req-{next(self._tickets)}"
         if rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in use")
         req = Request(spec=spec, rid=rid, ticket=next(self._tickets))
+        if carry is not None:
+            req.arrival, req.life, req.published = carry.arrival, carry.life, carry.published
+        elif queued_at is not None:
+            req.arrival = min(queued_at, req.arrival)
         req.usage.prompt_tokens = len(spec.prompt)
         self.requests[rid] = req
+        self.life.publish(req, Life.QUEUED, req.arrival)
+        self.life.publish(req, Life.GENERATION_START, ticket=req.ticket)
         self.sched.enqueue(req)
         return req
 
@@ -135,6 +150,7 @@ class EngineCore:
     def cycle(self) -> bool:
         """One engine cycle; returns False when there was nothing to do (the caller waits for
         the next real event: a transfer completion, a new request) — never a silent stall."""
+        self.summary.tick()
         cmds = self._lifecycle()
         if self._overdue():
             cmds.append((P.Overdue(), None))
@@ -214,7 +230,7 @@ class EngineCore:
                                       window_short=self.pressure.short_window)
             to_host, host_victims = self.pressure.pause_route(victim, planner, facts)
             cmds.append((P.Pause(victim.sid, to_host, host_victims),
-                         lambda out, v=victim, d=host_victims: self.outcomes.paused(v, out, d)))
+                         lambda out, v=victim, d=host_victims: self.outcomes.paused(v, out, d, "lane_take_back")))
         # saves: a Device slot left after the intents, else Host room, else admitted room
         slots = facts.pools[P.STATE].available - sum(
             reply.demands.get(i.iid, i.need.demand or {}).get(P.STATE, 0) for i in plan.items)
@@ -309,6 +325,7 @@ class EngineCore:
     def _end(self, req: Request, reason: FinishReason, cmds: list) -> None:
         """Terminal: freeze a normal finish as the record's E, release everything else."""
         req.finish_reason = reason
+        costs = self._costs(req)               # read before the records are released
         owner = self.rm.e_owner(req)
         if (req.sid is not None and req.phase is Phase.RUNNING and owner is not None
                 and reason in (FinishReason.STOP, FinishReason.LENGTH)):
@@ -317,7 +334,10 @@ class EngineCore:
             if req.sid is not None:
                 cmds.append((P.Release(req.sid), None))
             self._release_records(req)
-        self._finish(req)
+        self._finish(req, costs)
+
+    def _costs(self, req: Request) -> tuple[float, dict | None]:
+        return self.rm.source_wait_s(req), self.rm.lost_point(req)
 
     def _release_records(self, req: Request) -> None:
         for cmd in self.rm.on_released(req):
@@ -332,8 +352,15 @@ class EngineCore:
         else:
             self._release_records(req)
 
-    def _finish(self, req: Request) -> None:
+    def _finish(self, req: Request, costs: tuple[float, dict | None] | None = None) -> None:
+        """Terminal publication: the ``finished`` moment, the request's summary line, then its
+        FinalEvent (whose timings are derived from the published events)."""
+        wait, lost = costs if costs is not None else self._costs(req)
         req.finished_at = time.monotonic()
+        self.life.publish(req, Life.FINISHED, req.finished_at, finish_reason=req.finish_reason,
+                          error=(req.error or {}).get("type"), max_output_gap_s=req.max_gap, source_wait_s=wait)
+        timings = self.life.timings(req)
+        self.life.summary(req, timings, lost)
         req.phase = Phase.FINISHED
         self.sched.remove(req)
         self.requests.pop(req.rid, None)
@@ -344,14 +371,13 @@ class EngineCore:
         self.stats.replay_tokens += req.usage.replay_tokens
         u = req.usage
         u.completion_tokens = len(req.outputs)
-        self.telemetry.finished_request(req)
+        self.telemetry.finished_request(req, timings)
         self.sink(P.FinalEvent(
             rid=req.rid, finish_reason=req.finish_reason, token_ids=list(req.outputs),
             usage={"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
                    "cached_tokens": u.cached_tokens, "prefill_tokens": u.prefill_tokens,
                    "replay_tokens": u.replay_tokens},
-            timings={**{k: getattr(req.timings(), k) for k in ("ttft_s", "e2e_s", "max_output_gap_s", "queue_s")},
-                     "arrival": req.arrival, "admitted_at": req.first_admitted},
+            timings=timings,
             pauses=list(req.pauses), error=req.error, prompt_token_ids=list(req.prompt),
             logprobs=list(req.logprobs) if req.params.logprobs is not None else None))
 
@@ -364,6 +390,10 @@ class EngineCore:
         req.finish_reason = FinishReason.ERROR
 
     # ==== test seam ======================================================================
+    def protocol_bytes(self) -> int:
+        """Bytes of protocol messages to and from the worker so far (when the transport counts)."""
+        return getattr(self.client, "bytes_out", 0) + getattr(self.client, "bytes_in", 0)
+
     def preempt(self, rid: str) -> None:
         """Pause one resident now, as the preemption chain would (Snapshot to the Host when it
         fits there, else destructive). For scenario tests that need a pause at a known point."""
@@ -373,7 +403,7 @@ class EngineCore:
         to_host, victims = self.pressure.pause_route(req, planner, out.facts)
         cmd = P.Pause(req.sid, to_host, victims)
         reply = self._send(P.StepPlan(next(self._steps), commands=[cmd]))
-        self.outcomes.apply(reply, Plan(), [(cmd, lambda o: self.outcomes.paused(req, o, victims))])
+        self.outcomes.apply(reply, Plan(), [(cmd, lambda o: self.outcomes.paused(req, o, victims, "forced"))])
 
     # ==== maintenance ====================================================================
     def stats_dict(self) -> dict:
@@ -394,6 +424,7 @@ class EngineCore:
                 "checkpoints": len(self.rm.table.ckpts),
             },
             "prefill_tokens": s.prefill_tokens, "replay_tokens": s.replay_tokens,
+            "protocol_bytes": self.protocol_bytes(),
             "bytes_h2d": self.bytes[0], "bytes_d2h": self.bytes[1],
             "pauses": {"snapshot": s.resumes_snapshot, "replay": s.resumes_replay},
             "preemptions": s.preemptions, "revocations": s.revocations, "take_backs": s.take_backs,

@@ -22,7 +22,7 @@ from ninfer.engine.planning import Item, Plan
 from ninfer.engine.request import Request
 from ninfer.engine.units import account
 from ninfer.errors import CapacityContractError
-from ninfer.protocol import CaptureResult, Outcome, Phase, Refusal, UnitKind
+from ninfer.protocol import CaptureResult, Life, Outcome, Phase, Refusal, UnitKind
 
 if TYPE_CHECKING:
     from ninfer.engine.core import EngineCore
@@ -133,10 +133,13 @@ class Outcomes:
         self.book(result.tid, "demote", None)
         core.sched.event(causes)               # real capacity release / revocation
 
-    def paused(self, req: Request, out: P.CommandOut | P.PauseOut, victims: list[P.Delete] = ()) -> None:
+    def paused(self, req: Request, out: P.CommandOut | P.PauseOut, victims: list[P.Delete] = (),
+               reason: str = "taken_back") -> None:
         """A pause at a stable commit boundary: Snapshot (its unique content going to the
         Host, after deleting ``victims`` for its destination) or destructive (Replay: nothing
-        was deleted for it)."""
+        was deleted for it). ``reason``: taken_back (a younger resident, for an older request's
+        unit), lane_take_back (for the oldest paused request's resume), cannot_progress (a young
+        row that could not get its unit paused itself), forced (the test seam)."""
         core = self.core
         if not isinstance(out, P.PauseOut):
             log.warning("pause of %s refused: %s", req.rid, getattr(out, "message", out))
@@ -146,8 +149,10 @@ class Outcomes:
         req.snapshot = out.snapshot
         req.replay_target = req.frontier
         req.phase = Phase.PAUSED
-        req.pauses.append({"route": "snapshot" if out.snapshot else "replay",
-                           "frontier": req.frontier, "paused_at": time.monotonic()})
+        now = time.monotonic()
+        route = "snapshot" if out.snapshot else "replay"
+        req.pauses.append({"route": route, "frontier": req.frontier, "paused_at": now})
+        core.life.publish(req, Life.PAUSED, now, route=route, reason=reason, frontier=req.frontier)
         core.sched.pause(req)
         core.stats.preemptions += 1
         self.book(out.tid, "pause", req)
@@ -161,9 +166,9 @@ class Outcomes:
             if a.paused is not None:
                 victim = core.by_sid.get(a.paused.sid)
                 if victim is not None:
-                    self.paused(victim, a.paused, remedy.host_victims)
+                    self.paused(victim, a.paused, remedy.host_victims, "taken_back")
         if out.paused is not None:
-            self.paused(item.req, out.paused, item.intent.on_short.host_victims)
+            self.paused(item.req, out.paused, item.intent.on_short.host_victims, "cannot_progress")
 
     # ---- intents ------------------------------------------------------------------------
     def _intent(self, item: Item, out: P.IntentOut, admitted: set[str]) -> bool:
@@ -201,6 +206,7 @@ class Outcomes:
             self._bound(req, out)
             if req.first_admitted is None:
                 req.first_admitted = time.monotonic()
+                core.life.publish(req, Life.ADMITTED, req.first_admitted)
             rm.on_bound(req, adm, item.save_points)
             req.usage.cached_tokens = adm.cached
             for cmd in rm.end_wait(req):           # the adopted source is bound now
@@ -229,8 +235,10 @@ class Outcomes:
             self._bound(req, out)
             core.sched.begin_recovery(req)
             req.recovery_pending = True
+            now = time.monotonic()
             req.pauses[-1]["route"] = item.route
-            req.pauses[-1]["resumed_at"] = time.monotonic()
+            req.pauses[-1]["resumed_at"] = now
+            core.life.publish(req, Life.RESUMED, now, route=item.route, frontier=req.frontier)
             req.snapshot = None
             core.rm.on_resumed(req, item.adm)
             if item.route == "snapshot":
@@ -274,7 +282,10 @@ class Outcomes:
         if not u.ran:
             return False
         unit = item.unit
+        before = (req.usage.prefill_tokens, req.usage.replay_tokens)
         account(req, unit)
+        core.stats.tokens_prefilled += req.usage.prefill_tokens - before[0]
+        core.stats.tokens_replayed += req.usage.replay_tokens - before[1]
         if unit.kind is UnitKind.PREFILL or (unit.kind is UnitKind.DECODE and not req.outputs):
             core.rm.observe_prefill(req, req.frontier - unit.n_tokens, req.frontier)
         if req.replay_target is not None and req.frontier >= req.replay_target:
@@ -282,8 +293,11 @@ class Outcomes:
         if item.sp is not None:
             self._saved(req, item, u, host_room)
         if u.committed:
-            index = len(req.outputs)
-            core.telemetry.token_gap(req.note_tokens(u.committed, time.monotonic(), u.logprobs))
+            index, now = len(req.outputs), time.monotonic()
+            core.telemetry.token_gap(req.note_tokens(u.committed, now, u.logprobs))
+            core.stats.tokens_generated += len(u.committed)
+            if index == 0:
+                core.life.publish(req, Life.FIRST_TOKEN, now)
             core.sink(P.TokensEvent(req.rid, index, list(u.committed),
                                     list(u.logprobs) if req.params.logprobs is not None else None))
         if req.recovery_pending and (u.committed or unit.kind is UnitKind.PREFILL):

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from ninfer.protocol import CkptRef, FinishReason, Phase, RequestSpec, SeqFacts  # noqa: F401  (re-exported)
-from ninfer.protocol import TokenLogprob
+from ninfer.protocol import Life, LifecycleEvent, TokenLogprob
 from ninfer.sampling_params import SamplingParams
 
 
@@ -25,13 +25,6 @@ class Usage(msgspec.Struct):
     cached_tokens: int = 0          # prompt tokens served from a reused checkpoint (real reuse)
     prefill_tokens: int = 0         # prompt tokens computed by initial prefill
     replay_tokens: int = 0          # tokens recomputed by Replay after a pause
-
-
-class Timings(msgspec.Struct):
-    ttft_s: float | None = None
-    e2e_s: float | None = None
-    max_output_gap_s: float = 0.0
-    queue_s: float | None = None
 
 
 @dataclass(eq=False)
@@ -48,7 +41,9 @@ class Request:
     error: dict | None = None
     cancel_requested: bool = False
     facts: SeqFacts | None = None           # mirror of the worker's sequence
-    # times (published once)
+    # times (published once: ``life`` holds the published events, ``published`` their kinds)
+    life: list[LifecycleEvent] = field(default_factory=list)
+    published: set[Life] = field(default_factory=set)
     first_admitted: float | None = None
     first_token: float | None = None
     last_token: float | None = None
@@ -100,13 +95,3 @@ class Request:
         self.last_token = now
         self.outputs.extend(tokens)
         return gap
-
-    def timings(self) -> Timings:
-        t = Timings(max_output_gap_s=self.max_gap)
-        if self.first_token is not None:
-            t.ttft_s = self.first_token - self.arrival
-        if self.finished_at is not None:
-            t.e2e_s = self.finished_at - self.arrival
-        if self.first_admitted is not None:
-            t.queue_s = self.first_admitted - self.arrival
-        return t

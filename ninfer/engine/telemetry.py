@@ -53,10 +53,10 @@ class Telemetry:
         if gap is not None:
             self.hist["itl_s"].observe(gap)
 
-    def finished_request(self, req) -> None:
-        t = req.timings()
+    def finished_request(self, req, timings: dict) -> None:
+        """``timings``: the request's derived timings (``ninfer.lifecycle``)."""
         for name in ("ttft_s", "e2e_s", "queue_s"):
-            v = getattr(t, name)
+            v = timings.get(name)
             if v is not None:
                 self.hist[name].observe(v)
         self.prompt_tokens += req.usage.prompt_tokens

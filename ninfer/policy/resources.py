@@ -44,6 +44,8 @@ class CacheBook:
     pending: PendingWait | None = None      # waiting for another request's save still to come
     waited: set[str] = field(default_factory=set)     # producers it waited for in vain (never again)
     pending_base: int | None = None         # a wait ended with the point there: the source it had
+    waited_s: float = 0.0                   # time spent in pending waits that ended
+    lost: dict | None = None                # its admission missed a restore point: where, why
 
 
 @dataclass
@@ -337,8 +339,25 @@ class ResourceManager:
     def end_pending(self, req: Request) -> None:
         book = self.books.get(req.rid)
         if book is not None and book.pending is not None:
-            self.stats.pending_wait_s += time.monotonic() - book.pending.since
+            dt = time.monotonic() - book.pending.since
+            self.stats.pending_wait_s += dt
+            book.waited_s += dt
             book.pending = None
+
+    def source_wait_s(self, req: Request) -> float:
+        """How long this request waited for a restore point another request was about to
+        publish (a wait still open counts until now)."""
+        book = self.books.get(req.rid)
+        if book is None:
+            return 0.0
+        open_s = time.monotonic() - book.pending.since if book.pending is not None else 0.0
+        return book.waited_s + open_s
+
+    def lost_point(self, req: Request) -> dict | None:
+        """The restore point its admission should have found and did not: ``{"frontier",
+        "tokens" (recomputed because of it), "cause"}`` (LOST_CAUSES), or None."""
+        book = self.books.get(req.rid)
+        return book.lost if book is not None else None
 
     def waiting_on(self, req: Request) -> P.CkptRef | None:
         b = self.books.get(req.rid)
@@ -584,6 +603,7 @@ class ResourceManager:
                 s.lost_hits += 1
                 s.lost_tokens += deeper - got
                 s.lost_by_cause[cause] = s.lost_by_cause.get(cause, 0) + 1
+                self.book(req).lost = {"frontier": deeper, "tokens": deeper - got, "cause": cause}
 
     def on_captured(self, req: Request, sp: SavePoint, ref: P.CkptRef, shared: bool = False) -> list[P.Command]:
         """Attach a new checkpoint to its uses (``shared``: an identical one that was already

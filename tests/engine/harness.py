@@ -14,6 +14,7 @@ from ninfer.config import EngineConfig
 from ninfer.engine.core import EngineCore
 from ninfer.faults import Fault
 from ninfer.frontend.validate import validate_spec
+from ninfer.lifecycle import TIMINGS, as_dict, derive_timings
 from ninfer.protocol import RequestSpec
 from ninfer.reference import reference_generate
 from ninfer.sampling_params import SamplingParams
@@ -29,6 +30,7 @@ class Harness:
         self.finals: dict[str, P.FinalEvent] = {}
         self.streams: dict[str, list[int]] = {}
         self.logprobs: dict[str, list[P.TokenLogprob]] = {}     # streamed, for requests that asked
+        self.events: dict[str, list[dict]] = {}                 # lifecycle, public form
         self.dtype = dtype
 
     def _sink(self, ev) -> None:
@@ -39,6 +41,8 @@ class Harness:
             if ev.logprobs is not None:
                 assert len(ev.logprobs) == len(ev.token_ids), "a token without its logprob entry (or two)"
                 self.logprobs.setdefault(ev.rid, []).extend(ev.logprobs)
+        elif isinstance(ev, P.LifecycleEvent):
+            self.events.setdefault(ev.rid, []).append(as_dict(ev))
         else:       # the public spelling of the finish reason ("stop", "length", ...)
             self.finals[ev.rid] = msgspec.structs.replace(ev, finish_reason=str(ev.finish_reason))
 
@@ -155,3 +159,46 @@ def assert_logprobs_close(got, want, tol: float = 1e-9) -> None:
         assert abs(g.logprob - w.logprob) <= tol, f"token {i}: {g.logprob} vs {w.logprob}"
         assert [t for t, _ in g.top] == [t for t, _ in w.top], f"token {i}: alternatives differ"
         assert all(abs(a - b) <= tol for (_, a), (_, b) in zip(g.top, w.top)), f"token {i}"
+
+
+LIFECYCLE_ONCE = ("queued", "generation_start", "admitted", "first_token", "finished")
+REASONS = {"taken_back", "lane_take_back", "cannot_progress", "forced"}
+
+
+def check_lifecycle(events: list[dict], pauses: list[dict], finish: str | None = None) -> None:
+    """Well-formed: the once-only moments at most once (finished exactly once, last), in their
+    order; times never go back; one paused per pause, each followed by its resume (unless it
+    ended paused), the routes and times those of ``Output.pauses``."""
+    kinds = [e["event"] for e in events]
+    assert kinds[:2] == ["queued", "generation_start"], kinds
+    assert kinds[-1] == "finished" and kinds.count("finished") == 1, kinds
+    for k in LIFECYCLE_ONCE:
+        assert kinds.count(k) <= 1, kinds
+    present = [k for k in kinds if k in LIFECYCLE_ONCE]
+    assert present == [k for k in LIFECYCLE_ONCE if k in present], f"once-only moments out of order: {kinds}"
+    ts = [e["t"] for e in events]
+    assert ts == sorted(ts), "a lifecycle time went back"
+    assert all(e["wall"] > 0 for e in events)
+    turns = [e for e in events if e["event"] in ("paused", "resumed")]
+    assert [e["event"] for e in turns] == ["paused", "resumed"] * (len(turns) // 2) + ["paused"] * (len(turns) % 2)
+    paused = [e for e in turns if e["event"] == "paused"]
+    resumed = [e for e in turns if e["event"] == "resumed"]
+    assert len(paused) == len(pauses), (kinds, pauses)
+    if paused:
+        assert "admitted" in kinds and kinds.index("admitted") < kinds.index("paused")
+    for ev, p in zip(paused, pauses):
+        assert ev["t"] == p["paused_at"] and ev["frontier"] == p["frontier"]
+        assert ev["route"] in ("snapshot", "replay") and ev["reason"] in REASONS
+    for ev, p in zip(resumed, pauses):
+        assert ev["t"] == p["resumed_at"] and ev["route"] == p["route"]
+    if finish is not None:
+        assert events[-1]["finish_reason"] == finish
+
+
+def assert_timings_derived(events: list[dict], timings) -> None:
+    """``Output.timings`` (a dict from the harness, a TimingsView from the API) are exactly the
+    ones derived from the events."""
+    got = derive_timings(events)
+    for k in TIMINGS:
+        want = timings[k] if isinstance(timings, dict) else getattr(timings, k)
+        assert got[k] == want, (k, got[k], want)

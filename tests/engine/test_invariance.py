@@ -21,7 +21,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from tests.engine.harness import Harness, assert_logprobs_close, force_pause, oracle, oracle_logprobs
+from tests.engine.harness import (Harness, assert_logprobs_close, assert_timings_derived, check_lifecycle,
+                                  force_pause, oracle, oracle_logprobs)
 from tests.factories import random_prompt
 
 MAX_CTX = 256
@@ -145,6 +146,9 @@ def run_workload(model_dir: str, seed: int) -> dict:
                 h.run(until=lambda: h.done(rid), max_cycles=DEADLINE)
         for rid, (p, params, _) in live.items():
             _check_final(model_dir, h, rid, p, params, seed)
+            f = h.finals[rid]                # its lifecycle: each moment once, timings derived
+            check_lifecycle(h.events[rid], f.pauses, f.finish_reason)
+            assert_timings_derived(h.events[rid], f.timings)
         stats = h.core.stats_dict()
         assert stats["stalls"] == 0, f"seed {seed}: the progress guard fired"
         snap, replay = stats["pauses"]["snapshot"], stats["pauses"]["replay"]
