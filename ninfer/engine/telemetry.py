@@ -47,6 +47,8 @@ class Telemetry:
                      "queue_s": Histogram(LATENCY_BUCKETS), "itl_s": Histogram(ITL_BUCKETS)}
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        self.paused_s = 0.0              # time finished requests spent paused
+        self.source_wait_s = 0.0         # ... and waiting for another request's pending point
         self.finished = Counter()
 
     def token_gap(self, gap: float | None) -> None:
@@ -59,6 +61,8 @@ class Telemetry:
             v = timings.get(name)
             if v is not None:
                 self.hist[name].observe(v)
+        self.paused_s += timings.get("paused_s") or 0.0
+        self.source_wait_s += timings.get("source_wait_s") or 0.0
         self.prompt_tokens += req.usage.prompt_tokens
         self.generation_tokens += len(req.outputs)
         self.finished[str(req.finish_reason)] += 1
@@ -66,4 +70,5 @@ class Telemetry:
     def snapshot(self) -> dict:
         return {"histograms": {k: h.snapshot() for k, h in self.hist.items()},
                 "prompt_tokens": self.prompt_tokens, "generation_tokens": self.generation_tokens,
+                "paused_s": self.paused_s, "source_wait_s": self.source_wait_s,
                 "finished_by_reason": dict(self.finished)}
