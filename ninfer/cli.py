@@ -196,15 +196,22 @@ class _OneLineFormatter(logging.Formatter):
         return f"{text}\n{self.formatException(record.exc_info)}" if record.exc_info else text
 
 
+QUIET_UNLESS_ASKED = ("ninfer.requests", "ninfer.stats")   # a line per request / per period
+
+
 def _log_to_stderr() -> None:
     """NInfer's own log lines (config values lowered, a deployment attached or replaced) go to
-    stderr in the CLI's style; Ray's loggers are left alone."""
+    stderr in the CLI's style; Ray's loggers are left alone. The per-request and periodic
+    engine lines only when asked for (--log-format / NINFER_LOG_FORMAT): a server's stderr
+    must not fill with them by default."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_OneLineFormatter())
     logger = logging.getLogger("ninfer")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False
+    for name in QUIET_UNLESS_ASKED:
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -214,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.log_format or os.environ.get("NINFER_LOG_FORMAT"):   # asked for: else logging stays quiet
             from ninfer.logs import configure
             configure(args.log_format)
+            for name in QUIET_UNLESS_ASKED:
+                logging.getLogger(name).setLevel(logging.NOTSET)
             if args.log_format:            # engines started here (and their actors) log so too
                 os.environ["NINFER_LOG_FORMAT"] = args.log_format
         return args.func(args)

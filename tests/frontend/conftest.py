@@ -24,6 +24,14 @@ def free_port() -> int:
     return port
 
 
+def _output(proc: subprocess.Popen) -> str:
+    log = getattr(proc, "log", None)
+    if log is not None:
+        log.seek(0)
+        return log.read()
+    return proc.stderr.read() if proc.stderr else ""
+
+
 def wait_up(proc: subprocess.Popen, base: str) -> None:
     for _ in range(600):
         try:
@@ -31,7 +39,7 @@ def wait_up(proc: subprocess.Popen, base: str) -> None:
                 return
         except httpx.HTTPError:
             pass
-        assert proc.poll() is None, proc.stderr.read()
+        assert proc.poll() is None, _output(proc)
         time.sleep(0.1)
     raise AssertionError("ninfer serve did not come up")
 
@@ -42,15 +50,18 @@ def served(tiny_model, tmp_path_factory):
     cfg.write_text('max_concurrency = 2\nmax_context = 1024\ndtype = "float32"\n\n[context_cache]\n'
                    'host_capacity_bytes = 16777216\n')
     port = free_port()
+    log = open(cfg.parent / "serve.log", "w+")          # a file, never an unread pipe that fills
     proc = subprocess.Popen([sys.executable, "-m", "ninfer.cli", "serve", "--model", tiny_model, "--config", str(cfg),
                              "--port", str(port), "--transport", "inproc", "--api-key", KEY,
                              "--served-model-name", "tiny", "--max-body-bytes", "2000000"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+                            stdout=log, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
+    proc.log = log
     base = f"http://127.0.0.1:{port}"
     wait_up(proc, base)
     yield SimpleNamespace(base=base, pid=proc.pid, model=tiny_model)
     proc.terminate()
     proc.wait(timeout=30)
+    log.close()
 
 
 @pytest.fixture
