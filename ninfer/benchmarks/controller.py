@@ -5,7 +5,9 @@ share a Main KV pool a third of their total need, with a Host for one or two sna
 the chain reclaims, pauses and resumes. Per cycle we measure the controller's own CPU time
 (cycle thread time minus the time spent inside the worker call), controller-worker round trips
 per cycle (steady state must be 1: a quote is the pressure path's one extra) and the bytes of
-the StepPlan/StepReply messages.
+the StepPlan/StepReply messages. The cycle runs on one torch thread and, when only a copy is in
+flight, blocks on its completion, as the control loop does (spinning would starve the copy thread
+of the GIL and fill the measurement with idle cycles).
 """
 
 from __future__ import annotations
@@ -73,9 +75,11 @@ def measure(model_dir: str, concurrency: int, mode: str = "steady", decode_token
     limit = decode_tokens // 2 if mode == "steady" else 4000
     while cycles < limit and core.busy():
         t = time.thread_time()
-        core.cycle()
+        worked = core.cycle()
         total += time.thread_time() - t
         cycles += 1
+        if not worked and core.tx_busy:   # only a copy in flight: block on it as the control loop
+            client.worker.wait(0.05)      # does; spinning starved the copy thread of the GIL
     stats = core.stats_dict()
     client.worker.shutdown()
     ctrl = total - client.worker_s
@@ -92,8 +96,11 @@ def run(model_dir: str, out: str | None = None, plot: str | None = None, concurr
         pressure=(2, 4, 8), decode_tokens: int = 64, prompt_tokens: int = 32, dtype: str = "float32") -> dict:
     """Steady decode at each C of ``concurrency``, then the pressure mode at each C of ``pressure``
     (either may be empty); the defaults are the committed measurement."""
+    import torch
+
     from ninfer.benchmarks.common import ensure_model, report
     from ninfer.progress import bar
+    torch.set_num_threads(1)       # this thread runs the cycle and the worker, as the control loop does
     model_dir = ensure_model(model_dir)
     points = [("steady", c) for c in concurrency] + [("pressure", c) for c in pressure]
     rows = [measure(model_dir, c, mode, decode_tokens, dtype, prompt_tokens)
