@@ -3,8 +3,8 @@
     ninfer make-tiny-model DIR [--seed N] [--arch qwen3_next|qwen3]
     ninfer demo [--model DIR]
     ninfer serve --model DIR [--config FILE] [--host 127.0.0.1] [--port 8000] [--address auto]
-    ninfer bench controller|agent|actors|cache-scale [--model DIR] [--out FILE]
-    ninfer bench serve [--base-url URL] [--clients 64] [--rounds 4] [--out FILE] [--plot FILE]
+    ninfer bench controller|agent|actors|cache-scale|serve [options] [--out FILE.json] [--plot FILE.png]
+    ninfer bench NAME --help             (each bench's options: ninfer/benchmarks/options.py)
     ninfer report FILE [--stall-s S]    the seed's evaluation order over a JSON log or bench JSON
     ninfer --log-format text|json ...   the engine's log lines (also NINFER_LOG_FORMAT)
 
@@ -20,6 +20,7 @@ import os
 import sys
 from pathlib import Path
 
+from ninfer.benchmarks.options import add_parsers
 from ninfer.errors import NInferError
 
 
@@ -59,45 +60,6 @@ def _serve(args: argparse.Namespace) -> int:
         # attached one only this client leaves.
         engine.shutdown()
     return 0
-
-
-BENCHES = {
-    "controller": "controller CPU per steady decode cycle, round trips and message sizes",
-    "agent": "the 8-session agent trace on both transports (computed prompt tokens vs the floor, TTFT, outputs "
-             "checked) and multi-turn agent prefill vs the floor at two capacities",
-    "actors": "Ray vs in-process overhead and decode tok/s at C=1..8",
-    "cache-scale": "controller cost against the number of cached records (100, 1k, 10k)",
-}
-SERVE_HELP = ("HTTP load generator for any OpenAI-compatible server: concurrent multi-turn streaming chat users; "
-              "TTFT, end-to-end, tokens/s and cached tokens per round; exits 1 if any request failed")
-
-
-def _bench(args: argparse.Namespace) -> int:
-    from importlib import import_module
-
-    import_module(f"ninfer.benchmarks.{args.name.replace('-', '_')}").run(args.model, out=args.out)
-    return 0
-
-
-def _bench_serve(args: argparse.Namespace) -> int:
-    import os
-
-    try:
-        import httpx  # noqa: F401
-    except ImportError:
-        raise NInferError("ninfer bench serve needs httpx: pip install 'ninfer[bench]'") from None
-    from ninfer.benchmarks import serve
-
-    result = serve.run(args.base_url, args.model, args.api_key or os.environ.get("OPENAI_API_KEY"), args.clients,
-                       args.rounds, args.max_tokens, args.prompt_words, args.temperature, args.ignore_eos,
-                       args.timeout, model_dir=args.model_dir, out=args.out, plot=args.plot)
-    return 1 if result["errors"] else 0
-
-
-def _positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, not {text!r}")
-    return int(text)
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -151,33 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None)
     p.set_defaults(func=_serve)
 
-    p = sub.add_parser("bench", help="benchmarks: print a table and JSON (see bench/README.md)")
-    benches = p.add_subparsers(dest="name", required=True, metavar="NAME")
-    for name, text in BENCHES.items():
-        b = benches.add_parser(name, help=text, description=text)
-        b.add_argument("--model", default="models/tiny", help="model directory; built if missing")
-        b.add_argument("--out", default=None, help="also write the JSON result to this file")
-        b.set_defaults(func=_bench)
-    b = benches.add_parser("serve", help=SERVE_HELP, description=SERVE_HELP)
-    b.add_argument("--base-url", default=None,
-                   help="the server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1; without it `ninfer serve "
-                        "--transport inproc` is started on the tiny model (--model-dir) on a free port and stopped")
-    b.add_argument("--model", default=None, help="model name to request (default: the first id of GET /models)")
-    b.add_argument("--model-dir", default="models/tiny", help="model of the built-in server; built if missing")
-    b.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY` (or set OPENAI_API_KEY)")
-    b.add_argument("--clients", type=_positive, default=64, help="concurrent chat users (default 64)")
-    b.add_argument("--rounds", type=_positive, default=4, help="turns per user, one after another (default 4)")
-    b.add_argument("--max-tokens", type=_positive, default=32, help="max_tokens of every request (default 32)")
-    b.add_argument("--prompt-words", type=_positive, default=None,
-                   help="user turns of N random words (no system prompt) instead of the built-in chat mix")
-    b.add_argument("--temperature", type=float, default=0.0)
-    b.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (ours, vLLM, SGLang): every reply "
-                                                             "runs to --max-tokens")
-    b.add_argument("--timeout", type=float, default=120.0,
-                   help="seconds a read may wait (a stalled stream counts as an error; default 120)")
-    b.add_argument("--out", default=None, help="also write the JSON result (with every request's record) here")
-    b.add_argument("--plot", default=None, help="write the TTFT CDF per round to this SVG file")
-    b.set_defaults(func=_bench_serve)
+    p = sub.add_parser("bench", help="benchmarks: a table, JSON and a PNG plot (see bench/README.md)",
+                       description="Benchmarks: a table and JSON on stdout (or --out), a PNG plot, progress on "
+                                   "stderr; `ninfer bench NAME --help` lists each one's options.")
+    add_parsers(p.add_subparsers(dest="name", required=True, metavar="NAME"))
 
     p = sub.add_parser("report", help="verdicts in the seed's evaluation order, then a table, from a JSON log "
                                       "(NINFER_LOG_FORMAT=json) or a bench JSON")

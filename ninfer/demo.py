@@ -5,7 +5,8 @@ sends a tool call with its result (the client normalises the call, as agent fram
 and follows up. The engine is deliberately small (two lanes, a few KV pages), so younger
 requests are paused and resumed while older ones finish — and every output is checked against
 the isolated oracle. The tiny model's weights are random, so its words are noise; what the
-demo shows is the path and the numbers: cache reuse, pauses, TTFT.
+demo shows is the path and the numbers: cache reuse, pauses, TTFT. The report goes to stdout,
+its steps to stderr (``ninfer.progress.note``; NINFER_PROGRESS=0 hides them).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 import torch
 
 from ninfer.api import Engine
+from ninfer.progress import note
 from ninfer.reference import reference_generate
 
 SYSTEM = ("You are a travel assistant for a small agency. Answer briefly, prefer facts from tools, "
@@ -67,6 +69,7 @@ def run_demo(model_dir: str | Path = "models/tiny", dtype: str = "float32", tran
     try:
         history = {c: [{"role": "system", "content": SYSTEM}] for c in CITIES}
         for turn in range(3):
+            note(f"demo: turn {turn + 1}/3, {len(CITIES)} sessions generating together ...")
             handles = {}
             for i, city in enumerate(CITIES):          # the sessions' turns run concurrently
                 history[city].extend(_turns(city)[turn])
@@ -75,6 +78,8 @@ def run_demo(model_dir: str | Path = "models/tiny", dtype: str = "float32", tran
                                             ignore_eos=True)
             for i, city in enumerate(CITIES):
                 out = handles[city].result(600)
+                if i == 0:
+                    note(f"demo: turn {turn + 1}/3, comparing each reply with an isolated, uncached oracle run ...")
                 # the engine computes the model's own earlier answers with the exact tokens it
                 # produced; the oracle runs that same prompt alone, uncached
                 prompt = out.prompt_token_ids
@@ -85,6 +90,7 @@ def run_demo(model_dir: str | Path = "models/tiny", dtype: str = "float32", tran
                 rows.append((city, turn + 1, out))
         _print_table(rows)
         _print_stats(engine.stats(), mismatches, len(rows))
+        note("demo: dropping the caches and checking that nothing is left held ...")
         engine.drop_caches()
         engine.check_integrity()
         print("\nleak check after drop_caches: clean")

@@ -9,9 +9,10 @@ import time
 from ninfer.api import Engine
 
 
-def measure(engine: Engine, concurrency: int, max_tokens: int = 48) -> dict:
+def measure(engine: Engine, concurrency: int, max_tokens: int = 48, prompt_tokens: int = 16) -> dict:
     before = engine.stats()
-    hs = [engine.generate([7 + i] * 16, max_tokens=max_tokens, ignore_eos=True, seed=i) for i in range(concurrency)]
+    hs = [engine.generate([7 + i] * prompt_tokens, max_tokens=max_tokens, ignore_eos=True, seed=i)
+          for i in range(concurrency)]
     firsts = []
     for h in hs:
         for _ in h:
@@ -31,21 +32,33 @@ def measure(engine: Engine, concurrency: int, max_tokens: int = 48) -> dict:
             "decode_tok_s": decoded / max(1e-9, end - min(firsts))}
 
 
-def run(model_dir: str, out: str | None = None) -> dict:
+def run(model_dir: str, out: str | None = None, plot: str | None = None, transports=("inproc", "ray"),
+        concurrency=(1, 2, 4, 8), max_tokens: int = 48, prompt_tokens: int = 16, lanes: int = 8,
+        dtype: str = "float32") -> dict:
+    """One engine per transport (``lanes`` lanes), warmed up, then each C of ``concurrency``
+    requests of ``prompt_tokens`` decoding ``max_tokens``; the defaults are the committed run."""
     from ninfer.benchmarks.common import ensure_model, report
+    from ninfer.progress import bar
     model_dir = ensure_model(model_dir)
+    context = max(256, prompt_tokens + max_tokens)
+    cfg = {"max_concurrency": lanes, "max_context": context, "prefill_chunk_tokens": 256,
+           "context_cache": {"host_capacity_bytes": 64 << 20}}
     rows = []
-    for transport in ("inproc", "ray"):
-        cfg = {"max_concurrency": 8, "max_context": 256, "prefill_chunk_tokens": 256,
-               "context_cache": {"host_capacity_bytes": 64 << 20}}
-        eng = Engine.start(model_dir, config=cfg, dtype="float32", transport=transport, deployment="ninfer-bench")
+    progress = bar(total=len(transports) * len(concurrency), desc="actors", unit="run")
+    for transport in transports:
+        progress.set_description(f"actors ({transport}: starting)")
+        eng = Engine.start(model_dir, config=cfg, dtype=dtype, transport=transport, deployment="ninfer-bench")
         try:
-            measure(eng, 1, 8)                               # warm up
-            for c in (1, 2, 4, 8):
-                rows.append({"transport": transport, **measure(eng, c)})
+            progress.set_description(f"actors ({transport})")
+            measure(eng, 1, 8, prompt_tokens)          # warm up
+            for c in concurrency:
+                rows.append({"transport": transport, **measure(eng, c, max_tokens, prompt_tokens)})
+                progress.update()
         finally:
             eng.shutdown()
-    result = {"note": "tiny model, float32, CPU; overhead = round-trip wall time minus worker time per cycle"}
-    report("actors", result, rows, ["transport", "C", "round_trips_per_cycle", "overhead_ms_per_cycle",
-                                    "worker_ms_per_cycle", "decode_tok_s"], out)
-    return {**result, "rows": rows}
+    progress.close()
+    result = {"note": f"tiny model, {dtype}, CPU; overhead = round-trip wall time minus worker time per cycle",
+              "config": {"transports": list(transports), "concurrency": list(concurrency), "max_tokens": max_tokens,
+                         "prompt_tokens": prompt_tokens, "lanes": lanes, "dtype": dtype}}
+    return report("actors", result, rows, ["transport", "C", "round_trips_per_cycle", "overhead_ms_per_cycle",
+                                           "worker_ms_per_cycle", "decode_tok_s"], out, plot)

@@ -36,8 +36,8 @@ def workload(seed: int, sessions: int, turns: int, vocab: int = 2000):
 
 
 def run_capacity(model_dir: str, kv_pages: int, host_bytes: int, sessions: int = 6, turns: int = 5,
-                 dtype: str = "float32") -> dict:
-    system, tasks, tools, normalise = workload(0, sessions, turns)
+                 dtype: str = "float32", seed: int = 0, progress=None) -> dict:
+    system, tasks, tools, normalise = workload(seed, sessions, turns)
     cfg = {"max_concurrency": 4, "max_context": 1024, "kv_capacity": kv_pages * 64, "prefill_chunk_tokens": 128,
            "context_cache": {"host_capacity_bytes": host_bytes, "device_state_slots": 4}}
     eng = Engine.start(model_dir, config=cfg, dtype=dtype)
@@ -69,6 +69,8 @@ def run_capacity(model_dir: str, kv_pages: int, host_bytes: int, sessions: int =
             computed.append(p + out.token_ids)
             turn[s] += 1
             del pending[s]
+            if progress is not None:
+                progress.update()
             if turn[s] < turns:
                 answer = out.token_ids
                 if normalise[s][turn[s]]:                       # the client rewrote the tool call
@@ -98,23 +100,31 @@ def trace(seed: int = 0, sessions: int = 8, turns: int = 6, system_len: int = 15
 
 
 def run_trace(model_dir: str, transport: str = "inproc", sessions: int = 8, turns: int = 6,
-              out_tokens: int = 32, dtype: str = "float32", check=None) -> dict:
+              out_tokens: int = 32, dtype: str = "float32", check=None, system_tokens: int = 1500,
+              lanes: int | None = None, seed: int = 0, progress=None) -> dict:
     """Round by round: every session's turn t is submitted together once every turn t-1 is
     done. Computed prompt tokens (prefill + replay) against the floor with the shared prefix
     charged once (each prompt's tokens beyond its longest common prefix with everything
-    submitted or generated before it), and TTFT mean / max. ``check(prompt, tokens)`` may
-    compare outputs with the reference."""
-    system, segments = trace(0, sessions, turns)
-    cfg = {"max_concurrency": sessions, "max_context": 4096, "prefill_chunk_tokens": 256,
+    submitted or generated before it), and TTFT mean / max; per round the computed, cached and
+    floor tokens, and every request's TTFT and end-to-end time (for the plot). ``lanes``:
+    max_concurrency (default: one per session, at most 8). ``check(prompt, tokens)`` may
+    compare outputs with the reference; ``progress.update()`` is called per finished request."""
+    system, segments = trace(seed, sessions, turns, system_tokens)
+    longest = system_tokens + sum(max(len(segments[s][t]) for s in range(sessions)) for t in range(turns))
+    cfg = {"max_concurrency": lanes or min(sessions, 8), "max_context": max(4096, longest + turns * out_tokens),
+           "prefill_chunk_tokens": 256,
            "context_cache": {"host_capacity_bytes": 256 << 20, "device_state_slots": 2 * sessions}}
     eng = Engine.start(model_dir, config=cfg, dtype=dtype, transport=transport)
     computed: list[list[int]] = []
     prompts = [system + segments[s][0] for s in range(sessions)]
     floor = work = 0
     ttft: list[float] = []
+    e2e: list[float] = []
+    rounds: list[dict] = []
     t0 = time.perf_counter()
     for t in range(turns):
         handles = []
+        floor0, work0, cached = floor, work, 0
         for s in range(sessions):
             p = prompts[s]
             floor += len(p) - max((_lcp(p, c) for c in computed), default=0)
@@ -124,13 +134,19 @@ def run_trace(model_dir: str, transport: str = "inproc", sessions: int = 8, turn
         for s, p, h in handles:
             res = h.result(1200)
             work += res.usage.prefill_tokens + res.usage.replay_tokens
+            cached += res.usage.cached_tokens
             if res.timings.ttft_s is not None:
                 ttft.append(res.timings.ttft_s)
+            if res.timings.e2e_s is not None:
+                e2e.append(res.timings.e2e_s)
             if check is not None:
                 check(p, res.token_ids)
             computed.append(p + res.token_ids)
             if t + 1 < turns:
                 prompts[s] = p + res.token_ids + segments[s][t + 1]
+            if progress is not None:
+                progress.update()
+        rounds.append({"round": t, "computed": work - work0, "cached": cached, "floor": floor - floor0})
     wall = time.perf_counter() - t0
     stats = eng.stats()
     eng.shutdown()
@@ -139,14 +155,26 @@ def run_trace(model_dir: str, transport: str = "inproc", sessions: int = 8, turn
             "over_floor": round(work / max(1, floor), 3),
             "ttft_mean_ms": round(1e3 * sum(ttft) / max(1, len(ttft)), 1), "ttft_max_ms": round(1e3 * max(ttft, default=0), 1),
             "pending_waits": c.get("pending_waits", 0), "pending_saved_tokens": c.get("pending_saved_tokens", 0),
-            "hits": c["hits"], "preemptions": stats["preemptions"], "wall_s": round(wall, 2)}
+            "hits": c["hits"], "preemptions": stats["preemptions"], "wall_s": round(wall, 2),
+            "rounds": rounds, "ttft_ms": [round(1e3 * x, 1) for x in ttft], "e2e_ms": [round(1e3 * x, 1) for x in e2e]}
 
 
-def run(model_dir: str, out: str | None = None) -> dict:
+def run(model_dir: str, out: str | None = None, plot: str | None = None, transports=("inproc", "ray"),
+        sessions: int = 8, turns: int = 6, system_tokens: int = 1500, out_tokens: int = 32,
+        lanes: int | None = None, capacities=((16, 2), (64, 64)), dtype: str = "float32", seed: int = 0) -> dict:
+    """The agent trace on each of ``transports`` (outputs checked against the reference), then
+    the multi-turn workload at each (KV pages, Host MiB) of ``capacities`` (either may be empty);
+    the defaults are the committed measurement."""
     import sys
 
+    import torch
+
     from ninfer.benchmarks.common import ensure_model, report, table
+    from ninfer.progress import bar
     from ninfer.reference import reference_generate
+    # the oracle runs on this thread: one thread, as the engine's own threads (a second one only
+    # fights them and the other cores' work; it made the default run ~2x slower on 2 busy cores)
+    torch.set_num_threads(1)
     model_dir = ensure_model(model_dir)
     mismatches: list[int] = []
     refs: dict[tuple, list[int]] = {}
@@ -154,24 +182,34 @@ def run(model_dir: str, out: str | None = None) -> dict:
     def check(prompt, tokens):
         key = (tuple(prompt), len(tokens))
         if key not in refs:
-            refs[key] = reference_generate(model_dir, prompt, max_tokens=len(tokens), dtype="float32", ignore_eos=True)
+            refs[key] = reference_generate(model_dir, prompt, max_tokens=len(tokens), dtype=dtype, ignore_eos=True)
         if tokens != refs[key]:
             mismatches.append(len(prompt))
-    print("agent trace: 8 sessions x 6 turns, 1,500-token shared system prompt, rounds submitted together",
-          file=sys.stderr)
     traces = []
-    for transport in ("inproc", "ray"):
-        print(f"  transport {transport} ...", file=sys.stderr, flush=True)
+    if transports:
+        print(f"agent trace: {sessions} sessions x {turns} turns, {system_tokens:,}-token shared system prompt, "
+              "rounds submitted together", file=sys.stderr)
+    for transport in transports:
         mismatches.clear()
-        traces.append(run_trace(model_dir, transport, check=check))
+        with bar(total=sessions * turns, desc=f"trace ({transport})", unit="req") as progress:
+            traces.append(run_trace(model_dir, transport, sessions, turns, out_tokens, dtype, check, system_tokens,
+                                    lanes, seed, progress))
         traces[-1]["outputs_exact"] = not mismatches
-    print(table(traces, ["transport", "requests", "computed", "floor", "over_floor", "ttft_mean_ms", "ttft_max_ms",
-                         "pending_waits", "pending_saved_tokens", "wall_s", "outputs_exact"]))
-    print(file=sys.stderr)
-    rows = [run_capacity(model_dir, kv_pages=16, host_bytes=2 << 20),
-            run_capacity(model_dir, kv_pages=64, host_bytes=64 << 20)]
-    result = {"workload": "6 agent sessions x 5 turns, shared 150-token system prompt, 30% tool-call normalisation",
+    if traces:
+        print(table(traces, ["transport", "requests", "computed", "floor", "over_floor", "ttft_mean_ms",
+                             "ttft_max_ms", "pending_waits", "pending_saved_tokens", "wall_s", "outputs_exact"]))
+        print(file=sys.stderr)
+    w_sessions, w_turns = 6, 5
+    rows = []
+    for pages, mib in capacities:
+        with bar(total=w_sessions * w_turns, desc=f"workload ({pages} pages, {mib} MiB)", unit="req") as progress:
+            rows.append(run_capacity(model_dir, kv_pages=pages, host_bytes=mib << 20, sessions=w_sessions,
+                                     turns=w_turns, dtype=dtype, seed=seed, progress=progress))
+    result = {"workload": f"{w_sessions} agent sessions x {w_turns} turns, shared 150-token system prompt, "
+                          "30% tool-call normalisation",
+              "config": {"transports": list(transports), "sessions": sessions, "turns": turns,
+                         "system_tokens": system_tokens, "out_tokens": out_tokens, "lanes": lanes or min(sessions, 8),
+                         "capacities": [list(c) for c in capacities], "dtype": dtype, "seed": seed},
               "trace": traces}
-    report("agent", result, rows, ["kv_pages", "host_MiB", "prefill_computed", "replay", "floor", "over_floor",
-                                   "hits", "queries", "hit_losses", "preemptions", "wall_s"], out)
-    return {**result, "rows": rows}
+    return report("agent", result, rows, ["kv_pages", "host_MiB", "prefill_computed", "replay", "floor", "over_floor",
+                                          "hits", "queries", "hit_losses", "preemptions", "wall_s"], out, plot)

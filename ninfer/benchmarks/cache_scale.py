@@ -23,7 +23,6 @@ cost at 10k ≤ 2× cost at 100, and the last 200 fill requests ≤ 1.5× the fi
 
 from __future__ import annotations
 
-import sys
 import time
 
 from ninfer.benchmarks.controller import _Metered
@@ -68,33 +67,33 @@ def _spec(i: int, n_out: int = 1, prompt=None) -> RequestSpec:
     return RequestSpec(prompt=prompt or _prompt(i), params=SamplingParams(max_tokens=n_out, ignore_eos=True))
 
 
-def _engine(model_dir: str, host_bytes) -> tuple:
+def _engine(model_dir: str, host_bytes, dtype: str = "float32") -> tuple:
     """An engine whose Host holds ``host_bytes(bytes of one record)``."""
     from ninfer.actors.worker import Worker
     from ninfer.config import EngineConfig
     from ninfer.engine.core import EngineCore
-    probe = EngineConfig(max_concurrency=4, max_context=128, prefill_chunk_tokens=128)
+    probe = EngineConfig(max_concurrency=4, max_context=128, prefill_chunk_tokens=128, dtype=dtype)
     w = Worker(model_dir, probe)
     info = w.info()
     w.shutdown()
     per = info.image_bytes + 2 * info.page_bytes
-    cfg = EngineConfig(max_concurrency=4, max_context=128, prefill_chunk_tokens=128,
+    cfg = EngineConfig(max_concurrency=4, max_context=128, prefill_chunk_tokens=128, dtype=dtype,
                        context_cache={"host_capacity_bytes": int(host_bytes(per))})
     client = _Metered(Worker(model_dir, cfg))
     core = EngineCore(client, cfg, lambda ev: None)
     return core, client, _Timer(core, client)
 
 
-def measure_host_full(model_dir: str, records: int, progress=None) -> dict:
+def measure_host_full(model_dir: str, records: int, progress=None, dtype: str = "float32") -> dict:
     """Per-request controller CPU once the Host is full as well (every save needs victims)."""
-    core, client, timer = _engine(model_dir, lambda per: records * per * 0.6)   # ~0.8 N records
+    core, client, timer = _engine(model_dir, lambda per: records * per * 0.6, dtype)   # ~0.8 N records
     per_request: list[float] = []
     n = int(records * 1.2) // 4 * 4
     for i in range(0, n, 4):
         cpu = _serve(timer, [_spec(5 * 10**6 + i + k) for k in range(4)])
         per_request += [cpu / 4] * 4
         if progress:
-            progress(i + 4, n)
+            progress.update(4)
     stats = core.stats_dict()
     client.worker.shutdown()
     last = per_request[-200:]
@@ -102,8 +101,8 @@ def measure_host_full(model_dir: str, records: int, progress=None) -> dict:
             "wide_quotes": stats["wide_quotes"], "host_full_requests": n}
 
 
-def measure(model_dir: str, records: int, progress=None) -> dict:
-    core, client, timer = _engine(model_dir, lambda per: records * per * 1.25 + (8 << 20))
+def measure(model_dir: str, records: int, progress=None, dtype: str = "float32") -> dict:
+    core, client, timer = _engine(model_dir, lambda per: records * per * 1.25 + (8 << 20), dtype)
     settle = [0.0, 0]
     orig = core.pressure.settle
 
@@ -116,13 +115,15 @@ def measure(model_dir: str, records: int, progress=None) -> dict:
             settle[1] += 1
     core.pressure.settle = timed_settle
     per_request: list[float] = []
-    i, batch = 0, 4
+    i, batch, shown = 0, 4, 0
     while len(core.rm.table.records) < records and i < 4 * records:
         cpu = _serve(timer, [_spec(i + k) for k in range(batch)])
         per_request += [cpu / batch] * batch
         i += batch
         if progress:
-            progress(len(core.rm.table.records), records)
+            now = min(records, len(core.rm.table.records))
+            progress.update(now - shown)
+            shown = now
     kept = len(core.rm.table.records)
     # steady decode: 4 residents, nothing else happening
     reqs = [core.add(_spec(10**6 + k, 40)) for k in range(4)]
@@ -150,24 +151,27 @@ def measure(model_dir: str, records: int, progress=None) -> dict:
             "captures": stats["cache"]["captures"]}
 
 
-def _bar(done: int, total: int) -> None:
-    n = 30 * done // max(1, total)
-    print(f"\r  [{'#' * n}{'.' * (30 - n)}] {done}/{total}", end="", file=sys.stderr, flush=True)
+def run(model_dir: str, out: str | None = None, plot: str | None = None, sizes=(100, 1000, 10000),
+        dtype: str = "float32") -> dict:
+    """Each size of ``sizes`` in turn (a fill, the measurements, then the Host-full run); the
+    defaults are the committed measurement (several minutes on 2 cores, most of it the 10k fill
+    and its Host-full run; 100 + 1k take about 30 s)."""
+    import torch
 
-
-def run(model_dir: str, out: str | None = None, sizes=(100, 1000, 10000)) -> dict:
-    from ninfer.benchmarks.common import ensure_model, plot_svg, report
+    from ninfer.benchmarks.common import ensure_model, report
+    from ninfer.progress import bar, note
+    torch.set_num_threads(1)       # this thread runs the cycle and the worker, as the control loop does
     model_dir = ensure_model(model_dir)
     rows = []
     for n in sizes:
-        print(f"filling the cache to {n} records", file=sys.stderr)
-        row = measure(model_dir, n, _bar)
-        print(f"\nHost full: serving {int(n * 1.2)} requests through a Host that holds ~{int(0.8 * n)}",
-              file=sys.stderr)
-        row.update(measure_host_full(model_dir, n, _bar))
+        note(f"cache-scale: filling the cache to {n} records, then {int(n * 1.2) // 4 * 4} requests through a Host "
+             f"that holds ~{int(0.8 * n)}")
+        with bar(total=n, desc=f"fill to {n} records", unit="rec") as progress:
+            row = measure(model_dir, n, progress, dtype)
+        with bar(total=int(n * 1.2) // 4 * 4, desc=f"Host full ({n})", unit="req") as progress:
+            row.update(measure_host_full(model_dir, n, progress, dtype))
         rows.append(row)
-        print(file=sys.stderr)
-    base = rows[0]
+    base = rows[0] if rows else {}
     for r in rows:
         r["reclaim_x"] = r["reclaim_ms"] / base["reclaim_ms"] if base["reclaim_ms"] else None
         r["decode_x"] = r["decode_us"] / base["decode_us"] if base["decode_us"] else None
@@ -175,15 +179,8 @@ def run(model_dir: str, out: str | None = None, sizes=(100, 1000, 10000)) -> dic
         r["host_full_x"] = r["host_full_ms"] / base["host_full_ms"] if base["host_full_ms"] else None
     result = {"note": "controller CPU (thread time minus the worker call) against cached records; "
                       "targets at 10k: decode_us <= 500, reclaim_ms <= 2, reclaim_x/decode_x <= 2, fill_growth <= 1.5; "
-                      "host_full_ms: per request with every save needing Host victims (reported)"}
-    report("cache-scale", result, rows, ["records", "checkpoints", "decode_us", "admit_ms", "reclaim_ms",
-                                         "settle_ms", "fill_first_ms", "fill_last_ms", "reclaim_x", "decode_x",
-                                         "fill_growth", "host_full_ms", "host_full_x", "wide_quotes"], out)
-    if out:
-        svg = out.rsplit(".", 1)[0] + ".svg"
-        plot_svg(svg, "controller cost vs cached records", [r["records"] for r in rows],
-                 {"decode (ms)": [r["decode_us"] / 1e3 for r in rows], "admit (ms)": [r["admit_ms"] for r in rows],
-                  "admit with reclaim (ms)": [r["reclaim_ms"] for r in rows],
-                  "per request, Host full (ms)": [r["host_full_ms"] for r in rows]})
-        print(f"plot written to {svg}", file=sys.stderr)
-    return {**result, "rows": rows}
+                      "host_full_ms: per request with every save needing Host victims (reported)",
+              "config": {"records": list(sizes), "dtype": dtype}}
+    return report("cache-scale", result, rows, ["records", "checkpoints", "decode_us", "admit_ms", "reclaim_ms",
+                                                "settle_ms", "fill_first_ms", "fill_last_ms", "reclaim_x", "decode_x",
+                                                "fill_growth", "host_full_ms", "host_full_x", "wide_quotes"], out, plot)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -133,31 +132,21 @@ def _message(body: str) -> str:
 
 
 class Progress:
-    """Completed requests on stderr: tqdm when installed, else a ``\\r`` counter."""
+    """Completed requests on stderr (``ninfer.progress.bar``), errors counted in the postfix."""
 
     def __init__(self, total: int):
-        self.total, self.done, self.errors = total, 0, 0
-        try:
-            from tqdm import tqdm
-            self.bar = tqdm(total=total, desc="requests", unit="req", file=sys.stderr, dynamic_ncols=True)
-        except ImportError:
-            self.bar = None
+        from ninfer.progress import bar
+        self.errors = 0
+        self.bar = bar(total=total, desc="requests", unit="req")
 
     def update(self, rec: Record) -> None:
-        self.done += 1
-        self.errors += rec.error is not None
-        if self.bar is not None:
-            self.bar.update(1)
-            if rec.error is not None:
-                self.bar.set_postfix(errors=self.errors)
-        else:
-            print(f"\rrequests {self.done}/{self.total}  errors {self.errors}", end="", file=sys.stderr, flush=True)
+        self.bar.update(1)
+        if rec.error is not None:
+            self.errors += 1
+            self.bar.set_postfix(errors=self.errors)
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        else:
-            print(file=sys.stderr)
+        self.bar.close()
 
 
 async def _run(base_url: str, model: str, convs: list[Conversation], rounds: int, sampling: dict,

@@ -156,7 +156,7 @@ def run(base_url: str | None = None, model: str | None = None, api_key: str | No
 
 
 def _report(records: list[Record], wall: float, config: dict, out, plot) -> dict:
-    from ninfer.benchmarks.common import plot_cdf_svg, report
+    from ninfer.benchmarks.common import report
     rounds = config["rounds"]
     rows = [summarise(r, [x for x in records if x.round == r]) for r in range(rounds)]
     total = summarise("total", records, wall)
@@ -164,14 +164,10 @@ def _report(records: list[Record], wall: float, config: dict, out, plot) -> dict
     result = {"config": config, "wall_s": round(wall, 2),
               "errors": total["errors"], "unfinished": total["requests"] - total["finished"],
               "error_samples": errors[:20]}
+    every = {"requests": [x.public() for x in records]}
     if out:                                       # every request's record only in the file
-        result["requests"] = [x.public() for x in records]
-    report("serve", result, rows + [total], COLUMNS, out)
-    if plot:
-        plot_cdf_svg(plot, f"TTFT, {config['clients']} clients x {rounds} rounds",
-                     {f"round {r}": [1e3 * x.ttft_s for x in records if x.round == r and x.ttft_s is not None]
-                      for r in range(rounds)}, "TTFT (ms)")
-        print(f"plot written to {plot}", file=sys.stderr)
+        result.update(every)
+    data = report("serve", result, rows + [total], COLUMNS, out, plot, plot_only=every)
     if errors:
         print(f"{len(errors)} of {len(records)} requests failed; first: {errors[0]['error']}", file=sys.stderr)
-    return {**result, "rows": rows + [total]}
+    return data

@@ -59,9 +59,9 @@ def _bench(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_bench_serve_against_a_running_server(server, tmp_path):
-    out, svg = tmp_path / "serve.json", tmp_path / "serve.svg"
+    out, png = tmp_path / "serve.json", tmp_path / "serve.png"
     r = _bench("--base-url", server, "--api-key", KEY, "--clients", "8", "--rounds", "2", "--max-tokens", "8",
-               "--out", str(out), "--plot", str(svg))
+               "--out", str(out), "--plot", str(png))
     assert r.returncode == 0, r.stderr
     assert "ttft_p50_ms" in r.stdout and "total" in r.stdout
     data = json.loads(out.read_text())
@@ -78,7 +78,7 @@ def test_bench_serve_against_a_running_server(server, tmp_path):
     second = [q for q in reqs if q["round"] == 1]
     assert all(q["cached_tokens"] > 0 for q in second)               # the first round's prompt was reused
     assert rows[1]["cached_mean"] > rows[0]["cached_mean"]
-    assert svg.read_text().startswith("<svg")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"                # the TTFT CDF per round
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ from safetensors import safe_open
 
 from ninfer.errors import ModelLoadError
 from ninfer.native.model.config import FULL, LINEAR, ModelConfig
+from ninfer.progress import bar
 
 Shapes = dict[str, tuple[int, ...]]
 
@@ -161,7 +162,10 @@ def load_tensors(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype,
         raise ModelLoadError(f"{model_dir}: missing tensor '{missing[0]}'{more}")
     handles = {f: _open(f) for f in set(files.values())}
     out: dict[str, torch.Tensor] = {}
-    for name, shape in expected.items():
+    # a bar only once loading has taken a second (a real checkpoint, not the tiny model); see
+    # ninfer/progress.py for when it shows
+    for name, shape in bar(expected.items(), total=len(expected), desc=f"loading {model_dir.name}",
+                           unit="tensor", delay=1.0, leave=False):
         f = files[name]
         try:
             t = handles[f].get_tensor(name)
