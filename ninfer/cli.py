@@ -67,6 +67,8 @@ BENCHES = {
              "checked) and multi-turn agent prefill vs the floor at two capacities",
     "actors": "Ray vs in-process overhead and decode tok/s at C=1..8",
     "cache-scale": "controller cost against the number of cached records (100, 1k, 10k)",
+    "gpu": "the GPU check: every kernel against its torch reference on CUDA (tiny, interpreted, without one), "
+           "kernel times, pinned H2D/D2H GB/s, the engine on CUDA against reference_generate",
 }
 SERVE_HELP = ("HTTP load generator for any OpenAI-compatible server: concurrent multi-turn streaming chat users; "
               "TTFT, end-to-end, tokens/s and cached tokens per round; exits 1 if any request failed")

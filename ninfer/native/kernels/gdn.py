@@ -26,17 +26,27 @@ from ninfer.native.kernels import on_cuda
 from ninfer.native.model.gdn import causal_conv1d as causal_conv1d_ref
 from ninfer.native.model.gdn import causal_conv1d_step as causal_conv1d_step_ref
 from ninfer.native.model.gdn import chunk_gated_delta_rule as chunk_gated_delta_rule_ref
-from ninfer.native.model.gdn import recurrent_gated_delta_rule as recurrent_gated_delta_rule_ref
+from ninfer.native.model.gdn import (
+    recurrent_gated_delta_rule as recurrent_gated_delta_rule_ref,
+)
 
-__all__ = ["causal_conv1d", "causal_conv1d_step", "chunk_gated_delta_rule", "recurrent_gated_delta_rule",
-           "causal_conv1d_ref", "causal_conv1d_step_ref", "chunk_gated_delta_rule_ref",
-           "recurrent_gated_delta_rule_ref", "fla_available"]
+__all__ = [
+    "causal_conv1d",
+    "causal_conv1d_ref",
+    "causal_conv1d_step",
+    "causal_conv1d_step_ref",
+    "chunk_gated_delta_rule",
+    "chunk_gated_delta_rule_ref",
+    "fla_available",
+    "recurrent_gated_delta_rule",
+    "recurrent_gated_delta_rule_ref",
+]
 
 
 @functools.cache
 def fla_available() -> bool:
     try:
-        import fla.modules.causal_conv1d  # noqa: F401
+        import fla.modules.causal_conv1d
         import fla.ops.gated_delta_rule  # noqa: F401
     except Exception:  # noqa: BLE001 - any import failure means "not usable here"
         return False

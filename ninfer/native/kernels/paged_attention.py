@@ -213,7 +213,7 @@ def _prefill(q, k_cache, v_cache, page_tables, cu_seqlens, starts, out, scale, p
     m = tl.full([BM], float("-inf"), tl.float32)
     l_sum = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, BD], tl.float32)
-    for p in range(0, n_pages):
+    for p in range(n_pages):
         page = tl.load(page_tables + seq * pt_stride + p).to(tl.int64)
         kpos = p * PAGE + ts
         t_ok = kpos < last
