@@ -134,6 +134,13 @@ def _cache_scale(b: argparse.ArgumentParser) -> None:
     _common(b)
 
 
+def _gpu(b: argparse.ArgumentParser) -> None:
+    b.add_argument("--model", default="models/tiny", metavar="DIR",
+                   help="model directory for the engine check; the tiny model is built there if missing")
+    b.add_argument("--out", default=None, metavar="FILE.json",
+                   help="write the JSON result to this file instead of stdout")
+
+
 def _serve(b: argparse.ArgumentParser) -> None:
     b.add_argument("--base-url", default=None, metavar="URL",
                    help="the server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1; without it `ninfer serve "
@@ -169,6 +176,9 @@ BENCHES = {
     "cache-scale": (_cache_scale, "controller cost against the number of cached records: decode cycle, "
                                   "admission, admission with reclaim, per request while filling and with the "
                                   "Host full"),
+    "gpu": (_gpu, "the prepared GPU check: every kernel against its torch reference on CUDA (tiny and "
+                  "interpreted without one), kernel times, pinned H2D/D2H GB/s, the engine on CUDA against "
+                  "reference_generate; bench/gpu_check.sh bounds it at 8 minutes"),
     "serve": (_serve, "HTTP load generator for any OpenAI-compatible server: concurrent multi-turn streaming chat "
                       "users; TTFT, end-to-end, tokens/s and cached tokens per round; exits 1 if any request "
                       "failed"),
@@ -186,6 +196,9 @@ def add_parsers(benches) -> None:
 def run_bench(args: argparse.Namespace) -> int:
     from importlib import import_module
 
+    if args.name == "gpu":
+        import_module("ninfer.benchmarks.gpu").run(args.model, out=args.out)
+        return 0
     kw = {"out": args.out, "plot": args.plot, "dtype": args.dtype}
     if args.name == "controller":
         kw.update(concurrency=args.concurrency, pressure=args.pressure, decode_tokens=args.decode_tokens,

@@ -1,0 +1,229 @@
+"""`ninfer bench gpu` (issue 15, the GPU path): the prepared check for a CUDA machine.
+
+On CUDA, at Qwen3-Next-like sizes: every kernel of ``ninfer/native/kernels`` against its torch
+reference on the same device (relative error within the bound the CPU tests state, copies bit
+for bit), each kernel's time, pinned H2D / D2H bandwidth, and the engine on ``device="cuda"``
+against ``reference_generate`` (greedy tokens; recorded, not fatal, while the engine's GPU
+path is being built). Without CUDA the same kernel comparisons run at a tiny size under
+TRITON_INTERPRET=1, which is what the CPU tests exercise. Exits non-zero (via the JSON's
+``ok``) when any kernel misses its bound. It has not yet run on a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+# Bounds (relative Frobenius error vs the reference in fp32 on the same stored values): the
+# kernels round only their outputs. On CUDA the 16-bit P·V product adds P's rounding, hence
+# the looser GPU column.
+ATTN_BOUND = {"cpu": {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3},
+              "cuda": {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}}
+GDN_BOUND = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2e-2}
+SIZES = {
+    # decode rows, context, heads, kv heads, head dim | prefill prefix, chunk | GDN heads k/v, dims, chunk
+    "tiny": {"rows": 2, "ctx": 130, "h": 4, "hkv": 2, "d": 64, "prefix": 70, "chunk": 20,
+             "hk": 1, "hv": 2, "dk": 32, "t": 9, "layers": 2},
+    "full": {"rows": 64, "ctx": 4096, "h": 16, "hkv": 2, "d": 256, "prefix": 2048, "chunk": 2048,
+             "hk": 16, "hv": 32, "dk": 128, "t": 2048, "layers": 36},
+}
+
+
+@dataclass
+class Case:
+    kernel: str
+    dtype: torch.dtype
+    run: Callable[[], object]          # the kernel (timed)
+    check: Callable[[object], float]   # its output -> error against the reference
+    bound: float
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def _paged(n_seqs: int, length: int, hkv: int, d: int, dtype, device):
+    """Caches and shuffled page tables with every sequence's positions 0..length-1 written."""
+    pages = (length + 63) // 64
+    order = torch.randperm(n_seqs * pages, device=device)
+    tables = order.view(n_seqs, pages).to(torch.int32)
+    k = torch.randn(n_seqs * pages, 64, hkv, d, device=device).to(dtype)
+    v = torch.randn(n_seqs * pages, 64, hkv, d, device=device).to(dtype)
+    return k, v, tables
+
+
+def attention_cases(size: dict, dtype, device) -> list[Case]:
+    from ninfer.native.kernels import paged_attention as pa
+    dev = torch.device(device).type
+    h, hkv, d = size["h"], size["hkv"], size["d"]
+    scale = d ** -0.5
+    k, v, tables = _paged(size["rows"], size["ctx"], hkv, d, dtype, device)
+    q = torch.randn(size["rows"], h, d, device=device).to(dtype)
+    lens = torch.full((size["rows"],), size["ctx"], dtype=torch.int32, device=device)
+    splits = pa.decode_splits(tables.shape[1], size["rows"], hkv)
+    dec_ref = pa.paged_decode_ref(q.float(), k.float(), v.float(), tables, lens, scale)
+    pre_len = size["prefix"] + size["chunk"]
+    k2, v2, t2 = _paged(1, pre_len, hkv, d, dtype, device)
+    qp = torch.randn(size["chunk"], h, d, device=device).to(dtype)
+    cu = torch.tensor([0, size["chunk"]], dtype=torch.int32, device=device)
+    st = torch.tensor([size["prefix"]], dtype=torch.int32, device=device)
+    pre_ref = pa.paged_prefill_ref(qp.float(), k2.float(), v2.float(), t2, cu, st, scale)
+    bound = ATTN_BOUND[dev][dtype]
+    block_m = 64 if dev == "cuda" else 16
+    return [
+        Case(f"paged_decode x{splits} splits", dtype,
+             lambda: pa.paged_decode_triton(q, k, v, tables, lens, scale, splits), lambda o: _rel(o, dec_ref), bound),
+        Case("paged_prefill", dtype, lambda: pa.paged_prefill_triton(qp, k2, v2, t2, cu, st, scale, block_m),
+             lambda o: _rel(o, pre_ref), bound),
+    ]
+
+
+def copy_cases(size: dict, dtype, device) -> list[Case]:
+    from ninfer.native.kernels import copies
+    hkv, d, rows = size["hkv"], size["d"], size["rows"]
+    k, v, tables = _paged(rows, size["ctx"], hkv, d, dtype, device)
+    slots = (tables[:, -1].long() * 64 + 63).to(torch.int32)     # one new token per row
+    nk, nv = torch.randn(rows, hkv, d, device=device).to(dtype), torch.randn(rows, hkv, d, device=device).to(dtype)
+    kr, vr = k.clone(), v.clone()
+    copies.write_kv_ref(kr, vr, slots.long(), nk, nv)
+    kl, vl = torch.stack([k, k]), torch.stack([v, v])          # [La=2, P, 64, Hkv, D]
+    src, dst = tables[:, 0].contiguous(), tables[:, -1].contiguous()   # distinct pages (ctx > 64)
+    n = torch.full((rows,), 37, dtype=torch.int32, device=device)      # a tail of 37 tokens
+    kc = kl.clone()
+    copies.copy_page_prefix_ref(kc, vl.clone(), src, dst, n)
+
+    def same(a, b) -> float:
+        return 0.0 if torch.equal(a.view(torch.uint8), b.view(torch.uint8)) else 1.0
+    cases = [
+        Case("write_kv", dtype, lambda: (copies.write_kv_triton(k, v, slots, nk, nv), (k, v))[1],
+             lambda o: max(same(o[0], kr), same(o[1], vr)), 0.0),
+        Case("copy_page_prefix", dtype, lambda: (copies.copy_page_prefix_triton(kl, vl, src, dst, n), kl)[1],
+             lambda o: same(o[:, dst.long(), :37], kc[:, dst.long(), :37]), 0.0),
+    ]
+    if dtype != torch.float32:
+        return cases
+    # The ssm state is fp32 whatever the model dtype: checked (and timed) once.
+    state = torch.randn(size["layers"], rows + 1, size["hv"], size["dk"], size["dk"], device=device)
+    idx = torch.arange(rows, 0, -1, dtype=torch.int32, device=device)
+    gathered = state[:, idx.long()]
+    return cases + [Case("gather_slots (ssm state)", torch.float32, lambda: copies.gather_slots_triton(state, idx),
+                         lambda o: same(o, gathered), 0.0)]
+
+
+def gdn_cases(size: dict, dtype, device) -> list[Case]:
+    from ninfer.native.kernels import gdn
+    if torch.device(device).type != "cuda" or not gdn.fla_available():
+        return []                       # fla on the CPU is covered by tests/native/kernels/test_gdn.py
+    hk, hv, dk, t, n = size["hk"], size["hv"], size["dk"], size["t"], size["rows"]
+    r = lambda *s: torch.randn(*s, device=device)
+    q, k, v = r(t, hk, dk).to(dtype), r(t, hk, dk).to(dtype), r(t, hv, dk).to(dtype)
+    g, beta, s0 = -torch.rand(t, hv, device=device) * 0.5, torch.rand(t, hv, device=device).to(dtype), r(hv, dk, dk) * 0.1
+    ref = gdn.chunk_gated_delta_rule_ref(q.float(), k.float(), v.float(), g, beta.float(), s0)
+    qd, kd, vd = q[:n, None], k[:n, None], v[:n, None]
+    gd, bd, sd = g[:n, None], beta[:n, None], s0[None].expand(n, -1, -1, -1).contiguous()
+    ref_d = gdn.recurrent_gated_delta_rule_ref(qd.float(), kd.float(), vd.float(), gd, bd.float(), sd)
+    bound = GDN_BOUND[dtype]
+
+    def err(out, want) -> float:
+        return max(_rel(out[0], want[0]), _rel(out[1], want[1]))
+    return [
+        Case("fla chunk_gated_delta_rule", dtype, lambda: gdn.chunk_gated_delta_rule_fla(q, k, v, g, beta, s0),
+             lambda o: err(o, ref), bound),
+        Case("fla fused_recurrent (decode)", dtype,
+             lambda: gdn.recurrent_gated_delta_rule_fla(qd, kd, vd, gd, bd, sd), lambda o: err(o, ref_d), bound),
+    ]
+
+
+def _time_ms(fn: Callable[[], object], device: str, reps: int) -> float | None:
+    if torch.device(device).type != "cuda":
+        return None
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def check_kernels(device: str = "cpu", size: str = "tiny", dtypes=(torch.float32, torch.float16, torch.bfloat16),
+                  reps: int = 20) -> list[dict]:
+    """Every kernel against its reference on ``device``; one row per (kernel, dtype)."""
+    if torch.device(device).type != "cuda":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    sz = SIZES[size]
+    rows = []
+    for dtype in dtypes:
+        for case in attention_cases(sz, dtype, device) + copy_cases(sz, dtype, device) + gdn_cases(sz, dtype, device):
+            err = case.check(case.run())
+            rows.append({"kernel": case.kernel, "dtype": str(case.dtype).removeprefix("torch."),
+                         "error": err, "bound": case.bound, "ok": err <= case.bound,
+                         "ms": _time_ms(case.run, device, reps)})
+    return rows
+
+
+def transfer_bandwidth(mib: int = 256, reps: int = 5) -> list[dict]:
+    """Pinned Host <-> Device copy rate (GB/s), as the cost model assumes (DESIGN.md §9)."""
+    if not torch.cuda.is_available():
+        return []
+    host = torch.empty(mib << 20, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty_like(host, device="cuda")
+    out = []
+    for name, dst, src in (("H2D", dev, host), ("D2H", host, dev)):
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        out.append({"copy": name, "MiB": mib, "GB_s": reps * host.numel() / (time.perf_counter() - t0) / 1e9})
+    return out
+
+
+def engine_check(model_dir: str, prompts: int = 4, max_tokens: int = 16) -> dict:
+    """The engine on CUDA against the oracle (greedy). Recorded, never raised: the engine's
+    GPU path may not exist yet when this runs."""
+    from ninfer.api import Engine
+    from ninfer.reference import reference_generate
+    try:
+        eng = Engine.start(model_dir, config={"device": "cuda", "max_concurrency": 4, "max_context": 512},
+                           dtype="float32")
+    except Exception as exc:  # noqa: BLE001 - reported as a finding
+        return {"engine": "not started", "reason": f"{type(exc).__name__}: {exc}"[:300]}
+    try:
+        ps = [[7 + i] * (20 + 13 * i) for i in range(prompts)]
+        hs = [eng.generate(p, max_tokens=max_tokens, ignore_eos=True) for p in ps]
+        got = [h.result(300).token_ids for h in hs]
+    except Exception as exc:  # noqa: BLE001
+        return {"engine": "failed", "reason": f"{type(exc).__name__}: {exc}"[:300]}
+    finally:
+        eng.shutdown()
+    want = [reference_generate(model_dir, p, max_tokens=max_tokens, ignore_eos=True) for p in ps]
+    return {"engine": "ran", "requests_equal_reference": sum(g == w for g, w in zip(got, want)), "requests": prompts}
+
+
+def run(model_dir: str, out: str | None = None) -> dict:
+    from ninfer.benchmarks.common import ensure_model, report, table
+    cuda = torch.cuda.is_available()
+    device, size = ("cuda", "full") if cuda else ("cpu", "tiny")
+    t0 = time.perf_counter()
+    rows = check_kernels(device, size)
+    result: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu (TRITON_INTERPRET=1)",
+                    "size": size, "ok": all(r["ok"] for r in rows)}
+    bw = transfer_bandwidth()
+    if bw:
+        print(table(bw, ["copy", "MiB", "GB_s"]) + "\n")
+        result["transfers"] = bw
+    result["engine"] = engine_check(ensure_model(model_dir)) if cuda else {"engine": "skipped: no CUDA device"}
+    result["wall_s"] = time.perf_counter() - t0
+    report("gpu", result, rows, ["kernel", "dtype", "error", "bound", "ok", "ms"], out)
+    if not result["ok"]:
+        raise SystemExit(1)
+    return {**result, "rows": rows}

@@ -1,0 +1,32 @@
+"""GPU kernels beside their torch references (fla's habit: same signature, same module).
+
+Every op here comes in three names::
+
+    op_ref(...)      pure torch; the semantics, and what runs on the CPU
+    op_triton(...)   the Triton kernel (runs on CUDA tensors, or on CPU tensors under
+                     TRITON_INTERPRET=1, which is how the tests check it)
+    op(...)          dispatch: the kernel for CUDA tensors, the reference otherwise
+
+The dispatch is decided by the tensors' device only, never by a flag. Nothing in
+``ninfer/native/model`` calls these yet: wiring them into the batched forward is a later step.
+
+Modules: ``paged_attention`` (decode with split-K over pages, chunk/prefill over a cached
+prefix), ``copies`` (KV write by slot mapping, tail copy-on-write of pages, StateImage
+gather/scatter/copy between slots), ``gdn`` (the gated delta rule and the causal conv through
+fla-core on CUDA when it is installed; see docs/structures.md for why those are fla's).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+
+def on_cuda(*tensors: torch.Tensor) -> bool:
+    """The dispatch rule: the Triton path only when every tensor lives on a CUDA device."""
+    return all(t.is_cuda for t in tensors)
+
+
+def interpreting() -> bool:
+    """True under TRITON_INTERPRET=1 (read by triton when a kernel is decorated)."""
+    return bool(triton.knobs.runtime.interpret)

@@ -1,0 +1,259 @@
+"""Paged attention over 64-token pages, read through the page table (no gather of K/V).
+
+Layout (as ``native/model/attention.py``): ``k_cache, v_cache: [P, 64, Hkv, D]``;
+``page_tables: [N, max_pages]`` (int32 or long; row i lists sequence i's pages in order)::
+
+    position p of sequence i  ->  page page_tables[i, p // 64], row p % 64
+
+The K/V of the new tokens are written before attention runs (``copies.write_kv``), so both
+kernels read every key from the pages, the new ones included.
+
+* ``paged_decode``: one query per row at position ``seq_lens[i] - 1``. Split-K: the pages of a
+  row are cut into ``num_splits`` ranges, each program keeps an online softmax over its range
+  and writes (o, lse); a second kernel merges the splits (log-sum-exp weights).
+* ``paged_prefill``: a chunk of queries per sequence (packed, ``cu_seqlens``) at positions
+  ``starts[i] .. starts[i] + q_len - 1``: full attention over the cached prefix, causal within
+  the chunk.
+
+Qwen3-Next's output gate (``out * sigmoid(gate)``) is applied outside, by the caller, on
+``[T, H*D]``: it is one elementwise op the o_proj prologue would fuse no better, and keeping it
+out lets the kernels serve plain Qwen3 attention unchanged.
+
+Precision: all softmax state and accumulators in fp32, output cast to q's dtype. Scores are
+fp32 dot products (products of fp16/bf16 values are exact in fp32); on CUDA the P·V product
+uses V's dtype for P (the flash-attention convention), under the interpreter fp32, since the
+interpreter's bf16 arithmetic is wrong (DESIGN.md §8) — values are upcast right after load.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ninfer.native.kernels import interpreting, on_cuda
+from ninfer.native.model.attention import paged_attention
+from ninfer.native.model.config import PAGE_SIZE
+
+
+# ---- references ---------------------------------------------------------------------------
+def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     page_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                     num_splits: int = 1) -> torch.Tensor:
+    """q: [N, H, D], row i at position seq_lens[i]-1; page_tables: [N, max_pages];
+    seq_lens: [N] (>= 1). Returns [N, H, D] in q's dtype. ``num_splits`` only shapes the kernel."""
+    out = torch.empty_like(q)
+    for i, n in enumerate(seq_lens.tolist()):
+        out[i] = paged_attention(q[i:i + 1], k_cache, v_cache, page_tables[i].long(), n - 1, scale)[0]
+    return out
+
+
+def paged_prefill_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      page_tables: torch.Tensor, cu_seqlens: torch.Tensor, starts: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """q: [T, H, D] packed (rows cu_seqlens[i]..cu_seqlens[i+1]-1 are sequence i at positions
+    starts[i]..); page_tables: [N, max_pages]; cu_seqlens: [N+1]; starts: [N].
+    Returns [T, H, D] in q's dtype."""
+    out = torch.empty_like(q)
+    cu = cu_seqlens.tolist()
+    for i, s in enumerate(starts.tolist()):
+        lo, hi = cu[i], cu[i + 1]
+        if hi > lo:
+            out[lo:hi] = paged_attention(q[lo:hi], k_cache, v_cache, page_tables[i].long(), s, scale)
+    return out
+
+
+def _dot_mode(q: torch.Tensor) -> dict:
+    """UPCAST: fp32 operands (always under the interpreter; on CUDA for fp32 models), whose
+    dots then run in IEEE fp32, not TF32. 16-bit operands on CUDA use the tensor cores."""
+    upcast = interpreting() or q.dtype == torch.float32
+    return {"UPCAST": upcast, "PREC": "ieee" if upcast else "tf32"}
+
+
+# ---- decode: split-K over pages --------------------------------------------------------------
+@triton.jit
+def _decode_split(q, k_cache, v_cache, page_tables, seq_lens, o_part, lse_part, scale,
+                  pt_stride, pages_per_split,
+                  H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, REP: tl.constexpr,
+                  BH: tl.constexpr, BD: tl.constexpr, PAGE: tl.constexpr, S: tl.constexpr,
+                  UPCAST: tl.constexpr, PREC: tl.constexpr):
+    """One (row, kv head, split): the REP query heads sharing a kv head (padded to BH >= 16
+    rows, tl.dot's minimum), over pages [split * pages_per_split, ...). Writes o (normalised)
+    and lse per (row, head, split); a split without keys writes lse = -inf."""
+    row = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    n = tl.load(seq_lens + row)
+    n_pages = tl.cdiv(n, PAGE)
+    p_lo = split * pages_per_split
+    p_hi = tl.minimum(p_lo + pages_per_split, n_pages)
+
+    hs = tl.arange(0, BH)
+    ds = tl.arange(0, BD)
+    ts = tl.arange(0, PAGE)
+    h_ok = hs < REP
+    d_ok = ds < D
+    heads = kvh * REP + hs
+    qv = tl.load(q + (row * H + heads[:, None]) * D + ds[None, :], mask=h_ok[:, None] & d_ok[None, :],
+                 other=0.0)
+    if UPCAST:
+        qv = qv.to(tl.float32)
+
+    m = tl.full([BH], float("-inf"), tl.float32)
+    l_sum = tl.zeros([BH], tl.float32)
+    acc = tl.zeros([BH, BD], tl.float32)
+    for p in range(p_lo, p_hi):
+        page = tl.load(page_tables + row * pt_stride + p).to(tl.int64)
+        t_ok = (p * PAGE + ts) < n
+        off = ((page * PAGE + ts[:, None]) * HKV + kvh) * D + ds[None, :]
+        kv_mask = t_ok[:, None] & d_ok[None, :]
+        kt = tl.load(k_cache + off, mask=kv_mask, other=0.0)
+        vt = tl.load(v_cache + off, mask=kv_mask, other=0.0)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+            vt = vt.to(tl.float32)
+        s = tl.dot(qv, tl.trans(kt), input_precision=PREC) * scale                # [BH, PAGE]
+        s = tl.where(t_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        pr = tl.exp(s - m_new[:, None])
+        l_sum = l_sum * alpha + tl.sum(pr, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(pr.to(vt.dtype), vt, input_precision=PREC)
+        m = m_new
+
+    has = l_sum > 0
+    o = acc / tl.where(has, l_sum, 1.0)[:, None]
+    lse = tl.where(has, m + tl.log(tl.where(has, l_sum, 1.0)), float("-inf"))
+    base = (row * H + heads) * S + split
+    tl.store(o_part + base[:, None] * D + ds[None, :], o, mask=h_ok[:, None] & d_ok[None, :])
+    tl.store(lse_part + base, lse, mask=h_ok)
+
+
+@triton.jit
+def _decode_merge(o_part, lse_part, out, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                  S: tl.constexpr, BS: tl.constexpr):
+    """One (row, head): o = sum_s exp(lse_s - lse) o_s over the splits that saw a key."""
+    rh = tl.program_id(0).to(tl.int64)
+    ss = tl.arange(0, BS)
+    ds = tl.arange(0, BD)
+    s_ok = ss < S
+    lse = tl.load(lse_part + rh * S + ss, mask=s_ok, other=float("-inf"))
+    w = tl.exp(lse - tl.max(lse, axis=0))
+    o = tl.load(o_part + (rh * S + ss[:, None]) * D + ds[None, :], mask=s_ok[:, None] & (ds[None, :] < D),
+                other=0.0)
+    res = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
+    tl.store(out + rh * D + ds, res.to(out.dtype.element_ty), mask=ds < D)
+
+
+def paged_decode_triton(q, k_cache, v_cache, page_tables, seq_lens, scale, num_splits: int = 1):
+    n, h, d = q.shape
+    hkv = k_cache.shape[2]
+    rep = h // hkv
+    max_pages = page_tables.shape[1]
+    splits = max(1, min(num_splits, max_pages))
+    pages_per_split = triton.cdiv(max_pages, splits)
+    o_part = torch.empty((n, h, splits, d), dtype=torch.float32, device=q.device)
+    lse_part = torch.empty((n, h, splits), dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    if n == 0:
+        return out
+    q, page_tables, seq_lens = q.contiguous(), page_tables.contiguous(), seq_lens.contiguous()
+    bd = triton.next_power_of_2(d)
+    _decode_split[(n, hkv, splits)](q, k_cache, v_cache, page_tables, seq_lens, o_part, lse_part, scale,
+                                    page_tables.stride(0), pages_per_split,
+                                    H=h, HKV=hkv, D=d, REP=rep, BH=max(16, triton.next_power_of_2(rep)), BD=bd,
+                                    PAGE=PAGE_SIZE, S=splits, **_dot_mode(q))
+    _decode_merge[(n * h,)](o_part, lse_part, out, H=h, D=d, BD=bd, S=splits,
+                            BS=triton.next_power_of_2(splits))
+    return out
+
+
+def decode_splits(max_pages: int, rows: int, kv_heads: int, target_programs: int = 264) -> int:
+    """Enough splits to fill the GPU (about 2 programs per SM on an H200) when rows x kv heads
+    alone cannot, never more than the pages."""
+    return max(1, min(max_pages, target_programs // max(1, rows * kv_heads)))
+
+
+def paged_decode(q, k_cache, v_cache, page_tables, seq_lens, scale, num_splits: int | None = None):
+    if not on_cuda(q, k_cache):
+        return paged_decode_ref(q, k_cache, v_cache, page_tables, seq_lens, scale)
+    if num_splits is None:
+        num_splits = decode_splits(page_tables.shape[1], q.shape[0], k_cache.shape[2])
+    return paged_decode_triton(q, k_cache, v_cache, page_tables, seq_lens, scale, num_splits)
+
+
+# ---- prefill / chunk --------------------------------------------------------------------
+@triton.jit
+def _prefill(q, k_cache, v_cache, page_tables, cu_seqlens, starts, out, scale, pt_stride,
+             H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+             BM: tl.constexpr, PAGE: tl.constexpr, UPCAST: tl.constexpr):
+    """One (sequence, block of BM queries, head). Keys: pages 0 .. the one holding the block's
+    last query; the mask kpos <= qpos is the prefix (all of it) plus causality in the chunk."""
+    seq = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    head = tl.program_id(2)
+    kvh = head // (H // HKV)
+    lo = tl.load(cu_seqlens + seq)
+    q_len = tl.load(cu_seqlens + seq + 1) - lo
+    start = tl.load(starts + seq)
+
+    ms = blk * BM + tl.arange(0, BM)
+    ds = tl.arange(0, BD)
+    ts = tl.arange(0, PAGE)
+    m_ok = ms < q_len
+    d_ok = ds < D
+    qpos = start + ms
+    rows = (lo + ms).to(tl.int64)
+    qv = tl.load(q + (rows[:, None] * H + head) * D + ds[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:
+        qv = qv.to(tl.float32)
+    last = start + tl.minimum(q_len, (blk + 1) * BM)            # one past the block's last position
+    n_pages = tl.where(blk * BM < q_len, tl.cdiv(last, PAGE), 0)
+
+    m = tl.full([BM], float("-inf"), tl.float32)
+    l_sum = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, BD], tl.float32)
+    for p in range(n_pages):
+        page = tl.load(page_tables + seq * pt_stride + p).to(tl.int64)
+        kpos = p * PAGE + ts
+        t_ok = kpos < last
+        off = ((page * PAGE + ts[:, None]) * HKV + kvh) * D + ds[None, :]
+        kv_mask = t_ok[:, None] & d_ok[None, :]
+        kt = tl.load(k_cache + off, mask=kv_mask, other=0.0)
+        vt = tl.load(v_cache + off, mask=kv_mask, other=0.0)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+            vt = vt.to(tl.float32)
+        s = tl.dot(qv, tl.trans(kt), input_precision="ieee") * scale             # [BM, PAGE]
+        s = tl.where((kpos[None, :] <= qpos[:, None]) & m_ok[:, None], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)    # rows past q_len see no key
+        alpha = tl.exp(m - m_safe)
+        pr = tl.exp(s - m_safe[:, None])
+        l_sum = l_sum * alpha + tl.sum(pr, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(pr.to(vt.dtype), vt, input_precision="ieee")
+        m = m_new
+
+    o = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+    tl.store(out + (rows[:, None] * H + head) * D + ds[None, :], o.to(out.dtype.element_ty),
+             mask=m_ok[:, None] & d_ok[None, :])
+
+
+def paged_prefill_triton(q, k_cache, v_cache, page_tables, cu_seqlens, starts, scale, block_m: int = 64):
+    t, h, d = q.shape
+    out = torch.empty_like(q)
+    n = starts.numel()
+    if t == 0 or n == 0:
+        return out
+    max_q = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    q, page_tables = q.contiguous(), page_tables.contiguous()
+    grid = (n, triton.cdiv(max_q, block_m), h)
+    _prefill[grid](q, k_cache, v_cache, page_tables, cu_seqlens.contiguous(), starts.contiguous(), out, scale,
+                   page_tables.stride(0), H=h, HKV=k_cache.shape[2], D=d, BD=triton.next_power_of_2(d),
+                   BM=block_m, PAGE=PAGE_SIZE, **_dot_mode(q))
+    return out
+
+
+def paged_prefill(q, k_cache, v_cache, page_tables, cu_seqlens, starts, scale):
+    impl = paged_prefill_triton if on_cuda(q, k_cache) else paged_prefill_ref
+    return impl(q, k_cache, v_cache, page_tables, cu_seqlens, starts, scale)
