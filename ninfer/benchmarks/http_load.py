@@ -34,6 +34,7 @@ class Record:
     ttft_s: float | None = None          # to the first non-empty content (or tool-call) delta
     e2e_s: float | None = None           # to the end of the stream
     max_gap_s: float | None = None       # the longest wait between two content deltas
+    gaps: list[float] = field(default_factory=list, repr=False)   # every inter-delta gap (ITL)
     output_tokens: int = 0               # usage.completion_tokens, else the content deltas counted
     prompt_tokens: int | None = None
     cached_tokens: int | None = None     # usage.prompt_tokens_details.cached_tokens
@@ -42,9 +43,17 @@ class Record:
     error: str | None = None
     text: str = field(default="", repr=False)
 
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first (vLLM's TPOT)."""
+        if self.ttft_s is None or self.e2e_s is None or self.output_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+
     def public(self) -> dict:
         d = asdict(self)
-        del d["text"]
+        del d["text"], d["gaps"]
+        d["tpot_s"] = self.tpot_s
         return d
 
 
@@ -101,6 +110,7 @@ async def stream_chat(http, body: dict, rec: Record, t_run: float) -> None:
                             rec.ttft_s = now - t0
                         else:
                             rec.max_gap_s = max(rec.max_gap_s or 0.0, now - last)
+                            rec.gaps.append(now - last)
                         last = now
                         deltas += 1
                         parts.append(delta.get("content") or "")
@@ -149,9 +159,26 @@ class Progress:
         self.bar.close()
 
 
+class Arrivals:
+    """A request rate: each request waits for the next arrival of a Poisson process of
+    ``rate`` per second (vLLM's ``--request-rate``); None lets every client send at once."""
+
+    def __init__(self, rate: float | None, seed: int = 0):
+        import random
+        self.rate, self.rng, self.next_t = rate, random.Random(seed), None
+
+    async def wait(self) -> None:
+        if not self.rate:
+            return
+        now = time.perf_counter()
+        self.next_t = max(now, self.next_t or now) + self.rng.expovariate(self.rate)
+        await asyncio.sleep(self.next_t - now)
+
+
 async def _run(base_url: str, model: str, convs: list[Conversation], rounds: int, sampling: dict,
-               api_key: str | None, timeout: float) -> tuple[list[Record], float]:
+               api_key: str | None, timeout: float, rate: float | None = None) -> tuple[list[Record], float]:
     import httpx
+    arrivals = Arrivals(rate)
     limits = httpx.Limits(max_connections=len(convs), max_keepalive_connections=len(convs))
     progress = Progress(len(convs) * rounds)
     records: list[Record] = []
@@ -161,6 +188,7 @@ async def _run(base_url: str, model: str, convs: list[Conversation], rounds: int
             body = {"model": model, "messages": conv.ask(r), "stream": True,
                     "stream_options": {"include_usage": True}, "user": f"bench-client-{c}", **sampling}
             rec = Record(c, r)
+            await arrivals.wait()
             await stream_chat(http, body, rec, t_run)
             records.append(rec)
             progress.update(rec)
@@ -177,6 +205,9 @@ async def _run(base_url: str, model: str, convs: list[Conversation], rounds: int
 
 
 def run_load(base_url: str, model: str, convs: list[Conversation], rounds: int, sampling: dict,
-             api_key: str | None = None, timeout: float = 120.0) -> tuple[list[Record], float]:
-    """Every conversation's ``rounds`` requests; the records (by round, then client) and the wall time."""
-    return asyncio.run(_run(base_url.rstrip("/"), model, convs, rounds, sampling, api_key, timeout))
+             api_key: str | None = None, timeout: float = 120.0,
+             rate: float | None = None) -> tuple[list[Record], float]:
+    """Every conversation's ``rounds`` requests (at most one in flight per conversation; with
+    ``rate``, starts no faster than a Poisson process of that rate); the records (by round,
+    then client) and the wall time."""
+    return asyncio.run(_run(base_url.rstrip("/"), model, convs, rounds, sampling, api_key, timeout, rate))

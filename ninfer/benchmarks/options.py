@@ -149,7 +149,13 @@ def _serve(b: argparse.ArgumentParser) -> None:
     b.add_argument("--model-dir", default="models/tiny", metavar="DIR",
                    help="model of the built-in server; built if missing")
     b.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY` (or set OPENAI_API_KEY)")
-    b.add_argument("--clients", type=_positive, default=64, metavar="N", help="concurrent chat users")
+    b.add_argument("--clients", type=_positive, default=64, metavar="N",
+                   help="concurrent chat users (the most requests in flight)")
+    b.add_argument("--request-rate", type=float, default=None, metavar="R",
+                   help="start requests no faster than a Poisson process of R per second (default: as fast as "
+                        "the clients can; vLLM's --request-rate)")
+    b.add_argument("--transport", choices=["inproc", "ray"], default="inproc",
+                   help="the built-in server's transport (without --base-url)")
     b.add_argument("--rounds", type=_positive, default=4, metavar="N", help="turns per user, one after another")
     b.add_argument("--max-tokens", type=_positive, default=32, metavar="N", help="max_tokens of every request")
     b.add_argument("--prompt-words", type=_positive, default=None, metavar="N",
@@ -227,5 +233,6 @@ def run_serve(args: argparse.Namespace) -> int:
 
     result = serve.run(args.base_url, args.model, args.api_key or os.environ.get("OPENAI_API_KEY"), args.clients,
                        args.rounds, args.max_tokens, args.prompt_words, args.temperature, args.ignore_eos,
-                       args.timeout, model_dir=args.model_dir, out=args.out, plot=args.plot)
+                       args.timeout, model_dir=args.model_dir, out=args.out, plot=args.plot,
+                       request_rate=args.request_rate, transport=args.transport)
     return 1 if result["errors"] else 0

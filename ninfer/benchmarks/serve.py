@@ -38,15 +38,16 @@ prefill_chunk_tokens = 256
 device_state_slots = 16
 host_capacity_bytes = 268435456
 """
-COLUMNS = ["round", "requests", "errors", "ttft_p50_ms", "ttft_p95_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p95_ms",
-           "max_gap_ms", "out_tok_s", "prompt_mean", "cached_mean"]
+COLUMNS = ["round", "requests", "errors", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p90_ms",
+           "itl_p50_ms", "itl_p90_ms", "itl_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "max_gap_ms", "out_tok_s",
+           "prompt_mean", "cached_mean"]
 
 
 class LocalServer:
     """``ninfer serve`` on the tiny model in a child process, for ``with``: yields the base URL."""
 
-    def __init__(self, model_dir: str, name: str = "tiny"):
-        self.model_dir, self.name = model_dir, name
+    def __init__(self, model_dir: str, name: str = "tiny", transport: str = "inproc"):
+        self.model_dir, self.name, self.transport = model_dir, name, transport
         self.tmp = tempfile.TemporaryDirectory(prefix="ninfer-bench-serve-")
         self.log = Path(self.tmp.name) / "server.log"
         self.proc: subprocess.Popen | None = None
@@ -58,7 +59,8 @@ class LocalServer:
         port = _free_port()
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "ninfer.cli", "serve", "--model", self.model_dir,
-                                          "--config", str(cfg), "--port", str(port), "--transport", "inproc",
+                                          "--config", str(cfg), "--port", str(port), "--transport", self.transport,
+                                          "--deployment", f"bench-serve-{port}",
                                           "--served-model-name", self.name],
                                          stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
         base = f"http://127.0.0.1:{port}"
@@ -105,8 +107,8 @@ def pct(xs: list[float], q: float) -> float | None:
     return xs[i] + (xs[min(i + 1, len(xs) - 1)] - xs[i]) * (k - i)
 
 
-def ms(v: float | None) -> float | None:
-    return None if v is None else round(1e3 * v, 1)
+def ms(v: float | None, digits: int = 1) -> float | None:
+    return None if v is None else round(1e3 * v, digits)
 
 
 def summarise(name, recs: list[Record], span_s: float | None = None) -> dict:
@@ -114,14 +116,20 @@ def summarise(name, recs: list[Record], span_s: float | None = None) -> dict:
     ok = [r for r in recs if r.error is None]
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
     e2e = [r.e2e_s for r in ok]
+    tpot = [r.tpot_s for r in ok if r.tpot_s is not None]
+    itl = [g for r in ok for g in r.gaps]
     if span_s is None and recs:
         span_s = max(r.start_s + (r.e2e_s or 0) for r in recs) - min(r.start_s for r in recs)
     tokens = sum(r.output_tokens for r in ok)
     cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
     prompt = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
     return {"round": name, "requests": len(recs), "errors": len(recs) - len(ok),
-            "ttft_p50_ms": ms(pct(ttft, 50)), "ttft_p95_ms": ms(pct(ttft, 95)), "ttft_p99_ms": ms(pct(ttft, 99)),
-            "e2e_p50_ms": ms(pct(e2e, 50)), "e2e_p95_ms": ms(pct(e2e, 95)),
+            "ttft_p50_ms": ms(pct(ttft, 50)), "ttft_p90_ms": ms(pct(ttft, 90)), "ttft_p95_ms": ms(pct(ttft, 95)),
+            "ttft_p99_ms": ms(pct(ttft, 99)),
+            "tpot_p50_ms": ms(pct(tpot, 50), 2), "tpot_p90_ms": ms(pct(tpot, 90), 2), "tpot_p99_ms": ms(pct(tpot, 99), 2),
+            "itl_p50_ms": ms(pct(itl, 50), 2), "itl_p90_ms": ms(pct(itl, 90), 2), "itl_p99_ms": ms(pct(itl, 99), 2),
+            "e2e_p50_ms": ms(pct(e2e, 50)), "e2e_p90_ms": ms(pct(e2e, 90)), "e2e_p95_ms": ms(pct(e2e, 95)),
+            "e2e_p99_ms": ms(pct(e2e, 99)),
             "max_gap_ms": ms(max((r.max_gap_s for r in ok if r.max_gap_s is not None), default=None)),
             "out_tok_s": round(tokens / span_s, 1) if span_s else None, "output_tokens": tokens,
             "prompt_mean": round(sum(prompt) / len(prompt), 1) if prompt else None,
@@ -132,24 +140,24 @@ def summarise(name, recs: list[Record], span_s: float | None = None) -> dict:
 def run(base_url: str | None = None, model: str | None = None, api_key: str | None = None, clients: int = 64,
         rounds: int = 4, max_tokens: int = 32, prompt_words: int | None = None, temperature: float = 0.0,
         ignore_eos: bool = False, timeout: float = 120.0, model_dir: str = "models/tiny", out: str | None = None,
-        plot: str | None = None) -> dict:
+        plot: str | None = None, request_rate: float | None = None, transport: str = "inproc") -> dict:
     """Run the load, print the table (and the JSON unless ``out``), write ``out`` / ``plot``."""
     from contextlib import nullcontext
 
     from ninfer.benchmarks.common import ensure_model
     local = base_url is None
-    with LocalServer(ensure_model(model_dir)) if local else nullcontext(base_url) as url:
+    with LocalServer(ensure_model(model_dir), transport=transport) if local else nullcontext(base_url) as url:
         model = model or first_model(url, api_key)
         sampling = {"max_tokens": max_tokens, "temperature": temperature} | ({"ignore_eos": True} if ignore_eos else {})
         workload = f"--prompt-words {prompt_words}" if prompt_words else "built-in chat mix"
         print(f"bench serve: {clients} clients x {rounds} rounds, max_tokens {max_tokens}, {workload}, "
               f"model {model} at {url}", file=sys.stderr)
         records, wall = run_load(url, model, conversations(clients, rounds, prompt_words), rounds, sampling,
-                                 api_key, timeout)
+                                 api_key, timeout, request_rate)
     config = {"clients": clients, "rounds": rounds, "max_tokens": max_tokens, "prompt_words": prompt_words,
               "temperature": temperature, "ignore_eos": ignore_eos, "timeout_s": timeout, "base_url": url,
-              "model": model, "server": "built in: ninfer serve --transport inproc, tiny model" if local
-              else "external"}
+              "model": model, "request_rate": request_rate,
+              "server": f"built in: ninfer serve --transport {transport}, tiny model" if local else "external"}
     if local:
         config["engine_config"] = LOCAL_CONFIG
     return _report(records, wall, config, out, plot)

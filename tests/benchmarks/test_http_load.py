@@ -90,3 +90,27 @@ def test_percentiles_and_a_row():
     row = summarise(0, recs)
     assert row["requests"] == 5 and row["errors"] == 1 and row["ttft_p50_ms"] == 250.0
     assert row["out_tok_s"] == 20.0                     # 40 tokens over the 0 .. 2 s span
+
+
+def test_request_rate_spaces_starts_as_a_poisson_process(monkeypatch):
+    """--request-rate R: each start waits for the next arrival; gaps average 1/R (no real sleep)."""
+    import asyncio
+
+    from ninfer.benchmarks import http_load
+    clock = [0.0]
+    monkeypatch.setattr(http_load.time, "perf_counter", lambda: clock[0])
+
+    async def fake_sleep(s):
+        clock[0] += s
+    monkeypatch.setattr(http_load.asyncio, "sleep", fake_sleep)
+    arrivals = http_load.Arrivals(rate=20.0, seed=3)
+    starts = []
+
+    async def go():
+        for _ in range(2000):
+            await arrivals.wait()
+            starts.append(clock[0])
+    asyncio.run(go())
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert abs(sum(gaps) / len(gaps) - 1 / 20.0) < 0.1 / 20.0
+    assert http_load.Arrivals(None).rate is None

@@ -72,6 +72,7 @@ def test_bench_serve_against_a_running_server(server, tmp_path):
     assert all(q["ttft_s"] is not None or q["output_tokens"] == 0 for q in reqs)
     rows = {row["round"]: row for row in data["rows"]}
     for key in ("requests", "errors", "ttft_p50_ms", "ttft_p95_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p95_ms",
+                "tpot_p50_ms", "itl_p50_ms", "itl_p99_ms", "ttft_p90_ms",
                 "out_tok_s", "cached_mean"):
         assert rows["total"][key] is not None, key
     assert rows["total"]["requests"] == 16 and rows[0]["requests"] == rows[1]["requests"] == 8
