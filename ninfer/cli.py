@@ -3,7 +3,7 @@
     ninfer make-tiny-model DIR [--seed N] [--arch qwen3_next|qwen3]
     ninfer demo [--model DIR]
     ninfer serve --model DIR [--config FILE] [--host 127.0.0.1] [--port 8000] [--address auto]
-    ninfer bench controller|agent|actors|cache-scale [--model DIR] [--out FILE]
+    ninfer bench controller|agent|actors|cache-scale|decode [--model DIR] [--out FILE]
     ninfer bench serve [--base-url URL] [--clients 64] [--rounds 4] [--out FILE] [--plot FILE]
     ninfer report FILE [--stall-s S]    the seed's evaluation order over a JSON log or bench JSON
     ninfer --log-format text|json ...   the engine's log lines (also NINFER_LOG_FORMAT)
@@ -67,6 +67,7 @@ BENCHES = {
              "checked) and multi-turn agent prefill vs the floor at two capacities",
     "actors": "Ray vs in-process overhead and decode tok/s at C=1..8",
     "cache-scale": "controller cost against the number of cached records (100, 1k, 10k)",
+    "decode": "model-forward decode tok/s at C=1..8: the batched path vs the per-sequence reference",
 }
 SERVE_HELP = ("HTTP load generator for any OpenAI-compatible server: concurrent multi-turn streaming chat users; "
               "TTFT, end-to-end, tokens/s and cached tokens per round; exits 1 if any request failed")

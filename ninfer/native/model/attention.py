@@ -61,32 +61,46 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return (probs @ vh).transpose(0, 1)
 
 
+def decode_kv_slots(block_table: torch.Tensor, kv_lens: torch.Tensor, max_len: int) -> torch.Tensor:
+    """The flat KV slot of every key position of B decode rows: [B, max_len] long.
+
+    block_table: [B, Pmax]; kv_lens: [B]; max_len >= max(kv_lens). Positions at or past a
+    row's kv_len repeat the row's slot of position 0 — always written, so a masked key or value
+    is a finite copy, never a stale or uninitialised byte (no 0 * NaN in the output)::
+
+        row b:  slot(0) slot(1) ... slot(kv_len-1) | slot(0) slot(0) ...   (masked)
+    """
+    pos = torch.arange(max_len, device=block_table.device)
+    slots = block_table[:, pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE
+    return torch.where(pos[None, :] < kv_lens[:, None], slots, slots[:, :1])
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     block_table: torch.Tensor, kv_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                     block_table: torch.Tensor, kv_lens: torch.Tensor, scale: float,
+                     kv_slots: torch.Tensor | None = None) -> torch.Tensor:
     """One query per row for B decode rows, batched over rows (no per-row Python loop).
 
     q: [B, H, D], row b at position kv_lens[b] - 1; k_cache, v_cache: [P, 64, Hkv, D];
-    block_table: [B, Pmax] long, row b's pages in order (entries past its
-    ceil(kv_len / 64) pages are padding and must name a valid page); kv_lens: [B] long.
-    Returns [B, H, D] in q's dtype, with the precision policy of ``paged_attention``.
+    block_table: [B, Pmax] long, row b's pages in order (entries past its ceil(kv_len / 64)
+    pages are padding and must name a valid page); kv_lens: [B] long. ``kv_slots``:
+    ``decode_kv_slots(block_table, kv_lens, L)``, passed when the caller built it once for all
+    layers (a kernel reading the block table ignores it). Returns [B, H, D] in q's dtype, with
+    the precision policy of ``paged_attention``.
 
-        gathered keys of row b:  page_0 | page_1 | ... | page_{Pmax-1}   (Pmax * 64 slots)
-        visible:                 slots 0 .. kv_lens[b] - 1; the rest masked
-
-    Masked slots (the unwritten tail of the last page, padding pages) may hold anything — stale
-    or never-initialised bytes: their scores are set to -inf and their values zeroed, so that
-    not even 0 * NaN reaches the output. GQA without repeating K/V: one bmm per key head (Hkv
-    is a small constant of the model), each over the gathered [B, L, D] view of that head.
+    The keys of every row are gathered token by token into [B, L, Hkv, D] (L = max kv_len:
+    no page padding is copied); slots past a row's kv_len are masked to -inf. GQA without
+    repeating K/V: one bmm per key head (Hkv is a small constant of the model), each over the
+    strided [B, L, D] view of that head.
     """
     b, h, d = q.shape
     hkv = k_cache.shape[2]
     rep = h // hkv
-    pages = block_table.reshape(-1)
-    k = k_cache.view(k_cache.shape[0], -1).index_select(0, pages).view(b, -1, hkv, d)  # [B, L, Hkv, D]
-    v = v_cache.view(v_cache.shape[0], -1).index_select(0, pages).view(b, -1, hkv, d)
-    masked = torch.arange(k.shape[1], device=q.device)[None, :] >= kv_lens[:, None]       # [B, L]
-    v.masked_fill_(masked[:, :, None, None], 0)
-    k, v = k.to(q.dtype), v.to(q.dtype)
+    if kv_slots is None:
+        kv_slots = decode_kv_slots(block_table, kv_lens, block_table.shape[1] * PAGE_SIZE)
+    flat = kv_slots.reshape(-1)
+    k = k_cache.view(-1, hkv * d).index_select(0, flat).view(b, -1, hkv, d).to(q.dtype)  # [B, L, Hkv, D]
+    v = v_cache.view(-1, hkv * d).index_select(0, flat).view(b, -1, hkv, d).to(q.dtype)
+    masked = torch.arange(k.shape[1], device=q.device)[None, :] >= kv_lens[:, None]      # [B, L]
     qg = q.view(b, hkv, rep, d)
     scores = torch.stack([torch.bmm(qg[:, g], k[:, :, g].transpose(1, 2)) for g in range(hkv)], 1)
     scores = (scores * scale).masked_fill(masked[:, None, None, :], float("-inf"))  # [B, Hkv, rep, L]
@@ -96,7 +110,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def decode_attention_naive(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_table: torch.Tensor, kv_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                           block_table: torch.Tensor, kv_lens: torch.Tensor, scale: float,
+                           kv_slots: torch.Tensor | None = None) -> torch.Tensor:
     """The reference of ``decode_attention`` (same signature): ``paged_attention`` row by row."""
     out = torch.empty_like(q)
     for i, n in enumerate(kv_lens.tolist()):

@@ -21,6 +21,8 @@ every layer (the batched path computes all of them with one op per step, no Pyth
     decode_kv_lens      [B]        keys it attends: start + 1
     decode_block_table  [B, Pmax]  its first ceil(kv_len / 64) pages, padded with its own
                                    first page (padding is masked, never read as a key)
+    decode_kv_slots     [B, Lmax]  the flat slot of each of its keys, Lmax = max kv_len
+                                   (``attention.decode_kv_slots``: the gather index)
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ninfer.native.model.attention import decode_kv_slots
 from ninfer.native.model.config import PAGE_SIZE, ModelConfig
 
 
@@ -59,6 +62,7 @@ class ForwardBatch:
     decode_slots: torch.Tensor | None = None         # [B] long
     decode_kv_lens: torch.Tensor | None = None       # [B] long
     decode_block_table: torch.Tensor | None = None   # [B, Pmax] long
+    decode_kv_slots: torch.Tensor | None = None      # [B, Lmax] long
 
     @property
     def all_decode(self) -> bool:
@@ -97,6 +101,9 @@ class ForwardBatch:
         decode = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
         tables = [seqs[i].page_table[:seqs[i].start // PAGE_SIZE + 1] for i in decode]
         width = max((len(t) for t in tables), default=0)
+        block_table = lt([t + t[:1] * (width - len(t)) for t in tables]).view(len(decode), width)
+        kv_lens = lt([seqs[i].start + 1 for i in decode])
+        max_len = max((seqs[i].start + 1 for i in decode), default=0)
         return ForwardBatch(
             input_ids=lt(ids),
             positions=lt(pos),
@@ -110,8 +117,9 @@ class ForwardBatch:
             chunk_seqs=[i for i, s in enumerate(seqs) if len(s.token_ids) > 1],
             decode_rows=lt([cu[i] for i in decode]),
             decode_slots=lt([seqs[i].state_slot for i in decode]),
-            decode_kv_lens=lt([seqs[i].start + 1 for i in decode]),
-            decode_block_table=lt([t + t[:1] * (width - len(t)) for t in tables]).view(len(decode), width),
+            decode_kv_lens=kv_lens,
+            decode_block_table=block_table,
+            decode_kv_slots=decode_kv_slots(block_table, kv_lens, max_len),
         )
 
 

@@ -87,12 +87,14 @@ class BatchedPath:
 
     def attention(self, q, k_cache, v_cache, batch, scale):
         if batch.all_decode:
-            return decode_attention(q, k_cache, v_cache, batch.decode_block_table, batch.decode_kv_lens, scale)
+            return decode_attention(q, k_cache, v_cache, batch.decode_block_table, batch.decode_kv_lens, scale,
+                                    batch.decode_kv_slots)
         out = torch.empty_like(q)
         if batch.decode_seqs:
             rows = batch.decode_rows
             out.index_copy_(0, rows, decode_attention(q.index_select(0, rows), k_cache, v_cache,
-                                                      batch.decode_block_table, batch.decode_kv_lens, scale))
+                                                      batch.decode_block_table, batch.decode_kv_lens, scale,
+                                                      batch.decode_kv_slots))
         _chunk_attention(out, q, k_cache, v_cache, batch, scale, batch.chunk_seqs)
         return out
 
