@@ -52,13 +52,16 @@ class ForwardPath(Protocol):
         ...
 
 
-def _chunk_attention(out, q, k_cache, v_cache, batch, scale, seqs) -> None:
+def _attention_alone(out, q, k_cache, v_cache, batch, scale, seqs) -> None:
+    """Each of ``seqs`` by itself (``paged_attention``), into its rows of ``out``."""
     for s in seqs:
         lo, hi = batch.cu[s], batch.cu[s + 1]
         out[lo:hi] = paged_attention(q[lo:hi], k_cache, v_cache, batch.page_tables[s], batch.starts[s], scale)
 
 
-def _chunk_gdn(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split, seqs) -> None:
+def _gdn_alone(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split, seqs) -> None:
+    """Each of ``seqs`` by itself: a chunk in the chunked form, a decode row in the recurrent
+    form with N = 1; its rows of ``core`` and its state slot are written."""
     for s in seqs:
         lo, hi = batch.cu[s], batch.cu[s + 1]
         slot = int(batch.state_slots[s])
@@ -95,26 +98,28 @@ class BatchedPath:
             out.index_copy_(0, rows, decode_attention(q.index_select(0, rows), k_cache, v_cache,
                                                       batch.decode_block_table, batch.decode_kv_lens, scale,
                                                       batch.decode_kv_slots))
-        _chunk_attention(out, q, k_cache, v_cache, batch, scale, batch.chunk_seqs)
+        _attention_alone(out, q, k_cache, v_cache, batch, scale, batch.chunk_seqs)
         return out
 
     def gdn(self, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split):
+        if not batch.decode_seqs:
+            core = _core_out(mixed, ssm_states)
+            _gdn_alone(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split, batch.chunk_seqs)
+            return core
+        rows, slots = batch.decode_rows, batch.decode_slots
+        pick = (lambda t: t) if batch.all_decode else (lambda t: t.index_select(0, rows))  # noqa: E731
+        y, new_conv = gdn.causal_conv1d_step(pick(mixed), conv_states.index_select(0, slots), conv_w)
+        q, k, v = split(y)
+        o, new_ssm = gdn.recurrent_gated_delta_rule(
+            q[:, None], k[:, None], v[:, None], pick(g)[:, None], pick(beta)[:, None],
+            ssm_states.index_select(0, slots))
+        conv_states.index_copy_(0, slots, new_conv.to(conv_states.dtype))
+        ssm_states.index_copy_(0, slots, new_ssm.to(ssm_states.dtype))
+        if batch.all_decode:
+            return o[:, 0]
         core = _core_out(mixed, ssm_states)
-        if batch.decode_seqs:
-            rows, slots = batch.decode_rows, batch.decode_slots
-            pick = (lambda t: t) if batch.all_decode else (lambda t: t.index_select(0, rows))  # noqa: E731
-            y, new_conv = gdn.causal_conv1d_step(pick(mixed), conv_states.index_select(0, slots), conv_w)
-            q, k, v = split(y)
-            o, new_ssm = gdn.recurrent_gated_delta_rule(
-                q[:, None], k[:, None], v[:, None], pick(g)[:, None], pick(beta)[:, None],
-                ssm_states.index_select(0, slots))
-            if batch.all_decode:
-                core = o[:, 0].to(mixed.dtype)
-            else:
-                core.index_copy_(0, rows, o[:, 0].to(mixed.dtype))
-            conv_states.index_copy_(0, slots, new_conv.to(conv_states.dtype))
-            ssm_states.index_copy_(0, slots, new_ssm.to(ssm_states.dtype))
-        _chunk_gdn(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split, batch.chunk_seqs)
+        core.index_copy_(0, rows, o[:, 0])
+        _gdn_alone(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split, batch.chunk_seqs)
         return core
 
 
@@ -123,12 +128,12 @@ class PerSequencePath:
 
     def attention(self, q, k_cache, v_cache, batch, scale):
         out = torch.empty_like(q)
-        _chunk_attention(out, q, k_cache, v_cache, batch, scale, range(batch.num_seqs))
+        _attention_alone(out, q, k_cache, v_cache, batch, scale, range(batch.num_seqs))
         return out
 
     def gdn(self, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split):
         core = _core_out(mixed, ssm_states)
-        _chunk_gdn(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split, range(batch.num_seqs))
+        _gdn_alone(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split, range(batch.num_seqs))
         return core
 
 
