@@ -18,7 +18,8 @@ A path is chosen per model (``HybridModel.path``); nothing else reads it.
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -107,7 +108,7 @@ class BatchedPath:
             _gdn_alone(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split, batch.chunk_seqs)
             return core
         rows, slots = batch.decode_rows, batch.decode_slots
-        pick = (lambda t: t) if batch.all_decode else (lambda t: t.index_select(0, rows))  # noqa: E731
+        pick = (lambda t: t) if batch.all_decode else (lambda t: t.index_select(0, rows))
         y, new_conv = gdn.causal_conv1d_step(pick(mixed), conv_states.index_select(0, slots), conv_w)
         q, k, v = split(y)
         o, new_ssm = gdn.recurrent_gated_delta_rule(

@@ -17,7 +17,12 @@ import pytest
 import torch
 
 from ninfer.native.model import paths
-from ninfer.native.model.attention import decode_attention, decode_attention_naive, decode_kv_slots, write_kv
+from ninfer.native.model.attention import (
+    decode_attention,
+    decode_attention_naive,
+    decode_kv_slots,
+    write_kv,
+)
 from ninfer.native.model.config import PAGE_SIZE
 from ninfer.native.model.forward import ForwardBatch, SeqInput
 from ninfer.native.model.model import HybridModel
@@ -146,7 +151,7 @@ def _written_kv(cache, rows: list[SeqInput]):
     slots = [t.page_table[p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE
              for t in rows for p in range(t.start, t.start + len(t.token_ids))]
     idx = torch.tensor(slots)
-    flat = lambda x: x.view(x.shape[0], -1, *x.shape[3:])[:, idx]  # noqa: E731
+    flat = lambda x: x.view(x.shape[0], -1, *x.shape[3:])[:, idx]
     return flat(cache.k), flat(cache.v)
 
 
