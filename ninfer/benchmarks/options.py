@@ -134,6 +134,16 @@ def _cache_scale(b: argparse.ArgumentParser) -> None:
     _common(b)
 
 
+def _decode(b: argparse.ArgumentParser) -> None:
+    b.add_argument("--model", default="models/tiny", metavar="DIR",
+                   help="model directory; the tiny model is built there if missing")
+    b.add_argument("--dtype", choices=DTYPES, default="float32", help="model dtype")
+    b.add_argument("--out", default=None, metavar="FILE.json",
+                   help="write the JSON result to this file instead of stdout")
+    b.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="write the figure to this PNG file (default: --out with .png)")
+
+
 def _gpu(b: argparse.ArgumentParser) -> None:
     b.add_argument("--model", default="models/tiny", metavar="DIR",
                    help="model directory for the engine check; the tiny model is built there if missing")
@@ -182,6 +192,8 @@ BENCHES = {
     "cache-scale": (_cache_scale, "controller cost against the number of cached records: decode cycle, "
                                   "admission, admission with reclaim, per request while filling and with the "
                                   "Host full"),
+    "decode": (_decode, "the model forward alone: decode tok/s at C=1..8 on the batched path and on the "
+                        "per-sequence reference beside it, and their ratio at C=8 (same tokens checked)"),
     "gpu": (_gpu, "the prepared GPU check: every kernel against its torch reference on CUDA (tiny and "
                   "interpreted without one), kernel times, pinned H2D/D2H GB/s, the engine on CUDA against "
                   "reference_generate; bench/gpu_check.sh bounds it at 8 minutes"),
@@ -204,6 +216,9 @@ def run_bench(args: argparse.Namespace) -> int:
 
     if args.name == "gpu":
         import_module("ninfer.benchmarks.gpu").run(args.model, out=args.out)
+        return 0
+    if args.name == "decode":
+        import_module("ninfer.benchmarks.decode").run(args.model, out=args.out, dtype=args.dtype, plot=args.plot)
         return 0
     kw = {"out": args.out, "plot": args.plot, "dtype": args.dtype}
     if args.name == "controller":

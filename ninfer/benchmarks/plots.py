@@ -119,6 +119,17 @@ def actors(data: dict, path: str | Path) -> None:
     _save(plt, fig, path)
 
 
+def decode(data: dict, path: str | Path) -> None:
+    plt, fig, (ax,) = _figure(1, "ninfer bench decode: batched forward vs the per-sequence reference", width=7.0)
+    for k, name in enumerate(dict.fromkeys(r["path"] for r in data["rows"])):
+        rows = [r for r in data["rows"] if r["path"] == name]
+        ax.plot([r["C"] for r in rows], [r["decode_tok_s"] for r in rows], marker="o", color=f"C{k}",
+                label=name.replace("_", "-"))
+    ax.set(ylabel="decode tokens / s (model forward)", ylim=(0, None))
+    _c_axis(ax, data["rows"])
+    _save(plt, fig, path)
+
+
 CACHE_SERIES = [("decode_us", 1e-3, "steady decode cycle"), ("admit_ms", 1.0, "admission, cached prefix"),
                 ("reclaim_ms", 1.0, "admission with reclaim"), ("settle_ms", 1.0, "reclaim decision alone"),
                 ("host_full_ms", 1.0, "per request, Host full")]
@@ -148,7 +159,8 @@ def serve(data: dict, path: str | Path) -> None:
     _save(plt, fig, path)
 
 
-PLOTS = {"controller": controller, "agent": agent, "actors": actors, "cache-scale": cache_scale, "serve": serve}
+PLOTS = {"controller": controller, "agent": agent, "actors": actors, "cache-scale": cache_scale, "serve": serve,
+         "decode": decode}
 
 
 def draw(data: dict, path: str | Path) -> None:

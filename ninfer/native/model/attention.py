@@ -1,4 +1,4 @@
-"""Paged KV attention (pure-torch reference).
+"""Paged KV attention (pure-torch ops).
 
 KV layout of one attention layer: ``k_cache, v_cache: [P, PAGE, Hkv, D]`` with PAGE = 64.
 A sequence's page table lists the pages holding its positions in order::
@@ -8,6 +8,15 @@ A sequence's page table lists the pages holding its positions in order::
 
 Queries of one call are contiguous positions ``start .. start + Tq - 1`` of a sequence; the
 query at position p attends keys 0..p (causal), which must already be written.
+
+Two ops, fla's habit of a naive op beside each fast one with the same signature:
+
+* ``paged_attention`` — one sequence's queries (a prefill/replay chunk over its cached prefix,
+  or one decode row). The per-sequence reference, and the chunk op of the batched path.
+* ``decode_attention`` — B decode rows at once over a padded block table with a length mask;
+  ``decode_attention_naive`` is the same contract computed row by row with
+  ``paged_attention``. A paged Triton kernel (split-K) replaces ``decode_attention`` on the GPU
+  with this signature.
 """
 
 from __future__ import annotations
@@ -50,3 +59,61 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     scores = scores.masked_fill(kpos > qpos, float("-inf"))
     probs = torch.softmax(scores.to(acc_dtype(q.dtype)), dim=-1).to(q.dtype)
     return (probs @ vh).transpose(0, 1)
+
+
+def decode_kv_slots(block_table: torch.Tensor, kv_lens: torch.Tensor, max_len: int) -> torch.Tensor:
+    """The flat KV slot of every key position of B decode rows: [B, max_len] long.
+
+    block_table: [B, Pmax]; kv_lens: [B]; max_len >= max(kv_lens). Positions at or past a
+    row's kv_len repeat the row's slot of position 0 — always written, so a masked key or value
+    is a finite copy, never a stale or uninitialised byte (no 0 * NaN in the output)::
+
+        row b:  slot(0) slot(1) ... slot(kv_len-1) | slot(0) slot(0) ...   (masked)
+    """
+    pos = torch.arange(max_len, device=block_table.device)
+    slots = block_table[:, pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE
+    return torch.where(pos[None, :] < kv_lens[:, None], slots, slots[:, :1])
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_table: torch.Tensor, kv_lens: torch.Tensor, scale: float,
+                     kv_slots: torch.Tensor | None = None) -> torch.Tensor:
+    """One query per row for B decode rows, batched over rows (no per-row Python loop).
+
+    q: [B, H, D], row b at position kv_lens[b] - 1; k_cache, v_cache: [P, 64, Hkv, D];
+    block_table: [B, Pmax] long, row b's pages in order (entries past its ceil(kv_len / 64)
+    pages are padding and must name a valid page); kv_lens: [B] long. ``kv_slots``:
+    ``decode_kv_slots(block_table, kv_lens, L)``, passed when the caller built it once for all
+    layers (a kernel reading the block table ignores it). Returns [B, H, D] in q's dtype, with
+    the precision policy of ``paged_attention``.
+
+    The keys of every row are gathered token by token into [B, L, Hkv, D] (L = max kv_len:
+    no page padding is copied); slots past a row's kv_len are masked to -inf. GQA without
+    repeating K/V: one bmm per key head (Hkv is a small constant of the model), each over the
+    strided [B, L, D] view of that head.
+    """
+    b, h, d = q.shape
+    hkv = k_cache.shape[2]
+    rep = h // hkv
+    if kv_slots is None:
+        kv_slots = decode_kv_slots(block_table, kv_lens, block_table.shape[1] * PAGE_SIZE)
+    flat = kv_slots.reshape(-1)
+    k = k_cache.view(-1, hkv * d).index_select(0, flat).view(b, -1, hkv, d).to(q.dtype)  # [B, L, Hkv, D]
+    v = v_cache.view(-1, hkv * d).index_select(0, flat).view(b, -1, hkv, d).to(q.dtype)
+    masked = torch.arange(k.shape[1], device=q.device)[None, :] >= kv_lens[:, None]      # [B, L]
+    qg = q.view(b, hkv, rep, d)
+    scores = torch.stack([torch.bmm(qg[:, g], k[:, :, g].transpose(1, 2)) for g in range(hkv)], 1)
+    scores = (scores * scale).masked_fill(masked[:, None, None, :], float("-inf"))  # [B, Hkv, rep, L]
+    probs = torch.softmax(scores.to(acc_dtype(q.dtype)), dim=-1).to(q.dtype)
+    out = torch.stack([torch.bmm(probs[:, g], v[:, :, g]) for g in range(hkv)], 1)  # [B, Hkv, rep, D]
+    return out.reshape(b, h, d)
+
+
+def decode_attention_naive(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_table: torch.Tensor, kv_lens: torch.Tensor, scale: float,
+                           kv_slots: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference of ``decode_attention`` (same signature): ``paged_attention`` row by row."""
+    out = torch.empty_like(q)
+    for i, n in enumerate(kv_lens.tolist()):
+        out[i:i + 1] = paged_attention(q[i:i + 1], k_cache, v_cache, block_table[i], n - 1, scale)
+    return out

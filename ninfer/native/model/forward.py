@@ -12,6 +12,17 @@ A sequence with q_len == 1 is a decode row (batched recurrent step); longer ones
 or replay chunks (chunked form). Either way the state in ``state_slots[i]`` is read as the
 initial state and overwritten with the final state, and the new K/V are written to the pages
 of ``page_tables[i]`` before attention reads them.
+
+The decode rows also get padded, batch-wide index tensors, built once per call and read by
+every layer (the batched path computes all of them with one op per step, no Python loop)::
+
+    decode_rows         [B]        token row of decode row b in the packed T
+    decode_slots        [B]        its state slot
+    decode_kv_lens      [B]        keys it attends: start + 1
+    decode_block_table  [B, Pmax]  its first ceil(kv_len / 64) pages, padded with its own
+                                   first page (padding is masked, never read as a key)
+    decode_kv_slots     [B, Lmax]  the flat slot of each of its keys, Lmax = max kv_len
+                                   (``attention.decode_kv_slots``: the gather index)
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ninfer.native.model.attention import decode_kv_slots
 from ninfer.native.model.config import PAGE_SIZE, ModelConfig
 
 
@@ -46,6 +58,16 @@ class ForwardBatch:
     logits_rows: torch.Tensor       # [M] long, rows whose hidden/logits are returned
     decode_seqs: list[int] = field(default_factory=list)   # sequences with q_len == 1
     chunk_seqs: list[int] = field(default_factory=list)    # sequences with q_len > 1
+    decode_rows: torch.Tensor | None = None          # [B] long (see the module docstring)
+    decode_slots: torch.Tensor | None = None         # [B] long
+    decode_kv_lens: torch.Tensor | None = None       # [B] long
+    decode_block_table: torch.Tensor | None = None   # [B, Pmax] long
+    decode_kv_slots: torch.Tensor | None = None      # [B, Lmax] long
+
+    @property
+    def all_decode(self) -> bool:
+        """Every sequence is a decode row: rows 0..B-1 are the decode rows, in order."""
+        return not self.chunk_seqs
 
     @property
     def num_seqs(self) -> int:
@@ -76,6 +98,12 @@ class ForwardBatch:
                 rows.append(base + n - 1)
             cu.append(base + n)
         lt = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+        decode = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
+        tables = [seqs[i].page_table[:seqs[i].start // PAGE_SIZE + 1] for i in decode]
+        width = max((len(t) for t in tables), default=0)
+        block_table = lt([t + t[:1] * (width - len(t)) for t in tables]).view(len(decode), width)
+        kv_lens = lt([seqs[i].start + 1 for i in decode])
+        max_len = max((seqs[i].start + 1 for i in decode), default=0)
         return ForwardBatch(
             input_ids=lt(ids),
             positions=lt(pos),
@@ -85,8 +113,13 @@ class ForwardBatch:
             state_slots=lt([s.state_slot for s in seqs]),
             slot_mapping=lt(slots),
             logits_rows=lt(rows),
-            decode_seqs=[i for i, s in enumerate(seqs) if len(s.token_ids) == 1],
+            decode_seqs=decode,
             chunk_seqs=[i for i, s in enumerate(seqs) if len(s.token_ids) > 1],
+            decode_rows=lt([cu[i] for i in decode]),
+            decode_slots=lt([seqs[i].state_slot for i in decode]),
+            decode_kv_lens=kv_lens,
+            decode_block_table=block_table,
+            decode_kv_slots=decode_kv_slots(block_table, kv_lens, max_len),
         )
 
 

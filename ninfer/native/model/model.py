@@ -14,12 +14,12 @@ import torch
 import torch.nn.functional as F
 
 from ninfer.errors import ModelLoadError
-from ninfer.native.model import gdn
-from ninfer.native.model.attention import paged_attention, write_kv
+from ninfer.native.model.attention import write_kv
 from ninfer.native.model.config import LINEAR, ModelConfig, load_config
 from ninfer.native.model.forward import ForwardBatch, ForwardOutput, ModelCache
 from ninfer.native.model.moe import MoeWeights, sparse_moe
 from ninfer.native.model.ops import Rope, acc_dtype, gated_rms_norm, rms_norm, silu_mlp
+from ninfer.native.model.paths import BATCHED, ForwardPath
 from ninfer.native.model.weights import count_mtp_layers, load_tensors, weight_files
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -131,7 +131,12 @@ def _layer_weights(t: dict[str, torch.Tensor], p: str, c: ModelConfig, kind: str
 
 
 class HybridModel:
-    """Weights + math of one resident model. Stateless: all state lives in a ModelCache."""
+    """Weights + math of one resident model. Stateless: all state lives in a ModelCache.
+
+    ``path`` says how the mixers run over the sequences of a call (``paths.BATCHED``, or the
+    per-sequence reference ``paths.PER_SEQUENCE`` that tests and the decode benchmark set)."""
+
+    path: ForwardPath = BATCHED
 
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device | str = "cpu"):
@@ -208,12 +213,7 @@ class HybridModel:
         v = F.linear(x, w.v_proj, bv).view(T, -1, D)
         q, k = Rope.apply(q, cos, sin), Rope.apply(k, cos, sin)
         write_kv(cache.k[j], cache.v[j], batch.slot_mapping, k, v)
-        out = torch.empty_like(q)
-        for s in range(batch.num_seqs):
-            lo, hi = batch.cu[s], batch.cu[s + 1]
-            out[lo:hi] = paged_attention(q[lo:hi], cache.k[j], cache.v[j], batch.page_tables[s],
-                                         batch.starts[s], D ** -0.5)
-        out = out.reshape(T, -1)
+        out = self.path.attention(q, cache.k[j], cache.v[j], batch, D ** -0.5).reshape(T, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return F.linear(out, w.o_proj, bo)
@@ -227,32 +227,11 @@ class HybridModel:
         b, a = F.linear(x, w.in_proj_ba).chunk(2, dim=-1)
         beta = torch.sigmoid(b)
         g = -w.a_log.to(self.acc).exp() * F.softplus(a.to(self.acc) + w.dt_bias.to(self.acc))
-        conv_states, ssm_states = cache.conv[j], cache.ssm[j]
-        core = torch.empty(T, hv, dv, dtype=x.dtype, device=x.device)
 
         def split(m: torch.Tensor):
             q, k, v = m.split([c.linear_key_dim, c.linear_key_dim, c.linear_value_dim], dim=-1)
             return q.unflatten(-1, (hk, dk)), k.unflatten(-1, (hk, dk)), v.unflatten(-1, (hv, dv))
 
-        if batch.decode_seqs:
-            seqs = batch.decode_seqs
-            rows = torch.tensor([batch.cu[s] for s in seqs], dtype=torch.long, device=x.device)
-            slots = batch.state_slots[seqs]
-            y, new_conv = gdn.causal_conv1d_step(mixed[rows], conv_states[slots], w.conv)
-            q, k, v = split(y)
-            o, new_ssm = gdn.recurrent_gated_delta_rule(
-                q[:, None], k[:, None], v[:, None], g[rows][:, None], beta[rows][:, None], ssm_states[slots])
-            core[rows] = o[:, 0]
-            conv_states[slots] = new_conv.to(conv_states.dtype)
-            ssm_states[slots] = new_ssm.to(ssm_states.dtype)
-        for s in batch.chunk_seqs:
-            lo, hi = batch.cu[s], batch.cu[s + 1]
-            slot = int(batch.state_slots[s])
-            y, new_conv = gdn.causal_conv1d(mixed[lo:hi], conv_states[slot], w.conv)
-            q, k, v = split(y)
-            o, new_ssm = gdn.chunk_gated_delta_rule(q, k, v, g[lo:hi], beta[lo:hi], ssm_states[slot])
-            core[lo:hi] = o
-            conv_states[slot] = new_conv.to(conv_states.dtype)
-            ssm_states[slot] = new_ssm.to(ssm_states.dtype)
+        core = self.path.gdn(mixed, g, beta, w.conv, cache.conv[j], cache.ssm[j], batch, split)
         out = gated_rms_norm(core, z.view(T, hv, dv), w.norm, c.rms_norm_eps)
         return F.linear(out.reshape(T, hv * dv), w.out_proj)

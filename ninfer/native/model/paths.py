@@ -1,0 +1,143 @@
+"""How the mixers of one call are computed over its sequences: batched (default) or one
+sequence at a time (the reference beside it).
+
+Both paths take the same inputs and must give the same result — in float64 to rounding
+(tests/native/model/test_batched_forward.py) — so the per-sequence path is the oracle of the
+batched one, as ``reference_generate`` is the oracle of the engine:
+
+* ``BATCHED`` — all decode rows of a call in one op per step: attention over a padded block
+  table (``decode_attention``), conv step and recurrent delta rule over states gathered from
+  their slots and scattered back (``index_select`` / ``index_copy_``). The one prefill/replay
+  chunk a call may carry goes through the chunk ops (``paged_attention``,
+  ``chunk_gated_delta_rule``).
+* ``PER_SEQUENCE`` — every sequence alone, decode rows included, with the same per-sequence
+  ops. Slow; kept for tests and for the decode benchmark's comparison.
+
+A path is chosen per model (``HybridModel.path``); nothing else reads it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from ninfer.native.model import gdn
+from ninfer.native.model.attention import decode_attention, paged_attention
+from ninfer.native.model.forward import ForwardBatch
+
+Split = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+class ForwardPath(Protocol):
+    name: str
+
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  batch: ForwardBatch, scale: float) -> torch.Tensor:
+        """Causal attention of every row over its sequence's paged KV (new K/V already written).
+
+        q: [T, H, D]; k_cache, v_cache: [P, 64, Hkv, D]. Returns [T, H, D] in q's dtype."""
+        ...
+
+    def gdn(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_w: torch.Tensor,
+            conv_states: torch.Tensor, ssm_states: torch.Tensor, batch: ForwardBatch,
+            split: Split) -> torch.Tensor:
+        """Conv + gated delta rule of every row, continuing from and updating the states.
+
+        mixed: [T, C] pre-conv q|k|v; g, beta: [T, Hv]; conv_w: [C, K];
+        conv_states: [S, C, K-1] and ssm_states: [S, Hv, Dk, Dv], rows ``batch.state_slots``
+        read as initial and overwritten with final states; ``split`` cuts the conv output
+        [N, C] into q, k: [N, Hk, Dk] and v: [N, Hv, Dv]. Returns the core output [T, Hv, Dv]
+        in mixed's dtype."""
+        ...
+
+
+def _attention_alone(out, q, k_cache, v_cache, batch, scale, seqs) -> None:
+    """Each of ``seqs`` by itself (``paged_attention``), into its rows of ``out``."""
+    for s in seqs:
+        lo, hi = batch.cu[s], batch.cu[s + 1]
+        out[lo:hi] = paged_attention(q[lo:hi], k_cache, v_cache, batch.page_tables[s], batch.starts[s], scale)
+
+
+def _gdn_alone(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split, seqs) -> None:
+    """Each of ``seqs`` by itself: a chunk in the chunked form, a decode row in the recurrent
+    form with N = 1; its rows of ``core`` and its state slot are written."""
+    for s in seqs:
+        lo, hi = batch.cu[s], batch.cu[s + 1]
+        slot = int(batch.state_slots[s])
+        if hi - lo == 1:   # a decode row computed alone (the per-sequence path)
+            y, new_conv = gdn.causal_conv1d_step(mixed[lo:hi], conv_states[slot:slot + 1], conv_w)
+            q, k, v = split(y)
+            o, new_ssm = gdn.recurrent_gated_delta_rule(
+                q[:, None], k[:, None], v[:, None], g[lo:hi, None], beta[lo:hi, None], ssm_states[slot:slot + 1])
+            o, new_conv, new_ssm = o[:, 0], new_conv[0], new_ssm[0]
+        else:
+            y, new_conv = gdn.causal_conv1d(mixed[lo:hi], conv_states[slot], conv_w)
+            q, k, v = split(y)
+            o, new_ssm = gdn.chunk_gated_delta_rule(q, k, v, g[lo:hi], beta[lo:hi], ssm_states[slot])
+        core[lo:hi] = o
+        conv_states[slot] = new_conv.to(conv_states.dtype)
+        ssm_states[slot] = new_ssm.to(ssm_states.dtype)
+
+
+def _core_out(mixed: torch.Tensor, ssm_states: torch.Tensor) -> torch.Tensor:
+    """An empty [T, Hv, Dv] core output in the model dtype."""
+    return mixed.new_empty(mixed.shape[0], ssm_states.shape[1], ssm_states.shape[3])
+
+
+class BatchedPath:
+    name = "batched"
+
+    def attention(self, q, k_cache, v_cache, batch, scale):
+        if batch.all_decode:
+            return decode_attention(q, k_cache, v_cache, batch.decode_block_table, batch.decode_kv_lens, scale,
+                                    batch.decode_kv_slots)
+        out = torch.empty_like(q)
+        if batch.decode_seqs:
+            rows = batch.decode_rows
+            out.index_copy_(0, rows, decode_attention(q.index_select(0, rows), k_cache, v_cache,
+                                                      batch.decode_block_table, batch.decode_kv_lens, scale,
+                                                      batch.decode_kv_slots))
+        _attention_alone(out, q, k_cache, v_cache, batch, scale, batch.chunk_seqs)
+        return out
+
+    def gdn(self, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split):
+        if not batch.decode_seqs:
+            core = _core_out(mixed, ssm_states)
+            _gdn_alone(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split, batch.chunk_seqs)
+            return core
+        rows, slots = batch.decode_rows, batch.decode_slots
+        pick = (lambda t: t) if batch.all_decode else (lambda t: t.index_select(0, rows))
+        y, new_conv = gdn.causal_conv1d_step(pick(mixed), conv_states.index_select(0, slots), conv_w)
+        q, k, v = split(y)
+        o, new_ssm = gdn.recurrent_gated_delta_rule(
+            q[:, None], k[:, None], v[:, None], pick(g)[:, None], pick(beta)[:, None],
+            ssm_states.index_select(0, slots))
+        conv_states.index_copy_(0, slots, new_conv.to(conv_states.dtype))
+        ssm_states.index_copy_(0, slots, new_ssm.to(ssm_states.dtype))
+        if batch.all_decode:
+            return o[:, 0]
+        core = _core_out(mixed, ssm_states)
+        core.index_copy_(0, rows, o[:, 0])
+        _gdn_alone(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split, batch.chunk_seqs)
+        return core
+
+
+class PerSequencePath:
+    name = "per_sequence"
+
+    def attention(self, q, k_cache, v_cache, batch, scale):
+        out = torch.empty_like(q)
+        _attention_alone(out, q, k_cache, v_cache, batch, scale, range(batch.num_seqs))
+        return out
+
+    def gdn(self, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split):
+        core = _core_out(mixed, ssm_states)
+        _gdn_alone(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split, range(batch.num_seqs))
+        return core
+
+
+BATCHED: ForwardPath = BatchedPath()
+PER_SEQUENCE: ForwardPath = PerSequencePath()
+PATHS = {p.name: p for p in (BATCHED, PER_SEQUENCE)}
