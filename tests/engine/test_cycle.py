@@ -295,8 +295,11 @@ def test_a_host_save_is_not_lost_to_a_read_back(make, tiny_model):
     """Finding 8: when a bind's read-back starts in the same step, a save that needs the Host
     joins the transaction (or starts the next) instead of being skipped although the Host has
     room."""
+    # every completion arrives a few progress points late (the public fault surface), so the
+    # read-back is surely still in flight when the fresh request's save needs the Host
     h = make(max_concurrency=2, kv_capacity=6 * 64, max_context=384, prefill_chunk_tokens=256,
-             context_cache={"device_state_slots": 0, "host_capacity_bytes": 8 << 20})
+             context_cache={"device_state_slots": 0, "host_capacity_bytes": 8 << 20},
+             faults=[{"kind": "completion_delay", "steps": 6, "count": 0}])
     p0 = random_prompt(60, seed=3)
     r0 = h.submit(p0, max_tokens=5)
     h.run(until=lambda: h.done(r0))
