@@ -208,3 +208,23 @@ def test_a_stop_split_across_many_tokens_counts_the_completing_token(tiny_model)
         assert out == want[:want.find(stop)], stop
         assert "".join(tok.decode(ids[:s.stopped_at])).find(stop) >= 0
         assert stop not in tok.decode(ids[:s.stopped_at - 1])
+
+
+def test_responses_stream_a_function_call_as_its_own_item(scripted):
+    """Responses: a tool call is a function_call output item (streamed with its arguments
+    events), the text before it a message item; the non-stream object says the same."""
+    c = scripted.client
+    tools = [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]
+    kinds, args, final = [], "", None
+    for ev in c.responses.create(model="tiny", input="Let me check." + CALL, tools=tools, stream=True):
+        kinds.append(ev.type)
+        if ev.type == "response.function_call_arguments.done":
+            args = ev.arguments
+        if ev.type == "response.completed":
+            final = ev.response
+    assert kinds.index("response.output_text.done") < kinds.index("response.function_call_arguments.done")
+    assert args == '{"city": "Paris"}' and kinds[-1] == "response.completed"
+    assert [o.type for o in final.output] == ["message", "function_call"]
+    r = c.responses.create(model="tiny", input="Let me check." + CALL, tools=tools)
+    assert [o.type for o in r.output] == ["message", "function_call"]
+    assert r.output[1].name == "get_weather" and r.output[0].content[0].text == "Let me check."
