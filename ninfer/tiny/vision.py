@@ -13,7 +13,11 @@ import math
 import torch
 
 from ninfer.native.model.config import parse_config
-from ninfer.native.model.vision import PREFIX, expected_vision_tensors, parse_vision_config
+from ninfer.native.model.vision import (
+    PREFIX,
+    expected_vision_tensors,
+    parse_vision_config,
+)
 from ninfer.tiny.weights import qwen3_next_config, random_tensors
 
 # text rotary half-dim = head_dim 64 × 0.25 / 2 = 8, split T/H/W like Qwen3.5's [11, 11, 10] of 32

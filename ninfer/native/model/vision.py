@@ -200,7 +200,7 @@ class VisionTower:
 
     @classmethod
     def load(cls, model_dir: str | Path, cfg: VisionConfig, dtype: torch.dtype = torch.float32,
-             device: str | torch.device = "cpu") -> "VisionTower":
+             device: str | torch.device = "cpu") -> VisionTower:
         """Strict on the ``model.visual.*`` tensors; the text tensors are the text loader's job."""
         files = {n: f for n, f in weight_files(Path(model_dir)).items() if n.startswith(PREFIX)}
         tensors = load_checked(Path(model_dir), files, expected_vision_tensors(cfg), dtype, what="vision tower")

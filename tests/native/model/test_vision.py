@@ -8,7 +8,11 @@ import pytest
 import torch
 
 from ninfer.errors import ModelLoadError
-from ninfer.native.model.vision import VisionTower, expected_vision_tensors, parse_vision_config
+from ninfer.native.model.vision import (
+    VisionTower,
+    expected_vision_tensors,
+    parse_vision_config,
+)
 from ninfer.tiny.build import make_tiny_model
 
 transformers = pytest.importorskip("transformers")
@@ -27,6 +31,11 @@ def tiny_vision(tmp_path_factory):
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny_vision"), arch="qwen3_5_vision"))
 
 
+def _raw(model_dir: str) -> dict:
+    with open(f"{model_dir}/config.json") as f:
+        return json.load(f)
+
+
 def _inputs(cfg, seed=3):
     grid = torch.tensor(GRIDS)
     n = int(grid.prod(-1).sum())
@@ -37,7 +46,7 @@ def test_checkpoint_has_exactly_the_hf_vision_keys(tiny_vision):
     hf, info = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(
         tiny_vision, dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
-    cfg = parse_vision_config(json.load(open(f"{tiny_vision}/config.json")))
+    cfg = parse_vision_config(_raw(tiny_vision))
     hf_shapes = {f"model.visual.{k}": tuple(v.shape) for k, v in hf.model.visual.state_dict().items()}
     assert hf_shapes == expected_vision_tensors(cfg)
 
@@ -45,7 +54,7 @@ def test_checkpoint_has_exactly_the_hf_vision_keys(tiny_vision):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=["fp32", "fp64", "bf16"])
 def test_tower_matches_transformers(tiny_vision, dtype):
     torch.set_num_threads(1)
-    cfg = parse_vision_config(json.load(open(f"{tiny_vision}/config.json")))
+    cfg = parse_vision_config(_raw(tiny_vision))
     pixels, grid = _inputs(cfg)
     ours = VisionTower.load(tiny_vision, cfg, dtype).encode(pixels, grid)
     hf = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(tiny_vision, dtype=dtype).eval()
@@ -61,7 +70,7 @@ def test_tower_matches_transformers(tiny_vision, dtype):
 def test_loader_is_strict(tiny_vision, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    cfg = parse_vision_config(json.load(open(f"{tiny_vision}/config.json")))
+    cfg = parse_vision_config(_raw(tiny_vision))
     tensors = load_file(f"{tiny_vision}/model.safetensors")
     del tensors["model.visual.blocks.1.attn.qkv.bias"]
     save_file(tensors, str(tmp_path / "model.safetensors"))
