@@ -15,6 +15,8 @@ continues decoding: the token at index i > prompt end is at (i + delta) on all t
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import torch
 
 
@@ -36,7 +38,7 @@ def mrope_positions(token_ids: list[int] | torch.Tensor, image_token_id: int, im
         raise ValueError(f"{n_runs} image token runs but {len(grids)} image grids")
     pieces, pos, g = [], 0, 0
     m = spatial_merge_size
-    for a, b in zip(bounds[:-1], bounds[1:]):
+    for a, b in pairwise(bounds):
         if not is_img[a]:
             pieces.append(torch.arange(pos, pos + b - a).expand(3, -1))
             pos += b - a
