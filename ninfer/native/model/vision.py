@@ -162,7 +162,8 @@ def position_embedding(table: torch.Tensor, row: torch.Tensor, col: torch.Tensor
     wt, ww = _axis_taps(col, w, side)
     idx = (ht[:, :, None] * side + wt[:, None, :]).reshape(-1, 4)
     wts = (hw[:, :, None] * ww[:, None, :]).reshape(-1, 4)
-    return (table[idx] * wts[:, :, None].to(table.dtype)).sum(1)
+    acc = torch.promote_types(table.dtype, torch.float32)  # bf16 tables blend in fp32, as HF does
+    return (table[idx].to(acc) * wts[:, :, None].to(acc)).sum(1).to(table.dtype)
 
 
 def rotary(row: torch.Tensor, col: torch.Tensor, head_dim: int, theta: float,
@@ -212,7 +213,8 @@ class VisionTower:
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return F.layer_norm(x, x.shape[-1:], self.w[name + ".weight"], self.w[name + ".bias"], eps=1e-6)
 
-    def _block(self, x: torch.Tensor, b: int, cos, sin, same_frame: torch.Tensor) -> torch.Tensor:
+    def _block(self, x: torch.Tensor, b: int, cos: torch.Tensor, sin: torch.Tensor,
+               same_frame: torch.Tensor | None) -> torch.Tensor:
         c, p = self.cfg, f"blocks.{b}."
         n = x.shape[0]
         q, k, v = self._linear(self._norm(x, p + "norm1"), p + "attn.qkv").view(n, 3, c.num_heads, c.head_dim).unbind(1)
@@ -244,7 +246,8 @@ class VisionTower:
         rope_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
         cos, sin = (t.to(self.device) for t in rotary(row, col, c.head_dim, c.rope_theta, rope_dtype))
         frame = frame.to(self.device)
-        same_frame = frame[:, None] == frame[None, :]
+        # block-diagonal over frames; one frame needs no mask (and SDPA then takes its fast path)
+        same_frame = None if int(frame[-1]) == 0 else frame[:, None] == frame[None, :]
         for b in range(c.depth):
             x = self._block(x, b, cos, sin, same_frame)
         x = self._norm(x, "merger.norm").reshape(-1, c.merged_dim)

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.hf
 
 # two single images (one smaller, one larger than the 8×8 position table, non-square) and a
 # 2-frame clip: interpolation, per-frame attention and the merge order all get exercised
-GRIDS = [[1, 4, 6], [2, 6, 4], [1, 10, 8]]
+GRIDS = {"mixed": [[1, 4, 6], [2, 6, 4], [1, 10, 8]], "one": [[1, 12, 16]]}  # "one": the unmasked path
 # relative to the output's max |value|; float64 is bounded by transformers' float32 rope
 # (measured: fp32 9e-7, fp64 2e-8, bf16 6e-3 where both sides round alike in bfloat16)
 RTOL = {torch.float32: 1e-5, torch.float64: 1e-6, torch.bfloat16: 3e-2}
@@ -36,8 +36,8 @@ def _raw(model_dir: str) -> dict:
         return json.load(f)
 
 
-def _inputs(cfg, seed=3):
-    grid = torch.tensor(GRIDS)
+def _inputs(cfg, grids="mixed", seed=3):
+    grid = torch.tensor(GRIDS[grids])
     n = int(grid.prod(-1).sum())
     return torch.randn(n, cfg.patch_dim, generator=torch.Generator().manual_seed(seed), dtype=torch.float64), grid
 
@@ -51,11 +51,12 @@ def test_checkpoint_has_exactly_the_hf_vision_keys(tiny_vision):
     assert hf_shapes == expected_vision_tensors(cfg)
 
 
+@pytest.mark.parametrize("grids", list(GRIDS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=["fp32", "fp64", "bf16"])
-def test_tower_matches_transformers(tiny_vision, dtype):
+def test_tower_matches_transformers(tiny_vision, dtype, grids):
     torch.set_num_threads(1)
     cfg = parse_vision_config(_raw(tiny_vision))
-    pixels, grid = _inputs(cfg)
+    pixels, grid = _inputs(cfg, grids)
     ours = VisionTower.load(tiny_vision, cfg, dtype).encode(pixels, grid)
     hf = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(tiny_vision, dtype=dtype).eval()
     with torch.no_grad():
