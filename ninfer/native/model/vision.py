@@ -141,7 +141,7 @@ def patch_coords(grid_thw: torch.Tensor, merge: int) -> tuple[torch.Tensor, torc
 def _axis_taps(index: torch.Tensor, size: torch.Tensor, side: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Bilinear align_corners taps [P, 2] and weights [P, 2] along one axis of the position table.
 
-    In float32 like transformers' helper (exact for any real grid), so both resample identically.
+    In float32 as transformers' helper computes them, so both resample alike (for fp64 too).
     """
     src = index.to(torch.float32) * (side - 1) / torch.clamp(size - 1, min=1).to(torch.float32)
     floor = torch.floor(src)
