@@ -1,6 +1,6 @@
 """The ``ninfer`` command line.
 
-    ninfer make-tiny-model DIR [--seed N] [--arch qwen3_next|qwen3]
+    ninfer make-tiny-model DIR [--seed N] [--arch qwen3_next|qwen3|qwen3_5_vision]
     ninfer demo [--model DIR]
     ninfer serve --model DIR [--config FILE] [--host 127.0.0.1] [--port 8000] [--address auto]
     ninfer bench controller|agent|actors|cache-scale|serve [options] [--out FILE.json] [--plot FILE.png]
@@ -81,8 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("make-tiny-model", help="generate a tiny HF-layout model directory (no hub needed)")
     p.add_argument("dir", help="output directory (created or overwritten)")
     p.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
-    p.add_argument("--arch", choices=["qwen3_next", "qwen3"], default="qwen3_next",
-                   help="hybrid Qwen3-Next (default) or pure-attention Qwen3")
+    p.add_argument("--arch", choices=["qwen3_next", "qwen3", "qwen3_5_vision"], default="qwen3_next",
+                   help="hybrid Qwen3-Next (default), pure-attention Qwen3, or Qwen3.5 with a vision tower")
     p.set_defaults(func=_make_tiny_model)
 
     p = sub.add_parser("demo", help="the main job: a short multi-turn agent conversation on the tiny model")

@@ -2,7 +2,8 @@
 
 Writes config.json, model.safetensors (seeded random weights, one MTP layer for qwen3_next in
 the layout real Qwen3-Next checkpoints use), a locally trained byte-level BPE tokenizer with a
-Qwen-style chat template, and generation_config.json. The directory loads unchanged in
+Qwen-style chat template, and generation_config.json. ``qwen3_5_vision`` is a Qwen3.5
+vision-language directory (ninfer/tiny/vision.py); NInfer loads its vision tower so far. The directory loads unchanged in
 transformers and goes through the same loader as a real checkpoint.
 """
 
@@ -14,20 +15,30 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from ninfer.native.model.config import parse_config
+from ninfer.tiny.vision import qwen3_5_vision_config, random_vision_model
 from ninfer.tiny.weights import qwen3_config, qwen3_next_config, random_tensors
 
-ARCHES = {"qwen3_next": qwen3_next_config, "qwen3": qwen3_config}
+TEXT_CONFIGS = {"qwen3_next": qwen3_next_config, "qwen3": qwen3_config}
+ARCHES = (*TEXT_CONFIGS, "qwen3_5_vision")
 VOCAB_SIZE = 2048
 
 
-def write_model_files(out: Path, arch: str, seed: int, vocab_size: int, eos: list[int], pad: int) -> None:
-    """config.json + model.safetensors (+ generation_config.json) for ``arch``."""
+def write_model_files(out: Path, arch: str, seed: int, vocab_size: int, eos: list[int], pad: int,
+                      vision_ids: dict[str, int] | None = None) -> None:
+    """config.json + model.safetensors (+ generation_config.json) for ``arch``.
+
+    ``qwen3_5_vision`` needs ``vision_ids``: the ids of the tokenizer's VISION_TOKENS.
+    """
     if arch not in ARCHES:
         raise ValueError(f"unknown arch {arch!r} (choose from {', '.join(ARCHES)})")
     out.mkdir(parents=True, exist_ok=True)
-    raw = ARCHES[arch](vocab_size, eos, pad)
-    cfg = parse_config(raw, mtp_layers=1 if arch == "qwen3_next" else 0)
-    save_file(random_tensors(cfg, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    if arch == "qwen3_5_vision":
+        raw = qwen3_5_vision_config(vocab_size, eos, pad, vision_ids)
+        tensors = random_vision_model(raw, seed)
+    else:
+        raw = TEXT_CONFIGS[arch](vocab_size, eos, pad)
+        tensors = random_tensors(parse_config(raw, mtp_layers=1 if arch == "qwen3_next" else 0), seed)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     gen = {"bos_token_id": None, "eos_token_id": eos, "pad_token_id": pad, "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
@@ -39,7 +50,8 @@ def make_tiny_model(out_dir: str | Path, seed: int = 0, arch: str = "qwen3_next"
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    build_tokenizer(out, vocab_size=VOCAB_SIZE)
+    build_tokenizer(out, vocab_size=VOCAB_SIZE, vision=arch == "qwen3_5_vision")
     ids = token_ids(out)
-    write_model_files(out, arch, seed, VOCAB_SIZE, [ids["<|im_end|>"], ids["<|endoftext|>"]], ids["<|endoftext|>"])
+    write_model_files(out, arch, seed, VOCAB_SIZE, [ids["<|im_end|>"], ids["<|endoftext|>"]], ids["<|endoftext|>"],
+                      vision_ids=ids)
     return out

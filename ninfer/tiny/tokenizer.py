@@ -9,7 +9,8 @@ the template's exact output.
 
 Vocabulary layout (vocab_size = V): ids 0..V-10 are the 256 byte symbols plus the
 learned merges, then the 3 special tokens, then the 6 extra (non-special) tokens,
-in the order of `SPECIAL_TOKENS + EXTRA_TOKENS`.
+in the order of `SPECIAL_TOKENS + EXTRA_TOKENS`; the vision model's tokenizer then
+appends the 4 `VISION_TOKENS` (special), its learned part 4 ids shorter.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ EXTRA_TOKENS: list[str] = [
     "<think>",
     "</think>",
 ]
+# special tokens of the Qwen3.5 vision model only (``--arch qwen3_5_vision``), appended last so
+# the ids of every other token stay those of the text-only tiny models' layout
+VISION_TOKENS: list[str] = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 # Qwen2's pre-tokenization regex (GPT-4 style, but digits are split one by one).
 SPLIT_PATTERN = (
@@ -264,10 +268,11 @@ def _train(corpus: Iterable[str], base_vocab: int) -> Tokenizer:
     return tok
 
 
-def _add_tokens(tok: Tokenizer) -> None:
-    """Append the ChatML special tokens, then the non-special tool/think tags."""
+def _add_tokens(tok: Tokenizer, more_special: list[str]) -> None:
+    """Append the ChatML special tokens, the non-special tool/think tags, then ``more_special``."""
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in EXTRA_TOKENS])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in more_special])
 
 
 def _added_tokens_decoder(tok: Tokenizer) -> dict[str, dict]:
@@ -317,18 +322,19 @@ def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def build_tokenizer(out_dir: Path, vocab_size: int = 2048) -> None:
+def build_tokenizer(out_dir: Path, vocab_size: int = 2048, vision: bool = False) -> None:
     """Train the tiny tokenizer and write tokenizer.json, tokenizer_config.json and
     special_tokens_map.json into `out_dir` (created if needed).
 
     `vocab_size` counts everything, added tokens included. Training is
-    deterministic, so building twice gives byte-identical files.
+    deterministic, so building twice gives byte-identical files. ``vision`` adds VISION_TOKENS.
     """
-    n_added = len(SPECIAL_TOKENS) + len(EXTRA_TOKENS)
+    more = VISION_TOKENS if vision else []
+    n_added = len(SPECIAL_TOKENS) + len(EXTRA_TOKENS) + len(more)
     if vocab_size < 256 + n_added:
         raise ValueError(f"vocab_size must be at least {256 + n_added}, got {vocab_size}")
     tok = _train(CORPUS, vocab_size - n_added)
-    _add_tokens(tok)
+    _add_tokens(tok, more)
     assert tok.get_vocab_size(with_added_tokens=True) == vocab_size
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -338,6 +344,7 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 2048) -> None:
 
 
 def token_ids(out_dir: Path) -> dict[str, int]:
-    """Ids of the special and extra tokens in the tokenizer saved in `out_dir`."""
+    """Ids of the special and extra (and vision, where present) tokens saved in `out_dir`."""
     tok = Tokenizer.from_file(str(Path(out_dir) / "tokenizer.json"))
-    return {t: tok.token_to_id(t) for t in SPECIAL_TOKENS + EXTRA_TOKENS}
+    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS + EXTRA_TOKENS + VISION_TOKENS}
+    return {t: i for t, i in ids.items() if i is not None}

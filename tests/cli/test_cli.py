@@ -40,6 +40,19 @@ def test_make_tiny_model_is_deterministic(made, tmp_path):
         assert (tmp_path / "again" / name).read_bytes() == (made / name).read_bytes(), name
 
 
+def test_make_tiny_vision_model(tmp_path):
+    from ninfer.tiny.tokenizer import token_ids
+
+    r = _ninfer("make-tiny-model", str(tmp_path / "v"), "--arch", "qwen3_5_vision")
+    assert r.returncode == 0, r.stderr
+    cfg = json.loads((tmp_path / "v" / "config.json").read_text())
+    assert cfg["model_type"] == "qwen3_5" and {"text_config", "vision_config"} <= set(cfg)
+    ids = token_ids(tmp_path / "v")
+    assert (cfg["image_token_id"], cfg["vision_start_token_id"], cfg["vision_end_token_id"]) == (
+        ids["<|image_pad|>"], ids["<|vision_start|>"], ids["<|vision_end|>"])
+    assert max(ids.values()) == cfg["text_config"]["vocab_size"] - 1
+
+
 @pytest.mark.ray
 def test_demo_runs_through_the_ray_actors(made):
     r = _ninfer("demo", "--model", str(made))

@@ -64,6 +64,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     # multi-token prediction layers present in the checkpoint (kept for the MTP backend)
     mtp_num_hidden_layers: int = 0
     eos_token_ids: tuple[int, ...] = ()
+    # Qwen3.5 interleaved MRoPE: frequencies per (t, h, w) row; () = plain 1-D RoPE
+    mrope_section: tuple[int, ...] = ()
 
     # ---- derived geometry -------------------------------------------------------------
     @property
@@ -131,8 +133,9 @@ def _req(raw: dict[str, Any], key: str, kind: type) -> Any:
     return val
 
 
-def _rope(raw: dict[str, Any]) -> tuple[float, float]:
-    """rope_theta and partial_rotary_factor from either the old or the transformers-5 format."""
+def _rope(raw: dict[str, Any]) -> tuple[float, float, tuple[int, ...]]:
+    """rope_theta, partial_rotary_factor and mrope_section (Qwen3.5) from either the old or the
+    transformers-5 format."""
     params = raw.get("rope_parameters") or {}
     scaling = raw.get("rope_scaling") or {}
     rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
@@ -142,7 +145,11 @@ def _rope(raw: dict[str, Any]) -> tuple[float, float]:
     factor = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
     if factor is None:
         factor = 0.25 if raw.get("model_type") == "qwen3_next" else 1.0
-    return float(theta), float(factor)
+    section = params.get("mrope_section", scaling.get("mrope_section")) or ()
+    # transformers' Qwen3.5 interleaves whatever the flag says; an explicit False means another model
+    if section and params.get("mrope_interleaved", scaling.get("mrope_interleaved", True)) is False:
+        raise ModelLoadError("config.json: non-interleaved mrope_section is not supported (Qwen3.5 interleaves)")
+    return float(theta), float(factor), tuple(section)
 
 
 def _eos(raw: dict[str, Any]) -> tuple[int, ...]:
@@ -166,7 +173,7 @@ def parse_config(raw: dict[str, Any], mtp_layers: int = 0) -> ModelConfig:
     heads = _req(raw, "num_attention_heads", int)
     kv_heads = raw.get("num_key_value_heads") or heads
     head_dim = raw.get("head_dim") or hidden // heads
-    theta, rot = _rope(raw)
+    theta, rot, mrope = _rope(raw)
     next_arch = model_type == "qwen3_next"
 
     layer_types = raw.get("layer_types")
@@ -222,6 +229,7 @@ def parse_config(raw: dict[str, Any], mtp_layers: int = 0) -> ModelConfig:
         intermediate_size=raw.get("intermediate_size", 0),
         mtp_num_hidden_layers=raw.get("mtp_num_hidden_layers", mtp_layers),
         eos_token_ids=_eos(raw),
+        mrope_section=mrope,
         **kw,
     )
     validate(cfg)
@@ -258,6 +266,9 @@ def validate(cfg: ModelConfig) -> None:
         need(cfg.moe_intermediate_size > 0, "'moe_intermediate_size' must be positive for MoE layers")
     if any(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
         need(cfg.intermediate_size > 0, "'intermediate_size' must be positive for dense MLP layers")
+    if cfg.mrope_section:
+        need(len(cfg.mrope_section) == 3 and sum(cfg.mrope_section) == cfg.rotary_dim // 2,
+             f"mrope_section {list(cfg.mrope_section)} must be 3 numbers summing to rotary_dim/2 = {cfg.rotary_dim // 2}")
     need(math.isfinite(cfg.rope_theta) and cfg.rope_theta > 0, f"rope_theta must be positive, got {cfg.rope_theta}")
 
 

@@ -152,7 +152,7 @@ class HybridModel:
                        for i, kind in enumerate(cfg.layer_types)]
         # Kept for the MTP backend (later wave); never used by the main forward.
         self.mtp_tensors = {k: v for k, v in t.items() if k.startswith("mtp.")}
-        self.rope = Rope(cfg.rotary_dim, cfg.rope_theta, dtype, self.device)
+        self.rope = Rope(cfg.rotary_dim, cfg.rope_theta, dtype, self.device, cfg.mrope_section)
         # layer index -> index into the per-kind cache tensors
         self.cache_index = {}
         for kind_layers in (cfg.attention_layers, cfg.linear_layers):

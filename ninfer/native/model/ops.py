@@ -56,18 +56,35 @@ class Rope:
 
     For float64 models the angles are computed in float64; otherwise in float32 exactly as
     the reference implementation does (inv_freq and position × inv_freq in fp32).
+
+    ``mrope_section`` (Qwen3.5's interleaved MRoPE, e.g. (11, 11, 10) of rotary_dim/2 = 32
+    frequencies): positions may then be [3, T] rows (t, h, w); frequency j takes its angle
+    from row ``axis[j]``, interleaved T H W T H W ... while each section lasts:
+
+        j     : 0 1 2 3 4 5 ... 30 31
+        axis  : T H W T H W ... T  T      (H: j%3==1, j<3·s_h; W: j%3==2, j<3·s_w)
+
+    A [T] position vector means (p, p, p), i.e. plain RoPE, so text-only calls are unchanged.
     """
 
-    def __init__(self, rotary_dim: int, theta: float, dtype: torch.dtype, device: torch.device):
+    def __init__(self, rotary_dim: int, theta: float, dtype: torch.dtype, device: torch.device,
+                 mrope_section: tuple[int, ...] = ()):
         self.rotary_dim = rotary_dim
         self.dtype = dtype
         acc = acc_dtype(dtype)
         self.acc = acc
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=acc, device=device) / rotary_dim))
+        self.axis = mrope_axes(mrope_section, rotary_dim // 2, device) if mrope_section else None
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [T] -> cos, sin: [T, rotary_dim] in the model dtype."""
-        freqs = positions.to(self.acc)[:, None] * self.inv_freq[None, :]
+        """positions: [T] (or [3, T] with ``mrope_section``) -> cos, sin: [T, rotary_dim] in the model dtype."""
+        if positions.dim() == 2:
+            if self.axis is None:
+                raise ValueError("3-row (t, h, w) positions need a Rope built with mrope_section")
+            rows = positions.to(self.acc)[:, :, None] * self.inv_freq            # [3, T, R/2]
+            freqs = rows.gather(0, self.axis.expand(1, rows.shape[1], -1))[0]     # [T, R/2]
+        else:
+            freqs = positions.to(self.acc)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
@@ -80,3 +97,14 @@ class Rope:
         rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
         out = rot * cos[:, None, :] + rotated * sin[:, None, :]
         return torch.cat((out, rest), dim=-1)
+
+
+def mrope_axes(section: tuple[int, ...], half: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Which position row (0 = t, 1 = h, 2 = w) each of the ``half`` frequencies uses: [1, 1, half]."""
+    if len(section) != 3 or sum(section) != half:
+        raise ValueError(f"mrope_section {list(section)} must be 3 numbers summing to rotary_dim/2 = {half}")
+    j = torch.arange(half)
+    axis = torch.zeros(half, dtype=torch.long)
+    axis[(j % 3 == 1) & (j < 3 * section[1])] = 1
+    axis[(j % 3 == 2) & (j < 3 * section[2])] = 2
+    return axis.view(1, 1, half).to(device)

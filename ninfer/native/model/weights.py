@@ -151,11 +151,19 @@ def load_tensors(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype,
     """Load exactly the expected tensors, converted to ``dtype``; strict on names and shapes."""
     files = files if files is not None else weight_files(model_dir)
     expected = expected_tensors(cfg)
-    tied_extra = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
-    unexpected = sorted(set(files) - set(expected) - tied_extra)
+    if cfg.tie_word_embeddings:  # a tied checkpoint may still store lm_head; it is not used
+        files = {n: f for n, f in files.items() if n != "lm_head.weight"}
+    return load_checked(model_dir, files, expected, dtype, what=cfg.model_type)
+
+
+def load_checked(model_dir: Path, files: dict[str, Path], expected: Shapes, dtype: torch.dtype,
+                 what: str) -> dict[str, torch.Tensor]:
+    """The strict core: ``files`` (name -> file) must hold exactly ``expected``, each of its shape,
+    float and finite; returns them converted to ``dtype``. ``what`` names the model part in errors."""
+    unexpected = sorted(set(files) - set(expected))
     if unexpected:
         more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
-        raise ModelLoadError(f"{model_dir}: unexpected tensor '{unexpected[0]}'{more} for {cfg.model_type}")
+        raise ModelLoadError(f"{model_dir}: unexpected tensor '{unexpected[0]}'{more} for {what}")
     missing = sorted(set(expected) - set(files))
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
