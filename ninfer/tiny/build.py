@@ -3,7 +3,8 @@
 Writes config.json, model.safetensors (seeded random weights, one MTP layer for qwen3_next in
 the layout real Qwen3-Next checkpoints use), a locally trained byte-level BPE tokenizer with a
 Qwen-style chat template, and generation_config.json. ``qwen3_5_vision`` is a Qwen3.5
-vision-language directory (ninfer/tiny/vision.py); NInfer loads its vision tower so far. The directory loads unchanged in
+vision-language directory (ninfer/tiny/vision.py); NInfer loads its text model and vision tower
+(native/model/multimodal.py). The directory loads unchanged in
 transformers and goes through the same loader as a real checkpoint.
 """
 

@@ -5,6 +5,11 @@ Two architectures are served by one code path:
 * ``qwen3_next`` — the hybrid: Gated DeltaNet ("linear_attention") layers with a causal conv and
   a recurrent state, interleaved with gated full-attention layers; MoE MLP with shared expert.
 * ``qwen3`` — pure attention, the degenerate hybrid with no recurrent state; dense MLP.
+* ``qwen3_5`` — the text model of Qwen3.5 (vision-language; ``text_config`` nested in the
+  config.json): the same hybrid with a dense MLP, interleaved MRoPE, tensors under
+  ``model.language_model.*`` and the GDN input projection split into ``in_proj_qkv`` /
+  ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a`` (plain [q|k|v], z, b, a — no per-key-head
+  interleave). Its ``model.visual.*`` tower is ``vision.py``'s.
 
 Everything here is plain values: a ``ModelConfig`` can be built in a test without any files.
 """
@@ -22,7 +27,8 @@ from ninfer.errors import ModelLoadError
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
-SUPPORTED_MODEL_TYPES = ("qwen3_next", "qwen3")
+SUPPORTED_MODEL_TYPES = ("qwen3_next", "qwen3", "qwen3_5")
+HYBRID_TYPES = ("qwen3_next", "qwen3_5")
 PAGE_SIZE = 64  # tokens per Main-KV page (seed: Main KV 页为 64 token)
 
 
@@ -75,6 +81,17 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def attention_layers(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.layer_types) if t == FULL)
+
+    @property
+    def text_prefix(self) -> str:
+        """Prefix of the text model's tensors in the checkpoint (``{prefix}layers.0. ...``)."""
+        return "model.language_model." if self.model_type == "qwen3_5" else "model."
+
+    @property
+    def split_gdn_projections(self) -> bool:
+        """Qwen3.5: in_proj_qkv / in_proj_z / in_proj_b / in_proj_a instead of the fused, per-key-head
+        grouped in_proj_qkvz / in_proj_ba of Qwen3-Next."""
+        return self.model_type == "qwen3_5"
 
     @property
     def is_hybrid(self) -> bool:
@@ -144,7 +161,7 @@ def _rope(raw: dict[str, Any]) -> tuple[float, float, tuple[int, ...]]:
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
     factor = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
     if factor is None:
-        factor = 0.25 if raw.get("model_type") == "qwen3_next" else 1.0
+        factor = 0.25 if raw.get("model_type") in ("qwen3_next", "qwen3_5") else 1.0
     section = params.get("mrope_section", scaling.get("mrope_section")) or ()
     # transformers' Qwen3.5 interleaves whatever the flag says; an explicit False means another model
     if section and params.get("mrope_interleaved", scaling.get("mrope_interleaved", True)) is False:
@@ -159,9 +176,25 @@ def _eos(raw: dict[str, Any]) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, list) else (int(eos),)
 
 
+def _qwen3_5_text(raw: dict[str, Any]) -> dict[str, Any]:
+    """The text model's fields of a Qwen3.5 config.json: ``text_config``, with the top level's
+    tie_word_embeddings / eos_token_id where it names them (transformers reads them there)."""
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise ModelLoadError("config.json: model_type 'qwen3_5' needs a 'text_config' object")
+    merged = dict(text)
+    for key in ("tie_word_embeddings", "eos_token_id"):
+        if key in raw:
+            merged[key] = raw[key]
+    merged["model_type"] = "qwen3_5"
+    return merged
+
+
 def parse_config(raw: dict[str, Any], mtp_layers: int = 0) -> ModelConfig:
     """Build a ModelConfig from a config.json dict; raise ModelLoadError with one clear line."""
     model_type = raw.get("model_type")
+    if model_type == "qwen3_5":
+        raw = _qwen3_5_text(raw)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ModelLoadError(
             f"config.json: model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
@@ -174,7 +207,7 @@ def parse_config(raw: dict[str, Any], mtp_layers: int = 0) -> ModelConfig:
     kv_heads = raw.get("num_key_value_heads") or heads
     head_dim = raw.get("head_dim") or hidden // heads
     theta, rot, mrope = _rope(raw)
-    next_arch = model_type == "qwen3_next"
+    next_arch = model_type in HYBRID_TYPES
 
     layer_types = raw.get("layer_types")
     if layer_types is None:

@@ -44,6 +44,9 @@ class SeqInput:
     page_table: list[int]           # covers at least start + len(token_ids) positions
     state_slot: int = 0             # row of the state tensors (ignored for pure attention)
     logits: str = "last"            # "last" | "all" | "none"
+    # Qwen3.5 MRoPE: rotary positions [3, len(token_ids)] (t, h, w rows: mrope.mrope_positions, or
+    # start + delta on all rows when decoding after an image); None = start .. end - 1 on all rows
+    rope_positions: torch.Tensor | None = None
 
 
 @dataclass
@@ -63,6 +66,9 @@ class ForwardBatch:
     decode_kv_lens: torch.Tensor | None = None       # [B] long
     decode_block_table: torch.Tensor | None = None   # [B, Pmax] long
     decode_kv_slots: torch.Tensor | None = None      # [B, Lmax] long
+    # [3, T] long: MRoPE rotary rows (t, h, w), read only by a model with mrope_section, and only
+    # set when some sequence gave SeqInput.rope_positions (text-only batches keep None: bit-identical)
+    rope_positions: torch.Tensor | None = None
 
     @property
     def all_decode(self) -> bool:
@@ -104,6 +110,18 @@ class ForwardBatch:
         block_table = lt([t + t[:1] * (width - len(t)) for t in tables]).view(len(decode), width)
         kv_lens = lt([seqs[i].start + 1 for i in decode])
         max_len = max((seqs[i].start + 1 for i in decode), default=0)
+        rope = None
+        if any(s.rope_positions is not None for s in seqs):
+            rope_rows = []
+            for s in seqs:
+                n = len(s.token_ids)
+                r = s.rope_positions
+                if r is None:
+                    r = torch.arange(s.start, s.start + n).expand(3, -1)
+                elif tuple(r.shape) != (3, n):
+                    raise ValueError(f"rope_positions of shape {tuple(r.shape)} for {n} tokens (need [3, {n}])")
+                rope_rows.append(r.to(torch.long))
+            rope = torch.cat(rope_rows, dim=1).to(device)
         return ForwardBatch(
             input_ids=lt(ids),
             positions=lt(pos),
@@ -120,6 +138,7 @@ class ForwardBatch:
             decode_kv_lens=kv_lens,
             decode_block_table=block_table,
             decode_kv_slots=decode_kv_slots(block_table, kv_lens, max_len),
+            rope_positions=rope,
         )
 
 

@@ -107,10 +107,16 @@ def _mlp_weights(t: dict[str, torch.Tensor], p: str, c: ModelConfig, moe: bool):
 def _layer_weights(t: dict[str, torch.Tensor], p: str, c: ModelConfig, kind: str, moe: bool) -> LayerWeights:
     if kind == LINEAR:
         a = f"{p}.linear_attn"
-        perm_qkvz, perm_ba = _qkvz_permutation(c)
+        if c.split_gdn_projections:  # Qwen3.5: already [q_all | k_all | v_all], z, b, a
+            qkvz = torch.cat([t[f"{a}.in_proj_qkv.weight"], t[f"{a}.in_proj_z.weight"]])
+            ba = torch.cat([t[f"{a}.in_proj_b.weight"], t[f"{a}.in_proj_a.weight"]])
+        else:
+            perm_qkvz, perm_ba = _qkvz_permutation(c)
+            qkvz = t[f"{a}.in_proj_qkvz.weight"][perm_qkvz].contiguous()
+            ba = t[f"{a}.in_proj_ba.weight"][perm_ba].contiguous()
         mixer: AttentionWeights | GdnWeights = GdnWeights(
-            in_proj_qkvz=t[f"{a}.in_proj_qkvz.weight"][perm_qkvz].contiguous(),
-            in_proj_ba=t[f"{a}.in_proj_ba.weight"][perm_ba].contiguous(),
+            in_proj_qkvz=qkvz,
+            in_proj_ba=ba,
             conv=t[f"{a}.conv1d.weight"][:, 0, :].contiguous(),
             dt_bias=t[f"{a}.dt_bias"], a_log=t[f"{a}.A_log"], norm=t[f"{a}.norm.weight"],
             out_proj=t[f"{a}.out_proj.weight"],
@@ -145,10 +151,11 @@ class HybridModel:
         self.acc = acc_dtype(dtype)
         self.device = torch.device(device)
         t = {k: v.to(self.device) for k, v in tensors.items()}
-        self.embed = t["model.embed_tokens.weight"]
-        self.final_norm = t["model.norm.weight"]
+        p = cfg.text_prefix
+        self.embed = t[f"{p}embed_tokens.weight"]
+        self.final_norm = t[f"{p}norm.weight"]
         self.lm_head = self.embed if cfg.tie_word_embeddings else t["lm_head.weight"]
-        self.layers = [_layer_weights(t, f"model.layers.{i}", cfg, kind, cfg.is_moe_layer(i))
+        self.layers = [_layer_weights(t, f"{p}layers.{i}", cfg, kind, cfg.is_moe_layer(i))
                        for i, kind in enumerate(cfg.layer_types)]
         # Kept for the MTP backend (later wave); never used by the main forward.
         self.mtp_tensors = {k: v for k, v in t.items() if k.startswith("mtp.")}
@@ -176,10 +183,14 @@ class HybridModel:
 
     # ---- forward ------------------------------------------------------------------------
     @torch.no_grad()
-    def forward(self, batch: ForwardBatch, cache: ModelCache) -> ForwardOutput:
+    def forward(self, batch: ForwardBatch, cache: ModelCache, embeds: torch.Tensor | None = None) -> ForwardOutput:
+        """``embeds`` [T, H] replaces the token embeddings when given (a prompt with images:
+        ``multimodal.prompt_embeddings``). With ``mrope_section``, ``batch.rope_positions`` [3, T]
+        (when set) are the rotary positions; the cache is always indexed by ``batch.positions``."""
         c = self.cfg
-        x = F.embedding(batch.input_ids, self.embed)
-        cos, sin = self.rope.cos_sin(batch.positions)
+        x = F.embedding(batch.input_ids, self.embed) if embeds is None else embeds.to(self.dtype)
+        rope_pos = batch.rope_positions if (c.mrope_section and batch.rope_positions is not None) else batch.positions
+        cos, sin = self.rope.cos_sin(rope_pos)
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, c.rms_norm_eps, c.zero_centered_norm)
             j = self.cache_index[i]

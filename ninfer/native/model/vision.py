@@ -29,9 +29,14 @@ import torch
 import torch.nn.functional as F
 
 from ninfer.errors import ModelLoadError
-from ninfer.native.model.weights import Shapes, load_checked, weight_files
+from ninfer.native.model.weights import (
+    VISION_PREFIX,
+    Shapes,
+    load_checked,
+    weight_files,
+)
 
-PREFIX = "model.visual."
+PREFIX = VISION_PREFIX
 _ACTS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
 
 

@@ -20,6 +20,7 @@ from ninfer.native.model.config import FULL, LINEAR, ModelConfig
 from ninfer.progress import bar
 
 Shapes = dict[str, tuple[int, ...]]
+VISION_PREFIX = "model.visual."  # a Qwen3.5 checkpoint's vision tower (vision.py)
 
 
 def _attention(prefix: str, c: ModelConfig) -> Shapes:
@@ -45,9 +46,20 @@ def _attention(prefix: str, c: ModelConfig) -> Shapes:
 
 def _linear_attention(prefix: str, c: ModelConfig) -> Shapes:
     hv = c.linear_num_value_heads
+    if c.split_gdn_projections:
+        proj = {
+            f"{prefix}.in_proj_qkv.weight": (c.conv_dim, c.hidden_size),
+            f"{prefix}.in_proj_z.weight": (c.linear_value_dim, c.hidden_size),
+            f"{prefix}.in_proj_b.weight": (hv, c.hidden_size),
+            f"{prefix}.in_proj_a.weight": (hv, c.hidden_size),
+        }
+    else:
+        proj = {
+            f"{prefix}.in_proj_qkvz.weight": (2 * c.linear_key_dim + 2 * c.linear_value_dim, c.hidden_size),
+            f"{prefix}.in_proj_ba.weight": (2 * hv, c.hidden_size),
+        }
     return {
-        f"{prefix}.in_proj_qkvz.weight": (2 * c.linear_key_dim + 2 * c.linear_value_dim, c.hidden_size),
-        f"{prefix}.in_proj_ba.weight": (2 * hv, c.hidden_size),
+        **proj,
         f"{prefix}.conv1d.weight": (c.conv_dim, 1, c.linear_conv_kernel_dim),
         f"{prefix}.dt_bias": (hv,),
         f"{prefix}.A_log": (hv,),
@@ -90,13 +102,15 @@ def _decoder_layer(prefix: str, c: ModelConfig, kind: str, moe: bool) -> Shapes:
 
 
 def expected_tensors(c: ModelConfig) -> Shapes:
-    """Every tensor the checkpoint must hold, with its shape, in HF on-disk naming."""
+    """Every tensor the checkpoint must hold, with its shape, in HF on-disk naming (the text
+    model's: a Qwen3.5 checkpoint's ``model.visual.*`` tower is ``vision.expected_vision_tensors``)."""
     h = c.hidden_size
-    s: Shapes = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
+    p = c.text_prefix
+    s: Shapes = {f"{p}embed_tokens.weight": (c.vocab_size, h), f"{p}norm.weight": (h,)}
     if not c.tie_word_embeddings:
         s["lm_head.weight"] = (c.vocab_size, h)
     for i, kind in enumerate(c.layer_types):
-        s.update(_decoder_layer(f"model.layers.{i}", c, kind, c.is_moe_layer(i)))
+        s.update(_decoder_layer(f"{p}layers.{i}", c, kind, c.is_moe_layer(i)))
     if c.mtp_num_hidden_layers:
         s.update({
             "mtp.fc.weight": (h, 2 * h),
@@ -153,6 +167,8 @@ def load_tensors(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype,
     expected = expected_tensors(cfg)
     if cfg.tie_word_embeddings:  # a tied checkpoint may still store lm_head; it is not used
         files = {n: f for n, f in files.items() if n != "lm_head.weight"}
+    if cfg.model_type == "qwen3_5":  # the vision tower is loaded (strictly) by vision.VisionTower
+        files = {n: f for n, f in files.items() if not n.startswith(VISION_PREFIX)}
     return load_checked(model_dir, files, expected, dtype, what=cfg.model_type)
 
 

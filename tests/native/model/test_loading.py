@@ -136,3 +136,44 @@ def test_all_dtypes_run(tiny_model):
     for dtype in ("float64", "float32", "bfloat16"):
         logits = logits_in_chunks(HybridModel.load(tiny_model, dtype), tokens, [10])
         assert torch.isfinite(logits).all()
+
+
+# ---- Qwen3.5 (text_config nesting, model.language_model.*, split GDN projections) -----------------
+
+@pytest.fixture(scope="module")
+def tiny_vision_dir(tmp_path_factory) -> Path:
+    from ninfer.tiny.build import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_vision_load"), arch="qwen3_5_vision")
+
+
+@pytest.fixture
+def vision_copy(tiny_vision_dir, tmp_path) -> Path:
+    dst = tmp_path / "v"
+    shutil.copytree(tiny_vision_dir, dst)
+    return dst
+
+
+def test_qwen3_5_text_loader_is_strict(vision_copy):
+    # named with the model.language_model. prefix; the split projections are the expected set
+    _rewrite(vision_copy, lambda t: t.pop("model.language_model.layers.0.linear_attn.in_proj_z.weight"))
+    assert "missing tensor 'model.language_model.layers.0.linear_attn.in_proj_z.weight'" in _error(vision_copy)
+    _rewrite(vision_copy, lambda t: t.update({
+        "model.language_model.layers.0.linear_attn.in_proj_z.weight": torch.zeros(3, 3)}))
+    assert "in_proj_z.weight' has shape (3, 3)" in _error(vision_copy)
+    _rewrite(vision_copy, lambda t: t.update({
+        "model.language_model.layers.0.linear_attn.in_proj_qkvz.weight": torch.zeros(3, 3)}))
+    assert "unexpected tensor 'model.language_model.layers.0.linear_attn.in_proj_qkvz.weight'" in _error(vision_copy)
+
+
+def test_qwen3_5_config_needs_text_config(vision_copy):
+    from ninfer.native.model.config import parse_config
+
+    raw = json.loads((vision_copy / "config.json").read_text())
+    cfg = parse_config(raw)
+    assert (cfg.model_type, cfg.text_prefix, cfg.split_gdn_projections) == ("qwen3_5", "model.language_model.", True)
+    assert cfg.is_hybrid and cfg.num_experts == 0 and cfg.attn_output_gate and cfg.zero_centered_norm
+    assert not cfg.tie_word_embeddings and cfg.eos_token_ids == (raw["eos_token_id"],)
+    del raw["text_config"]
+    with pytest.raises(ModelLoadError, match="needs a 'text_config' object"):
+        parse_config(raw)
