@@ -117,3 +117,22 @@ def test_text_rows_equal_one_row_positions_bit_for_bit(tiny_vision):
         assert (batch.rope_positions is None) == (rows is None)
         outs.append(model.forward(batch, cache).logits)
     assert torch.equal(outs[0], outs[1])
+
+
+def test_image_prompt_in_two_chunks_equals_one(tiny_vision):
+    """A cut inside an image run: each chunk carries its slice of the embeddings and of the rows.
+    float64, so that only the cut could make a difference (fp32 differs by chunking rounding, 3e-5)."""
+    vlm = VisionLanguageModel.load(tiny_vision, "float64")
+    ids = _image_prompt(_raw(tiny_vision))
+    grid = torch.tensor(GRIDS)
+    pixels = torch.randn(int(grid.prod(-1).sum()), vlm.vision_cfg.patch_dim,
+                         generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    pages = pages_for(len(ids))
+    whole, _ = vlm.prefill_with_images(ids, pixels, grid, vlm.text.new_cache(len(pages), 1), pages)
+    embeds, rows, _ = vlm.prompt_embeddings(ids, pixels, grid)
+    cache = vlm.text.new_cache(len(pages), 1)
+    parts = []
+    for lo, hi in ((0, 9), (9, len(ids))):
+        seq = SeqInput(token_ids=ids[lo:hi], start=lo, page_table=pages, logits="all", rope_positions=rows[:, lo:hi])
+        parts.append(vlm.text.forward(ForwardBatch.build([seq]), cache, embeds[lo:hi]).logits)
+    assert (torch.cat(parts) - whole.logits).abs().max().item() <= 1e-12
