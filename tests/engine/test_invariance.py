@@ -183,6 +183,7 @@ def run_workload(model_dir: str, seed: int) -> dict:
 @example(seed=73240)
 @example(seed=33)
 @pytest.mark.slow
+@pytest.mark.timeout(1500)     # the suite's longest test: 200 workloads, 6-9 min on 2 busy cores
 def test_random_workloads_match_the_oracle(tiny_model, seed):
     run_workload(tiny_model, seed)
 
