@@ -129,7 +129,7 @@ class Server:
                 return _error(oa.request_error(exc))
             except Exception as exc:                       # a bug: say so, keep serving
                 log.exception("internal error on %s", request.url.path)
-                return _error(ApiError500(exc))
+                return _error(_internal(exc))
         return run
 
     async def _http_error(self, request: Request, exc: HTTPException) -> Response:
@@ -145,7 +145,7 @@ class Server:
 
     async def _internal_error(self, request: Request, exc: Exception) -> Response:
         log.exception("internal error on %s", request.url.path)
-        return _error(ApiError500(exc))
+        return _error(_internal(exc))
 
     def _authorize(self, request: Request) -> None:
         if self.api_key is None or not request.url.path.startswith("/v1"):
@@ -642,7 +642,7 @@ class ChatCtx:
     req: S.ChatRequest
 
 
-def ApiError500(exc: Exception) -> oa.ApiError:
+def _internal(exc: Exception) -> oa.ApiError:
     return oa.ApiError(500, f"internal error: {type(exc).__name__}: {exc}", kind="internal_error")
 
 

@@ -6,50 +6,24 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
+from tests.serving import free_port, serving
+
 KEY = "bench-key"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_up(proc: subprocess.Popen, base: str) -> None:
-    for _ in range(600):
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert proc.poll() is None, proc.stderr.read()
-        time.sleep(0.1)
-    raise AssertionError("ninfer serve did not come up")
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    cfg = tmp_path_factory.mktemp("serve") / "engine.toml"
-    cfg.write_text('max_concurrency = 4\nmax_context = 1024\ndtype = "float32"\n\n[context_cache]\n'
-                   'host_capacity_bytes = 67108864\n')
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "ninfer.cli", "serve", "--model", tiny_model, "--config", str(cfg),
-                             "--port", str(port), "--transport", "inproc", "--api-key", KEY,
-                             "--served-model-name", "tiny"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
-    base = f"http://127.0.0.1:{port}"
-    _wait_up(proc, base)
-    yield f"{base}/v1"
-    proc.terminate()
-    proc.wait(timeout=30)
+    config = ('max_concurrency = 4\nmax_context = 1024\ndtype = "float32"\n\n[context_cache]\n'
+              'host_capacity_bytes = 67108864\n')
+    with serving(tiny_model, tmp_path_factory.mktemp("serve"), config, "--api-key", KEY,
+                 "--served-model-name", "tiny") as (base, _):
+        yield f"{base}/v1"
 
 
 def _bench(*args: str) -> subprocess.CompletedProcess:
@@ -92,7 +66,7 @@ def test_bench_serve_fails_on_request_errors(server):
 
 @pytest.mark.slow
 def test_bench_serve_without_a_server_prints_one_line():
-    r = _bench("--base-url", f"http://127.0.0.1:{_free_port()}/v1", "--clients", "1", "--rounds", "1")
+    r = _bench("--base-url", f"http://127.0.0.1:{free_port()}/v1", "--clients", "1", "--rounds", "1")
     assert r.returncode == 2
     assert "cannot list models" in r.stderr and "Traceback" not in r.stderr
 

@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from tests.frontend.conftest import KEY, metric, scrape
-from tests.frontend.conftest import free_port as _free_port
-from tests.frontend.conftest import wait_up as _wait_up
+from tests.serving import free_port as _free_port
+from tests.serving import wait_up as _wait_up
 
 openai = pytest.importorskip("openai")
 

@@ -19,7 +19,7 @@ from ninfer.api import Output, StreamEvent, TimingsView, UsageView
 from ninfer.frontend.render import ChatTokenizer
 from ninfer.frontend.server import Server
 from ninfer.frontend.streaming import ChoiceStream, partial_suffix
-from tests.frontend.conftest import free_port
+from tests.serving import free_port
 
 openai = pytest.importorskip("openai")
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
