@@ -35,19 +35,20 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    page_table: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+                    page_table: torch.Tensor, start: int, scale: float, base: int = 0) -> torch.Tensor:
     """Causal attention of one sequence's queries over its paged KV.
 
     q: [Tq, H, D] at positions start..start+Tq-1; page_table: [n_pages] (long) covering at
     least start+Tq positions. Returns [Tq, H, D] in q's dtype. Softmax in the accumulation
-    dtype, matmuls in the model dtype (as the reference implementation).
+    dtype, matmuls in the model dtype (as the reference implementation). ``base``: keys below it
+    are not attended (the MTP head's context after it restarted at the bridge; 0 elsewhere).
     """
     tq, h, _ = q.shape
     kv_len = start + tq
     n_pages = (kv_len + PAGE_SIZE - 1) // PAGE_SIZE
     pages = page_table[:n_pages]
-    k = k_cache[pages].reshape(-1, *k_cache.shape[2:])[:kv_len]   # [L, Hkv, D]
-    v = v_cache[pages].reshape(-1, *v_cache.shape[2:])[:kv_len]
+    k = k_cache[pages].reshape(-1, *k_cache.shape[2:])[base:kv_len]   # [L, Hkv, D]
+    v = v_cache[pages].reshape(-1, *v_cache.shape[2:])[base:kv_len]
     rep = h // k.shape[1]
     if rep > 1:
         k = k.repeat_interleave(rep, dim=1)
@@ -55,7 +56,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     qh, kh, vh = q.transpose(0, 1), k.to(q.dtype).transpose(0, 1), v.to(q.dtype).transpose(0, 1)
     scores = (qh @ kh.transpose(1, 2)) * scale                       # [H, Tq, L]
     qpos = torch.arange(start, kv_len, device=q.device)[:, None]
-    kpos = torch.arange(kv_len, device=q.device)[None, :]
+    kpos = torch.arange(base, kv_len, device=q.device)[None, :]
     scores = scores.masked_fill(kpos > qpos, float("-inf"))
     probs = torch.softmax(scores.to(acc_dtype(q.dtype)), dim=-1).to(q.dtype)
     return (probs @ vh).transpose(0, 1)

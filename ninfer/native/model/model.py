@@ -157,7 +157,7 @@ class HybridModel:
         self.lm_head = self.embed if cfg.tie_word_embeddings else t["lm_head.weight"]
         self.layers = [_layer_weights(t, f"{p}layers.{i}", cfg, kind, cfg.is_moe_layer(i))
                        for i, kind in enumerate(cfg.layer_types)]
-        # Kept for the MTP backend (later wave); never used by the main forward.
+        # The MTP head's weights (native/model/mtp.py builds it); never used by the main forward.
         self.mtp_tensors = {k: v for k, v in t.items() if k.startswith("mtp.")}
         self.rope = Rope(cfg.rotary_dim, cfg.rope_theta, dtype, self.device, cfg.mrope_section)
         # layer index -> index into the per-kind cache tensors
@@ -210,7 +210,8 @@ class HybridModel:
         return F.linear(normed, self.lm_head).to(self.acc)
 
     def _attention(self, w: AttentionWeights, x: torch.Tensor, cos, sin, batch: ForwardBatch,
-                   cache: ModelCache, j: int) -> torch.Tensor:
+                   cache: ModelCache, j: int, attend=None) -> torch.Tensor:
+        """One gated attention layer; ``attend`` replaces the path's attention (the MTP head's)."""
         c = self.cfg
         T, D = x.shape[0], c.head_dim
         bq, bk, bv, bo = w.biases or (None, None, None, None)
@@ -224,7 +225,7 @@ class HybridModel:
         v = F.linear(x, w.v_proj, bv).view(T, -1, D)
         q, k = Rope.apply(q, cos, sin), Rope.apply(k, cos, sin)
         write_kv(cache.k[j], cache.v[j], batch.slot_mapping, k, v)
-        out = self.path.attention(q, cache.k[j], cache.v[j], batch, D ** -0.5).reshape(T, -1)
+        out = (attend or self.path.attention)(q, cache.k[j], cache.v[j], batch, D ** -0.5).reshape(T, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return F.linear(out, w.o_proj, bo)

@@ -1,0 +1,124 @@
+"""The multi-token-prediction (MTP) head of Qwen3-Next / Qwen3.5: the draft model of the MTP backend.
+
+Weights (``mtp.*``, loaded strictly with the target; shares its embedding and lm_head)::
+
+    e   = pre_fc_norm_embedding(embed(x_{p+1}))          h' = pre_fc_norm_hidden(h_p)
+    u   = fc(cat[e, h'])                                  [H, 2H], embedding first
+    u   = decoder layer (gated full attention over the head's own KV + the model's MLP kind)
+    out = norm(u)                                         logits = lm_head(out)
+
+One *entry* of the head is a position p: its KV (written at p, rope position p) comes from
+(h_p, x_{p+1}) and its logits predict x_{p+2}. ``h_p`` is the target's hidden after its final
+norm (``feature``); a draft entry beyond the committed ledger uses the head's own ``out`` of the
+previous entry and the previous draft token (one layer reused for every draft step, as vLLM
+does). With L committed tokens the target has h_0 .. h_{L-2}, so entries 0 .. L-2 exist and the
+entry L-2 = (h_{L-2}, x_{L-1}) gives the first draft: the frontier-1 bridge.
+
+KV: ``MtpCache`` pages of 64 positions, the MTP pool's, with page tables of their own. An entry
+attends to the head's keys base .. p: ``base`` > 0 when the head's context restarted at a bridge
+(its older entries were never computed — a restore point without MTP coverage). Drafts never
+change an output token (the engine verifies them against the target), so a shorter context
+costs acceptance only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ninfer.errors import ModelLoadError
+from ninfer.native.model.attention import paged_attention
+from ninfer.native.model.config import FULL, PAGE_SIZE
+from ninfer.native.model.forward import ForwardBatch, SeqInput
+from ninfer.native.model.model import HybridModel, LayerWeights, _layer_weights
+from ninfer.native.model.moe import MoeWeights, sparse_moe
+from ninfer.native.model.ops import rms_norm, silu_mlp
+
+
+@dataclass
+class MtpCache:
+    """k, v: [1, P, 64, Hkv, D] — the MTP pool's pages (one attention layer per MTP layer: [n, ...])."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+@dataclass
+class MtpEntries:
+    """One sequence's consecutive entries start .. start + n - 1 of a head call."""
+
+    tokens: list[int]               # x_{p+1} of each entry
+    prev: torch.Tensor              # [n, H] the hidden fed to each entry (``feature`` of h_p, or out)
+    start: int
+    page_table: list[int]           # MTP pages covering start + n positions
+    base: int = 0                   # first key position attended
+
+
+class MtpHead:
+    def __init__(self, model: HybridModel):
+        cfg = model.cfg
+        n = cfg.mtp_num_hidden_layers
+        t = model.mtp_tensors
+        if not n or not t:
+            raise ModelLoadError("the model has no MTP weights (mtp.* tensors): speculative method 'mtp' needs them")
+        self.model = model
+        self.cfg = cfg
+        try:
+            self.fc = t["mtp.fc.weight"]
+            self.norm_emb = t["mtp.pre_fc_norm_embedding.weight"]
+            self.norm_hidden = t["mtp.pre_fc_norm_hidden.weight"]
+            self.norm = t["mtp.norm.weight"]
+            self.layers: list[LayerWeights] = [
+                _layer_weights(t, f"mtp.layers.{j}", cfg, FULL, cfg.num_experts > 0) for j in range(n)]
+        except KeyError as exc:
+            raise ModelLoadError(f"MTP weights incomplete: missing {exc.args[0]}") from None
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def new_cache(self, num_pages: int) -> MtpCache:
+        c, m = self.cfg, self.model
+        shape = (self.num_layers, num_pages, PAGE_SIZE, c.num_key_value_heads, c.head_dim)
+        return MtpCache(torch.zeros(shape, dtype=m.dtype, device=m.device),
+                        torch.zeros(shape, dtype=m.dtype, device=m.device))
+
+    def feature(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's continuation hidden (pre-final-norm) -> the head's h_p input."""
+        m = self.model
+        return rms_norm(hidden, m.final_norm, self.cfg.rms_norm_eps, self.cfg.zero_centered_norm)
+
+    def forward(self, entries: list[MtpEntries], cache: MtpCache, step: int = 0) -> torch.Tensor:
+        """Compute and write the KV of every entry; return ``out`` [N, H] of each sequence's last
+        entry (the hidden of the next draft step). Differentiable (no no_grad here)."""
+        c, m = self.cfg, self.model
+        seqs = [SeqInput(token_ids=e.tokens, start=e.start, page_table=e.page_table, logits="last") for e in entries]
+        batch = ForwardBatch.build(seqs, m.device)
+        prev = torch.cat([e.prev for e in entries]).to(m.dtype)
+        emb = rms_norm(F.embedding(batch.input_ids, m.embed), self.norm_emb, c.rms_norm_eps, c.zero_centered_norm)
+        hid = rms_norm(prev, self.norm_hidden, c.rms_norm_eps, c.zero_centered_norm)
+        x = F.linear(torch.cat([emb, hid], dim=-1), self.fc)
+        j = step % self.num_layers
+        layer = self.layers[j]
+        bases = [e.base for e in entries]
+
+        def attend(q, k_cache, v_cache, b, scale):
+            out = torch.empty_like(q)
+            for s in range(b.num_seqs):
+                lo, hi = b.cu[s], b.cu[s + 1]
+                out[lo:hi] = paged_attention(q[lo:hi], k_cache, v_cache, b.page_tables[s], b.starts[s], scale,
+                                             bases[s])
+            return out
+
+        cos, sin = m.rope.cos_sin(batch.positions)
+        h = rms_norm(x, layer.input_norm, c.rms_norm_eps, c.zero_centered_norm)
+        x = x + m._attention(layer.mixer, h, cos, sin, batch, cache, j, attend)
+        h = rms_norm(x, layer.post_norm, c.rms_norm_eps, c.zero_centered_norm)
+        x = x + (sparse_moe(h, layer.mlp) if isinstance(layer.mlp, MoeWeights) else silu_mlp(h, *layer.mlp))
+        return rms_norm(x[batch.logits_rows], self.norm, c.rms_norm_eps, c.zero_centered_norm)
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """``out`` [N, H] -> logits [N, V] (the target's lm_head; no further norm)."""
+        return F.linear(out, self.model.lm_head).to(self.model.acc)
