@@ -58,6 +58,29 @@ class ContextCacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
             raise _range_error("context_cache.host_capacity_bytes", self.host_capacity_bytes, ">= 0")
 
 
+SPEC_METHODS = ("mtp",)
+
+
+class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    """``speculative={"method": "mtp", "num_tokens": k}``: draft k tokens per step with the
+    model's own MTP head and verify them in the next step. Never changes an output token: a
+    draft is kept only where it equals the token the target samples there (seeded per position,
+    as without speculation)."""
+
+    method: str = "mtp"
+    num_tokens: int = 3
+    draft: str | None = None            # a separate draft model directory (DFlash; not for MTP)
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise _range_error("speculative.method", self.method, " | ".join(SPEC_METHODS))
+        if self.method == "mtp" and self.draft is not None:
+            raise ConfigError("speculative.draft is for a separate draft model; method 'mtp' uses the model's own "
+                              "MTP head (remove 'draft')")
+        if not 1 <= self.num_tokens <= 8:
+            raise _range_error("speculative.num_tokens", self.num_tokens, "1..8")
+
+
 class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
     max_concurrency: int = 4
     max_context: int | None = None
@@ -78,10 +101,16 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omi
     faults: list[Fault] = []
     log_format: str | None = None
     log_stats_interval_s: float = 10.0
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.context_cache, dict):     # EngineConfig(context_cache={...})
             self.context_cache = msgspec.convert(self.context_cache, ContextCacheConfig)
+        if isinstance(self.speculative, dict):       # EngineConfig(speculative={...})
+            try:
+                self.speculative = msgspec.convert(self.speculative, SpeculativeConfig)
+            except msgspec.ValidationError as exc:
+                raise ConfigError(f"speculative: {exc}") from None
         if not 1 <= self.max_concurrency <= 8:
             raise _range_error("max_concurrency", self.max_concurrency, "1..8")
         if self.max_context is not None and self.max_context < 1:
@@ -114,6 +143,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omi
             raise _range_error("request_timeout_s", self.request_timeout_s, "> 0 seconds (None = no timeout)")
 
     # ---- derived values ----------------------------------------------------------------
+    @property
+    def spec_tokens(self) -> int:
+        """Drafts per step (0 = no speculative decoding)."""
+        return self.speculative.num_tokens if self.speculative is not None else 0
+
     @property
     def device_state_slots(self) -> int:
         """Extra Device StateImage slots beyond the C basic ones (default C)."""

@@ -527,6 +527,7 @@ class SeqFacts(msgspec.Struct, array_like=True, gc=False):
     blocks: int                    # Main pages held
     tail_ok: bool                  # may append in place at the frontier (no tail copy)
     reserved: int                  # Main pages still reserved (recovery permits keep theirs)
+    spec: int = 0                  # MTP drafts its next decode row verifies (its speculative peak)
 
 
 class Applied(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -619,7 +620,32 @@ class StepReply(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     bytes_h2d: int = 0
     bytes_d2h: int = 0
     faults_fired: dict[str, int] = {}
+    spec: SpecStats | None = None    # the speculative backend's counters (None: not configured)
     worker_s: float = 0.0            # time the worker spent on this plan (observation)
+
+
+class SpecStats(msgspec.Struct, array_like=True, gc=False):
+    """The speculative backend's counters (Native keeps them; every StepReply carries them)."""
+
+    verify_rows: int = 0          # decode rows that carried drafts
+    drafted: int = 0              # drafts verified
+    accepted: int = 0             # drafts kept
+    committed: int = 0            # tokens committed by decode rows of speculating sequences (bonus included)
+    decode_rows: int = 0          # decode rows of speculating sequences (target steps)
+    by_position: list[int] = []   # drafts kept, per draft position
+    offered: list[int] = []       # drafts verified, per draft position
+    entries: int = 0              # MTP head entries computed (catch-up)
+    restarts: int = 0             # head contexts restarted at the bridge
+    coverage_dropped: int = 0     # checkpoints whose head coverage was dropped for room
+    short: int = 0                # units run without drafts for want of an MTP page
+
+    def as_dict(self) -> dict:
+        return {"method": "mtp", "verify_rows": self.verify_rows, "drafted": self.drafted,
+                "accepted": self.accepted, "acceptance": self.accepted / max(self.drafted, 1),
+                "acceptance_by_position": [a / max(o, 1) for a, o in zip(self.by_position, self.offered)],
+                "tokens_per_step": self.committed / max(self.decode_rows, 1), "decode_steps": self.decode_rows,
+                "head_entries": self.entries, "context_restarts": self.restarts,
+                "coverage_dropped": self.coverage_dropped, "short_of_pages": self.short}
 
 
 class WorkerInfo(msgspec.Struct):

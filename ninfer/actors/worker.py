@@ -135,7 +135,8 @@ class Worker:
 
     def seq_facts(self, seq: Sequence) -> P.SeqFacts:
         return P.SeqFacts(frontier=seq.frontier, ledger_len=len(seq.ledger), blocks=len(seq.blocks[P.MAIN]),
-                          tail_ok=self.prog.tail_ok(seq), reserved=seq.reservation.amounts.get(P.MAIN, 0))
+                          tail_ok=self.prog.tail_ok(seq), reserved=seq.reservation.amounts.get(P.MAIN, 0),
+                          spec=self.prog.spec_peak(seq, 1))
 
     def checkpoint(self, cid: int, generation: int) -> Checkpoint | None:
         ck = self.prog.checkpoints.get(cid)
@@ -165,6 +166,7 @@ class Worker:
         reply.tx = P.TxRef(prog.tx.tid, prog.tx.generation) if prog.tx is not None else None
         reply.bytes_h2d, reply.bytes_d2h = prog.bytes_h2d, prog.bytes_d2h
         reply.faults_fired = self.faults.fired()
+        reply.spec = prog.spec.stats if prog.spec is not None else None
 
     # ---- commands -----------------------------------------------------------------------
     def _command(self, c, reply: P.StepReply) -> P.CommandOut:

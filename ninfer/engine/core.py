@@ -107,6 +107,7 @@ class EngineCore:
         self.host_kv_pages = 0
         self.bytes = (0, 0)
         self.faults_fired: dict[str, int] = {}
+        self.spec: P.SpecStats | None = None
         self._stuck = 0
         self.summary = EngineSummary(self, config.log_stats_interval_s)
 
@@ -260,6 +261,7 @@ class EngineCore:
             self.rm.placed(reply.placement)
         self.bytes = (reply.bytes_h2d, reply.bytes_d2h)
         self.faults_fired = reply.faults_fired
+        self.spec = reply.spec
         self.tx = reply.tx
         if self.tx is not None and self._tx_since is None:
             self._tx_since = time.monotonic()
@@ -437,6 +439,7 @@ class EngineCore:
             "host_free_bytes": self.host_free, "host_capacity_bytes": self.info.host_capacity,
             "faults_fired": dict(self.faults_fired), "host_largest_free_bytes": self.host_largest,
             "telemetry": self.telemetry.snapshot(),
+            "speculative": self.spec.as_dict() if self.spec is not None else None,
             "cost_model": {"h2d_bytes_per_s": self.rm.cost.h2d_bytes_per_s,
                            "prefill_s_per_token": self.rm.cost.prefill_s_per_token,
                            "calibrated": bool(self.info.h2d_bytes_per_s or self.info.prefill_s_per_token)},

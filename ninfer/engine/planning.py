@@ -159,7 +159,8 @@ class CyclePlanner:
         cap, sp = self._capture(req, unit, book.save_points, recovery)
         spec = P.UnitSpec(unit.n_tokens, unit.kind, hold=req.recovery_pending, capture=cap)
         iid = next(self._iids)
-        demand = {P.MAIN: max(0, unit_pages(f.frontier, unit.n_tokens, f.blocks, f.tail_ok) - f.reserved)}
+        n = unit.n_tokens + (f.spec if unit.kind is P.UnitKind.DECODE else 0)   # the speculative peak
+        demand = {P.MAIN: max(0, unit_pages(f.frontier, n, f.blocks, f.tail_ok) - f.reserved)}
         return Item(iid, req, kind, P.RowIntent(iid, req.sid, spec), unit, Need(iid, req, kind, demand), sp=sp)
 
     # ---- resume ---------------------------------------------------------------------

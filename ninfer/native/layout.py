@@ -13,7 +13,7 @@ import torch
 
 from ninfer.config import EngineConfig, kv_page_bounds
 from ninfer.errors import ConfigError
-from ninfer.native.model.config import ModelConfig
+from ninfer.native.model.config import PAGE_SIZE, ModelConfig
 from ninfer.native.model.forward import state_dtype
 
 from ninfer.protocol import DFLASH, KV_KINDS, MAIN, MTP, STATE  # noqa: E402,F401  (pool kinds)
@@ -33,6 +33,7 @@ class Layout(msgspec.Struct, frozen=True, kw_only=True):
     workspace_bytes: int
     dtype: str
     prefill_chunk_tokens: int
+    spec_tokens: int = 0              # MTP drafts per step (0: no MTP pool)
 
     @property
     def main_pages(self) -> int:
@@ -51,18 +52,33 @@ def workspace_bytes(cfg: ModelConfig, chunk_tokens: int, itemsize: int) -> int:
     return 8 * chunk_tokens * widest * itemsize + 4 * cfg.vocab_size * 8
 
 
+def mtp_pages(main_pages: int, max_concurrency: int, spec_tokens: int) -> int:
+    """The MTP pool: a page per Main page (the head's context mirrors Main's positions) plus,
+    per lane, a tail copy and the draft entries' peak (k - 1 positions past the frontier)."""
+    return main_pages + max_concurrency * (1 + -(-spec_tokens // 64)) if spec_tokens else 0
+
+
 def resolve_layout(cfg: ModelConfig, ec: EngineConfig, device: torch.device,
                    budget_bytes: int | None = None) -> Layout:
-    """Sizes for this model and config; ConfigError with the numbers if they cannot work."""
+    """Sizes for this model and config; ConfigError with the numbers if they cannot work.
+
+    With MTP the head's pages ride on the same curve: each Main page brings one MTP page
+    (``mtp_pages``), so the solve divides the budget by their sum."""
     dtype = getattr(torch, ec.dtype)
     item = _itemsize(dtype)
     max_ctx = ec.resolve_max_context(cfg.max_position_embeddings)
-    page_bytes = cfg.kv_bytes_per_page(item)
+    k = ec.spec_tokens
+    if k and not cfg.mtp_num_hidden_layers:
+        raise ConfigError("speculative.method='mtp' needs a model with MTP weights (mtp.* tensors); this one has none")
+    mtp_bytes = PAGE_SIZE * 2 * cfg.num_key_value_heads * cfg.head_dim * item * cfg.mtp_num_hidden_layers if k else 0
+    main_bytes = cfg.kv_bytes_per_page(item)
+    page_bytes = main_bytes + mtp_bytes
     image = cfg.state_image_bytes(_itemsize(state_dtype(dtype)), item, item)
     slots = ec.max_concurrency + ec.device_state_slots
-    work = workspace_bytes(cfg, ec.prefill_chunk_tokens, item)
+    # verify rows keep every step's recurrent state until the accepted prefix is known
+    work = workspace_bytes(cfg, ec.prefill_chunk_tokens, item) + ec.max_concurrency * (k + 1) * image * (k > 0)
     lo, hi = kv_page_bounds(max_ctx, ec.max_concurrency)
-    fixed = slots * image + work
+    fixed = slots * image + work + mtp_pages(0, ec.max_concurrency, k) * mtp_bytes
     if budget_bytes is None:
         budget_bytes = ec.memory_budget_bytes
     if budget_bytes is None and device.type == "cuda":
@@ -84,9 +100,9 @@ def resolve_layout(cfg: ModelConfig, ec: EngineConfig, device: torch.device,
                 f"+ {slots} state slots × {image} B + workspace {work} B are needed, budget {budget} B")
     return Layout(
         max_concurrency=ec.max_concurrency, max_context=max_ctx,
-        kv_pages={MAIN: int(pages), MTP: 0, DFLASH: 0},
-        kv_page_bytes={MAIN: page_bytes, MTP: 0, DFLASH: 0},
+        kv_pages={MAIN: int(pages), MTP: mtp_pages(int(pages), ec.max_concurrency, k), DFLASH: 0},
+        kv_page_bytes={MAIN: main_bytes, MTP: mtp_bytes, DFLASH: 0},
         state_slots=slots, state_image_bytes=image,
         host_capacity_bytes=ec.host_capacity(image), workspace_bytes=work,
-        dtype=ec.dtype, prefill_chunk_tokens=ec.prefill_chunk_tokens,
+        dtype=ec.dtype, prefill_chunk_tokens=ec.prefill_chunk_tokens, spec_tokens=k,
     )

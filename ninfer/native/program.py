@@ -32,7 +32,7 @@ from itertools import count
 import torch
 
 from ninfer.errors import NInferError
-from ninfer.native.layout import KV_KINDS, MAIN, STATE, Layout
+from ninfer.native.layout import KV_KINDS, MAIN, MTP, STATE, Layout
 from ninfer.native.memory import Memory
 from ninfer.native.model.config import PAGE_SIZE
 from ninfer.native.model.forward import ForwardBatch, SeqInput
@@ -154,6 +154,10 @@ class Program:
         self._changed_ckpts: set[int] = set()
         self._host_only: set[int] = set()            # blocks with only a Host replica
         self._paged: dict[int, KvBlock] = {}         # blocks with a Device page
+        self.spec = None                             # the MTP backend (speculative.py), when configured
+        if layout.spec_tokens:
+            from ninfer.native.speculative import MtpBackend
+            self.spec = MtpBackend(self)
 
     # ==== identity =====================================================================
     def input_digest(self, tokens: tuple[int, ...] | list[int], media: bytes = b"") -> bytes:
@@ -168,9 +172,17 @@ class Program:
                      eos_ids: tuple[int, ...]) -> Sequence:
         seq = Sequence(sid=next(self._ids), generation=next_generation(), ledger=list(ledger),
                        prompt_len=prompt_len, params=params, eos_ids=eos_ids)
-        seq.blocks = {MAIN: []}
+        seq.blocks = self._dirs()
         self.sequences[seq.sid] = seq
         return seq
+
+    def _dirs(self) -> dict[str, list[KvBlock]]:
+        """An empty KV directory per kind this Program keeps."""
+        return {MAIN: [], MTP: []} if self.spec is not None else {MAIN: []}
+
+    def spec_peak(self, seq: Sequence, n_tokens: int) -> int:
+        """Drafts a unit of ``n_tokens`` verifies (its speculative peak)."""
+        return len(self.spec.drafts_for(seq, n_tokens)) if self.spec is not None else 0
 
     def unit_demand(self, sid: int, frontier: int, blocks: list[KvBlock], n_tokens: int) -> dict[str, int]:
         """Main pages a unit of ``n_tokens`` at ``frontier`` over ``blocks`` needs: growth pages
@@ -180,7 +192,7 @@ class Program:
 
     def seq_demand(self, seq: Sequence, n_tokens: int) -> dict[str, int]:
         """What reserving the sequence's next unit adds to what it already holds reserved."""
-        demand = self.unit_demand(seq.sid, seq.frontier, seq.blocks[MAIN], n_tokens)
+        demand = self.unit_demand(seq.sid, seq.frontier, seq.blocks[MAIN], n_tokens + self.spec_peak(seq, n_tokens))
         return {k: max(0, n - seq.reservation.amounts.get(k, 0)) for k, n in demand.items()}
 
     def tail_ok(self, seq: Sequence) -> bool:
@@ -279,7 +291,7 @@ class Program:
         if source is None:
             seq.slot = self._take_slot(seq, res)
             self.mem.zero_slot(seq.slot)
-            seq.frontier = 0
+            seq.frontier = seq.mtp_base = seq.mtp_frontier = 0
         else:
             reads, after, abort = self._bind_from(seq, source, mode, res)
         self._drop_own_snapshot(seq)
@@ -365,6 +377,7 @@ class Program:
                     reads.append(self.mem.host_to_page(b.host, b.page))
                     self.bytes_h2d += self.mem.page_bytes
                     b.touch()
+        seq.mtp_base, seq.mtp_frontier = src.mtp_base, src.mtp_frontier
         self._claim_tail(seq)
         lost = [src.cid] if mode is BindMode.MOVE and detached is not None else []
         if mode is BindMode.MOVE:
@@ -406,20 +419,22 @@ class Program:
         self.sequences.pop(seq.sid, None)
 
     def _claim_tail(self, seq: Sequence) -> None:
-        blocks = seq.blocks[MAIN]
-        f = seq.frontier
-        if f % PAGE_SIZE and blocks and self._can_append(blocks[-1], seq.sid, f):
-            blocks[-1].appender = seq.sid
+        for kind, f in ((MAIN, seq.frontier), (MTP, seq.mtp_frontier)):
+            blocks = seq.blocks.get(kind)
+            if f % PAGE_SIZE and blocks and len(blocks) == pages_for(f) and self._can_append(blocks[-1], seq.sid, f):
+                blocks[-1].appender = seq.sid
 
     # ==== execution ====================================================================
     def execute(self, rows: list[UnitRow]) -> list[RowResult]:
         """Run one call: rows of at most one token and at most one multi-token chunk, sample
         where the ledger ends, commit, and capture where asked. Rows must hold their
-        reservations and their capture destinations (``prepare_capture``)."""
+        reservations and their capture destinations (``prepare_capture``). With MTP a decode
+        row also verifies its sequence's drafts, and the head catches up and drafts before any
+        capture (speculative.py)."""
         if sum(1 for r in rows if r.n_tokens > 1) > 1:
             raise NativeError("at most one prefill/replay chunk per call")
         compute = [r for r in rows if r.n_tokens > 0]
-        seqs_in = []
+        seqs_in, drafts = [], []
         for r in compute:
             seq = r.seq
             if seq.phase is not Phase.RUNNING:
@@ -427,32 +442,72 @@ class Program:
             end = seq.frontier + r.n_tokens
             if end > len(seq.ledger):
                 raise NativeError(f"unit beyond the ledger of sequence {seq.sid}")
-            self._prepare_blocks(seq, end)
-            seqs_in.append(SeqInput(token_ids=seq.ledger[seq.frontier:end], start=seq.frontier,
-                                    page_table=[b.page for b in seq.blocks[MAIN]], state_slot=seq.slot))
-        logits: dict[int, torch.Tensor] = {}
+            d = self.spec.drafts_for(seq, r.n_tokens) if self.spec is not None else []
+            drafts.append(d)
+            self._prepare_blocks(seq, end + len(d))
+            seqs_in.append(SeqInput(token_ids=seq.ledger[seq.frontier:end] + d, start=seq.frontier,
+                                    page_table=[b.page for b in seq.blocks[MAIN]], state_slot=seq.slot,
+                                    logits="all" if d else "last", verify=bool(d)))
+        results = {r.seq.sid: RowResult(sid=r.seq.sid, frontier=r.seq.frontier) for r in rows}
+        pending = []
         if seqs_in:
-            out = self.model.forward(ForwardBatch.build(seqs_in, self.device), self.mem.cache)
+            batch = ForwardBatch.build(seqs_in, self.device)
+            prev = {r.seq.sid: self.mem.hidden[r.seq.slot].clone() for r in compute
+                    if self.spec is not None and r.seq.frontier > 0}
+            out = self.model.forward(batch, self.mem.cache)
+            li = 0                                # the row of out.logits of the sequence's first logits row
             for i, r in enumerate(compute):
-                seq = r.seq
-                end = seq.frontier + r.n_tokens
-                self._mark_written(seq, seq.frontier, end)
-                seq.frontier = end
-                self.mem.hidden[seq.slot] = out.hidden[i]
-                logits[seq.sid] = out.logits[i]
-        results = []
+                seq, d, res = r.seq, drafts[i], results[r.seq.sid]
+                f0, lo = seq.frontier, batch.cu[i]
+                if d:
+                    keep = self._verify(seq, res, d, out.logits[li:li + len(d) + 1])
+                    li += len(d) + 1
+                    if keep < len(d) + 1:
+                        self.model.roll_back(self.mem.cache, batch, i, seq.slot, keep)
+                else:
+                    keep = r.n_tokens
+                    li += 1
+                self._mark_written(seq, f0, f0 + keep)
+                seq.frontier = f0 + keep
+                self._trim(seq)
+                self.mem.hidden[seq.slot] = out.all_hidden[lo + keep - 1]
+                res.frontier = seq.frontier
+                if not d and seq.frontier == len(seq.ledger) and not seq.finished:
+                    self._sample(seq, res, out.logits[li - 1])
+                if self.spec is not None:
+                    if r.kind is UnitKind.DECODE:
+                        self.spec.note_verify(d, res.committed)
+                    pending.append((seq, f0, prev.get(seq.sid), out.all_hidden[lo:lo + keep], bool(res.committed)))
         for r in rows:
-            seq = r.seq
-            res = RowResult(sid=seq.sid, frontier=seq.frontier)
-            if seq.frontier == len(seq.ledger) and not seq.finished:
-                self._sample(seq, res, logits.get(seq.sid))
+            seq, res = r.seq, results[r.seq.sid]
+            if r.n_tokens == 0 and seq.frontier == len(seq.ledger) and not seq.finished:
+                prev_h = self.mem.hidden[seq.slot].clone() if self.spec is not None else None
+                self._sample(seq, res, None)
+                if self.spec is not None:
+                    pending.append((seq, seq.frontier, prev_h, None, True))
+        if self.spec is not None:
+            from ninfer.native.speculative import Pending
+            self.spec.after_call([Pending(*p) for p in pending])
+        out_rows = []
+        for r in rows:
+            seq, res = r.seq, results[r.seq.sid]
             if r.capture is not None:
                 res.captured, res.capture_tid = self._finish_capture(seq, r.capture)
                 r.capture = None
-            results.append(res)
-        return results
+            out_rows.append(res)
+        return out_rows
 
-    def _sample(self, seq: Sequence, res: RowResult, logits: torch.Tensor | None) -> None:
+    def _verify(self, seq: Sequence, res: RowResult, drafts: list[int], logits: torch.Tensor) -> int:
+        """Sample every verified position in order (the seeded per-position sampler, as without
+        drafts) and keep a draft only while it equals the sampled token. Returns how many inputs
+        of the verify row stand (1 + the drafts kept)."""
+        for i in range(len(drafts) + 1):
+            tok = self._sample(seq, res, logits[i])
+            if seq.finished or i == len(drafts) or tok != drafts[i]:
+                return i + 1
+        raise AssertionError("unreachable")
+
+    def _sample(self, seq: Sequence, res: RowResult, logits: torch.Tensor | None) -> int:
         if logits is None:       # exact hit: sample from the continuation hidden
             logits = self.model.logits(self.mem.hidden[seq.slot][None])[0]
         pos = len(seq.ledger)
@@ -465,37 +520,49 @@ class Program:
             res.logprobs.append(token_logprobs(logits, tok, seq.params.logprobs))
         seq.finished = stop_reason(tok, seq.n_generated, seq.params, seq.eos_ids)
         res.finish_reason = seq.finished
+        return tok
 
-    def _prepare_blocks(self, seq: Sequence, end: int) -> None:
-        """Allocate growth pages and copy a tail the sequence may not append to (COW)."""
+    def _trim(self, seq: Sequence) -> None:
+        """Pages past the frontier's last (a verify row's rejected tail) go back to the pool."""
         blocks = seq.blocks[MAIN]
-        f = seq.frontier
-        if f % PAGE_SIZE and not self._can_append(blocks[f // PAGE_SIZE], seq.sid, f):
-            old = blocks[f // PAGE_SIZE]
-            new = self._new_block(MAIN, seq)
-            if old.page is None:
-                raise NativeError(f"block {old.bid} has no Device replica")
-            self.mem.copy_page_prefix(old.page, new.page, f % PAGE_SIZE)
+        keep = pages_for(seq.frontier)
+        for b in blocks[keep:]:
+            self._drop_holder(b, seq.sid)
+        del blocks[keep:]
+
+    def _prepare_blocks(self, seq: Sequence, end: int, kind: str = MAIN, f: int | None = None,
+                        res: Reservation | None = None) -> None:
+        """Allocate growth pages and copy a tail the sequence may not append to (COW), for the
+        ``kind`` directory written from ``f`` (default: Main at the execution frontier)."""
+        blocks = seq.blocks[kind]
+        f = seq.frontier if f is None else f
+        tail = blocks[f // PAGE_SIZE] if f % PAGE_SIZE and len(blocks) > f // PAGE_SIZE else None
+        if tail is not None and not self._can_append(tail, seq.sid, f):
+            new = self._new_block(kind, seq, res)
+            if tail.page is None:
+                raise NativeError(f"block {tail.bid} has no Device replica")
+            copy = self.mem.copy_page_prefix if kind == MAIN else self.spec.copy_page_prefix
+            copy(tail.page, new.page, f % PAGE_SIZE)
             new.filled = f % PAGE_SIZE
             blocks[f // PAGE_SIZE] = new
-            self._drop_holder(old, seq.sid)
-        elif f % PAGE_SIZE:
-            blocks[-1].appender = seq.sid
+            self._drop_holder(tail, seq.sid)
+        elif tail is not None:
+            tail.appender = seq.sid
         while len(blocks) < pages_for(end):
-            blocks.append(self._new_block(MAIN, seq))
+            blocks.append(self._new_block(kind, seq, res))
         for b in blocks:
             if b.page is None or b.leases:
                 raise NativeError(f"block {b.bid} of sequence {seq.sid} is not resident")
 
-    def _new_block(self, kind: str, seq: Sequence) -> KvBlock:
+    def _new_block(self, kind: str, seq: Sequence, res: Reservation | None = None) -> KvBlock:
         b = KvBlock(bid=next(self._ids), kind=kind, holders={seq.sid}, appender=seq.sid,
                     sink=self._changed_blocks)
-        self._page_in(b, allocate(self.pools, seq.reservation, kind))
+        self._page_in(b, allocate(self.pools, res if res is not None else seq.reservation, kind))
         self.blocks[b.bid] = b
         return b
 
-    def _mark_written(self, seq: Sequence, start: int, end: int) -> None:
-        blocks = seq.blocks[MAIN]
+    def _mark_written(self, seq: Sequence, start: int, end: int, kind: str = MAIN) -> None:
+        blocks = seq.blocks[kind]
         for p in range(start // PAGE_SIZE, pages_for(end)):
             b = blocks[p]
             b.filled = max(b.filled, min(PAGE_SIZE, end - p * PAGE_SIZE))
@@ -567,9 +634,12 @@ class Program:
         tokens = tuple(seq.ledger[:seq.frontier])
         ck = Checkpoint(sink=self._changed_ckpts, cid=next(self._ids), generation=next_generation(), kind=kind, tokens=tokens,
                         digest=self.input_digest(tokens), image=image, blocks={}, owners={owner: 1})
-        n = pages_for(seq.frontier)
+        cover = {MAIN: seq.frontier}
+        if self.spec is not None:
+            ck.mtp_base, cover[MTP] = self.spec.coverage(seq)
+            ck.mtp_frontier = cover[MTP]
         for k, blocks in seq.blocks.items():
-            ck.blocks[k] = blocks[:n]
+            ck.blocks[k] = blocks[:pages_for(cover[k])]
             for b in ck.blocks[k]:
                 b.holders.add(ck.cid)
                 b.touch()
@@ -950,7 +1020,8 @@ class Program:
         for blocks in seq.blocks.values():
             for b in blocks:
                 self._drop_holder(b, seq.sid)
-        seq.blocks = {MAIN: []}
+        seq.blocks = self._dirs()
+        seq.drafts = []
         return ck
 
     def _drop_execution(self, seq: Sequence) -> None:
@@ -960,7 +1031,9 @@ class Program:
         for blocks in seq.blocks.values():
             for b in blocks:
                 self._drop_holder(b, seq.sid)
-        seq.blocks = {MAIN: []}
+        seq.blocks = self._dirs()
+        seq.drafts = []
+        seq.mtp_base = seq.mtp_frontier = 0
 
     def release(self, seq: Sequence) -> None:
         """Cancel / error / done without saving: free everything the sequence holds. While its
@@ -1060,9 +1133,10 @@ class Program:
                 raise IntegrityError(f"block {bid} has no replica")
         if set(counted) - set(self.blocks):
             raise IntegrityError("a directory names a deleted block")
-        pages = [b.page for b in self.blocks.values() if b.page is not None]
-        if len(pages) != len(set(pages)) or set(pages) != self.pools[MAIN].used_ids():
-            raise IntegrityError("main pool pages and block replicas disagree")
+        for kind in self._dirs():
+            pages = [b.page for b in self.blocks.values() if b.page is not None and b.kind == kind]
+            if len(pages) != len(set(pages)) or set(pages) != self.pools[kind].used_ids():
+                raise IntegrityError(f"{kind} pool pages and block replicas disagree")
         if {b.bid for b in self.blocks.values() if b.page is not None} != set(self._paged):
             raise IntegrityError("the paged-block index disagrees with the blocks")
         for slot, holder in self._slot_owner.items():

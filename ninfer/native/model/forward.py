@@ -9,7 +9,9 @@ packed back to back into T tokens::
     positions  [T]     starts[i] + 0 .. q_len-1
 
 A sequence with q_len == 1 is a decode row (batched recurrent step); longer ones are prefill
-or replay chunks (chunked form). Either way the state in ``state_slots[i]`` is read as the
+or replay chunks (chunked form), or *verify* rows (``SeqInput.verify``: a committed input and
+its drafts, recurrent form, every step's state kept in ``spec_states`` so the caller can roll
+the state back to the last accepted position). Either way the state in ``state_slots[i]`` is read as the
 initial state and overwritten with the final state, and the new K/V are written to the pages
 of ``page_tables[i]`` before attention reads them.
 
@@ -47,6 +49,7 @@ class SeqInput:
     # Qwen3.5 MRoPE: rotary positions [3, len(token_ids)] (t, h, w rows: mrope.mrope_positions, or
     # start + delta on all rows when decoding after an image); None = start .. end - 1 on all rows
     rope_positions: torch.Tensor | None = None
+    verify: bool = False            # a speculative verify row (see the module docstring)
 
 
 @dataclass
@@ -60,7 +63,8 @@ class ForwardBatch:
     slot_mapping: torch.Tensor      # [T] long, flat KV slot of every new token
     logits_rows: torch.Tensor       # [M] long, rows whose hidden/logits are returned
     decode_seqs: list[int] = field(default_factory=list)   # sequences with q_len == 1
-    chunk_seqs: list[int] = field(default_factory=list)    # sequences with q_len > 1
+    chunk_seqs: list[int] = field(default_factory=list)    # sequences with q_len > 1 (not verify)
+    verify_seqs: list[int] = field(default_factory=list)   # verify rows (q_len > 1)
     decode_rows: torch.Tensor | None = None          # [B] long (see the module docstring)
     decode_slots: torch.Tensor | None = None         # [B] long
     decode_kv_lens: torch.Tensor | None = None       # [B] long
@@ -69,11 +73,19 @@ class ForwardBatch:
     # [3, T] long: MRoPE rotary rows (t, h, w), read only by a model with mrope_section, and only
     # set when some sequence gave SeqInput.rope_positions (text-only batches keep None: bit-identical)
     rope_positions: torch.Tensor | None = None
+    # filled by the GDN layers for the verify rows, one dict per linear layer (cache order):
+    # verify index s -> (conv state before [C, K-1], pre-conv inputs [T, C], states after each step [T, Hv, Dk, Dv])
+    spec_states: list[dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = field(default_factory=list)
 
     @property
     def all_decode(self) -> bool:
         """Every sequence is a decode row: rows 0..B-1 are the decode rows, in order."""
-        return not self.chunk_seqs
+        return not self.chunk_seqs and not self.verify_seqs
+
+    @property
+    def multi_seqs(self) -> list[int]:
+        """Sequences with several query rows (chunks and verify rows): attention one by one."""
+        return sorted(self.chunk_seqs + self.verify_seqs)
 
     @property
     def num_seqs(self) -> int:
@@ -132,7 +144,8 @@ class ForwardBatch:
             slot_mapping=lt(slots),
             logits_rows=lt(rows),
             decode_seqs=decode,
-            chunk_seqs=[i for i, s in enumerate(seqs) if len(s.token_ids) > 1],
+            chunk_seqs=[i for i, s in enumerate(seqs) if len(s.token_ids) > 1 and not s.verify],
+            verify_seqs=[i for i, s in enumerate(seqs) if len(s.token_ids) > 1 and s.verify],
             decode_rows=lt([cu[i] for i in decode]),
             decode_slots=lt([seqs[i].state_slot for i in decode]),
             decode_kv_lens=kv_lens,
@@ -186,3 +199,4 @@ class ModelCache:
 class ForwardOutput:
     hidden: torch.Tensor   # [M, H] pre-final-norm hidden of the logits rows (continuation hidden)
     logits: torch.Tensor   # [M, V] in the accumulation dtype
+    all_hidden: torch.Tensor | None = None   # [T, H] pre-final-norm hidden of every row (the MTP head's input)

@@ -66,26 +66,30 @@ def _prep(q, k, v, g, beta, acc):
 
 def recurrent_gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    state: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token-by-token form for N rows of T steps each (decode: T == 1).
+    state: torch.Tensor, keep_steps: bool = False,
+):
+    """Token-by-token form for N rows of T steps each (decode: T == 1; a verify row: T = 1 + drafts).
 
     q, k: [N, T, Hk, Dk]; v: [N, T, Hv, Dv]; g, beta: [N, T, Hv]; state: [N, Hv, Dk, Dv].
     Returns o: [N, T, Hv, Dv] (input dtype of v) and the final state [N, Hv, Dk, Dv]
-    (accumulation dtype).
+    (accumulation dtype); with ``keep_steps`` also the state after every step [N, T, Hv, Dk, Dv]
+    (speculative verify rolls back to one of them).
     """
     out_dtype = v.dtype
     acc = acc_dtype(v.dtype)
     q, k, v, g, beta = _prep(q, k, v, g, beta, acc)
     s = state.to(acc)
-    outs = []
+    outs, steps = [], []
     for t in range(q.shape[1]):
         s = s * g[:, t].exp()[..., None, None]
         kv_mem = (s * k[:, t, :, :, None]).sum(-2)                      # [N, Hv, Dv]
         delta = (v[:, t] - kv_mem) * beta[:, t, :, None]
         s = s + k[:, t, :, :, None] * delta[:, :, None, :]
         outs.append((s * q[:, t, :, :, None]).sum(-2))
-    return torch.stack(outs, dim=1).to(out_dtype), s
+        if keep_steps:
+            steps.append(s)
+    o = torch.stack(outs, dim=1).to(out_dtype)
+    return (o, s, torch.stack(steps, dim=1)) if keep_steps else (o, s)
 
 
 def chunk_gated_delta_rule(

@@ -202,7 +202,18 @@ class HybridModel:
             h = rms_norm(x, layer.post_norm, c.rms_norm_eps, c.zero_centered_norm)
             x = x + (sparse_moe(h, layer.mlp) if isinstance(layer.mlp, MoeWeights) else silu_mlp(h, *layer.mlp))
         hidden = x[batch.logits_rows]
-        return ForwardOutput(hidden=hidden, logits=self.logits(hidden))
+        return ForwardOutput(hidden=hidden, logits=self.logits(hidden), all_hidden=x)
+
+    def roll_back(self, cache: ModelCache, batch: ForwardBatch, s: int, slot: int, keep: int) -> None:
+        """Verify row ``s`` of ``batch`` kept only its first ``keep`` inputs (the accepted prefix):
+        put the GDN and conv states after that input into ``slot``. KV written past it lies
+        beyond the frontier and is never read."""
+        k1 = self.cfg.linear_conv_kernel_dim - 1
+        for j, per_layer in enumerate(batch.spec_states):
+            conv0, inputs, steps = per_layer[s]
+            xs = torch.cat([conv0.to(inputs.dtype), inputs[:keep].t()], dim=1)
+            cache.conv[j, slot] = xs[:, xs.shape[1] - k1:].to(cache.conv.dtype)
+            cache.ssm[j, slot] = steps[keep - 1].to(cache.ssm.dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Pre-norm hidden [M, H] -> logits [M, V] (accumulation dtype)."""

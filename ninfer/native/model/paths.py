@@ -10,6 +10,10 @@ batched one, as ``reference_generate`` is the oracle of the engine:
   their slots and scattered back (``index_select`` / ``index_copy_``). The one prefill/replay
   chunk a call may carry goes through the chunk ops (``paged_attention``,
   ``chunk_gated_delta_rule``).
+* Verify rows (a committed input and its drafts) go through the per-sequence attention like a
+  chunk and through the recurrent GDN form with every step's state kept (``_gdn_verify``), in
+  both paths: a verify row is the decode math over several steps, so its tokens equal decoding
+  them one by one.
 * ``PER_SEQUENCE`` — every sequence alone, decode rows included, with the same per-sequence
   ops. Slow; kept for tests and for the decode benchmark's comparison.
 
@@ -81,6 +85,26 @@ def _gdn_alone(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, spl
         ssm_states[slot] = new_ssm.to(ssm_states.dtype)
 
 
+def _gdn_verify(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split) -> None:
+    """The verify rows: conv over the row, the recurrent delta rule with every step's state kept
+    in ``batch.spec_states`` (one dict per call = per linear layer); the final states are written
+    like any row's (``HybridModel.roll_back`` replaces them when a draft is rejected)."""
+    kept = {}
+    for s in batch.verify_seqs:
+        lo, hi = batch.cu[s], batch.cu[s + 1]
+        slot = int(batch.state_slots[s])
+        conv0 = conv_states[slot].clone()
+        y, new_conv = gdn.causal_conv1d(mixed[lo:hi], conv0, conv_w)
+        q, k, v = split(y)
+        o, new_ssm, steps = gdn.recurrent_gated_delta_rule(
+            q[None], k[None], v[None], g[None, lo:hi], beta[None, lo:hi], ssm_states[slot:slot + 1], keep_steps=True)
+        core[lo:hi] = o[0]
+        conv_states[slot] = new_conv.to(conv_states.dtype)
+        ssm_states[slot] = new_ssm[0].to(ssm_states.dtype)
+        kept[s] = (conv0, mixed[lo:hi], steps[0])
+    batch.spec_states.append(kept)
+
+
 def _core_out(mixed: torch.Tensor, ssm_states: torch.Tensor) -> torch.Tensor:
     """An empty [T, Hv, Dv] core output in the model dtype."""
     return mixed.new_empty(mixed.shape[0], ssm_states.shape[1], ssm_states.shape[3])
@@ -99,13 +123,15 @@ class BatchedPath:
             out.index_copy_(0, rows, decode_attention(q.index_select(0, rows), k_cache, v_cache,
                                                       batch.decode_block_table, batch.decode_kv_lens, scale,
                                                       batch.decode_kv_slots))
-        _attention_alone(out, q, k_cache, v_cache, batch, scale, batch.chunk_seqs)
+        _attention_alone(out, q, k_cache, v_cache, batch, scale, batch.multi_seqs)
         return out
 
     def gdn(self, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split):
         if not batch.decode_seqs:
             core = _core_out(mixed, ssm_states)
             _gdn_alone(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split, batch.chunk_seqs)
+            if batch.verify_seqs:
+                _gdn_verify(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split)
             return core
         rows, slots = batch.decode_rows, batch.decode_slots
         pick = (lambda t: t) if batch.all_decode else (lambda t: t.index_select(0, rows))
@@ -121,6 +147,8 @@ class BatchedPath:
         core = _core_out(mixed, ssm_states)
         core.index_copy_(0, rows, o[:, 0])
         _gdn_alone(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split, batch.chunk_seqs)
+        if batch.verify_seqs:
+            _gdn_verify(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split)
         return core
 
 
@@ -134,7 +162,10 @@ class PerSequencePath:
 
     def gdn(self, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split):
         core = _core_out(mixed, ssm_states)
-        _gdn_alone(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split, range(batch.num_seqs))
+        alone = [s for s in range(batch.num_seqs) if s not in batch.verify_seqs]
+        _gdn_alone(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split, alone)
+        if batch.verify_seqs:
+            _gdn_verify(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split)
         return core
 
 

@@ -1,0 +1,233 @@
+"""The MTP backend inside Native: per-backend frontier, drafting, and what a verify row commits.
+
+Frontiers of one sequence (seed: Main、MTP、DFlash 的 frontier 分别解释)::
+
+    execution_frontier F     Main KV + GDN state cover positions 0 .. F-1; ledger[F] is the next input
+    mtp_frontier M <= F      the head's KV covers entries mtp_base .. M-1, entry p = (h_p, x_{p+1})
+
+One execute call, for a sequence with MTP::
+
+    verify   inputs ledger[F] + drafts d_1..d_n at F .. F+n (n = 0: a plain decode row); the target
+             samples every position with the same per-position seeded sampler as without
+             speculation, and a draft is kept only while it equals the sampled token there — so
+             speculation never changes an output token, greedy or sampled. The state rolls back
+             to the last kept input (HybridModel.roll_back); pages past it are returned.
+    catch-up the head's entries M .. E-1 (E = min(F', last ledger index)) from this call's target
+             hiddens — the frontier-1 bridge after a restore is entry F-1 from the continuation
+             hidden in the StateImage;
+    drafts   n' <= k drafts for the next call, the first from entry E-1, the others from draft
+             entries E .. E+n'-2 written past M (never covered, overwritten by the next catch-up).
+
+Checkpoints carry the head's coverage [mtp_base, min(M, F-1)): entry F-1 needs x_F, which is not
+part of the checkpoint's input identity. A sequence restored from a point whose coverage ends
+before F-1 (none kept, or dropped) restarts the head's context at the bridge (``mtp_base``):
+nothing of the target is recomputed and outputs stay the same; drafts just see less context
+until it refills. Replay recomputes the target's hiddens, so its chunks rebuild the head's KV
+along with Main.
+
+The MTP pool is optional cache: a unit that finds no MTP page first drops the coverage of
+checkpoints (Host-resident ones first), then runs without drafts — it never fails or waits for
+it. Uncommitted drafts are never a restore point, and a pause drops them (rebuilt in the
+resumed request's first unit).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from ninfer.native.layout import MTP
+from ninfer.native.model.mtp import MtpEntries, MtpHead
+from ninfer.native.objects import Checkpoint, Sequence, pages_for
+from ninfer.native.stores import reserve_all, settle
+from ninfer.protocol import SpecStats, unit_pages
+
+if TYPE_CHECKING:
+    from ninfer.native.program import Program
+
+
+@dataclass
+class Pending:
+    """One sequence's part of the head call after the target's forward."""
+
+    seq: Sequence
+    old_frontier: int
+    prev_hidden: torch.Tensor | None     # continuation hidden before the call (position old - 1)
+    rows: torch.Tensor | None            # this call's hidden of positions old .. F-1
+    sampled: bool                        # the call committed a token (drafts are wanted)
+
+
+class MtpBackend:
+    def __init__(self, prog: "Program"):
+        self.prog = prog
+        self.k = prog.layout.spec_tokens
+        self.head = MtpHead(prog.model)
+        self.cache = self.head.new_cache(prog.layout.kv_pages[MTP])
+        self.stats = SpecStats(by_position=[0] * self.k, offered=[0] * self.k)
+
+    # ---- verify -------------------------------------------------------------------------
+    def drafts_for(self, seq: Sequence, n_tokens: int) -> list[int]:
+        """The drafts a unit of ``n_tokens`` verifies: the pending ones of a decode row."""
+        return list(seq.drafts) if n_tokens == 1 and seq.frontier == len(seq.ledger) - 1 else []
+
+    def note_verify(self, drafts: list[int], committed: list[int]) -> None:
+        st = self.stats
+        st.decode_rows += 1
+        st.committed += len(committed)
+        if not drafts:
+            return
+        st.verify_rows += 1
+        kept = 0
+        for i, d in enumerate(drafts[:len(committed)]):
+            st.offered[i] += 1
+            if committed[i] != d:
+                break
+            kept += 1
+            st.by_position[i] += 1
+        st.drafted += len(drafts)
+        st.accepted += kept
+
+    # ---- the head after the target's forward ----------------------------------------------
+    def after_call(self, pending: list[Pending]) -> None:
+        """Catch the head up on every sequence of the call and draft for the next one."""
+        prog, head = self.prog, self.head
+        work = []
+        for p in pending:
+            seq = p.seq
+            seq.drafts = []
+            if seq.finished:
+                continue
+            f0 = p.old_frontier
+            if seq.mtp_frontier < f0 - 1 or (seq.mtp_frontier == f0 - 1 and p.prev_hidden is None):
+                self._restart(seq, max(f0 - 1, 0))
+            m = seq.mtp_frontier
+            end = min(seq.frontier, len(seq.ledger) - 1)
+            if end <= m:
+                continue
+            n = self._budget(seq) if p.sampled else 0
+            if not self._room(seq, m, end + max(n - 1, 0)):
+                self.stats.short += 1
+                continue                  # the gap restarts the head at the next bridge
+            parts = ([p.prev_hidden[None]] if p.prev_hidden is not None else []) + (
+                [p.rows] if p.rows is not None else [])
+            first = f0 - 1 if p.prev_hidden is not None else f0      # position of parts' first row
+            hidden = torch.cat(parts)[m - first:end - first]
+            work.append((seq, m, end, n, hidden))
+        if not work:
+            return
+        entries = [MtpEntries(tokens=seq.ledger[m + 1:end + 1], prev=head.feature(hidden), start=m,
+                              page_table=self._pages(seq), base=seq.mtp_base)
+                   for seq, m, end, _, hidden in work]
+        with torch.no_grad():
+            out = head.forward(entries, self.cache)
+            for (seq, m, end, n, _), e in zip(work, entries):
+                prog._mark_written(seq, m, end, MTP)
+                seq.mtp_frontier = end
+                self.stats.entries += end - m
+            draft = [(i, w) for i, w in enumerate(work) if w[3] > 0]
+            if draft:
+                self._draft(draft, out)
+        for seq, m, end, _, _ in work:
+            self._trim(seq)
+
+    def _draft(self, draft, out: torch.Tensor) -> None:
+        """Chain up to k drafts per sequence: entry E-1's out gives d_1, draft entry E-1+s gives d_{s+1}."""
+        head = self.head
+        rows = torch.tensor([i for i, _ in draft], device=out.device)
+        h = out.index_select(0, rows)
+        tok = head.logits(h).argmax(-1).tolist()
+        live = list(range(len(draft)))
+        for j in live:
+            draft[j][1][0].drafts.append(tok[j])
+        step = 1
+        while True:
+            live = [j for j in live if draft[j][1][3] > step]
+            if not live:
+                return
+            entries = []
+            for j in live:
+                seq, _, end, _, _ = draft[j][1]
+                entries.append(MtpEntries(tokens=[seq.drafts[-1]], prev=h[j:j + 1], start=end - 1 + step,
+                                          page_table=self._pages(seq), base=seq.mtp_base))
+            o = head.forward(entries, self.cache, step)
+            t = head.logits(o).argmax(-1).tolist()
+            for i, j in enumerate(live):
+                draft[j][1][0].drafts.append(t[i])
+                h[j] = o[i]
+            step += 1
+
+    def _budget(self, seq: Sequence) -> int:
+        """Drafts the next verify may carry: within max_tokens (the bonus token included) and the context."""
+        left = seq.params.max_tokens - seq.n_generated - 1
+        room = self.prog.layout.max_context - 1 - seq.frontier
+        return max(0, min(self.k, left, room))
+
+    def _pages(self, seq: Sequence) -> list[int]:
+        return [b.page for b in seq.blocks[MTP]]
+
+    # ---- pages ----------------------------------------------------------------------------
+    def _room(self, seq: Sequence, m: int, end: int) -> bool:
+        """Allocate the head's pages for entries m .. end-1 (tail copy included), from the MTP
+        pool; short, drop checkpoints' head coverage first. False: still short (nothing held)."""
+        prog = self.prog
+        blocks = seq.blocks[MTP]
+        tail = not m % 64 or len(blocks) <= m // 64 or prog._can_append(blocks[m // 64], seq.sid, m)
+        need = unit_pages(m, end - m, len(blocks), tail)
+        res, short = reserve_all(prog.pools, {MTP: need})
+        if res is None:
+            self._drop_coverage(short[MTP])
+            res, short = reserve_all(prog.pools, {MTP: need})
+            if res is None:
+                return False
+        prog._prepare_blocks(seq, end, MTP, m, res)
+        settle(prog.pools, res)
+        return True
+
+    def _trim(self, seq: Sequence) -> None:
+        """Draft entries past the frontier are garbage once drafted: return their pages."""
+        blocks = seq.blocks[MTP]
+        keep = pages_for(seq.mtp_frontier)
+        for b in blocks[keep:]:
+            self.prog._drop_holder(b, seq.sid)
+        del blocks[keep:]
+
+    def _restart(self, seq: Sequence, base: int) -> None:
+        """The head's context restarts at ``base`` (the bridge): entries below it never existed."""
+        for b in seq.blocks[MTP]:
+            self.prog._drop_holder(b, seq.sid)
+        seq.blocks[MTP] = []
+        seq.mtp_base = seq.mtp_frontier = base
+        self.stats.restarts += 1
+
+    def _drop_coverage(self, pages: int) -> None:
+        """Free MTP pages by dropping checkpoints' head coverage (outputs never depend on it):
+        Host-resident points first, then the oldest. O(checkpoints), only when the pool is short."""
+        prog = self.prog
+        cks = sorted((c for c in prog.checkpoints.values() if c.blocks.get(MTP)),
+                     key=lambda c: (c.image.slot is not None, c.cid))
+        for ck in cks:
+            if prog.pools[MTP].available >= pages:
+                return
+            self.drop_coverage(ck)
+
+    def drop_coverage(self, ck: Checkpoint) -> None:
+        for b in ck.blocks.get(MTP, ()):
+            self.prog._drop_holder(b, ck.cid)
+        ck.blocks[MTP] = []
+        ck.mtp_base = ck.mtp_frontier = 0
+        ck.touch()
+        self.stats.coverage_dropped += 1
+
+    def copy_page_prefix(self, src: int, dst: int, n: int) -> None:
+        """Tail copy (COW) of the head's page ``src`` into ``dst``: its first n positions."""
+        self.cache.k[:, dst, :n] = self.cache.k[:, src, :n]
+        self.cache.v[:, dst, :n] = self.cache.v[:, src, :n]
+
+    # ---- checkpoints ----------------------------------------------------------------------
+    @staticmethod
+    def coverage(seq: Sequence) -> tuple[int, int]:
+        """(base, frontier) of the head's coverage a checkpoint of ``seq`` at its frontier gets."""
+        end = min(seq.mtp_frontier, seq.frontier - 1)
+        return (seq.mtp_base, end) if end > seq.mtp_base else (0, 0)
