@@ -159,8 +159,23 @@ def serve(data: dict, path: str | Path) -> None:
     _save(plt, fig, path)
 
 
+def speculative(data: dict, path: str | Path) -> None:
+    plt, fig, (tps, acc) = _figure(2, "ninfer bench speculative: MTP on vs off")
+    for k, drafts in enumerate(dict.fromkeys(r["drafts"] for r in data["rows"])):
+        rows = [r for r in data["rows"] if r["drafts"] == drafts]
+        tps.plot([r["C"] for r in rows], [r["decode_tok_s"] for r in rows], marker="o", color=f"C{k}",
+                 label=f"k={drafts}" if drafts else "off")
+    tps.set(ylabel="decode tokens / s", ylim=(0, None))
+    _c_axis(tps, data["rows"])
+    for k, (drafts, by_pos) in enumerate(data["acceptance_by_position"].items()):
+        acc.plot(range(1, len(by_pos) + 1), by_pos, marker="o", color=f"C{k + 1}", label=f"k={drafts}")
+    acc.set(xlabel="draft position", ylabel="acceptance", ylim=(0, 1.02))
+    acc.legend(fontsize=8)
+    _save(plt, fig, path)
+
+
 PLOTS = {"controller": controller, "agent": agent, "actors": actors, "cache-scale": cache_scale, "serve": serve,
-         "decode": decode}
+         "decode": decode, "speculative": speculative}
 
 
 def draw(data: dict, path: str | Path) -> None:

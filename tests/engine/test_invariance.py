@@ -114,9 +114,10 @@ def _preempt(h: Harness, rng: random.Random) -> None:
         force_pause(h, req.rid)
 
 
-def run_workload(model_dir: str, seed: int) -> dict:
+def run_workload(model_dir: str, seed: int, **overrides) -> dict:
+    """One seeded workload; ``overrides`` change its engine config (e.g. ``speculative``)."""
     cfg, reqs, follow, preempts = _workload(seed)
-    h = Harness(model_dir, **cfg)
+    h = Harness(model_dir, **{**cfg, **overrides})
     rng = random.Random(seed + 1)
     try:
         live: dict[str, tuple] = {}

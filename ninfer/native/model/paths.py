@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 from ninfer.native.model import gdn
 from ninfer.native.model.attention import decode_attention, paged_attention
@@ -86,22 +87,32 @@ def _gdn_alone(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, spl
 
 
 def _gdn_verify(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split) -> None:
-    """The verify rows: conv over the row, the recurrent delta rule with every step's state kept
+    """The verify rows: conv over each row, the recurrent delta rule with every step's state kept
     in ``batch.spec_states`` (one dict per call = per linear layer); the final states are written
-    like any row's (``HybridModel.roll_back`` replaces them when a draft is rejected)."""
+    like any row's (``HybridModel.roll_back`` replaces them when a draft is rejected). Rows of one
+    length run as one batch (usually all of them: every row carries k drafts)."""
     kept = {}
+    by_len: dict[int, list[int]] = {}
     for s in batch.verify_seqs:
-        lo, hi = batch.cu[s], batch.cu[s + 1]
-        slot = int(batch.state_slots[s])
-        conv0 = conv_states[slot].clone()
-        y, new_conv = gdn.causal_conv1d(mixed[lo:hi], conv0, conv_w)
-        q, k, v = split(y)
+        by_len.setdefault(batch.cu[s + 1] - batch.cu[s], []).append(s)
+    for n, seqs in by_len.items():
+        rows = torch.cat([torch.arange(batch.cu[s], batch.cu[s] + n) for s in seqs]).to(mixed.device)
+        slots = batch.state_slots[seqs]
+        conv0 = conv_states.index_select(0, slots)                                # [N, C, K-1]
+        x = mixed.index_select(0, rows).view(len(seqs), n, -1)                    # [N, T, C]
+        xs = torch.cat([conv0.to(x.dtype), x.transpose(1, 2)], dim=2)             # [N, C, K-1+T]
+        y = F.silu(F.conv1d(xs, conv_w[:, None, :], groups=conv_w.shape[0])).transpose(1, 2)   # [N, T, C]
+        q, k, v = split(y.reshape(len(seqs) * n, -1))
+        shape = lambda t: t.view(len(seqs), n, *t.shape[1:])                      # noqa: E731
         o, new_ssm, steps = gdn.recurrent_gated_delta_rule(
-            q[None], k[None], v[None], g[None, lo:hi], beta[None, lo:hi], ssm_states[slot:slot + 1], keep_steps=True)
-        core[lo:hi] = o[0]
-        conv_states[slot] = new_conv.to(conv_states.dtype)
-        ssm_states[slot] = new_ssm[0].to(ssm_states.dtype)
-        kept[s] = (conv0, mixed[lo:hi], steps[0])
+            shape(q), shape(k), shape(v), g.index_select(0, rows).view(len(seqs), n, -1),
+            beta.index_select(0, rows).view(len(seqs), n, -1), ssm_states.index_select(0, slots), keep_steps=True)
+        core.index_copy_(0, rows, o.reshape(len(seqs) * n, *o.shape[2:]))
+        k1 = conv0.shape[2]
+        conv_states.index_copy_(0, slots, xs[:, :, xs.shape[2] - k1:].to(conv_states.dtype))
+        ssm_states.index_copy_(0, slots, new_ssm.to(ssm_states.dtype))
+        for i, s in enumerate(seqs):
+            kept[s] = (conv0[i], x[i], steps[i])
     batch.spec_states.append(kept)
 
 

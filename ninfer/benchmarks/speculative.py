@@ -1,0 +1,88 @@
+"""MTP speculative decoding on and off, same machine, one run (issue 16): decode tok/s per C,
+tokens committed per target step, acceptance by draft position, and the on/off ratio.
+
+Each engine (in-process; one per setting: off, then k = 1..K drafts) runs C concurrent requests
+on prompts drawn from the tiny corpus (``--prompt-tokens`` each), ``--max-tokens`` greedy output
+tokens each (temperature ``--temperature``, seeded). Every output is checked against the
+speculation-off engine's: speculation must not change one token.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ninfer.api import Engine
+
+
+def _prompts(tokenizer_dir: str, n: int, length: int) -> list[list[int]]:
+    """``n`` windows of ``length`` tokens of the tiny corpus (the text the tokenizer was trained on)."""
+    from tokenizers import Tokenizer
+
+    from ninfer.tiny.corpus import CORPUS
+    ids = Tokenizer.from_file(f"{tokenizer_dir}/tokenizer.json").encode("\n".join(CORPUS)).ids
+    step = max(length, (len(ids) - length) // max(n, 1))
+    return [ids[i * step:i * step + length] for i in range(n)]
+
+
+def measure(engine: Engine, prompts: list[list[int]], max_tokens: int, temperature: float) -> tuple[dict, list]:
+    before = engine.stats().get("speculative") or {}
+    t0 = time.perf_counter()
+    hs = [engine.generate(p, max_tokens=max_tokens, ignore_eos=True, temperature=temperature, seed=i)
+          for i, p in enumerate(prompts)]
+    firsts = []
+    for h in hs:
+        for _ in h:
+            firsts.append(time.perf_counter())
+            break
+    outs = [h.result(600) for h in hs]
+    end = time.perf_counter()
+    after = engine.stats().get("speculative") or {}
+    decoded = sum(len(o.token_ids) - 1 for o in outs)
+    row = {"C": len(prompts), "decode_tok_s": decoded / max(1e-9, end - min(firsts)), "wall_s": end - t0}
+    if after:
+        steps = after["decode_steps"] - before.get("decode_steps", 0)
+        drafted = after["drafted"] - before.get("drafted", 0)
+        row["tokens_per_step"] = (after["tokens_per_step"] * after["decode_steps"]
+                                  - before.get("tokens_per_step", 0) * before.get("decode_steps", 0)) / max(steps, 1)
+        row["acceptance"] = (after["accepted"] - before.get("accepted", 0)) / max(drafted, 1)
+    return row, [o.token_ids for o in outs]
+
+
+def run(model_dir: str, out: str | None = None, plot: str | None = None, drafts=(1, 2, 3),
+        concurrency=(1, 4, 8), max_tokens: int = 64, prompt_tokens: int = 32, temperature: float = 0.0,
+        dtype: str = "float32") -> dict:
+    from ninfer.benchmarks.common import ensure_model, report
+    from ninfer.progress import bar
+    model_dir = ensure_model(model_dir)
+    cfg = {"max_concurrency": max(concurrency), "max_context": 512, "cost_calibration": False}
+    prompts = _prompts(model_dir, max(concurrency), prompt_tokens)
+    rows, by_position, baseline = [], {}, {}
+    settings = (0, *drafts)
+    progress = bar(total=len(settings) * len(concurrency), desc="speculative", unit="run")
+    for k in settings:
+        spec = {"speculative": {"method": "mtp", "num_tokens": k}} if k else {}
+        eng = Engine.start(model_dir, config={**cfg, **spec}, dtype=dtype, transport="inproc")
+        try:
+            measure(eng, prompts[:1], 8, temperature)            # warm up
+            for c in concurrency:
+                row, tokens = measure(eng, prompts[:c], max_tokens, temperature)
+                if k == 0:
+                    baseline[c] = (row["decode_tok_s"], tokens)
+                row["same_tokens"] = tokens == baseline[c][1]
+                row["ratio_on_off"] = row["decode_tok_s"] / baseline[c][0]
+                rows.append({"drafts": k, **row})
+                progress.update()
+            if k:
+                by_position[k] = eng.stats()["speculative"]["acceptance_by_position"]
+        finally:
+            eng.shutdown()
+    progress.close()
+    result = {"note": f"tiny model (MTP head fitted by make-tiny-model), {dtype}, CPU, in-process; "
+                      f"{prompt_tokens}-token corpus prompts, {max_tokens} output tokens, temperature {temperature}",
+              "acceptance_by_position": {str(k): v for k, v in by_position.items()},
+              "all_same_tokens": all(r["same_tokens"] for r in rows)}
+    report("speculative", result, rows, ["drafts", "C", "decode_tok_s", "ratio_on_off", "tokens_per_step",
+                                         "acceptance", "same_tokens"], out, plot)
+    for k, v in by_position.items():
+        print(f"k={k}: acceptance by draft position " + ", ".join(f"{a:.2f}" for a in v))
+    return {**result, "rows": rows}

@@ -1,0 +1,148 @@
+"""MTP speculative decoding (issue 16): it never changes an output token, under caching and both
+pause routes, and the head's coverage travels with checkpoints (restored, or restarted at the
+bridge when a checkpoint has none).
+
+The tiny model's MTP head is fitted to the target (``make_tiny_model`` does it), so drafts are
+really accepted and really rejected in these workloads."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from ninfer.errors import ConfigError
+from ninfer.native.model.forward import ForwardBatch, SeqInput
+from ninfer.native.model.model import HybridModel
+from tests.engine.harness import oracle, run
+from tests.engine.test_invariance import run_workload
+from tests.factories import random_prompt
+
+SPEC_TOTALS: Counter = Counter()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(24))
+def test_random_workloads_with_mtp_match_the_oracle(tiny_model, seed):
+    """The oracle sweep's workloads (pressure, pauses of both routes, cache hits, faults,
+    greedy and seeded sampling, logprobs) with k = 1..4 drafts per step: every completed
+    request equals the isolated run without speculation; nothing leaks."""
+    k = random.Random(seed).randint(1, 4)
+    stats = run_workload(tiny_model, 5000 + seed, speculative={"method": "mtp", "num_tokens": k})
+    spec = stats["speculative"]
+    SPEC_TOTALS["drafted"] += spec["drafted"]
+    SPEC_TOTALS["accepted"] += spec["accepted"]
+    SPEC_TOTALS["rejected"] += spec["drafted"] - spec["accepted"]
+    SPEC_TOTALS["pauses"] += stats["pauses"]["snapshot"] + stats["pauses"]["replay"]
+    SPEC_TOTALS["hits"] += stats["cache"]["hits"]
+
+
+@pytest.mark.slow
+def test_the_mtp_workloads_really_speculated(tiny_model):
+    """Run after the sweep above: drafts were both accepted and rejected, with pauses and hits."""
+    seed = 0
+    while not all(SPEC_TOTALS[k] for k in ("accepted", "rejected", "pauses", "hits")):
+        assert seed < 40, dict(SPEC_TOTALS)
+        test_random_workloads_with_mtp_match_the_oracle(tiny_model, 100 + seed)
+        seed += 1
+    print("\nmtp workloads:", dict(SPEC_TOTALS))
+
+
+def _spec(h) -> dict:
+    return h.core.stats_dict()["speculative"]
+
+
+def test_greedy_decode_with_mtp_accepts_drafts_and_equals_the_oracle(make):
+    h = make(speculative={"method": "mtp", "num_tokens": 3})
+    prompt = random_prompt(40, 1)
+    f = run(h, prompt, max_tokens=48)
+    assert f.token_ids == oracle(h.model_dir, prompt, max_tokens=48)
+    s = _spec(h)
+    assert s["accepted"] > 0 and s["tokens_per_step"] > 1.0, s
+    assert len(s["acceptance_by_position"]) == 3
+    h.check_clean()
+
+
+def test_sampled_outputs_with_mtp_are_the_seeded_samples_and_follow_the_target(make, tiny_model):
+    """Seeded sampling: with MTP every output equals the run without it (the per-position seeded
+    sampler decides every token; a draft is kept only where it equals it). And the tokens follow
+    the target's distribution: E[p(t_i)] over the runs equals the mean of sum_t p(t)^2 (what a
+    sample from p gives), within 4 standard errors."""
+    h = make(speculative={"method": "mtp", "num_tokens": 3}, max_concurrency=4)
+    prompt = random_prompt(12, 7)
+    rids = [h.submit(prompt, max_tokens=4, temperature=1.0, seed=s) for s in range(120)]
+    h.run(until=lambda: h.done(*rids))
+    m = HybridModel.load(tiny_model, "float64")
+    diffs = []
+    for s, rid in enumerate(rids):
+        got = h.finals[rid].token_ids
+        assert got == oracle(h.model_dir, prompt, max_tokens=4, temperature=1.0, seed=s)
+        cache = m.new_cache(2, 2)
+        out = m.forward(ForwardBatch.build([SeqInput(prompt + got[:-1], 0, [0, 1], state_slot=1, logits="all")]),
+                        cache)
+        p = torch.softmax(out.logits[len(prompt):], dim=-1)         # positions of tokens 2..4
+        for i, tok in enumerate(got[1:]):
+            diffs.append(float(p[i, tok] - (p[i] ** 2).sum()))
+    mean = sum(diffs) / len(diffs)
+    sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1))
+    assert abs(mean) < 4 * sd / math.sqrt(len(diffs)), (mean, sd)
+    assert _spec(h)["accepted"] > 0
+    h.check_clean()
+
+
+def test_a_checkpoint_with_mtp_coverage_resumes_without_recomputing_the_head(make):
+    """A hit on a kept point restores the head's KV with it: the hit computes exactly F - 1 head
+    entries fewer than the same request without the cache, and no context restarts."""
+    base = random_prompt(130, 3)
+    second = base + random_prompt(9, 4)
+    cold = make(speculative={"method": "mtp", "num_tokens": 2})
+    run(cold, second, max_tokens=12)
+    entries_cold = _spec(cold)["head_entries"]
+
+    h = make(speculative={"method": "mtp", "num_tokens": 2})
+    run(h, base, max_tokens=12)
+    before = _spec(h)
+    f = run(h, second, max_tokens=12)
+    after = _spec(h)
+    assert f.token_ids == oracle(h.model_dir, second, max_tokens=12)
+    hit = f.usage["cached_tokens"]
+    assert hit > 64, f.usage
+    assert after["context_restarts"] == before["context_restarts"]
+    assert after["head_entries"] - before["head_entries"] == entries_cold - (hit - 1)
+    h.check_clean()
+
+
+def test_a_checkpoint_without_mtp_coverage_restarts_the_head_at_the_bridge(make):
+    """The head's coverage is optional cache: a point whose coverage was dropped (the MTP pool's
+    own pressure rule) still restores exactly; the head restarts at the bridge (entry F-1 from
+    the StateImage's continuation hidden) and outputs are unchanged."""
+    base = random_prompt(130, 5)
+    second = base + random_prompt(9, 6)
+    h = make(speculative={"method": "mtp", "num_tokens": 2})
+    run(h, base, max_tokens=12)
+    prog = h.worker.prog
+    for ck in list(prog.checkpoints.values()):      # the pressure rule's own step, applied to all
+        prog.spec.drop_coverage(ck)
+    before = _spec(h)
+    f = run(h, second, max_tokens=12)
+    after = _spec(h)
+    assert f.usage["cached_tokens"] > 64
+    assert f.token_ids == oracle(h.model_dir, second, max_tokens=12)
+    assert after["context_restarts"] == before["context_restarts"] + 1
+    assert after["accepted"] >= before["accepted"]
+    h.check_clean()
+
+
+def test_mtp_config_errors_are_specific(make_harness, tiny_qwen3):
+    from tests.engine.harness import Harness
+    with pytest.raises(ConfigError, match="MTP weights"):
+        Harness(tiny_qwen3, max_context=256, speculative={"method": "mtp", "num_tokens": 2})
+    with pytest.raises(ConfigError, match="speculative.method"):
+        make_harness(max_context=256, speculative={"method": "eagle"})
+    with pytest.raises(ConfigError, match="num_tokens"):
+        make_harness(max_context=256, speculative={"method": "mtp", "num_tokens": 0})
+    with pytest.raises(ConfigError, match="draft"):
+        make_harness(max_context=256, speculative={"method": "mtp", "draft": "/x"})
