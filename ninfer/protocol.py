@@ -74,7 +74,7 @@ class UnitKind(IntEnum):
     REPLAY = 1
     DECODE = 2
     CONTROL = 3
-    VERIFY = 4          # typed now; executed by the speculative backends (later wave)
+    VERIFY = 4          # a decode row that also verifies its sequence's drafts (speculative.py)
     NORMALIZE = 5
 
 

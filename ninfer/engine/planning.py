@@ -156,10 +156,12 @@ class CyclePlanner:
         core, f = self.core, req.facts
         book = core.rm.book(req)
         unit = next_unit(req, f.frontier, f.ledger_len, core.chunk, book.save_points)
+        if unit.kind is P.UnitKind.DECODE and f.spec:
+            unit.kind = P.UnitKind.VERIFY    # the decode row also verifies f.spec drafts (seed: Decode/Verify)
         cap, sp = self._capture(req, unit, book.save_points, recovery)
         spec = P.UnitSpec(unit.n_tokens, unit.kind, hold=req.recovery_pending, capture=cap)
         iid = next(self._iids)
-        n = unit.n_tokens + (f.spec if unit.kind is P.UnitKind.DECODE else 0)   # the speculative peak
+        n = unit.n_tokens + (f.spec if unit.kind is P.UnitKind.VERIFY else 0)   # the speculative peak
         demand = {P.MAIN: max(0, unit_pages(f.frontier, n, f.blocks, f.tail_ok) - f.reserved)}
         return Item(iid, req, kind, P.RowIntent(iid, req.sid, spec), unit, Need(iid, req, kind, demand), sp=sp)
 

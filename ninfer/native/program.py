@@ -475,7 +475,7 @@ class Program:
                 if not d and seq.frontier == len(seq.ledger) and not seq.finished:
                     self._sample(seq, res, out.logits[li - 1])
                 if self.spec is not None:
-                    if r.kind is UnitKind.DECODE:
+                    if r.kind in (UnitKind.DECODE, UnitKind.VERIFY):
                         self.spec.note_verify(d, res.committed)
                     pending.append((seq, f0, prev.get(seq.sid), out.all_hidden[lo:lo + keep], bool(res.committed)))
         for r in rows:

@@ -146,3 +146,43 @@ def test_mtp_config_errors_are_specific(make_harness, tiny_qwen3):
         make_harness(max_context=256, speculative={"method": "mtp", "num_tokens": 0})
     with pytest.raises(ConfigError, match="draft"):
         make_harness(max_context=256, speculative={"method": "mtp", "draft": "/x"})
+
+
+@pytest.mark.parametrize("host", [True, False], ids=["snapshot", "replay"])
+def test_a_pause_drops_the_drafts_and_the_resumed_request_rebuilds_them(make, host):
+    """Seed: MTP 丢弃未使用 drafts，并在恢复后的合法单元中重建 — the paused sequence keeps no
+    draft (its first unit after the resume is a plain decode row that drafts again), by both
+    routes; outputs equal the oracle."""
+    from tests.engine.harness import force_pause
+    cfg = {"context_cache": {"host_capacity_bytes": 64 << 20 if host else 0}}
+    h = make(speculative={"method": "mtp", "num_tokens": 3}, **cfg)
+    prompt = random_prompt(30, 11)
+    rid = h.submit(prompt, max_tokens=40)
+    h.run(until=lambda: len(h.streams.get(rid, [])) >= 6)
+    sid = h.req(rid).sid
+    seq = h.worker.prog.sequences[sid]
+    assert seq.drafts, "a decoding sequence holds its next drafts"
+    force_pause(h, rid)
+    h.run(until=lambda: h.req(rid) is not None and h.req(rid).phase.name == "PAUSED")
+    assert seq.drafts == []
+    h.run(until=lambda: h.done(rid))
+    f = h.finals[rid]
+    assert [p["route"] for p in f.pauses] == ["snapshot" if host else "replay"]
+    assert f.token_ids == oracle(h.model_dir, prompt, max_tokens=40)
+    h.check_clean()
+
+
+def test_a_verify_unit_reserves_its_speculative_peak(make):
+    """Seed: typed KV demand 包含 speculative 峰值 — a decode row whose drafts cross a page
+    boundary needs the next page, in the worker's demand and in the controller's."""
+    h = make(speculative={"method": "mtp", "num_tokens": 3})
+    rid = h.submit(random_prompt(60, 12), max_tokens=40)
+    h.run(until=lambda: len(h.streams.get(rid, [])) >= 2)       # frontier 61, drafts to 64
+    req = h.req(rid)
+    seq = h.worker.prog.sequences[req.sid]
+    assert seq.frontier == 61 and len(seq.drafts) == 3 and len(seq.blocks["main"]) == 1
+    assert h.worker.prog.seq_demand(seq, 1) == {"main": 1}      # positions 61..64: a second page
+    assert req.facts.spec == 3
+    plan = h.core.planner.build()
+    [item] = [i for i in plan.items if i.req is req]
+    assert item.unit.kind.name == "VERIFY" and item.need.demand == {"main": 1}

@@ -78,7 +78,7 @@ def decode_kv_slots(block_table: torch.Tensor, kv_lens: torch.Tensor, max_len: i
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_table: torch.Tensor, kv_lens: torch.Tensor, scale: float,
-                     kv_slots: torch.Tensor | None = None) -> torch.Tensor:
+                     kv_slots: torch.Tensor | None = None, bases: torch.Tensor | None = None) -> torch.Tensor:
     """One query per row for B decode rows, batched over rows (no per-row Python loop).
 
     q: [B, H, D], row b at position kv_lens[b] - 1; k_cache, v_cache: [P, 64, Hkv, D];
@@ -86,7 +86,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     pages are padding and must name a valid page); kv_lens: [B] long. ``kv_slots``:
     ``decode_kv_slots(block_table, kv_lens, L)``, passed when the caller built it once for all
     layers (a kernel reading the block table ignores it). Returns [B, H, D] in q's dtype, with
-    the precision policy of ``paged_attention``.
+    the precision policy of ``paged_attention``. ``bases`` [B] long: keys below a row's base are
+    masked too (the MTP head's restarted context; None = 0 for every row).
 
     The keys of every row are gathered token by token into [B, L, Hkv, D] (L = max kv_len:
     no page padding is copied); slots past a row's kv_len are masked to -inf. GQA without
@@ -101,7 +102,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     flat = kv_slots.reshape(-1)
     k = k_cache.view(-1, hkv * d).index_select(0, flat).view(b, -1, hkv, d).to(q.dtype)  # [B, L, Hkv, D]
     v = v_cache.view(-1, hkv * d).index_select(0, flat).view(b, -1, hkv, d).to(q.dtype)
-    masked = torch.arange(k.shape[1], device=q.device)[None, :] >= kv_lens[:, None]      # [B, L]
+    pos = torch.arange(k.shape[1], device=q.device)[None, :]
+    masked = pos >= kv_lens[:, None]                                                     # [B, L]
+    if bases is not None:
+        masked = masked | (pos < bases[:, None])
     qg = q.view(b, hkv, rep, d)
     scores = torch.stack([torch.bmm(qg[:, g], k[:, :, g].transpose(1, 2)) for g in range(hkv)], 1)
     scores = (scores * scale).masked_fill(masked[:, None, None, :], float("-inf"))  # [B, Hkv, rep, L]

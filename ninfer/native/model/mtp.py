@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ninfer.errors import ModelLoadError
-from ninfer.native.model.attention import paged_attention
+from ninfer.native.model.attention import decode_attention, decode_kv_slots
 from ninfer.native.model.config import FULL, PAGE_SIZE
 from ninfer.native.model.forward import ForwardBatch, SeqInput
 from ninfer.native.model.model import HybridModel, LayerWeights, _layer_weights
@@ -102,15 +102,18 @@ class MtpHead:
         x = F.linear(torch.cat([emb, hid], dim=-1), self.fc)
         j = step % self.num_layers
         layer = self.layers[j]
-        bases = [e.base for e in entries]
+        # Every entry's K/V is written before attention reads, so each entry row attends like a
+        # decode row at its own position over its sequence's pages: one batched op for the call.
+        width = max(len(e.page_table) for e in entries)
+        per_row = [(e.page_table + e.page_table[:1] * (width - len(e.page_table)), e.base) for e in entries
+                   for _ in e.tokens]
+        table = torch.tensor([t for t, _ in per_row], dtype=torch.long, device=m.device)
+        row_bases = torch.tensor([b for _, b in per_row], dtype=torch.long, device=m.device)
+        lens = batch.positions + 1
+        slots = decode_kv_slots(table, lens, int(lens.max()))
 
         def attend(q, k_cache, v_cache, b, scale):
-            out = torch.empty_like(q)
-            for s in range(b.num_seqs):
-                lo, hi = b.cu[s], b.cu[s + 1]
-                out[lo:hi] = paged_attention(q[lo:hi], k_cache, v_cache, b.page_tables[s], b.starts[s], scale,
-                                             bases[s])
-            return out
+            return decode_attention(q, k_cache, v_cache, table, lens, scale, slots, row_bases)
 
         cos, sin = m.rope.cos_sin(batch.positions)
         h = rms_norm(x, layer.input_norm, c.rms_norm_eps, c.zero_centered_norm)
