@@ -44,3 +44,12 @@ class RequestError(NInferError, ValueError):
 class IntegrityError(NInferError, AssertionError):
     """The books of a store or of the engine do not balance (a leak, a double free, a
     negative count). ``engine.check_integrity()`` raises it."""
+
+
+class MediaError(RequestError):
+    """A media part of one request cannot be used: a remote URL (never fetched), a file outside
+    the allowed local path, corrupt base64, an undecodable or too large image, or one whose
+    prepared size exceeds the media budget; or image placeholders in the prompt that are not the
+    images. The message names the part (``messages[1].content[0].image_url: ...``) or the prompt
+    position. A RequestError, so it is that request's 400.
+    """

@@ -3,9 +3,10 @@
 Writes config.json, model.safetensors (seeded random weights, one MTP layer for qwen3_next in
 the layout real Qwen3-Next checkpoints use), a locally trained byte-level BPE tokenizer with a
 Qwen-style chat template, and generation_config.json. ``qwen3_5_vision`` is a Qwen3.5
-vision-language directory (ninfer/tiny/vision.py); NInfer loads its text model and vision tower
-(native/model/multimodal.py). The directory loads unchanged in
-transformers and goes through the same loader as a real checkpoint.
+vision-language directory (ninfer/tiny/vision.py), with a preprocessor_config.json and a chat
+template that renders image parts; NInfer loads its text model and vision tower
+(native/model/multimodal.py) and prepares its images (frontend/media.py). The directory loads
+unchanged in transformers and goes through the same loader as a real checkpoint.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from ninfer.native.model.config import parse_config
-from ninfer.tiny.vision import qwen3_5_vision_config, random_vision_model
+from ninfer.tiny.vision import preprocessor_config, qwen3_5_vision_config, random_vision_model
 from ninfer.tiny.weights import qwen3_config, qwen3_next_config, random_tensors
 
 TEXT_CONFIGS = {"qwen3_next": qwen3_next_config, "qwen3": qwen3_config}
@@ -36,6 +37,7 @@ def write_model_files(out: Path, arch: str, seed: int, vocab_size: int, eos: lis
     if arch == "qwen3_5_vision":
         raw = qwen3_5_vision_config(vocab_size, eos, pad, vision_ids)
         tensors = random_vision_model(raw, seed)
+        (out / "preprocessor_config.json").write_text(json.dumps(preprocessor_config(), indent=2) + "\n")
     else:
         raw = TEXT_CONFIGS[arch](vocab_size, eos, pad)
         tensors = random_tensors(parse_config(raw, mtp_layers=1 if arch == "qwen3_next" else 0), seed)

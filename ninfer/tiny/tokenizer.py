@@ -141,6 +141,17 @@ CHAT_TEMPLATE: str = r"""{#- ChatML in the style of Qwen2.5, without a default s
 """
 
 
+# The vision model's template also renders image parts, as Qwen3.5's does: one placeholder each,
+# which the frontend expands to the image's token count (frontend/media.py expand_image_pads).
+_TEXT_PART = """            {%- if part.type == "text" -%}
+                {{- part.text -}}
+"""
+_IMAGE_PART = """            {%- elif part.type in ["image", "image_url"] -%}
+                {{- "<|vision_start|><|image_pad|><|vision_end|>" -}}
+"""
+VISION_CHAT_TEMPLATE: str = CHAT_TEMPLATE.replace(_TEXT_PART, _TEXT_PART + _IMAGE_PART, 1)
+
+
 def _content_text(content: Any) -> str:
     """Flatten message content (str, None, or a list of text parts) to a string."""
     if content is None:
@@ -290,7 +301,7 @@ def _added_tokens_decoder(tok: Tokenizer) -> dict[str, dict]:
     return out
 
 
-def _tokenizer_config(tok: Tokenizer) -> dict:
+def _tokenizer_config(tok: Tokenizer, chat_template: str) -> dict:
     """tokenizer_config.json contents, in the shape Qwen2.5 checkpoints use."""
     return {
         "add_bos_token": False,
@@ -298,7 +309,7 @@ def _tokenizer_config(tok: Tokenizer) -> dict:
         "added_tokens_decoder": _added_tokens_decoder(tok),
         "additional_special_tokens": list(SPECIAL_TOKENS[1:]),
         "bos_token": None,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": chat_template,
         "clean_up_tokenization_spaces": False,
         "eos_token": "<|im_end|>",
         "errors": "replace",
@@ -327,7 +338,8 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 2048, vision: bool = False)
     special_tokens_map.json into `out_dir` (created if needed).
 
     `vocab_size` counts everything, added tokens included. Training is
-    deterministic, so building twice gives byte-identical files. ``vision`` adds VISION_TOKENS.
+    deterministic, so building twice gives byte-identical files. ``vision`` adds VISION_TOKENS
+    and the template that renders image parts (VISION_CHAT_TEMPLATE).
     """
     more = VISION_TOKENS if vision else []
     n_added = len(SPECIAL_TOKENS) + len(EXTRA_TOKENS) + len(more)
@@ -339,7 +351,8 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 2048, vision: bool = False)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tok.save(str(out_dir / "tokenizer.json"), pretty=True)
-    _write_json(out_dir / "tokenizer_config.json", _tokenizer_config(tok))
+    template = VISION_CHAT_TEMPLATE if vision else CHAT_TEMPLATE
+    _write_json(out_dir / "tokenizer_config.json", _tokenizer_config(tok, template))
     _write_json(out_dir / "special_tokens_map.json", _special_tokens_map())
 
 

@@ -3,7 +3,8 @@
 The text part is the tiny qwen3_next hybrid made dense (Qwen3.5 has no MoE) under Qwen3.5's
 names: ``model.language_model.*``, and the GDN input projection split into
 ``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a``. The vision part is a 2-block
-tower with the real patch geometry (Conv3d [2, 16, 16], 2×2 merger) and a small 8×8 position table.
+tower with the real patch geometry (Conv3d [2, 16, 16], 2×2 merger) and a small 8×8 position table;
+``preprocessor_config.json`` is Qwen3.5's but for the resize bounds (``preprocessor_config``).
 """
 
 from __future__ import annotations
@@ -55,6 +56,22 @@ def qwen3_5_vision_config(vocab_size: int, eos_ids: list[int], pad_id: int, visi
         "eos_token_id": eos_ids[0],
         "pad_token_id": pad_id,
         "dtype": "bfloat16",
+    }
+
+
+def preprocessor_config() -> dict:
+    """Qwen3.5's image processor settings, but images of 64×64 .. 128×128 pixels' area: grids of
+    4×4 .. 8×8 patches (4 .. 16 image tokens) for square images, the size of the tiny tower's
+    8×8 position table. An oblong image gets a side over 8 patches (the table is interpolated,
+    as for any grid), and a very thin one more than 64 patches (smart_resize's rounding up)."""
+    return {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": "Qwen3VLProcessor",
+        "size": {"shortest_edge": 64 * 64, "longest_edge": 128 * 128},
+        "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+        "do_resize": True, "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255,
+        "do_normalize": True, "do_convert_rgb": True,
     }
 
 
