@@ -1,6 +1,6 @@
 """The ``ninfer`` command line.
 
-    ninfer make-tiny-model DIR [--seed N] [--arch qwen3_next|qwen3|qwen3_5_vision]
+    ninfer make-tiny-model DIR [--seed N] [--arch qwen3_next|qwen3|qwen3_5_vision] [--no-fit-mtp]
     ninfer demo [--model DIR]
     ninfer serve --model DIR [--config FILE] [--host 127.0.0.1] [--port 8000] [--address auto]
     ninfer bench controller|agent|actors|cache-scale|serve [options] [--out FILE.json] [--plot FILE.png]
@@ -27,7 +27,7 @@ from ninfer.errors import NInferError
 def _make_tiny_model(args: argparse.Namespace) -> int:
     from ninfer.tiny.build import make_tiny_model
 
-    out = make_tiny_model(args.dir, seed=args.seed, arch=args.arch)
+    out = make_tiny_model(args.dir, seed=args.seed, arch=args.arch, fit_mtp=args.fit_mtp)
     print(f"wrote tiny {args.arch} model (seed {args.seed}) to {out}")
     return 0
 
@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     p.add_argument("--arch", choices=["qwen3_next", "qwen3", "qwen3_5_vision"], default="qwen3_next",
                    help="hybrid Qwen3-Next (default), pure-attention Qwen3, or Qwen3.5 with a vision tower")
+    p.add_argument("--no-fit-mtp", dest="fit_mtp", action="store_false",
+                   help="keep qwen3_next's MTP head random (default: fit it to the target, ~15-25 s)")
     p.set_defaults(func=_make_tiny_model)
 
     p = sub.add_parser("demo", help="the main job: a short multi-turn agent conversation on the tiny model")

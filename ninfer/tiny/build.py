@@ -7,6 +7,11 @@ vision-language directory (ninfer/tiny/vision.py), with a preprocessor_config.js
 template that renders image parts; NInfer loads its text model and vision tower
 (native/model/multimodal.py) and prepares its images (frontend/media.py). The directory loads
 unchanged in transformers and goes through the same loader as a real checkpoint.
+
+A random MTP head's drafts would never match the random target, so for qwen3_next the head is
+then fitted to it (ninfer/tiny/mtp_fit.py: ~13 s of training on the target's own
+trajectories; only the ``mtp.*`` tensors change) and some drafts are accepted.
+``fit_mtp=False`` (CLI ``--no-fit-mtp``) keeps the random head.
 """
 
 from __future__ import annotations
@@ -47,8 +52,10 @@ def write_model_files(out: Path, arch: str, seed: int, vocab_size: int, eos: lis
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
 
 
-def make_tiny_model(out_dir: str | Path, seed: int = 0, arch: str = "qwen3_next") -> Path:
-    """Create (or overwrite) a tiny model directory with tokenizer files; returns its path."""
+def make_tiny_model(out_dir: str | Path, seed: int = 0, arch: str = "qwen3_next", fit_mtp: bool = True) -> Path:
+    """Create (or overwrite) a tiny model directory with tokenizer files; returns its path.
+
+    ``fit_mtp``: fit the qwen3_next MTP head (seeded by ``seed``; ignored for arches without one)."""
     from ninfer.tiny.tokenizer import build_tokenizer, token_ids
 
     out = Path(out_dir)
@@ -57,4 +64,8 @@ def make_tiny_model(out_dir: str | Path, seed: int = 0, arch: str = "qwen3_next"
     ids = token_ids(out)
     write_model_files(out, arch, seed, VOCAB_SIZE, [ids["<|im_end|>"], ids["<|endoftext|>"]], ids["<|endoftext|>"],
                       vision_ids=ids)
+    if fit_mtp and arch == "qwen3_next":
+        from ninfer.tiny.mtp_fit import fit_mtp as fit
+
+        fit(out, seed=seed, measure=False)
     return out

@@ -90,11 +90,14 @@ class MtpHead:
         m = self.model
         return rms_norm(hidden, m.final_norm, self.cfg.rms_norm_eps, self.cfg.zero_centered_norm)
 
-    def forward(self, entries: list[MtpEntries], cache: MtpCache, step: int = 0) -> torch.Tensor:
+    def forward(self, entries: list[MtpEntries], cache: MtpCache, step: int = 0, rows: str = "last") -> torch.Tensor:
         """Compute and write the KV of every entry; return ``out`` [N, H] of each sequence's last
-        entry (the hidden of the next draft step). Differentiable (no no_grad here)."""
+        entry (the hidden of the next draft step). ``rows="all"``: ``out`` of every entry, packed
+        as the entries are (training the head scores each one). Differentiable (no no_grad here)."""
+        if rows not in ("last", "all"):
+            raise ValueError(f"rows must be 'last' or 'all', not {rows!r}")
         c, m = self.cfg, self.model
-        seqs = [SeqInput(token_ids=e.tokens, start=e.start, page_table=e.page_table, logits="last") for e in entries]
+        seqs = [SeqInput(token_ids=e.tokens, start=e.start, page_table=e.page_table, logits=rows) for e in entries]
         batch = ForwardBatch.build(seqs, m.device)
         prev = torch.cat([e.prev for e in entries]).to(m.dtype)
         emb = rms_norm(F.embedding(batch.input_ids, m.embed), self.norm_emb, c.rms_norm_eps, c.zero_centered_norm)
