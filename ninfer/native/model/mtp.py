@@ -114,6 +114,11 @@ class MtpHead:
         row_bases = torch.tensor([b for _, b in per_row], dtype=torch.long, device=m.device)
         lens = batch.positions + 1
         slots = decode_kv_slots(table, lens, int(lens.max()))
+        # masked keys (below the base, past the row's length) read the base's slot: always written,
+        # so no stale or NaN byte meets a zero weight
+        at_base = table.gather(1, (row_bases // PAGE_SIZE)[:, None])[:, 0] * PAGE_SIZE + row_bases % PAGE_SIZE
+        pos = torch.arange(slots.shape[1], device=m.device)[None, :]
+        slots = torch.where((pos < row_bases[:, None]) | (pos >= lens[:, None]), at_base[:, None], slots)
 
         def attend(q, k_cache, v_cache, b, scale):
             return decode_attention(q, k_cache, v_cache, table, lens, scale, slots, row_bases)
