@@ -5,6 +5,8 @@
     kv_capacity              Main-KV pool in tokens, rounded up to 64-token pages
                              (None = solve the largest page count that fits the memory budget)
     context_cache.device_state_slots    extra Device StateImage slots beyond C (default C)
+    context_cache.encoder_cache_bytes   vision-tower outputs kept by image digest (default 256 MiB;
+                             0: every chunk that needs an image re-encodes it)
     context_cache.host_capacity_bytes   shared pinned Host backing for StateImages, KV, pause
                              snapshots and transfer destinations (default 8 GiB + 8 × the
                              model's Host StateImage size)
@@ -50,12 +52,15 @@ def _range_error(field: str, value, allowed: str) -> ConfigError:
 class ContextCacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
     device_state_slots: int | None = None
     host_capacity_bytes: int | None = None
+    encoder_cache_bytes: int = 256 * 2 ** 20    # vision-tower outputs kept by media digest (0: none)
 
     def __post_init__(self) -> None:
         if self.device_state_slots is not None and self.device_state_slots < 0:
             raise _range_error("context_cache.device_state_slots", self.device_state_slots, ">= 0 (default C)")
         if self.host_capacity_bytes is not None and self.host_capacity_bytes < 0:
             raise _range_error("context_cache.host_capacity_bytes", self.host_capacity_bytes, ">= 0")
+        if self.encoder_cache_bytes < 0:
+            raise _range_error("context_cache.encoder_cache_bytes", self.encoder_cache_bytes, ">= 0")
 
 
 SPEC_METHODS = ("mtp",)
