@@ -70,3 +70,99 @@ def test_image_prompt_matches_reference(vh, tiny_vision):
     assert out.error is None and out.token_ids == ref(tiny_vision, prompt, media)
     assert h.core.stats_dict()["vision"]["encodes"] == 2
     h.check_clean()
+
+
+def test_media_identity_decides_cache_hits(vh, tiny_vision):
+    """The same text with another image never hits past the shared text and answers otherwise;
+    the same image re-sent hits past the image and answers the same."""
+    h = vh()
+    vocab = h.core.info.vocab_size
+    a, media_a = image_prompt(tiny_vision, vocab, TEXT, TAIL, png(64, 96, 1))
+    b, media_b = image_prompt(tiny_vision, vocab, TEXT, TAIL, png(64, 96, 3))
+    assert len(a) == len(b) and a != b
+    r1 = h.submit(a, max_tokens=10, media=media_a)
+    h.run()
+    r2 = h.submit(b, max_tokens=10, media=media_b)
+    h.run()
+    r3 = h.submit(a, max_tokens=10, media=media_a)
+    h.run()
+    f1, f2, f3 = h.finals[r1], h.finals[r2], h.finals[r3]
+    span_end = media_a[0].offset + media_a[0].num_tokens
+    assert f2.usage["cached_tokens"] <= media_b[0].offset          # nothing inside or past the image
+    assert f2.token_ids == ref(tiny_vision, b, media_b, 10) != f1.token_ids
+    assert f3.usage["cached_tokens"] > span_end                     # the same image: a real hit
+    assert f3.token_ids == f1.token_ids == ref(tiny_vision, a, media_a, 10)
+    v = h.core.stats_dict()["vision"]
+    assert v["encodes"] == 2                                        # a and b; the hit computed no image
+    h.check_clean()
+    assert h.core.stats_dict()["vision"]["encoder_cache_entries"] == 0
+
+
+def test_encoder_cache_eviction_reencodes(vh, tiny_vision):
+    """Budget 0: nothing is kept, a chunk needing the image re-encodes it — identical output."""
+    h = vh(prefill_chunk_tokens=8, context_cache={"encoder_cache_bytes": 0})
+    vocab = h.core.info.vocab_size
+    p, media = image_prompt(tiny_vision, vocab, TEXT[:5], TAIL, png(96, 128, 4))   # 12 image tokens
+    rid = h.submit(p, max_tokens=8, media=media)
+    h.run()
+    v = h.core.stats_dict()["vision"]
+    assert v["encodes"] >= 2 and v["encoder_cache_entries"] == 0 and v["encoder_cache_hits"] == 0
+    assert h.finals[rid].token_ids == ref(tiny_vision, p, media, 8)
+    h.check_clean()
+
+
+@pytest.mark.parametrize("chunk", [3, 7, 10])
+def test_chunks_cutting_inside_an_image(vh, tiny_vision, chunk):
+    h = vh(prefill_chunk_tokens=chunk)
+    vocab = h.core.info.vocab_size
+    p, media = image_prompt(tiny_vision, vocab, TEXT[:4], TAIL, png(96, 128, 4), png(64, 64, 5))
+    rid = h.submit(p, max_tokens=8, media=media)
+    h.run()
+    assert h.finals[rid].token_ids == ref(tiny_vision, p, media, 8)
+    v = h.core.stats_dict()["vision"]
+    assert v["encodes"] == 2 and v["encoder_cache_hits"] > 0      # later chunks reuse the rows
+    h.check_clean()
+
+
+@pytest.mark.parametrize("host", [8 << 20, 0])
+def test_pause_mid_decode_after_an_image(vh, tiny_vision, host):
+    """Snapshot (Host room) and Replay (no Host): the resumed request answers as if never paused;
+    Replay recomputes the image span (re-encoding when its rows were dropped)."""
+    h = vh(max_concurrency=2, kv_capacity=6 * 64, prefill_chunk_tokens=16,
+           context_cache={"host_capacity_bytes": host, "encoder_cache_bytes": 0})
+    vocab = h.core.info.vocab_size
+    p, media = image_prompt(tiny_vision, vocab, TEXT, TAIL, png(96, 128, 6))
+    rid = h.submit(p, max_tokens=12, media=media)
+    h.run(until=lambda: len(h.streams.get(rid, [])) >= 4)
+    force_pause(h, rid)
+    h.run(until=lambda: h.done(rid))
+    f = h.finals[rid]
+    assert [q["route"] for q in f.pauses] == (["snapshot"] if host else ["replay"])
+    if not host:
+        assert f.usage["replay_tokens"] > 0
+    assert f.token_ids == ref(tiny_vision, p, media, 12)
+    h.check_clean()
+
+
+def test_validation_of_media(vh, tiny_vision, tiny_model):
+    h = vh()
+    info = h.core.info
+    p, media = image_prompt(tiny_vision, info.vocab_size, TEXT, TAIL, png(64, 96, 1))
+    ok = P.RequestSpec(prompt=p, media=media)
+    validate_spec(ok, info)
+    m = media[0]
+    with pytest.raises(RequestError, match="out of range"):
+        validate_spec(P.RequestSpec(prompt=p), info)                     # identity ids without media
+    wrong = p[:m.offset] + [p[m.offset] + 1] + p[m.offset + 1:]
+    with pytest.raises(RequestError, match="identity ids"):
+        validate_spec(P.RequestSpec(prompt=wrong, media=media), info)
+    import msgspec
+    with pytest.raises(RequestError, match="image tokens"):
+        validate_spec(P.RequestSpec(prompt=p, media=[msgspec.structs.replace(m, num_tokens=5)]), info)
+    with pytest.raises(RequestError, match="inside an image span"):
+        validate_spec(P.RequestSpec(prompt=p, media=media, markers=[m.offset + 2]), info)
+    with pytest.raises(RequestError, match="outside the prompt"):
+        validate_spec(P.RequestSpec(prompt=p, media=[m, m]), info)
+    text_info = msgspec.structs.replace(info, vision_merge=0, model_type="qwen3_next")
+    with pytest.raises(RequestError, match="no vision tower"):
+        validate_spec(P.RequestSpec(prompt=p, media=media), text_info)
