@@ -20,6 +20,8 @@
     log_format               "text" | "json": install the ``ninfer`` log handler in every engine
                              process (None: ``NINFER_LOG_FORMAT`` if set, else leave logging to
                              the application; see ``ninfer.logs``)
+    media_budget_bytes       the frontend's prepared-image cache (vision models; default 512 MiB):
+                             an image whose pixel_values alone exceed it is refused (400)
     log_stats_interval_s     the periodic engine summary's interval while busy (0 = never)
 
 Checks that need the model (the Main-KV curve, the memory budget) happen when the Native layer
@@ -103,6 +105,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omi
     copy_engine: str = "auto"
     completion_timeout_s: float = 2.0
     cost_calibration: bool = True       # measure copy and prefill rates at startup
+    media_budget_bytes: int = 512 * 2 ** 20   # the frontend's prepared images (MediaCache); one
+    #                                           image's pixel_values above it is a 400
     faults: list[Fault] = []
     log_format: str | None = None
     log_stats_interval_s: float = 10.0
@@ -130,6 +134,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omi
             raise _range_error("memory_budget_bytes", self.memory_budget_bytes, ">= 1")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise _range_error("gpu_memory_utilization", self.gpu_memory_utilization, "(0, 1]")
+        if self.media_budget_bytes < 1:
+            raise _range_error("media_budget_bytes", self.media_budget_bytes, ">= 1")
         if self.prefill_chunk_tokens < 1:
             raise _range_error("prefill_chunk_tokens", self.prefill_chunk_tokens, ">= 1")
         if not self.completion_timeout_s > 0:

@@ -166,3 +166,49 @@ def test_validation_of_media(vh, tiny_vision, tiny_model):
     text_info = msgspec.structs.replace(info, vision_merge=0, model_type="qwen3_next")
     with pytest.raises(RequestError, match="no vision tower"):
         validate_spec(P.RequestSpec(prompt=p, media=media), text_info)
+
+
+def data_url(data: bytes) -> str:
+    import base64
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def test_engine_chat_with_an_image(tiny_vision):
+    """engine.chat with an image_url part: rendered, prepared, expanded with identity ids; the
+    answer equals the oracle on that prompt; a second image in the same text answers otherwise."""
+    import ninfer
+    eng = ninfer.Engine.start(tiny_vision, config=ninfer.EngineConfig(max_context=256, cost_calibration=False),
+                              dtype="float64", transport="inproc")
+    try:
+        def msgs(img: bytes):
+            return [{"role": "user", "content": [{"type": "text", "text": "look at"},
+                                                 {"type": "image_url", "image_url": {"url": data_url(img)}},
+                                                 {"type": "text", "text": "and say"}]}]
+
+        def ask(img: bytes):
+            return eng.chat(msgs(img), max_tokens=8, ignore_eos=True).result()
+        a, b, a2 = ask(png(64, 96, 1)), ask(png(64, 96, 3)), ask(png(64, 96, 1))
+        assert a.error is None and b.error is None
+        assert a.token_ids != b.token_ids and a2.token_ids == a.token_ids
+        assert a2.usage.cached_tokens > 0 and b.usage.cached_tokens < a2.usage.cached_tokens
+        spec = eng._rt.intake.chat(P.ChatSpec(messages=msgs(png(64, 96, 1))))    # the prompt the engine ran
+        assert sum(t >= eng.info.vocab_size for t in spec.prompt) == 6 and len(spec.media) == 1
+        assert a.token_ids == ref(tiny_vision, spec.prompt, spec.media, 8)
+        st = eng.stats()
+        assert st["vision"]["encodes"] == 2
+        eng.drop_caches()
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
+
+
+def test_engine_chat_image_on_a_text_model(tiny_model):
+    import ninfer
+    eng = ninfer.Engine.start(tiny_model, config=ninfer.EngineConfig(max_context=256, cost_calibration=False),
+                              transport="inproc")
+    try:
+        msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(png(64, 64, 1))}}]}]
+        with pytest.raises(RequestError, match="no vision tower"):
+            eng.chat(msgs, max_tokens=4).result()
+    finally:
+        eng.shutdown()
