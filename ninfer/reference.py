@@ -10,7 +10,6 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-
 from ninfer.errors import RequestError
 from ninfer.native.model.config import PAGE_SIZE, load_eos_ids
 from ninfer.native.model.forward import ForwardBatch, SeqInput
@@ -103,7 +102,10 @@ def reference_generate_multimodal(model_dir: str | Path, prompt_token_ids: list[
     import numpy as np
     import torch
 
-    from ninfer.native.model.multimodal import VisionLanguageModel, decode_rope_positions
+    from ninfer.native.model.multimodal import (
+        VisionLanguageModel,
+        decode_rope_positions,
+    )
 
     vlm = VisionLanguageModel.load(model_dir, dtype)
     eos = load_eos_ids(Path(model_dir), vlm.text.cfg)

@@ -90,7 +90,7 @@ def _positions(ids: torch.Tensor, grids: torch.Tensor, merge: int) -> tuple[torc
             j += 1
         one, _ = mrope_positions(torch.full((j - k,), -1), -1, grids[g:g + 1], merge)
         pieces.append(one + pos)
-        t, h, w = grids[g].tolist()
+        _, h, w = grids[g].tolist()
         pos += max(h, w) // merge
         g += 1
         k = j
