@@ -5,6 +5,8 @@
     kv_capacity              Main-KV pool in tokens, rounded up to 64-token pages
                              (None = solve the largest page count that fits the memory budget)
     context_cache.device_state_slots    extra Device StateImage slots beyond C (default C)
+    context_cache.encoder_cache_bytes   vision-tower outputs kept by image digest (default 256 MiB;
+                             0: every chunk that needs an image re-encodes it)
     context_cache.host_capacity_bytes   shared pinned Host backing for StateImages, KV, pause
                              snapshots and transfer destinations (default 8 GiB + 8 × the
                              model's Host StateImage size)
@@ -18,6 +20,8 @@
     log_format               "text" | "json": install the ``ninfer`` log handler in every engine
                              process (None: ``NINFER_LOG_FORMAT`` if set, else leave logging to
                              the application; see ``ninfer.logs``)
+    media_budget_bytes       the frontend's prepared-image cache (vision models; default 512 MiB):
+                             an image whose pixel_values alone exceed it is refused (400)
     log_stats_interval_s     the periodic engine summary's interval while busy (0 = never)
 
 Checks that need the model (the Main-KV curve, the memory budget) happen when the Native layer
@@ -50,12 +54,15 @@ def _range_error(field: str, value, allowed: str) -> ConfigError:
 class ContextCacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
     device_state_slots: int | None = None
     host_capacity_bytes: int | None = None
+    encoder_cache_bytes: int = 256 * 2 ** 20    # vision-tower outputs kept by media digest (0: none)
 
     def __post_init__(self) -> None:
         if self.device_state_slots is not None and self.device_state_slots < 0:
             raise _range_error("context_cache.device_state_slots", self.device_state_slots, ">= 0 (default C)")
         if self.host_capacity_bytes is not None and self.host_capacity_bytes < 0:
             raise _range_error("context_cache.host_capacity_bytes", self.host_capacity_bytes, ">= 0")
+        if self.encoder_cache_bytes < 0:
+            raise _range_error("context_cache.encoder_cache_bytes", self.encoder_cache_bytes, ">= 0")
 
 
 SPEC_METHODS = ("mtp",)
@@ -98,6 +105,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omi
     copy_engine: str = "auto"
     completion_timeout_s: float = 2.0
     cost_calibration: bool = True       # measure copy and prefill rates at startup
+    media_budget_bytes: int = 512 * 2 ** 20   # the frontend's prepared images (MediaCache); one
+    #                                           image's pixel_values above it is a 400
     faults: list[Fault] = []
     log_format: str | None = None
     log_stats_interval_s: float = 10.0
@@ -125,6 +134,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omi
             raise _range_error("memory_budget_bytes", self.memory_budget_bytes, ">= 1")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise _range_error("gpu_memory_utilization", self.gpu_memory_utilization, "(0, 1]")
+        if self.media_budget_bytes < 1:
+            raise _range_error("media_budget_bytes", self.media_budget_bytes, ">= 1")
         if self.prefill_chunk_tokens < 1:
             raise _range_error("prefill_chunk_tokens", self.prefill_chunk_tokens, ">= 1")
         if not self.completion_timeout_s > 0:

@@ -29,6 +29,7 @@ the units that ran, the transactions settled at the progress points and pool occ
 from __future__ import annotations
 
 import array
+import hashlib
 import sys
 from enum import IntEnum
 
@@ -271,11 +272,37 @@ class TxRef(msgspec.Struct, array_like=True, frozen=True):
 
 # ---- commands (run in order before the intents) -------------------------------------------
 
+class MediaItem(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """One image of a prompt: its pads are prompt[offset : offset + num_tokens], each carrying
+    ``media_token_ids(digest, num_tokens, vocab)`` (the media identity in the token stream);
+    ``pixel_values``: raw little-endian float32 bytes of shape ``shape`` ([N, 3·T·P·P]), the
+    vision tower's input for grid ``grid_thw`` (t, h, w in patches)."""
+
+    offset: int
+    num_tokens: int
+    digest: bytes
+    grid_thw: tuple[int, int, int]
+    pixel_values: bytes
+    shape: tuple[int, int]
+
+
+def media_token_ids(digest: bytes, num_tokens: int, vocab_size: int) -> list[int]:
+    """The identity ids of an image's pads: id_j = vocab_size + (blake2b(digest + j) mod 2^30).
+    Every comparison by token id (prefix index, records, checkpoints, input digests) then
+    compares media identity; the model never embeds these ids (the tower's rows replace them)."""
+    out = []
+    for j in range(num_tokens):
+        h = hashlib.blake2b(digest + j.to_bytes(4, "little"), digest_size=8).digest()
+        out.append(vocab_size + int.from_bytes(h, "little") % (1 << 30))
+    return out
+
+
 class NewSeq(msgspec.Struct, tag="new_seq", array_like=True):
     rid: str
     tokens: bytes                  # packed ledger (prompt)
     prompt_len: int
     params: SamplingParams
+    media: list[MediaItem] = []    # the prompt's images (spans over identity ids), in order
 
 
 class Pause(msgspec.Struct, tag="pause", array_like=True):
@@ -339,8 +366,12 @@ class HoldPages(msgspec.Struct, tag="hold_pages", array_like=True):
     pages: int
 
 
+class DropEncoderCache(msgspec.Struct, tag="drop_encoder_cache", array_like=True):
+    """Release every cached vision-tower output (an optional cache: drop_caches)."""
+
+
 Command = (NewSeq | Pause | Freeze | Release | AddOwner | ReleaseOwner | Overdue | Commit | Quote
-           | CheckIntegrity | Settle | HoldPages)
+           | CheckIntegrity | Settle | HoldPages | DropEncoderCache)
 
 
 # ---- intents -------------------------------------------------------------------------------
@@ -621,6 +652,7 @@ class StepReply(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     bytes_d2h: int = 0
     faults_fired: dict[str, int] = {}
     spec: SpecStats | None = None    # the speculative backend's counters (None: not configured)
+    vision: VisionStats | None = None  # the encoder cache's counters (None: no vision tower)
     worker_s: float = 0.0            # time the worker spent on this plan (observation)
 
 
@@ -648,6 +680,22 @@ class SpecStats(msgspec.Struct, array_like=True, gc=False):
                 "coverage_dropped": self.coverage_dropped, "short_of_pages": self.short}
 
 
+class VisionStats(msgspec.Struct, array_like=True, gc=False):
+    """The worker's vision-tower output cache (an optional cache keyed by media digest)."""
+
+    encodes: int = 0              # images run through the tower
+    hits: int = 0                 # chunks that found an image's rows cached
+    evictions: int = 0            # outputs dropped for the byte budget
+    entries: int = 0
+    bytes: int = 0
+    budget_bytes: int = 0
+
+    def as_dict(self) -> dict:
+        return {"encodes": self.encodes, "encoder_cache_hits": self.hits, "encoder_cache_evictions": self.evictions,
+                "encoder_cache_entries": self.entries, "encoder_cache_bytes": self.bytes,
+                "encoder_cache_budget_bytes": self.budget_bytes}
+
+
 class WorkerInfo(msgspec.Struct):
     """Sent once at start: the layout and model facts the controller plans with."""
 
@@ -667,6 +715,7 @@ class WorkerInfo(msgspec.Struct):
     dtype: str
     h2d_bytes_per_s: float = 0.0       # measured at startup (0: not calibrated)
     prefill_s_per_token: float = 0.0
+    vision_merge: int = 0              # the vision tower's spatial merge size (0: no vision tower)
 
 
 # ---- codecs (module level: importable by Ray workers) --------------------------------------
@@ -793,6 +842,7 @@ class RequestSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
     turn_closure: int | None = None         # typed R: TurnClosure
     split_points: list[int] = []            # rewrite execution frontiers: units end there
     rid: str = ""
+    media: list[MediaItem] = []             # images: spans of identity ids (media_token_ids)
 
 
 _spec_dec = msgspec.msgpack.Decoder(RequestSpec)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-
 from ninfer.errors import RequestError
 from ninfer.native.model.config import PAGE_SIZE, load_eos_ids
 from ninfer.native.model.forward import ForwardBatch, SeqInput
@@ -90,3 +89,44 @@ def reference_generate(model_dir: str | Path, prompt_token_ids: list[int], max_t
     lps: list[TokenLogprob] = []
     ids = generate_with_model(model, eos, list(prompt_token_ids), params, lps if return_logprobs else None)
     return (ids, lps) if return_logprobs else ids
+
+
+def reference_generate_multimodal(model_dir: str | Path, prompt_token_ids: list[int], media: list,
+                                  max_tokens: int = 16, dtype: str = "float32", ignore_eos: bool = True,
+                                  seed: int = 0) -> list[int]:
+    """The isolated oracle for a prompt with images (greedy): the model-level
+    ``multimodal.VisionLanguageModel`` — the whole prompt in one ``prefill_with_images`` (each
+    image span's identity ids become ``<|image_pad|>``, its pixel_values the tower's input),
+    then one token per step at index + delta (``decode_rope_positions``). No Program, no cache.
+    ``media``: ``protocol.MediaItem`` list, in prompt order."""
+    import numpy as np
+    import torch
+
+    from ninfer.native.model.multimodal import (
+        VisionLanguageModel,
+        decode_rope_positions,
+    )
+
+    vlm = VisionLanguageModel.load(model_dir, dtype)
+    eos = load_eos_ids(Path(model_dir), vlm.text.cfg)
+    ids = list(prompt_token_ids)
+    for it in media:
+        ids[it.offset:it.offset + it.num_tokens] = [vlm.image_token_id] * it.num_tokens
+    pixels = torch.cat([torch.from_numpy(np.frombuffer(it.pixel_values, dtype="<f4").reshape(it.shape).copy())
+                        for it in media])
+    grid = torch.tensor([list(it.grid_thw) for it in media])
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, seed=seed)
+    pages = list(range((len(ids) + max_tokens + PAGE_SIZE - 1) // PAGE_SIZE))
+    cache = vlm.text.new_cache(len(pages), 1)
+    with torch.no_grad():
+        out_f, delta = vlm.prefill_with_images(ids, pixels, grid, cache, pages, logits="last")
+        logits, out = out_f.logits[-1], []
+        while True:
+            pos = len(ids) + len(out)
+            tok = sample_token(logits, params, pos, [t for t in ids], out)
+            out.append(tok)
+            if stop_reason(tok, len(out), params, eos):
+                return out
+            step = SeqInput(token_ids=[tok], start=pos, page_table=pages,
+                            rope_positions=decode_rope_positions(pos, 1, delta))
+            logits = vlm.text.forward(ForwardBatch.build([step], vlm.text.device), cache).logits[-1]

@@ -24,3 +24,12 @@ def tiny_qwen3(tmp_path_factory) -> str:
     from ninfer.tiny.build import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny_qwen3"), seed=1, arch="qwen3"))
+
+
+@pytest.fixture(scope="session")
+def tiny_vision(tmp_path_factory) -> str:
+    """The tiny Qwen3.5 vision-language model (qwen3_5_vision): text model + vision tower,
+    preprocessor_config.json and a chat template with image parts."""
+    from ninfer.tiny.build import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny_vision"), seed=0, arch="qwen3_5_vision"))

@@ -32,7 +32,7 @@ class InprocRuntime:
         self.loop = ControlLoop(make_client, config, lambda ev: self._target(ev))
         self.info = self.loop.info
         self.model_dir = model_dir
-        self.intake = Intake(model_dir, self.info)
+        self.intake = Intake(model_dir, self.info, config.media_budget_bytes)
 
     @property
     def core(self):

@@ -68,6 +68,18 @@ def _pause_out(sid: int, r: PauseResult) -> P.PauseOut:
     return P.PauseOut(sid, ckpt_ref(r.snapshot), r.tid, r.freed)
 
 
+def load_vision_tower(model_dir: str | Path, model: HybridModel, device):
+    """The Qwen3.5 vision tower when config.json has a ``vision_config`` (strict loading), with
+    its spatial merge size; (None, 0) for a text-only model."""
+    import json
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    if not isinstance(raw.get("vision_config"), dict):
+        return None, 0
+    from ninfer.native.model.vision import VisionTower, parse_vision_config
+    vcfg = parse_vision_config(raw)
+    return VisionTower.load(model_dir, vcfg, model.dtype, device), vcfg.spatial_merge_size
+
+
 class Worker:
     def __init__(self, model_dir: str | Path, config: EngineConfig, notify: Callable[[], None] | None = None,
                  faults: list[Fault] | None = None):
@@ -75,7 +87,9 @@ class Worker:
         model = HybridModel.load(model_dir, config.dtype, device)
         self.eos_ids = load_eos_ids(model_dir, model.cfg)
         self.faults = FaultPlan(config.faults if faults is None else faults)
-        self.prog = Program(model, resolve_layout(model.cfg, config, device), self.faults, config.copy_engine)
+        tower, merge = load_vision_tower(model_dir, model, device)
+        self.prog = Program(model, resolve_layout(model.cfg, config, device), self.faults, config.copy_engine,
+                            tower, merge, config.context_cache.encoder_cache_bytes)
         if notify is not None:
             self.prog.transfers.on_done = notify
         self._held = 0
@@ -91,6 +105,7 @@ class Worker:
             image_bytes=self.prog.mem.image_bytes, host_capacity=lay.host_capacity_bytes,
             prefill_chunk_tokens=lay.prefill_chunk_tokens, exec_identity=self.prog.exec_identity,
             dtype=lay.dtype, h2d_bytes_per_s=self.calibration[0], prefill_s_per_token=self.calibration[1],
+            vision_merge=self.prog.vision_merge,
         )
 
     def handle(self, data: bytes) -> bytes:
@@ -167,6 +182,7 @@ class Worker:
         reply.bytes_h2d, reply.bytes_d2h = prog.bytes_h2d, prog.bytes_d2h
         reply.faults_fired = self.faults.fired()
         reply.spec = prog.spec.stats if prog.spec is not None else None
+        reply.vision = prog.encoder.stats if prog.encoder is not None else None
 
     # ---- commands -----------------------------------------------------------------------
     def _command(self, c, reply: P.StepReply) -> P.CommandOut:
@@ -178,8 +194,12 @@ class Worker:
     def _run(self, c, reply: P.StepReply) -> P.CommandOut:
         prog = self.prog
         if isinstance(c, P.NewSeq):
-            seq = prog.new_sequence(P.unpack_tokens(c.tokens), c.prompt_len, c.params, self.eos_ids)
+            seq = prog.new_sequence(P.unpack_tokens(c.tokens), c.prompt_len, c.params, self.eos_ids, c.media)
             return P.SeqCreated(seq.sid, seq.generation)
+        if isinstance(c, P.DropEncoderCache):
+            if prog.encoder is not None:
+                prog.encoder.clear()
+            return P.Ack()
         if isinstance(c, P.Pause):
             seq = self._bound(c.sid)
             return _pause_out(c.sid, prog.pause(seq, c.to_host, c.host_victims))
@@ -339,7 +359,7 @@ class _StepRun:
                                    detail=f"checkpoint {it.source.cid} is gone (stale reference)")
         if it.new is not None:
             c = it.new
-            seq = prog.new_sequence(P.unpack_tokens(c.tokens), c.prompt_len, c.params, self.w.eos_ids)
+            seq = prog.new_sequence(P.unpack_tokens(c.tokens), c.prompt_len, c.params, self.w.eos_ids, c.media)
         else:
             seq = prog.sequences.get(it.sid)
             if seq is None or seq.phase is not P.Phase.PAUSED:

@@ -108,6 +108,7 @@ class EngineCore:
         self.bytes = (0, 0)
         self.faults_fired: dict[str, int] = {}
         self.spec: P.SpecStats | None = None
+        self.vision: P.VisionStats | None = None
         self._stuck = 0
         self.summary = EngineSummary(self, config.log_stats_interval_s)
 
@@ -262,6 +263,7 @@ class EngineCore:
         self.bytes = (reply.bytes_h2d, reply.bytes_d2h)
         self.faults_fired = reply.faults_fired
         self.spec = reply.spec
+        self.vision = reply.vision
         self.tx = reply.tx
         if self.tx is not None and self._tx_since is None:
             self._tx_since = time.monotonic()
@@ -440,6 +442,7 @@ class EngineCore:
             "faults_fired": dict(self.faults_fired), "host_largest_free_bytes": self.host_largest,
             "telemetry": self.telemetry.snapshot(),
             "speculative": self.spec.as_dict() if self.spec is not None else None,
+            "vision": self.vision.as_dict() if self.vision is not None else None,
             "cost_model": {"h2d_bytes_per_s": self.rm.cost.h2d_bytes_per_s,
                            "prefill_s_per_token": self.rm.cost.prefill_s_per_token,
                            "calibrated": bool(self.info.h2d_bytes_per_s or self.info.prefill_s_per_token)},
@@ -447,6 +450,8 @@ class EngineCore:
 
     def drop_caches(self) -> None:
         cmds = self.rm.drop_all()
+        if self.info.vision_merge:
+            cmds = [*cmds, P.DropEncoderCache()]
         if cmds:
             self.call_commands(cmds)
 

@@ -260,7 +260,8 @@ class CyclePlanner:
             source = adm.source.ref if adm.source else None
             if source is not None:
                 plan.sources.add(source.cid)
-            intent = P.BindIntent(iid, new=P.NewSeq(req.rid, P.pack_tokens(req.prompt), len(req.prompt), req.params),
+            intent = P.BindIntent(iid, new=P.NewSeq(req.rid, P.pack_tokens(req.prompt), len(req.prompt), req.params,
+                                                                   req.spec.media),
                                   source=source, mode=adm.mode, first_tokens=unit.n_tokens, mover=adm.mover,
                                   retire=adm.retire, unit=spec)
             need = Need(iid, req, FRESH, self._bind_demand(source, adm.mode, adm.frontier, unit.n_tokens),

@@ -18,14 +18,23 @@ from ninfer.frontend.render import ChatTokenizer
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
+MEDIA_BUDGET = 512 * 2 ** 20       # prepared pixel_values kept by the frontend (MediaCache)
+
+
 class Intake:
-    def __init__(self, model_dir: str, info: P.WorkerInfo):
+    def __init__(self, model_dir: str, info: P.WorkerInfo, media_budget_bytes: int = MEDIA_BUDGET,
+                 media_limits=None):
         self.info = info
         self.memory = OutputMemory()
         try:
             self.tokenizer: ChatTokenizer | None = ChatTokenizer(model_dir)
         except ModelLoadError:
             self.tokenizer = None
+        self.media = None          # (MediaCache, ImageParams, ImageTokens, MediaLimits) of a vision model
+        if info.vision_merge:
+            from ninfer.frontend.media import DEFAULT_LIMITS, MediaCache, media_config
+            params, tokens = media_config(model_dir)
+            self.media = (MediaCache(media_budget_bytes), params, tokens, media_limits or DEFAULT_LIMITS)
 
     def validate(self, spec: RequestSpec) -> RequestSpec:
         if not spec.rid:
@@ -37,7 +46,11 @@ class Intake:
         if self.tokenizer is None:
             raise RequestError("this model directory has no tokenizer; send prompt_token_ids instead")
         check_messages(chat.messages)
+        images = self._images(chat.messages)
         plan = plan_chat(self.tokenizer, chat.messages, chat.tools, self.memory)
+        media: list[P.MediaItem] = []
+        if images:
+            plan, media = self._expand(plan, images)
         markers = sorted(set(plan.markers) | set(chat.markers))
         if len(markers) > 4:
             raise RequestError(f"at most 4 cache markers are allowed, got {len(markers)}")
@@ -51,7 +64,47 @@ class Intake:
         return RequestSpec(prompt=plan.prompt, params=params, session_id=chat.session_id,
                            markers=markers, recovery_frontier=plan.recovery_frontier,
                            response_replay=plan.response_replay, turn_closure=plan.turn_closure,
-                           split_points=plan.split_points, rid=chat.rid)
+                           split_points=plan.split_points, rid=chat.rid, media=media)
+
+    def _images(self, messages: list[dict]) -> list:
+        """Every image part, prepared, in template order (message by message, part by part)."""
+        found = [(i, j, p) for i, m in enumerate(messages) if isinstance(m.get("content"), list)
+                 for j, p in enumerate(m["content"]) if isinstance(p, dict) and p.get("type") in ("image_url", "image")]
+        if not found:
+            return []
+        if self.media is None:
+            raise RequestError(f"messages[{found[0][0]}].content[{found[0][1]}]: image parts are not supported by "
+                               f"this model ({self.info.model_type}: no vision tower)")
+        from ninfer.frontend.media import _part_url, read_image_url
+        cache, params, _, limits = self.media
+        out = []
+        for i, j, part in found:
+            where = f"messages[{i}].content[{j}].image_url"
+            data = read_image_url(_part_url(part.get("image_url"), where), limits, where)
+            out.append(cache.get_or_prepare(data, params, max_image_pixels=limits.max_image_pixels, where=where))
+        return out
+
+    def _expand(self, plan, images: list):
+        """Expand each image's one rendered pad to its token count, carrying identity ids, and
+        move every plan position past an image by the added tokens (a position never lands
+        inside a span: a rendered frontier is before or after the one pad)."""
+        from ninfer.frontend.media import expand_image_pads, request_media
+        _, _, tokens, _ = self.media
+        pads = [k for k, t in enumerate(plan.prompt) if t == tokens.pad]
+        ids, spans = expand_image_pads(plan.prompt, images, tokens)
+        ids, media = request_media(ids, images, spans, self.info.vocab_size)
+
+        def moved(x):
+            if x is None:
+                return None
+            return x + sum(im.num_tokens - 1 for k, im in zip(pads, images) if k < x)
+        plan.prompt = ids
+        plan.markers = [moved(x) for x in plan.markers]
+        plan.split_points = [moved(x) for x in plan.split_points]
+        plan.recovery_frontier = moved(plan.recovery_frontier)
+        plan.response_replay = moved(plan.response_replay)
+        plan.turn_closure = moved(plan.turn_closure)
+        return plan, media
 
     def observe(self, ev: P.Event) -> None:
         """Remember the exact tokens of each finished output under the text the client sees."""

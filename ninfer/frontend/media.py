@@ -44,6 +44,7 @@ import numpy as np
 from msgspec import Meta, Struct
 from PIL import Image, UnidentifiedImageError
 
+from ninfer import protocol as P
 from ninfer.errors import ConfigError, MediaError, ModelLoadError
 from ninfer.frontend import schema as S
 
@@ -449,3 +450,20 @@ def expand_image_pads(ids: list[int], images: list[PreparedImage],
         last = k + 1
     out += ids[last:]
     return out, spans
+
+
+def request_media(ids: list[int], images: list[PreparedImage], spans: list[ImageSpan],
+                  vocab_size: int) -> tuple[list[int], list[P.MediaItem]]:
+    """The expanded prompt with each image's pads replaced by its identity ids
+    (``protocol.media_token_ids``) and the RequestSpec's ``media``: what the engine computes
+    and what its caches compare (the same text with another image never matches)."""
+    out = list(ids)
+    items = []
+    for image, span in zip(images, spans):
+        digest = bytes.fromhex(span.digest)
+        out[span.offset:span.offset + span.num_tokens] = P.media_token_ids(digest, span.num_tokens, vocab_size)
+        px = np.ascontiguousarray(image.pixel_values, dtype="<f4")
+        items.append(P.MediaItem(offset=span.offset, num_tokens=span.num_tokens, digest=digest,
+                                 grid_thw=tuple(image.grid_thw), pixel_values=px.tobytes(),
+                                 shape=tuple(px.shape)))
+    return out, items

@@ -194,12 +194,14 @@ def convert(body: dict, kind: type) -> Any:
         raise bad("the request is nested too deeply") from None
 
 
-def check_media(messages: list[Message]) -> None:
-    """Media parts are a clear 400 until this model can see them."""
+def check_media(messages: list[Message], images: bool = False) -> None:
+    """Media parts this model cannot see are a clear 400: every one on a text-only model; audio
+    and file parts always; image_url parts only where ``images`` is false."""
     for i, m in enumerate(messages):
         if isinstance(m.content, list):
             for j, p in enumerate(m.content):
-                if isinstance(p, MEDIA_PARTS):
+                if isinstance(p, MEDIA_PARTS) and not (images and isinstance(p, ImagePart)):
                     kind = type(p).__struct_config__.tag
+                    what = "text only" if not images else "images only"
                     raise ApiError(400, f"messages[{i}].content[{j}]: {kind} parts are not supported by this "
-                                        "model (text only)", param=f"messages[{i}].content[{j}].type")
+                                        f"model ({what})", param=f"messages[{i}].content[{j}].type")

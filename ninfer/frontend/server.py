@@ -307,7 +307,7 @@ class Server:
         self._check_model(req.model)
         if not req.messages:
             raise oa.bad("messages must be a non-empty list", "messages")
-        S.check_media(req.messages)
+        S.check_media(req.messages, images=bool(self.engine.info.vision_merge))
         self._bound_prompt(req.messages)
         if req.response_format is not None and req.response_format.type != "text":
             raise oa.bad(f"response_format {req.response_format.type!r} is not supported: NInfer has no "

@@ -116,6 +116,7 @@ class Sequence:
     mtp_base: int = 0                       # the MTP head's entries mtp_base .. mtp_frontier-1 exist
     mtp_frontier: int = 0
     drafts: list[int] = field(default_factory=list)   # MTP drafts the next decode row verifies
+    media: object | None = None             # media.SeqMedia: the prompt's images and MRoPE rows
 
     @property
     def ledger_frontier(self) -> int:

@@ -127,8 +127,13 @@ class TxSettled:
 
 class Program:
     def __init__(self, model: HybridModel, layout: Layout, faults: FaultPlan | None = None,
-                 copy_engine: str = "auto"):
+                 copy_engine: str = "auto", tower=None, vision_merge: int = 0, encoder_cache_bytes: int = 0):
         self.model = model
+        self.vision_merge = vision_merge              # 0: no vision tower (text-only model)
+        self.encoder = None                           # media.EncoderCache: tower outputs by digest
+        if tower is not None:
+            from ninfer.native.media import EncoderCache
+            self.encoder = EncoderCache(tower, encoder_cache_bytes)
         self.layout = layout
         self.device = model.device
         self.pools: dict[str, IdPool] = {
@@ -169,9 +174,16 @@ class Program:
 
     # ==== sequences ====================================================================
     def new_sequence(self, ledger: list[int], prompt_len: int, params: SamplingParams,
-                     eos_ids: tuple[int, ...]) -> Sequence:
+                     eos_ids: tuple[int, ...], media: list = ()) -> Sequence:
+        if media and self.encoder is None:
+            raise NativeError("a prompt with images on a model without a vision tower")
+        if media and self.spec is not None:
+            raise NativeError("images with speculative decoding are not supported yet")
         seq = Sequence(sid=next(self._ids), generation=next_generation(), ledger=list(ledger),
                        prompt_len=prompt_len, params=params, eos_ids=eos_ids)
+        if media:
+            from ninfer.native.media import SeqMedia
+            seq.media = SeqMedia.build(seq.ledger, prompt_len, list(media), self.vision_merge)
         seq.blocks = self._dirs()
         self.sequences[seq.sid] = seq
         return seq
@@ -447,14 +459,22 @@ class Program:
             self._prepare_blocks(seq, end + len(d))
             seqs_in.append(SeqInput(token_ids=seq.ledger[seq.frontier:end] + d, start=seq.frontier,
                                     page_table=[b.page for b in seq.blocks[MAIN]], state_slot=seq.slot,
-                                    logits="all" if d else "last", verify=bool(d)))
+                                    logits="all" if d else "last", verify=bool(d),
+                                    rope_positions=seq.media.rows(seq.frontier, end) if seq.media else None))
         results = {r.seq.sid: RowResult(sid=r.seq.sid, frontier=r.seq.frontier) for r in rows}
         pending = []
         if seqs_in:
             batch = ForwardBatch.build(seqs_in, self.device)
             prev = {r.seq.sid: self.mem.hidden[r.seq.slot].clone() for r in compute
                     if self.spec is not None and r.seq.frontier > 0}
-            out = self.model.forward(batch, self.mem.cache)
+            embeds = None
+            if any(r.seq.media is not None and r.seq.media.overlapping(r.seq.frontier, r.seq.frontier + r.n_tokens)
+                   for r in compute):
+                from ninfer.native.media import call_embeds
+                embeds = call_embeds(self.model.embed, [t for s_in in seqs_in for t in s_in.token_ids],
+                                     batch.cu[:-1], [(r.seq.frontier, r.n_tokens, r.seq.media) for r in compute],
+                                     self.encoder, self.model.cfg.vocab_size)
+            out = self.model.forward(batch, self.mem.cache, embeds)
             li = 0                                # the row of out.logits of the sequence's first logits row
             for i, r in enumerate(compute):
                 seq, d, res = r.seq, drafts[i], results[r.seq.sid]

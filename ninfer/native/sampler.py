@@ -49,7 +49,9 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: li
                     output_ids: list[int]) -> torch.Tensor:
     """logits: [V] (float64). Returns penalised logits (a new tensor when any penalty is on)."""
     if params.repetition_penalty != 1.0 and (prompt_ids or output_ids):
-        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=logits.device)
+        # a prompt's image identity ids (>= vocab: media_token_ids) are no vocabulary entries
+        seen = torch.tensor(sorted(t for t in set(prompt_ids) | set(output_ids) if t < logits.shape[-1]),
+                            dtype=torch.long, device=logits.device)
         vals = logits[seen]
         rp = params.repetition_penalty
         logits = logits.clone()
