@@ -1167,6 +1167,12 @@ class Program:
         slots.update({img.slot: img for img in self._orphans if img.slot is not None})
         if set(slots) != self.pools[STATE].used_ids() or set(slots) != set(self._slot_owner):
             raise IntegrityError("state slots and their owners disagree")
+        for sq in self.sequences.values():      # between calls a directory covers its frontier exactly
+            if sq.phase is Phase.RUNNING and len(sq.blocks[MAIN]) != pages_for(sq.frontier):
+                raise IntegrityError(f"sequence {sq.sid} holds {len(sq.blocks[MAIN])} Main pages at frontier {sq.frontier}")
+            if sq.phase is Phase.RUNNING and self.spec is not None and len(sq.blocks[MTP]) != pages_for(sq.mtp_frontier):
+                raise IntegrityError(f"sequence {sq.sid} holds {len(sq.blocks[MTP])} MTP pages at its head's "
+                                     f"frontier {sq.mtp_frontier}")
         for c in self.checkpoints.values():
             if not c.owners:
                 raise IntegrityError(f"checkpoint {c.cid} has no owner")

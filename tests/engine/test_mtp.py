@@ -186,3 +186,16 @@ def test_a_verify_unit_reserves_its_speculative_peak(make):
     plan = h.core.planner.build()
     [item] = [i for i in plan.items if i.req is req]
     assert item.unit.kind.name == "VERIFY" and item.need.demand == {"main": 1}
+
+
+def test_between_calls_the_directories_cover_exactly_the_frontiers(make):
+    """A rejected draft's pages go back at once: after every call each running sequence holds
+    exactly the Main pages of its frontier and the MTP pages of its head's frontier (the
+    Program's integrity check, run after every cycle of a decode that crosses pages)."""
+    h = make(speculative={"method": "mtp", "num_tokens": 4}, max_concurrency=2)
+    rids = [h.submit(random_prompt(n, 20 + n), max_tokens=90) for n in (3, 61)]
+    while not h.done(*rids):
+        h.cycle()
+        h.worker.prog.check_integrity()
+    assert _spec(h)["drafted"] > _spec(h)["accepted"] > 0
+    h.check_clean()
