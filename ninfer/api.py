@@ -168,7 +168,7 @@ class Engine:
     messages as Ray, one process) or the Ray one; ``ninfer.connect`` attaches to a running Ray
     deployment. The handle API is the same for both."""
 
-    def __init__(self, runtime, model_dir: str | None, transport: str):
+    def __init__(self, runtime, model_dir: str | None, transport: str, media_budget_bytes: int | None = None):
         from ninfer.frontend.intake import Intake
 
         self.transport = transport
@@ -178,7 +178,8 @@ class Engine:
         self._counter = 0
         self._rt = runtime
         self.info = runtime.info
-        self._intake = Intake(model_dir, self.info) if model_dir else None
+        budget = {} if media_budget_bytes is None else {"media_budget_bytes": media_budget_bytes}
+        self._intake = Intake(model_dir, self.info, **budget) if model_dir else None
         if transport == "ray":
             runtime.attach(self._on_event, self._fail_outstanding)
         else:
@@ -212,11 +213,11 @@ class Engine:
             log.warning("%s", note)
         if transport == "inproc":
             from ninfer.actors.runtime import InprocRuntime
-            return Engine(InprocRuntime(str(model), cfg), str(model), transport)
+            return Engine(InprocRuntime(str(model), cfg), str(model), transport, cfg.media_budget_bytes)
         if transport == "ray":
             from ninfer.actors.client import RayClientRuntime
             return Engine(RayClientRuntime.start(str(model), cfg, address, deployment, detached, **kw),
-                          str(model), transport)
+                          str(model), transport, cfg.media_budget_bytes)
         raise RequestError(f"transport {transport!r} is not supported (use 'inproc' or 'ray')")
 
     # ---- requests -------------------------------------------------------------------------

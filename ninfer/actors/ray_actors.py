@@ -344,7 +344,8 @@ class FrontendActor:
             _normal_priority("frontend's event loop")
             self.info_bytes = await self.controller.info.remote()
             self.controller_epoch = await self.controller.ping.remote()
-            self.intake = self._intake_cls(self._model_dir, P.decode_info(self.info_bytes))
+            self.intake = self._intake_cls(self._model_dir, P.decode_info(self.info_bytes),
+                                           decode_config(self._config).media_budget_bytes)
             self._watch = asyncio.get_running_loop().create_task(self._watchdog())
         return self.info_bytes
 

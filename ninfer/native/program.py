@@ -177,8 +177,6 @@ class Program:
                      eos_ids: tuple[int, ...], media: list = ()) -> Sequence:
         if media and self.encoder is None:
             raise NativeError("a prompt with images on a model without a vision tower")
-        if media and self.spec is not None:
-            raise NativeError("images with speculative decoding are not supported yet")
         seq = Sequence(sid=next(self._ids), generation=next_generation(), ledger=list(ledger),
                        prompt_len=prompt_len, params=params, eos_ids=eos_ids)
         if media:
@@ -460,7 +458,7 @@ class Program:
             seqs_in.append(SeqInput(token_ids=seq.ledger[seq.frontier:end] + d, start=seq.frontier,
                                     page_table=[b.page for b in seq.blocks[MAIN]], state_slot=seq.slot,
                                     logits="all" if d else "last", verify=bool(d),
-                                    rope_positions=seq.media.rows(seq.frontier, end) if seq.media else None))
+                                    rope_positions=seq.media.rows(seq.frontier, end + len(d)) if seq.media else None))
         results = {r.seq.sid: RowResult(sid=r.seq.sid, frontier=r.seq.frontier) for r in rows}
         pending = []
         if seqs_in:

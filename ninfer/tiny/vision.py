@@ -34,6 +34,7 @@ def qwen3_5_vision_config(vocab_size: int, eos_ids: list[int], pad_id: int, visi
                 "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob",
                 "decoder_sparse_step", "mlp_only_layers"):
         text.pop(key, None)
+    text["mtp_num_hidden_layers"] = 1         # Qwen3.5 ships one MTP layer (mtp.*)
     text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
                                "mrope_section": MROPE_SECTION, "mrope_interleaved": True}
     vision = {
@@ -83,7 +84,9 @@ def _text_raw(vocab_size: int, eos_ids: list[int], pad_id: int) -> dict:
 
 def random_vision_model(raw: dict, seed: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
     """Every tensor of the tiny Qwen3.5: text (renamed from the qwen3_next generator) + vision."""
-    text = parse_config(_text_raw(raw["text_config"]["vocab_size"], [raw["eos_token_id"]], raw["pad_token_id"]))
+    # one MTP layer, as Qwen3.5 ships (mtp.* sort after every other tensor: the rest is unchanged)
+    text = parse_config(_text_raw(raw["text_config"]["vocab_size"], [raw["eos_token_id"]], raw["pad_token_id"]),
+                        mtp_layers=raw["text_config"].get("mtp_num_hidden_layers", 0))
     out: dict[str, torch.Tensor] = {}
     for name, t in random_tensors(text, seed, dtype).items():
         new = name.replace("model.", "model.language_model.", 1)

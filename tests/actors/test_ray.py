@@ -128,3 +128,41 @@ def test_many_clients_and_connect(ray_engine, tiny_model, deployment):
 def test_connect_to_a_missing_deployment(ray_session):
     with pytest.raises(RequestError, match="no NInfer deployment named 'nope'"):
         ninfer.connect(address="auto", deployment="nope")
+
+
+def test_engine_chat_with_an_image_over_ray(tiny_vision, deployment):
+    """The deployed shape with images: the frontend actor prepares them within its configured
+    media budget (an image over it is that request's clear error), the worker actor encodes;
+    the answer equals the in-process one and a re-send hits the cache past the image."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    def chat(w: int, h: int) -> list[dict]:
+        buf = io.BytesIO()
+        Image.fromarray(np.random.default_rng(w).integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, "PNG")
+        url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+        return [{"role": "user", "content": [{"type": "text", "text": "look at"},
+                                             {"type": "image_url", "image_url": {"url": url}}]}]
+
+    cfg = {"max_context": 256, "cost_calibration": False}
+    inproc = ninfer.Engine.start(tiny_vision, config=cfg, dtype="float64", transport="inproc")
+    try:
+        want = inproc.chat(chat(64, 96), max_tokens=8, ignore_eos=True).result().token_ids
+    finally:
+        inproc.shutdown()
+    # 64x96: 24 patches of 1536 float32 = 147 KiB prepared; 128x128: 64 patches = 384 KiB
+    eng = ninfer.Engine.start(tiny_vision, config={**cfg, "media_budget_bytes": 200_000}, dtype="float64",
+                              transport="ray", deployment=deployment)
+    try:
+        a = eng.chat(chat(64, 96), max_tokens=8, ignore_eos=True).result()
+        b = eng.chat(chat(64, 96), max_tokens=8, ignore_eos=True).result()
+        assert a.error is None and a.token_ids == want and b.token_ids == want
+        assert b.usage.cached_tokens > a.usage.cached_tokens
+        with pytest.raises(RequestError, match="budget"):
+            eng.chat(chat(128, 128), max_tokens=4).result()
+        assert eng.chat(chat(64, 96), max_tokens=8, ignore_eos=True).result().token_ids == want
+    finally:
+        eng.shutdown()

@@ -212,3 +212,24 @@ def test_engine_chat_image_on_a_text_model(tiny_model):
             eng.chat(msgs, max_tokens=4).result()
     finally:
         eng.shutdown()
+
+
+@pytest.mark.parametrize("host", [True, False], ids=["snapshot", "replay"])
+def test_image_prompt_with_mtp_equals_the_reference_through_a_pause(vh, tiny_vision, host):
+    """Speculative decoding on a prompt with images (the tiny Qwen3.5 ships one MTP layer, as
+    the real one does): the verify rows run at the MRoPE positions after the images, the head
+    embeds an image's identity ids as a placeholder (drafts only), and a pause of either route
+    changes nothing."""
+    cfg = {"context_cache": {"host_capacity_bytes": 64 << 20 if host else 0}}
+    h = vh(speculative={"method": "mtp", "num_tokens": 3}, **cfg)
+    vocab = h.core.info.vocab_size
+    prompt, media = image_prompt(tiny_vision, vocab, TEXT, TAIL, png(64, 96, 1), png(96, 64, 2))
+    rid = h.submit(prompt, max_tokens=24, media=media)
+    h.run(until=lambda: len(h.streams.get(rid, [])) >= 5)
+    force_pause(h, rid)
+    h.run(until=lambda: h.done(rid))
+    out = h.finals[rid]
+    assert out.error is None and out.token_ids == ref(tiny_vision, prompt, media, n=24)
+    assert [p["route"] for p in out.pauses] == ["snapshot" if host else "replay"]
+    assert h.core.stats_dict()["speculative"]["drafted"] > 0
+    h.check_clean()

@@ -54,7 +54,7 @@ class ScriptedEngine:
 
     def __init__(self, tok: ChatTokenizer):
         self._intake = SimpleNamespace(tokenizer=tok)
-        self.info = SimpleNamespace(max_context=4096, vocab_size=tok.tokenizer.get_vocab_size())
+        self.info = SimpleNamespace(max_context=4096, vocab_size=tok.tokenizer.get_vocab_size(), vision_merge=0)
         self.handles: list[ScriptedHandle] = []
         self.delay = 0.002
         self.chunk = 1

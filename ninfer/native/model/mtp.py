@@ -100,7 +100,10 @@ class MtpHead:
         seqs = [SeqInput(token_ids=e.tokens, start=e.start, page_table=e.page_table, logits=rows) for e in entries]
         batch = ForwardBatch.build(seqs, m.device)
         prev = torch.cat([e.prev for e in entries]).to(m.dtype)
-        emb = rms_norm(F.embedding(batch.input_ids, m.embed), self.norm_emb, c.rms_norm_eps, c.zero_centered_norm)
+        # an image's identity ids (>= vocab, native/media.py) embed as id 0: the head only drafts,
+        # so a rough input there costs acceptance, never a token
+        ids = torch.where(batch.input_ids < c.vocab_size, batch.input_ids, torch.zeros_like(batch.input_ids))
+        emb = rms_norm(F.embedding(ids, m.embed), self.norm_emb, c.rms_norm_eps, c.zero_centered_norm)
         hid = rms_norm(prev, self.norm_hidden, c.rms_norm_eps, c.zero_centered_norm)
         x = F.linear(torch.cat([emb, hid], dim=-1), self.fc)
         j = step % self.num_layers
