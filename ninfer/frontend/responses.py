@@ -75,18 +75,34 @@ def _str(item: dict, key: str, where: str, default=None) -> str:
     return v
 
 
-def _text_of(content, where: str) -> str | list:
+def _text_of(content, where: str, role: str = "user") -> str | list:
+    """A message's content as chat content: text parts, and (not for the assistant) ``input_image``
+    parts as chat ``image_url`` parts — the chat path prepares them (a model without a vision
+    tower answers them with a clear 400)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
         parts = []
         for j, p in enumerate(content):
             kind = p.get("type") if isinstance(p, dict) else None
+            at = f"{where}.content[{j}]"
+            if kind == "input_image" and role != "assistant":
+                parts.append({"type": "image_url", "image_url": {"url": _str(p, "image_url", at)}})
+                continue
             if kind not in ("input_text", "output_text", "text"):
-                raise bad(f"{where}.content[{j}]: only text content parts are supported (got {kind!r})", where)
-            parts.append({"type": "text", "text": _str(p, "text", f"{where}.content[{j}]")})
+                raise bad(f"{at}: only text and input_image content parts are supported (got {kind!r})", where)
+            parts.append({"type": "text", "text": _str(p, "text", at)})
         return parts
     raise bad(f"{where}.content must be a string or a list of parts", where)
+
+
+def _stored_parts(content: str | list, role: str) -> list[dict]:
+    """The message's parts as ``input_items`` lists them (Responses' own part types)."""
+    text = "input_text" if role != "assistant" else "output_text"
+    if isinstance(content, str):
+        return [{"type": text, "text": content}]
+    return [{"type": "input_image", "image_url": p["image_url"]["url"]} if p["type"] == "image_url"
+            else {"type": text, "text": p["text"]} for p in content]
 
 
 def normalise_input(raw: str | list[dict]) -> tuple[list[dict], list[dict]]:
@@ -105,13 +121,10 @@ def normalise_input(raw: str | list[dict]) -> tuple[list[dict], list[dict]]:
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise bad(f"{where}.role {role!r} is not supported", where)
-            content = _text_of(item.get("content"), where)
+            content = _text_of(item.get("content"), where, role)
             out.append({"role": role, "content": content})
-            parts = [{"type": "input_text" if role != "assistant" else "output_text", "text": content}] \
-                if isinstance(content, str) else \
-                [{"type": "input_text" if role != "assistant" else "output_text", "text": p["text"]} for p in content]
             items.append({"id": item.get("id") or _item_id("msg"), "type": "message", "role": role,
-                          "content": parts, "status": "completed"})
+                          "content": _stored_parts(content, role), "status": "completed"})
         elif kind == "function_call":
             call = {"id": _str(item, "call_id", where), "type": "function",
                     "function": {"name": _str(item, "name", where), "arguments": _str(item, "arguments", where, "{}")}}

@@ -47,3 +47,18 @@ def test_image_over_the_media_budget_is_a_400(vserver):
 def test_audio_part_is_still_a_400(vserver):
     r = chat(vserver, {"type": "input_audio", "input_audio": {}})
     assert r.status_code == 400 and "input_audio" in r.json()["error"]["message"]
+
+
+def test_responses_input_image_answers_like_chat_and_lists_its_item(vserver):
+    """The Responses API's ``input_image`` part takes the chat path's image preparation: the same
+    answer as chat completions for the same image and text, and ``input_items`` lists the part."""
+    url = data_url(png(64, 96, 1))
+    body = {"model": "x", "max_output_tokens": 6, "temperature": 0,
+            "input": [{"type": "message", "role": "user",
+                       "content": [{"type": "input_text", "text": "see"}, {"type": "input_image", "image_url": url}]}]}
+    r = httpx.post(f"{vserver}/v1/responses", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    text = r.json()["output"][0]["content"][0]["text"]
+    assert text == chat(vserver, image(64, 96, 1)).json()["choices"][0]["message"]["content"]
+    items = httpx.get(f"{vserver}/v1/responses/{r.json()['id']}/input_items", timeout=30).json()["data"]
+    assert items[0]["content"][1] == {"type": "input_image", "image_url": url}
