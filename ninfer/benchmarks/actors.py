@@ -4,22 +4,16 @@ time), and decode throughput of the tiny model at C = 1, 2, 4, 8."""
 
 from __future__ import annotations
 
-import time
 
 from ninfer.api import Engine
+from ninfer.benchmarks.common import decode_window
 
 
 def measure(engine: Engine, concurrency: int, max_tokens: int = 48, prompt_tokens: int = 16) -> dict:
     before = engine.stats()
     hs = [engine.generate([7 + i] * prompt_tokens, max_tokens=max_tokens, ignore_eos=True, seed=i)
           for i in range(concurrency)]
-    firsts = []
-    for h in hs:
-        for _ in h:
-            firsts.append(time.perf_counter())
-            break
-    outs = [h.result(600) for h in hs]
-    end = time.perf_counter()
+    firsts, outs, end = decode_window(hs)
     after = engine.stats()
     cycles = after["cycles"] - before["cycles"]
     rts = after["round_trips"] - before["round_trips"]

@@ -41,6 +41,19 @@ def report(name: str, result: dict, rows: list[dict], columns: list[str], out: s
     return data
 
 
+def decode_window(handles) -> tuple[list[float], list, float]:
+    """Each request's first-token time, the outputs, and when the last ended: decode tok/s is
+    measured from the first first token (prefill excluded) to the end."""
+    import time
+    firsts = []
+    for h in handles:
+        for _ in h:
+            firsts.append(time.perf_counter())
+            break
+    outs = [h.result(600) for h in handles]
+    return firsts, outs, time.perf_counter()
+
+
 def ensure_model(path: str) -> str:
     """``path``, built first if missing; the build's message goes to stderr (stdout is the report)."""
     from contextlib import redirect_stdout

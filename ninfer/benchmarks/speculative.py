@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 
 from ninfer.api import Engine
+from ninfer.benchmarks.common import decode_window
 
 
 def _prompts(tokenizer_dir: str, n: int, length: int) -> list[list[int]]:
@@ -29,13 +30,7 @@ def measure(engine: Engine, prompts: list[list[int]], max_tokens: int, temperatu
     t0 = time.perf_counter()
     hs = [engine.generate(p, max_tokens=max_tokens, ignore_eos=True, temperature=temperature, seed=i)
           for i, p in enumerate(prompts)]
-    firsts = []
-    for h in hs:
-        for _ in h:
-            firsts.append(time.perf_counter())
-            break
-    outs = [h.result(600) for h in hs]
-    end = time.perf_counter()
+    firsts, outs, end = decode_window(hs)
     after = engine.stats().get("speculative") or {}
     decoded = sum(len(o.token_ids) - 1 for o in outs)
     row = {"C": len(prompts), "decode_tok_s": decoded / max(1e-9, end - min(firsts)), "wall_s": end - t0}

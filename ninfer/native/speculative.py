@@ -33,7 +33,7 @@ resumed request's first unit).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -122,7 +122,7 @@ class MtpBackend:
                    for seq, m, end, _, hidden in work]
         with torch.no_grad():
             out = head.forward(entries, self.cache)
-            for (seq, m, end, n, _), e in zip(work, entries):
+            for seq, m, end, _, _ in work:
                 prog._mark_written(seq, m, end, MTP)
                 seq.mtp_frontier = end
                 self.stats.entries += end - m
