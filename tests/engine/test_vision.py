@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import io
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -233,3 +234,81 @@ def test_image_prompt_with_mtp_equals_the_reference_through_a_pause(vh, tiny_vis
     assert [p["route"] for p in out.pauses] == ["snapshot" if host else "replay"]
     assert h.core.stats_dict()["speculative"]["drafted"] > 0
     h.check_clean()
+
+
+MIXED: Counter = Counter()
+
+
+def _mixed_workload(model_dir: str, vocab: int, seed: int):
+    """Text-only and image requests over two shared text bases, two images reused across requests
+    (hits) and fresh ones (misses), arriving in waves; preemptions at chosen cycles."""
+    import random
+    rng = random.Random(seed)
+    images = [png(64, 96, 100 + seed), png(96, 64, 200 + seed)]
+    bases = [[rng.randrange(3, 200) for _ in range(rng.randint(4, 40))] for _ in range(2)]
+    reqs = []
+    for i in range(rng.randint(4, 7)):
+        before = rng.choice(bases) + [rng.randrange(3, 200) for _ in range(rng.randint(0, 6))]
+        after = [rng.randrange(3, 200) for _ in range(rng.randint(1, 8))]
+        kind = rng.random()
+        earlier = [r for r in reqs if r[2]]
+        if earlier and kind > 0.7:                  # an earlier image prompt re-sent, later (a hit)
+            t, prompt, media, _ = rng.choice(earlier)
+            reqs.append((t + rng.randint(15, 40), prompt, media, rng.randint(4, 14)))
+            continue
+        if kind < 0.3:
+            prompt, media = before + after, []
+        else:
+            imgs = [rng.choice(images) if rng.random() < 0.7 else png(64, 64, 1000 * seed + i)
+                    for _ in range(rng.choice([1, 1, 2]))]
+            prompt, media = image_prompt(model_dir, vocab, before, after, *imgs)
+        reqs.append((rng.randint(0, 12), prompt, media, rng.randint(4, 14)))
+    return sorted(reqs, key=lambda r: r[0]), sorted(rng.sample(range(3, 40), 2))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(6))
+def test_mixed_text_and_image_workloads_match_the_oracle(vh, tiny_vision, seed):
+    """The float64 oracle over mixed workloads: tight Main KV, a Host for a snapshot or none (Replay),
+    a small encoder cache, chunks cutting images, preemptions: every request equals its isolated
+    run (the multimodal oracle, or reference_generate for text), with real hits and misses; no leak."""
+    from ninfer.reference import reference_generate
+    host = [0, 8 << 20][seed % 2]
+    h = vh(max_concurrency=3, kv_capacity=6 * 64, prefill_chunk_tokens=[5, 16, 64][seed % 3],
+           context_cache={"host_capacity_bytes": host, "encoder_cache_bytes": [0, 40_000, 1 << 20][seed % 3]})
+    vocab = h.core.info.vocab_size
+    reqs, preempts = _mixed_workload(tiny_vision, vocab, seed)
+    pending, live, cycle = list(reqs), {}, 0
+    while pending or not h.done(*live):
+        while pending and pending[0][0] <= cycle:
+            _, p, media, n = pending.pop(0)
+            live[h.submit(p, max_tokens=n, media=media)] = (p, media, n)
+        if cycle in preempts:
+            running = [r for r in h.core.sched.resident.values() if r.phase.name == "RUNNING" and r.outputs]
+            if running:
+                force_pause(h, running[0].rid)
+        h.cycle()
+        cycle += 1
+        assert cycle < 5000, f"seed {seed}: the workload did not finish"
+    for rid, (p, media, n) in live.items():
+        f = h.finals[rid]
+        assert f.finish_reason == "length", f.error
+        want = ref(tiny_vision, p, media, n) if media else reference_generate(
+            tiny_vision, p, max_tokens=n, dtype="float64", ignore_eos=True)
+        assert f.token_ids == list(want), f"seed {seed}: {rid} differs from its isolated run"
+        MIXED["image_hits"] += bool(media) and f.usage["cached_tokens"] > media[0].offset + media[0].num_tokens
+        for q in f.pauses:
+            MIXED[q["route"]] += 1
+    MIXED["encodes"] += h.core.stats_dict()["vision"]["encodes"]
+    h.check_clean()
+
+
+@pytest.mark.slow
+def test_the_mixed_workloads_hit_past_images_and_paused_by_both_routes(vh, tiny_vision):
+    """Run after the sweep above: hits past an image, Snapshot and Replay all happened."""
+    seed = 6
+    while not (MIXED["image_hits"] and MIXED["snapshot"] and MIXED["replay"]):
+        assert seed < 30, dict(MIXED)
+        test_mixed_text_and_image_workloads_match_the_oracle(vh, tiny_vision, seed)
+        seed += 1
+    print("\nmixed vision workloads:", dict(MIXED))
