@@ -38,17 +38,33 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args.model, dtype=args.dtype, transport=args.transport)
 
 
+def _json_arg(text: str, flag: str):
+    import json
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise NInferError(f"{flag}: not JSON ({exc})") from None
+
+
 def _serve(args: argparse.Namespace) -> int:
     import os
     from pathlib import Path
 
+    import msgspec
+
     from ninfer.api import Engine, connect
+    from ninfer.config import EngineConfig
     from ninfer.frontend.server import serve
 
     if args.connect:
         engine = connect(address=args.address or "auto", deployment=args.deployment, model_dir=args.model)
     else:                                      # with --address: attaches to the same deployment if it runs
-        engine = Engine.start(args.model, config=args.config, transport=args.transport, address=args.address,
+        config = args.config
+        if args.speculative_config is not None:      # vLLM's flag: JSON over the config file's [speculative]
+            raw = msgspec.to_builtins(EngineConfig.coerce(config))
+            config = EngineConfig.from_dict({**raw, "speculative": _json_arg(args.speculative_config,
+                                                                            "--speculative-config")})
+        engine = Engine.start(args.model, config=config, transport=args.transport, address=args.address,
                               deployment=args.deployment, detached=bool(args.address))
     name = args.served_model_name or Path(args.model).name
     print(f"serving {name} on http://{args.host}:{args.port}/v1 (transport={engine.transport})", flush=True)
@@ -113,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-messages", type=int, default=4096,
                    help="messages per chat request, checked before any rendering (default 4096)")
     p.add_argument("--served-model-name", default=None)
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "mtp", "num_tokens": 3}\' (over the config file\'s)')
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("bench", help="benchmarks: a table, JSON and a PNG plot (see bench/README.md)",

@@ -675,6 +675,7 @@ class SpecStats(msgspec.Struct, array_like=True, gc=False):
         return {"method": "mtp", "verify_rows": self.verify_rows, "drafted": self.drafted,
                 "accepted": self.accepted, "acceptance": self.accepted / max(self.drafted, 1),
                 "acceptance_by_position": [a / max(o, 1) for a, o in zip(self.by_position, self.offered)],
+                "accepted_by_position": list(self.by_position),
                 "tokens_per_step": self.committed / max(self.decode_rows, 1), "decode_steps": self.decode_rows,
                 "head_entries": self.entries, "context_restarts": self.restarts,
                 "coverage_dropped": self.coverage_dropped, "short_of_pages": self.short}

@@ -106,6 +106,15 @@ class _StatsCollector:
             self._one(counter, "ninfer_worker_seconds", "Worker time spent executing steps", s.get("worker_s", 0.0)),
             self._one(gauge, "ninfer_stored_responses", "Responses kept for previous_response_id", self.stored),
         )
+        spec = s.get("speculative")
+        if spec:                              # vLLM's speculative-decoding counters
+            yield self._one(counter, "vllm:spec_decode_num_drafts", "Decode steps that verified drafts",
+                            spec["verify_rows"])
+            yield self._one(counter, "vllm:spec_decode_num_draft_tokens", "Draft tokens verified", spec["drafted"])
+            yield self._one(counter, "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted", spec["accepted"])
+            yield self._labelled(counter, "vllm:spec_decode_num_accepted_tokens_per_pos",
+                                 "Draft tokens accepted, by draft position", "position",
+                                 {str(i): n for i, n in enumerate(spec["accepted_by_position"])})
         for key, (name, help_) in HISTOGRAMS.items():
             h = t.get("histograms", {}).get(key)
             if h is None:

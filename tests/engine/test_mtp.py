@@ -199,3 +199,30 @@ def test_between_calls_the_directories_cover_exactly_the_frontiers(make):
         h.worker.prog.check_integrity()
     assert _spec(h)["drafted"] > _spec(h)["accepted"] > 0
     h.check_clean()
+
+
+def test_serve_takes_vllms_speculative_config_flag(tiny_model, tmp_path):
+    """``ninfer serve --speculative-config JSON`` (vLLM's flag) turns MTP on over the config file:
+    the same chat answer as without, /metrics unchanged in shape; a bad value is one line, exit 2."""
+    import subprocess
+    import sys
+
+    import httpx
+
+    from tests.serving import serving
+    bad = subprocess.run([sys.executable, "-m", "ninfer.cli", "serve", "--model", tiny_model, "--transport", "inproc",
+                          "--speculative-config", '{"method": "mtp", "num_tokens": 0}'],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "speculative.num_tokens" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
+    body = {"model": "m", "max_tokens": 24, "temperature": 0, "messages": [{"role": "user", "content": "hi there"}]}
+    answers = []
+    for extra in ((), ("--speculative-config", '{"method": "mtp", "num_tokens": 2}')):
+        with serving(tiny_model, tmp_path, "max_context = 512\n", "--served-model-name", "m", *extra) as (base, _):
+            r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            answers.append(r.json()["choices"][0]["message"]["content"])
+            metrics = httpx.get(f"{base}/metrics", timeout=30).text
+            drafted = [ln for ln in metrics.splitlines() if ln.startswith("vllm:spec_decode_num_draft_tokens")]
+            assert bool(drafted) == bool(extra) and (not drafted or float(drafted[0].split()[-1]) > 0)
+    assert answers[0] == answers[1]
