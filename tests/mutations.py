@@ -309,7 +309,7 @@ MUTATIONS = [
      "                self._trim(seq)\n", "",
      [E + "test_mtp.py::test_between_calls_the_directories_cover_exactly_the_frontiers"]),
     ("draft entries' MTP pages go back once drafted", "ninfer/native/speculative.py",
-     "        for seq, m, end, _, _ in work:\n            self._trim(seq)", "        pass",
+     "        for w in work:\n            self._trim(w.seq)", "        pass",
      [E + "test_mtp.py::test_between_calls_the_directories_cover_exactly_the_frontiers"]),
     ("a restore takes the checkpoint's MTP coverage", "ninfer/native/program.py",
      "seq.mtp_base, seq.mtp_frontier = src.mtp_base, src.mtp_frontier", "seq.mtp_base, seq.mtp_frontier = 0, 0",

@@ -34,7 +34,7 @@ resumed request's first unit).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -46,6 +46,16 @@ from ninfer.protocol import SpecStats, unit_pages
 
 if TYPE_CHECKING:
     from ninfer.native.program import Program
+
+
+class Catchup(NamedTuple):
+    """One sequence's head entries start .. end-1 of this call and the drafts it wants."""
+
+    seq: Sequence
+    start: int
+    end: int
+    drafts: int
+    hidden: torch.Tensor                 # the target hiddens h_start .. h_{end-1} (pre-norm)
 
 
 @dataclass
@@ -93,14 +103,14 @@ class MtpBackend:
     def after_call(self, pending: list[Pending]) -> None:
         """Catch the head up on every sequence of the call and draft for the next one."""
         prog, head = self.prog, self.head
-        work = []
+        work: list[Catchup] = []
         for p in pending:
             seq = p.seq
             seq.drafts = []
             if seq.finished:
                 continue
             f0 = p.old_frontier
-            if seq.mtp_frontier < f0 - 1 or (seq.mtp_frontier == f0 - 1 and p.prev_hidden is None):
+            if seq.mtp_frontier < f0 - 1:        # hiddens below f0 - 1 are gone: a gap
                 self._restart(seq, max(f0 - 1, 0))
             m = seq.mtp_frontier
             end = min(seq.frontier, len(seq.ledger) - 1)
@@ -113,50 +123,40 @@ class MtpBackend:
             parts = ([p.prev_hidden[None]] if p.prev_hidden is not None else []) + (
                 [p.rows] if p.rows is not None else [])
             first = f0 - 1 if p.prev_hidden is not None else f0      # position of parts' first row
-            hidden = torch.cat(parts)[m - first:end - first]
-            work.append((seq, m, end, n, hidden))
+            work.append(Catchup(seq, m, end, n, torch.cat(parts)[m - first:end - first]))
         if not work:
             return
-        entries = [MtpEntries(tokens=seq.ledger[m + 1:end + 1], prev=head.feature(hidden), start=m,
-                              page_table=self._pages(seq), base=seq.mtp_base)
-                   for seq, m, end, _, hidden in work]
+        entries = [MtpEntries(tokens=w.seq.ledger[w.start + 1:w.end + 1], prev=head.feature(w.hidden), start=w.start,
+                              page_table=self._pages(w.seq), base=w.seq.mtp_base) for w in work]
         with torch.no_grad():
             out = head.forward(entries, self.cache)
-            for seq, m, end, _, _ in work:
-                prog._mark_written(seq, m, end, MTP)
-                seq.mtp_frontier = end
-                self.stats.entries += end - m
-            draft = [(i, w) for i, w in enumerate(work) if w[3] > 0]
-            if draft:
-                self._draft(draft, out)
-        for seq, m, end, _, _ in work:
-            self._trim(seq)
+            for w in work:
+                prog._mark_written(w.seq, w.start, w.end, MTP)
+                w.seq.mtp_frontier = w.end
+                self.stats.entries += w.end - w.start
+            rows = [i for i, w in enumerate(work) if w.drafts > 0]
+            if rows:
+                self._draft([work[i] for i in rows], out[rows])
+        for w in work:
+            self._trim(w.seq)
 
-    def _draft(self, draft, out: torch.Tensor) -> None:
-        """Chain up to k drafts per sequence: entry E-1's out gives d_1, draft entry E-1+s gives d_{s+1}."""
+    def _draft(self, work: list[Catchup], h: torch.Tensor) -> None:
+        """Chain up to k drafts per sequence from ``h`` (each one's last catch-up ``out``): entry
+        E-1 gives d_1, draft entry E-1+s (written past the frontier) gives d_{s+1}."""
         head = self.head
-        rows = torch.tensor([i for i, _ in draft], device=out.device)
-        h = out.index_select(0, rows)
-        tok = head.logits(h).argmax(-1).tolist()
-        live = list(range(len(draft)))
-        for j in live:
-            draft[j][1][0].drafts.append(tok[j])
-        step = 1
-        while True:
-            live = [j for j in live if draft[j][1][3] > step]
+        for w, t in zip(work, head.logits(h).argmax(-1).tolist()):
+            w.seq.drafts.append(t)
+        live = list(range(len(work)))
+        for step in range(1, self.k):
+            live = [j for j in live if work[j].drafts > step]
             if not live:
                 return
-            entries = []
-            for j in live:
-                seq, _, end, _, _ = draft[j][1]
-                entries.append(MtpEntries(tokens=[seq.drafts[-1]], prev=h[j:j + 1], start=end - 1 + step,
-                                          page_table=self._pages(seq), base=seq.mtp_base))
+            entries = [MtpEntries(tokens=[work[j].seq.drafts[-1]], prev=h[j:j + 1], start=work[j].end - 1 + step,
+                                  page_table=self._pages(work[j].seq), base=work[j].seq.mtp_base) for j in live]
             o = head.forward(entries, self.cache, step)
-            t = head.logits(o).argmax(-1).tolist()
-            for i, j in enumerate(live):
-                draft[j][1][0].drafts.append(t[i])
+            for i, (j, t) in enumerate(zip(live, head.logits(o).argmax(-1).tolist())):
+                work[j].seq.drafts.append(t)
                 h[j] = o[i]
-            step += 1
 
     def _budget(self, seq: Sequence) -> int:
         """Drafts the next verify may carry: within max_tokens (the bonus token included) and the context."""
