@@ -32,19 +32,46 @@ from itertools import count
 import torch
 
 from ninfer.errors import NInferError
+from ninfer.faults import FaultPlan
 from ninfer.native.layout import KV_KINDS, MAIN, MTP, STATE, Layout
 from ninfer.native.memory import Memory
 from ninfer.native.model.config import PAGE_SIZE
 from ninfer.native.model.forward import ForwardBatch, SeqInput
 from ninfer.native.model.model import HybridModel
-from ninfer.native.objects import Checkpoint, KvBlock, Sequence, StateImage, next_generation, pages_for
+from ninfer.native.objects import (
+    Checkpoint,
+    KvBlock,
+    Sequence,
+    StateImage,
+    next_generation,
+    pages_for,
+)
 from ninfer.native.sampler import sample_token, stop_reason, token_logprobs
-from ninfer.native.stores import Extent, HostArena, IdPool, IntegrityError, Reservation, allocate, reserve_all, settle
+from ninfer.native.speculative import MtpBackend, Pending
+from ninfer.native.stores import (
+    Extent,
+    HostArena,
+    IdPool,
+    IntegrityError,
+    Reservation,
+    allocate,
+    reserve_all,
+    settle,
+)
 from ninfer.native.transfer import TransferEngine
-from ninfer.faults import FaultPlan
 from ninfer.placement import merge_extents, place_first_fit
-from ninfer.protocol import (BindMode, CkptKind, Delete, Owner, Phase, Refusal, SnapshotOwner, TokenLogprob, UnitKind,
-                             unit_pages)
+from ninfer.protocol import (
+    BindMode,
+    CkptKind,
+    Delete,
+    Owner,
+    Phase,
+    Refusal,
+    SnapshotOwner,
+    TokenLogprob,
+    UnitKind,
+    unit_pages,
+)
 from ninfer.sampling_params import SamplingParams
 
 Job = Callable[[], None]
@@ -161,7 +188,6 @@ class Program:
         self._paged: dict[int, KvBlock] = {}         # blocks with a Device page
         self.spec = None                             # the MTP backend (speculative.py), when configured
         if layout.spec_tokens:
-            from ninfer.native.speculative import MtpBackend
             self.spec = MtpBackend(self)
 
     # ==== identity =====================================================================
@@ -504,7 +530,6 @@ class Program:
                 if self.spec is not None:
                     pending.append((seq, seq.frontier, prev_h, None, True))
         if self.spec is not None:
-            from ninfer.native.speculative import Pending
             self.spec.after_call([Pending(*p) for p in pending])
         out_rows = []
         for r in rows:
