@@ -200,3 +200,4 @@ class ForwardOutput:
     hidden: torch.Tensor   # [M, H] pre-final-norm hidden of the logits rows (continuation hidden)
     logits: torch.Tensor   # [M, V] in the accumulation dtype
     all_hidden: torch.Tensor | None = None   # [T, H] pre-final-norm hidden of every row (the MTP head's input)
+    taps: torch.Tensor | None = None         # [T, n*H] the asked layers' outputs, every row (DFlash context)

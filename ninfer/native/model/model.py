@@ -183,14 +183,18 @@ class HybridModel:
 
     # ---- forward ------------------------------------------------------------------------
     @torch.no_grad()
-    def forward(self, batch: ForwardBatch, cache: ModelCache, embeds: torch.Tensor | None = None) -> ForwardOutput:
+    def forward(self, batch: ForwardBatch, cache: ModelCache, embeds: torch.Tensor | None = None,
+                taps: tuple[int, ...] = ()) -> ForwardOutput:
         """``embeds`` [T, H] replaces the token embeddings when given (a prompt with images:
         ``multimodal.prompt_embeddings``). With ``mrope_section``, ``batch.rope_positions`` [3, T]
-        (when set) are the rotary positions; the cache is always indexed by ``batch.positions``."""
+        (when set) are the rotary positions; the cache is always indexed by ``batch.positions``.
+        ``taps``: layer ids whose outputs (every row) come back concatenated in ``out.taps``
+        [T, len(taps) * H] — a DFlash draft's context features (``dflash.tap_features``)."""
         c = self.cfg
         x = F.embedding(batch.input_ids, self.embed) if embeds is None else embeds.to(self.dtype)
         rope_pos = batch.rope_positions if (c.mrope_section and batch.rope_positions is not None) else batch.positions
         cos, sin = self.rope.cos_sin(rope_pos)
+        tapped = {}
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, c.rms_norm_eps, c.zero_centered_norm)
             j = self.cache_index[i]
@@ -201,8 +205,11 @@ class HybridModel:
             x = x + h
             h = rms_norm(x, layer.post_norm, c.rms_norm_eps, c.zero_centered_norm)
             x = x + (sparse_moe(h, layer.mlp) if isinstance(layer.mlp, MoeWeights) else silu_mlp(h, *layer.mlp))
+            if i in taps:
+                tapped[i] = x
         hidden = x[batch.logits_rows]
-        return ForwardOutput(hidden=hidden, logits=self.logits(hidden), all_hidden=x)
+        return ForwardOutput(hidden=hidden, logits=self.logits(hidden), all_hidden=x,
+                             taps=torch.cat([tapped[i] for i in taps], dim=-1) if taps else None)
 
     def roll_back(self, cache: ModelCache, batch: ForwardBatch, s: int, slot: int, keep: int) -> None:
         """Verify row ``s`` of ``batch`` kept only its first ``keep`` inputs (the accepted prefix):
