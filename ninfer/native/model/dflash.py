@@ -54,7 +54,6 @@ from ninfer.native.model.model import AttentionWeights, HybridModel
 from ninfer.native.model.ops import Rope, acc_dtype, rms_norm, silu_mlp
 from ninfer.native.model.weights import load_checked, weight_files
 
-
 # ---- weights ------------------------------------------------------------------------------------
 
 @dataclass
@@ -295,8 +294,8 @@ class DFlashDraft:
 
     def _context_slots(self, blocks: list[DraftBlock]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The flat slot [B, C] of every block's context positions lo + j (C = the widest context),
-        whether it is one [B, C], and the position [B, C]. Slots past a block's context (and its
-        pages below lo) read slot 0: gathered, then zeroed, never attended."""
+        whether it is one [B, C], and the position [B, C]. Slots past a block's context read slot 0,
+        which may hold anything: never attended (``_attention`` zeroes their values)."""
         dev = self.target.device
         los = torch.tensor([self.context_start(b) for b in blocks], dtype=torch.long, device=dev)
         lens = torch.tensor([b.start for b in blocks], dtype=torch.long, device=dev) - los
@@ -372,12 +371,12 @@ class DFlashDraft:
             y = rms_norm(F.linear(h, proj).view(b * r, -1, d), norm, c.rms_norm_eps, False)
             return Rope.apply(y, cos, sin).view(b, r, -1, d)
 
-        # the context K/V gathered and zeroed where masked (no stale byte meets a zero weight);
-        # the block's own K/V come after it
-        keep = ctx_valid[:, :, None, None]
-        k = torch.cat([torch.where(keep, k_cache.flatten(0, 1)[slots], 0).to(h.dtype), roped(w.k_proj, w.k_norm)], 1)
-        v = torch.cat([torch.where(keep, v_cache.flatten(0, 1)[slots], 0).to(h.dtype),
-                       F.linear(h, w.v_proj).view(b, r, -1, d)], 1)
+        # the context K/V, then the block's own. A masked key's score becomes -inf whatever it
+        # holds, but a masked value is zeroed: a stale NaN there times its zero weight is NaN
+        k_ctx = k_cache.flatten(0, 1)[slots].to(h.dtype)
+        v_ctx = torch.where(ctx_valid[:, :, None, None], v_cache.flatten(0, 1)[slots], 0).to(h.dtype)
+        k = torch.cat([k_ctx, roped(w.k_proj, w.k_norm)], 1)
+        v = torch.cat([v_ctx, F.linear(h, w.v_proj).view(b, r, -1, d)], 1)
         return F.linear(block_attention(roped(w.q_proj, w.q_norm), k, v, visible, d ** -0.5), w.o_proj)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

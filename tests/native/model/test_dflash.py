@@ -223,9 +223,10 @@ def test_blocks_of_two_sequences_in_one_call(target, target_dir, kind):
     (sa, ca, ba, na), (sb, cb, bb, nb) = (random_prompt(131, 1), 130, 0, 7), (random_prompt(71, 2), 70, 20, 3)
     ta, tb = sequence_taps(target, sa[:ca], draft.taps), sequence_taps(target, sb[:cb], draft.taps)
     cache = fresh_cache(draft, 6)
-    write_context(draft, cache, ta, [5, 0, 2], ba, ca)
+    write_context(draft, cache, ta, [5, 4, 2], ba, ca)
     write_context(draft, cache, tb, [3, 1], bb, cb)      # positions below its base never written
-    blocks = [DraftBlock(sa[ca], ca, na, [5, 0, 2], ba), DraftBlock(sb[cb], cb, nb, [3, 1], bb)]
+    # page 0 is never written (NaN): the padded context slots of the shorter block read it
+    blocks = [DraftBlock(sa[ca], ca, na, [5, 4, 2], ba), DraftBlock(sb[cb], cb, nb, [3, 1], bb)]
     hidden = draft.forward(blocks, cache)
     drafts = draft.draft(blocks, cache)
     assert [len(d) for d in drafts] == [na, nb]
@@ -241,15 +242,15 @@ def test_window_cuts_the_context(target, target_dir, window, causal, base):
     draft = make_draft(target, target_dir, "dflash2", seed=2, sliding_window=window, is_causal=causal)
     seq, ctx = random_prompt(131, 3), 130
     taps = sequence_taps(target, seq[:ctx], draft.taps)
-    blocks = [DraftBlock(seq[ctx], ctx, 7, [-1, 2, 0], base), DraftBlock(seq[70], 70, 2, [-1, 2, 0], base)]
+    blocks = [DraftBlock(seq[ctx], ctx, 7, [-1, 2, 1], base), DraftBlock(seq[70], 70, 2, [-1, 2, 1], base)]
     lo = draft.context_start(blocks[0])
     assert lo == max(base, ctx - window + 1) >= PAGE_SIZE          # page 0 lies wholly below it
     cache = fresh_cache(draft, 3)
-    write_context(draft, cache, taps, [-1, 2, 0], lo, ctx)
+    write_context(draft, cache, taps, [-1, 2, 1], lo, ctx)
     hidden = draft.forward(blocks[:1], cache)[0]
     assert_matches(draft, hidden, draft.draft(blocks[:1], cache)[0], reference(draft, taps, seq[ctx], ctx, 7, lo), 7)
     if window == 5:   # a second, shorter block (its rows padded) whose context lies in page 1 only
-        write_context(draft, cache, taps, [-1, 2, 0], draft.context_start(blocks[1]), 70)
+        write_context(draft, cache, taps, [-1, 2, 1], draft.context_start(blocks[1]), 70)
         both = draft.forward(blocks, cache)
         assert (both[0] - hidden).abs().max() <= 1e-10
         ref = reference(draft, taps, seq[70], 70, 2, draft.context_start(blocks[1]))
