@@ -1,6 +1,7 @@
 """The ``ninfer`` command line.
 
     ninfer make-tiny-model DIR [--seed N] [--arch qwen3_next|qwen3|qwen3_5_vision] [--no-fit-mtp]
+    ninfer make-tiny-dflash TARGET DIR [--kind dflash|dflash2] [--seed N] [--window W] [--no-fit]
     ninfer demo [--model DIR]
     ninfer serve --model DIR [--config FILE] [--host 127.0.0.1] [--port 8000] [--address auto]
     ninfer bench controller|agent|actors|cache-scale|serve [options] [--out FILE.json] [--plot FILE.png]
@@ -29,6 +30,14 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
 
     out = make_tiny_model(args.dir, seed=args.seed, arch=args.arch, fit_mtp=args.fit_mtp)
     print(f"wrote tiny {args.arch} model (seed {args.seed}) to {out}")
+    return 0
+
+
+def _make_tiny_dflash(args: argparse.Namespace) -> int:
+    from ninfer.tiny.dflash import make_tiny_dflash
+
+    out = make_tiny_dflash(args.target, args.dir, kind=args.kind, seed=args.seed, window=args.window, fit=args.fit)
+    print(f"wrote tiny {args.kind} draft for {args.target} (seed {args.seed}) to {out}")
     return 0
 
 
@@ -102,6 +111,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-fit-mtp", dest="fit_mtp", action="store_false",
                    help="keep qwen3_next's MTP head random (default: fit it to the target, ~13 s)")
     p.set_defaults(func=_make_tiny_model)
+
+    p = sub.add_parser("make-tiny-dflash", help="generate a DFlash / DFlash2 draft directory for a tiny target")
+    p.add_argument("target", help="the tiny target model's directory (make-tiny-model)")
+    p.add_argument("dir", help="output directory (created or overwritten)")
+    p.add_argument("--kind", choices=["dflash", "dflash2"], default="dflash")
+    p.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    p.add_argument("--window", type=int, default=2048, help="DFlash2's sliding window (default 2048)")
+    p.add_argument("--no-fit", dest="fit", action="store_false",
+                   help="keep the draft random (default: fit it to the target's own continuations)")
+    p.set_defaults(func=_make_tiny_dflash)
 
     p = sub.add_parser("demo", help="the main job: a short multi-turn agent conversation on the tiny model")
     p.add_argument("--model", default="models/tiny", help="model directory; built if missing (default models/tiny)")

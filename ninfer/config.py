@@ -65,27 +65,60 @@ class ContextCacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
             raise _range_error("context_cache.encoder_cache_bytes", self.encoder_cache_bytes, ">= 0")
 
 
-SPEC_METHODS = ("mtp",)
+SPEC_METHODS = ("mtp", "dflash", "dflash2")
 
 
 class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
     """``speculative={"method": "mtp", "num_tokens": k}``: draft k tokens per step with the
-    model's own MTP head and verify them in the next step. Never changes an output token: a
+    model's own MTP head and verify them in the next step. ``{"method": "dflash" | "dflash2",
+    "draft": DIR}``: a DFlash block-diffusion draft model (DIR: its config.json and safetensors)
+    drafts a block of ``num_tokens`` (default: its block size − 1; ``block`` = num_tokens + 1 is
+    the paper's spelling) from the target's tap-layer features. Never changes an output token: a
     draft is kept only where it equals the token the target samples there (seeded per position,
-    as without speculation)."""
+    as without speculation).
+
+    ``draft_pages``: pages of the draft backend's KV pool (None: one per Main page plus a tail
+    copy per lane, so it is short only when Main pages have moved to the Host). Short, the
+    backend first drops checkpoints' draft coverage; a DFlash checkpoint without it is no restore
+    point (its context is rebuilt by prefill)."""
 
     method: str = "mtp"
-    num_tokens: int = 3
-    draft: str | None = None            # a separate draft model directory (DFlash; not for MTP)
+    num_tokens: int | None = None
+    draft: str | None = None            # the draft model directory (DFlash; not for MTP)
+    block: int | None = None            # DFlash: num_tokens + 1
+    draft_pages: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
             raise _range_error("speculative.method", self.method, " | ".join(SPEC_METHODS))
-        if self.method == "mtp" and self.draft is not None:
-            raise ConfigError("speculative.draft is for a separate draft model; method 'mtp' uses the model's own "
-                              "MTP head (remove 'draft')")
-        if not 1 <= self.num_tokens <= 8:
-            raise _range_error("speculative.num_tokens", self.num_tokens, "1..8")
+        if self.method == "mtp":
+            if self.draft is not None:
+                raise ConfigError("speculative.draft is for a separate draft model; method 'mtp' uses the model's own "
+                                  "MTP head (remove 'draft')")
+            if self.block is not None:
+                raise ConfigError("speculative.block is DFlash's block size; method 'mtp' takes num_tokens")
+            if self.num_tokens is None:
+                self.num_tokens = 3
+            if not 1 <= self.num_tokens <= 8:
+                raise _range_error("speculative.num_tokens", self.num_tokens, "1..8")
+        else:
+            if self.draft is None:
+                raise ConfigError(f"speculative.method={self.method!r} needs draft= the DFlash draft model's directory")
+            if self.block is not None:
+                if not 2 <= self.block <= 64:
+                    raise _range_error("speculative.block", self.block, "2..64")
+                if self.num_tokens is not None and self.num_tokens != self.block - 1:
+                    raise ConfigError(f"speculative: block={self.block} and num_tokens={self.num_tokens} disagree "
+                                      "(block = num_tokens + 1; give one of them)")
+                self.num_tokens = self.block - 1
+            if self.num_tokens is not None and not 1 <= self.num_tokens <= 63:
+                raise _range_error("speculative.num_tokens", self.num_tokens, "1..63")
+        if self.draft_pages is not None and self.draft_pages < 0:
+            raise _range_error("speculative.draft_pages", self.draft_pages, ">= 0 (None = mirror Main)")
+
+    @property
+    def dflash(self) -> bool:
+        return self.method in ("dflash", "dflash2")
 
 
 class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -156,7 +189,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omi
     # ---- derived values ----------------------------------------------------------------
     @property
     def spec_tokens(self) -> int:
-        """Drafts per step (0 = no speculative decoding)."""
+        """Drafts per step (0 = no speculative decoding; None = DFlash's default, from its draft)."""
         return self.speculative.num_tokens if self.speculative is not None else 0
 
     @property

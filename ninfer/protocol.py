@@ -652,6 +652,8 @@ class StepReply(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     bytes_d2h: int = 0
     faults_fired: dict[str, int] = {}
     spec: SpecStats | None = None    # the speculative backend's counters (None: not configured)
+    uncovered: list[tuple[int, int]] = []   # (cid, generation) of checkpoints without the draft
+    #                                  coverage their restore needs (DFlash): no query source
     vision: VisionStats | None = None  # the encoder cache's counters (None: no vision tower)
     worker_s: float = 0.0            # time the worker spent on this plan (observation)
 
@@ -666,19 +668,21 @@ class SpecStats(msgspec.Struct, array_like=True, gc=False):
     decode_rows: int = 0          # decode rows of speculating sequences (target steps)
     by_position: list[int] = []   # drafts kept, per draft position
     offered: list[int] = []       # drafts verified, per draft position
-    entries: int = 0              # MTP head entries computed (catch-up)
-    restarts: int = 0             # head contexts restarted at the bridge
-    coverage_dropped: int = 0     # checkpoints whose head coverage was dropped for room
-    short: int = 0                # units run without drafts for want of an MTP page
+    entries: int = 0              # context positions the draft computed (MTP catch-up, DFlash append)
+    restarts: int = 0             # draft contexts restarted (MTP: at the bridge; DFlash: a gap)
+    coverage_dropped: int = 0     # checkpoints whose draft coverage was dropped for room
+    short: int = 0                # units run without drafts for want of a draft page
+    method: str = "mtp"
 
     def as_dict(self) -> dict:
-        return {"method": "mtp", "verify_rows": self.verify_rows, "drafted": self.drafted,
+        return {"method": self.method, "verify_rows": self.verify_rows, "drafted": self.drafted,
                 "accepted": self.accepted, "acceptance": self.accepted / max(self.drafted, 1),
                 "acceptance_by_position": [a / max(o, 1) for a, o in zip(self.by_position, self.offered)],
                 "accepted_by_position": list(self.by_position),
                 "tokens_per_step": self.committed / max(self.decode_rows, 1), "decode_steps": self.decode_rows,
-                "head_entries": self.entries, "context_restarts": self.restarts,
-                "coverage_dropped": self.coverage_dropped, "short_of_pages": self.short}
+                "draft_entries": self.entries, "context_restarts": self.restarts,
+                "coverage_dropped": self.coverage_dropped, "short_of_pages": self.short,
+                "mean_accepted_per_block": self.accepted / max(self.verify_rows, 1)}
 
 
 class VisionStats(msgspec.Struct, array_like=True, gc=False):

@@ -33,3 +33,21 @@ def tiny_vision(tmp_path_factory) -> str:
     from ninfer.tiny.build import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny_vision"), seed=0, arch="qwen3_5_vision"))
+
+
+@pytest.fixture(scope="session")
+def tiny_dflash(tiny_model, tmp_path_factory) -> str:
+    """A DFlash draft for the tiny model (block 8, fitted to it: drafts are really accepted)."""
+    from ninfer.tiny.dflash import make_tiny_dflash
+
+    return str(make_tiny_dflash(tiny_model, tmp_path_factory.mktemp("tiny_dflash"), kind="dflash", seed=0))
+
+
+@pytest.fixture(scope="session")
+def tiny_dflash2(tiny_model, tmp_path_factory) -> str:
+    """A DFlash2 draft for the tiny model with a 96-position window, so that short workloads
+    already slide it (the real drafts' 2,048 is tested on its own)."""
+    from ninfer.tiny.dflash import make_tiny_dflash
+
+    return str(make_tiny_dflash(tiny_model, tmp_path_factory.mktemp("tiny_dflash2"), kind="dflash2", seed=1,
+                                window=96))

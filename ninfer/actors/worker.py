@@ -182,6 +182,7 @@ class Worker:
         reply.bytes_h2d, reply.bytes_d2h = prog.bytes_h2d, prog.bytes_d2h
         reply.faults_fired = self.faults.fired()
         reply.spec = prog.spec.stats if prog.spec is not None else None
+        reply.uncovered, prog.uncovered = prog.uncovered, []
         reply.vision = prog.encoder.stats if prog.encoder is not None else None
 
     # ---- commands -----------------------------------------------------------------------

@@ -7,7 +7,7 @@ default is the committed measurement's setting, so a run without options reprodu
     ninfer bench actors      [--transport inproc,ray] [--concurrency 1,2,4,8] [--max-tokens 48] ...
     ninfer bench cache-scale [--records 100,1000,10000] [--dtype float32]
     ninfer bench serve       [--base-url URL] [--clients 64] [--rounds 4] ...
-    ninfer bench speculative [--drafts 1,2,3] [--concurrency 1,4,8] [--max-tokens 64] ...
+    ninfer bench speculative [--method mtp|dflash|dflash2] [--drafts 1,2,3] [--concurrency 1,4,8] ...
 
 Every bench: ``--out F.json`` writes the JSON document (else it follows the table on stdout),
 ``--plot F.png`` the figure (default: next to ``--out``, F.png); progress bars on stderr.
@@ -153,8 +153,13 @@ def _gpu(b: argparse.ArgumentParser) -> None:
 
 
 def _speculative(b: argparse.ArgumentParser) -> None:
-    b.add_argument("--drafts", type=_positives, default="1,2,3", metavar="K,...",
-                   help="MTP drafts per step, one engine each (speculation off always runs first)")
+    b.add_argument("--method", choices=["mtp", "dflash", "dflash2"], default="mtp",
+                   help="the draft backend: the model's MTP head, or a DFlash / DFlash2 draft model")
+    b.add_argument("--draft", default=None, metavar="DIR",
+                   help="the DFlash draft's directory (default: a fitted tiny draft, built next to --model)")
+    b.add_argument("--drafts", type=_positives, default=None, metavar="K,...",
+                   help="drafts per step, one engine each (speculation off always runs first; default MTP "
+                        "1,2,3, DFlash 3,7: blocks of 4 and 8)")
     b.add_argument("--concurrency", type=_positives, default="1,4,8", metavar="C,...",
                    help="runs of C concurrent requests each (comma list)")
     b.add_argument("--prompt-tokens", type=_positive, default=32, metavar="N", help="prompt length (corpus text)")
@@ -204,9 +209,10 @@ BENCHES = {
     "cache-scale": (_cache_scale, "controller cost against the number of cached records: decode cycle, "
                                   "admission, admission with reclaim, per request while filling and with the "
                                   "Host full"),
-    "speculative": (_speculative, "MTP speculative decoding on vs off on the same machine in one run: decode "
-                                  "tok/s and their ratio per C, tokens per target step, acceptance by draft "
-                                  "position; outputs checked identical"),
+    "speculative": (_speculative, "speculative decoding (MTP, DFlash, DFlash2) on vs off on the same machine "
+                                  "in one run: decode tok/s and their ratio per C, tokens per target step, "
+                                  "accepted length per block, acceptance by draft position; outputs checked "
+                                  "identical"),
     "decode": (_decode, "the model forward alone: decode tok/s at C=1..8 on the batched path and on the "
                         "per-sequence reference beside it, and their ratio at C=8 (same tokens checked)"),
     "gpu": (_gpu, "the prepared GPU check: every kernel against its torch reference on CUDA (tiny and "
@@ -250,7 +256,8 @@ def run_bench(args: argparse.Namespace) -> int:
         kw.update(sizes=args.records)
     elif args.name == "speculative":
         kw.update(drafts=args.drafts, concurrency=args.concurrency, max_tokens=args.max_tokens,
-                  prompt_tokens=args.prompt_tokens, temperature=args.temperature)
+                  prompt_tokens=args.prompt_tokens, temperature=args.temperature, method=args.method,
+                  draft=args.draft)
     import_module(f"ninfer.benchmarks.{args.name.replace('-', '_')}").run(args.model, **kw)
     return 0
 

@@ -160,7 +160,7 @@ def serve(data: dict, path: str | Path) -> None:
 
 
 def speculative(data: dict, path: str | Path) -> None:
-    plt, fig, (tps, acc) = _figure(2, "ninfer bench speculative: MTP on vs off")
+    plt, fig, (tps, acc) = _figure(2, f"ninfer bench speculative: {data.get('method', 'mtp')} on vs off")
     for k, drafts in enumerate(dict.fromkeys(r["drafts"] for r in data["rows"])):
         rows = [r for r in data["rows"] if r["drafts"] == drafts]
         tps.plot([r["C"] for r in rows], [r["decode_tok_s"] for r in rows], marker="o", color=f"C{k}",

@@ -68,6 +68,8 @@ class Outcomes:
         host_room = reply.host_largest >= self.core.info.image_bytes
         for u in reply.units:
             progressed = self._unit(u, units.get(u.sid), host_room) or progressed
+        if reply.uncovered:                  # after the captures above: a new point may be one
+            self.core.rm.uncover(reply.uncovered)
         return progressed
 
     # ---- the transaction state machine ------------------------------------------------

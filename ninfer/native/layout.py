@@ -12,8 +12,9 @@ import msgspec
 import torch
 
 from ninfer.config import EngineConfig, kv_page_bounds
-from ninfer.errors import ConfigError
+from ninfer.errors import ConfigError, ModelLoadError
 from ninfer.native.model.config import PAGE_SIZE, ModelConfig
+from ninfer.native.model.dflash_config import load_draft_config
 from ninfer.native.model.forward import state_dtype
 
 from ninfer.protocol import DFLASH, KV_KINDS, MAIN, MTP, STATE  # noqa: E402,F401  (pool kinds)
@@ -33,7 +34,9 @@ class Layout(msgspec.Struct, frozen=True, kw_only=True):
     workspace_bytes: int
     dtype: str
     prefill_chunk_tokens: int
-    spec_tokens: int = 0              # MTP drafts per step (0: no MTP pool)
+    spec_tokens: int = 0              # drafts per step (0: no speculative backend, no draft pool)
+    spec_method: str = ""             # "mtp" | "dflash" | "dflash2" (its pool: MTP or DFLASH)
+    draft_dir: str = ""               # the DFlash draft model
 
     @property
     def main_pages(self) -> int:
@@ -52,33 +55,55 @@ def workspace_bytes(cfg: ModelConfig, chunk_tokens: int, itemsize: int) -> int:
     return 8 * chunk_tokens * widest * itemsize + 4 * cfg.vocab_size * 8
 
 
-def mtp_pages(main_pages: int, max_concurrency: int, spec_tokens: int) -> int:
-    """The MTP pool: a page per Main page (the head's context mirrors Main's positions) plus,
-    per lane, a tail copy and the draft entries' peak (k - 1 positions past the frontier)."""
-    return main_pages + max_concurrency * (1 + -(-spec_tokens // 64)) if spec_tokens else 0
+def draft_pages(main_pages: int, max_concurrency: int, spec_tokens: int, method: str) -> int:
+    """The draft backend's pool: a page per Main page (its context mirrors Main's positions)
+    plus, per lane, a tail copy — and for MTP the draft entries' peak (k - 1 positions past the
+    frontier; DFlash's block KV never persists)."""
+    if not spec_tokens:
+        return 0
+    past = -(-spec_tokens // 64) if method == "mtp" else 0
+    return main_pages + max_concurrency * (1 + past)
 
 
 def resolve_layout(cfg: ModelConfig, ec: EngineConfig, device: torch.device,
                    budget_bytes: int | None = None) -> Layout:
     """Sizes for this model and config; ConfigError with the numbers if they cannot work.
 
-    With MTP the head's pages ride on the same curve: each Main page brings one MTP page
-    (``mtp_pages``), so the solve divides the budget by their sum."""
+    With a draft backend its pages ride on the same curve: each Main page brings one draft page
+    (``draft_pages``), so the solve divides the budget by their sum — unless
+    ``speculative.draft_pages`` fixes the draft pool's size."""
     dtype = getattr(torch, ec.dtype)
     item = _itemsize(dtype)
     max_ctx = ec.resolve_max_context(cfg.max_position_embeddings)
-    k = ec.spec_tokens
-    if k and not cfg.mtp_num_hidden_layers:
-        raise ConfigError("speculative.method='mtp' needs a model with MTP weights (mtp.* tensors); this one has none")
-    mtp_bytes = PAGE_SIZE * 2 * cfg.num_key_value_heads * cfg.head_dim * item * cfg.mtp_num_hidden_layers if k else 0
+    spec = ec.speculative
+    k, method = ec.spec_tokens, spec.method if spec is not None else ""
+    if spec is not None and spec.dflash:
+        try:
+            dcfg = load_draft_config(spec.draft)
+        except ModelLoadError as exc:
+            raise ConfigError(f"speculative.draft={spec.draft!r}: {exc}") from None
+        if dcfg.kind != spec.method:
+            raise ConfigError(f"speculative.method={spec.method!r} but the draft in {spec.draft} is a {dcfg.kind} draft")
+        if k is None:
+            k = dcfg.block_size - 1
+        if k > dcfg.block_size - 1:
+            raise ConfigError(f"speculative.num_tokens={k} exceeds the draft's block ({dcfg.block_size} = "
+                              f"{dcfg.block_size - 1} drafts + the anchor)")
+        draft_bytes = PAGE_SIZE * 2 * dcfg.num_kv_heads * dcfg.head_dim * item * dcfg.num_layers
+    else:
+        if k and not cfg.mtp_num_hidden_layers:
+            raise ConfigError("speculative.method='mtp' needs a model with MTP weights (mtp.* tensors); this one has none")
+        draft_bytes = PAGE_SIZE * 2 * cfg.num_key_value_heads * cfg.head_dim * item * cfg.mtp_num_hidden_layers if k else 0
+    fixed_pages = spec is not None and spec.draft_pages is not None
     main_bytes = cfg.kv_bytes_per_page(item)
-    page_bytes = main_bytes + mtp_bytes
+    page_bytes = main_bytes + (0 if fixed_pages else draft_bytes)
     image = cfg.state_image_bytes(_itemsize(state_dtype(dtype)), item, item)
     slots = ec.max_concurrency + ec.device_state_slots
     # verify rows keep every step's recurrent state until the accepted prefix is known
     work = workspace_bytes(cfg, ec.prefill_chunk_tokens, item) + ec.max_concurrency * (k + 1) * image * (k > 0)
     lo, hi = kv_page_bounds(max_ctx, ec.max_concurrency)
-    fixed = slots * image + work + mtp_pages(0, ec.max_concurrency, k) * mtp_bytes
+    fixed = slots * image + work + (spec.draft_pages if fixed_pages else draft_pages(0, ec.max_concurrency, k, method)) \
+        * draft_bytes
     if budget_bytes is None:
         budget_bytes = ec.memory_budget_bytes
     if budget_bytes is None and device.type == "cuda":
@@ -98,11 +123,14 @@ def resolve_layout(cfg: ModelConfig, ec: EngineConfig, device: torch.device,
             raise ConfigError(
                 f"the layout does not fit the memory budget: at least {lo} KV pages × {page_bytes} B "
                 f"+ {slots} state slots × {image} B + workspace {work} B are needed, budget {budget} B")
+    n_draft = spec.draft_pages if fixed_pages else draft_pages(int(pages), ec.max_concurrency, k, method)
+    pool = DFLASH if spec is not None and spec.dflash else MTP
     return Layout(
         max_concurrency=ec.max_concurrency, max_context=max_ctx,
-        kv_pages={MAIN: int(pages), MTP: mtp_pages(int(pages), ec.max_concurrency, k), DFLASH: 0},
-        kv_page_bytes={MAIN: main_bytes, MTP: mtp_bytes, DFLASH: 0},
+        kv_pages={MAIN: int(pages), MTP: 0, DFLASH: 0, pool: n_draft},
+        kv_page_bytes={MAIN: main_bytes, MTP: 0, DFLASH: 0, pool: draft_bytes},
         state_slots=slots, state_image_bytes=image,
         host_capacity_bytes=ec.host_capacity(image), workspace_bytes=work,
         dtype=ec.dtype, prefill_chunk_tokens=ec.prefill_chunk_tokens, spec_tokens=k,
+        spec_method=method if k else "", draft_dir=(spec.draft or "") if spec is not None else "",
     )

@@ -75,8 +75,8 @@ class Checkpoint:
     image: StateImage
     blocks: dict[str, list[KvBlock]]  # per KV kind, covering [0, frontier)
     owners: dict[Owner, int] = field(default_factory=dict)   # logical holders (opaque to Native)
-    mtp_base: int = 0                # the MTP head's coverage [mtp_base, mtp_frontier) (speculative.py)
-    mtp_frontier: int = 0
+    draft_base: int = 0                # the MTP head's coverage [draft_base, draft_frontier) (speculative.py)
+    draft_frontier: int = 0
     version: int = field(default_factory=next_generation)
     sink: set | None = field(default=None, repr=False)   # the Program's changed-checkpoint ids
 
@@ -113,8 +113,8 @@ class Sequence:
     snapshot: Checkpoint | None = None      # while paused by Snapshot
     finished: str | None = None
     cancel_requested: bool = False          # release once the in-flight read-back completes
-    mtp_base: int = 0                       # the MTP head's entries mtp_base .. mtp_frontier-1 exist
-    mtp_frontier: int = 0
+    draft_base: int = 0                       # the MTP head's entries draft_base .. draft_frontier-1 exist
+    draft_frontier: int = 0
     drafts: list[int] = field(default_factory=list)   # MTP drafts the next decode row verifies
     media: object | None = None             # media.SeqMedia: the prompt's images and MRoPE rows
 

@@ -47,6 +47,7 @@ from ninfer.native.objects import (
     pages_for,
 )
 from ninfer.native.sampler import sample_token, stop_reason, token_logprobs
+from ninfer.native.dflash import DFlashBackend
 from ninfer.native.speculative import MtpBackend, Pending
 from ninfer.native.stores import (
     Extent,
@@ -186,9 +187,13 @@ class Program:
         self._changed_ckpts: set[int] = set()
         self._host_only: set[int] = set()            # blocks with only a Host replica
         self._paged: dict[int, KvBlock] = {}         # blocks with a Device page
-        self.spec = None                             # the MTP backend (speculative.py), when configured
-        if layout.spec_tokens:
+        # checkpoints that lack the coverage their restore needs (DFlash), for the next reply
+        self.uncovered: list[tuple[int, int]] = []
+        self.spec = None                             # the draft backend (speculative.py), when configured
+        if layout.spec_method == "mtp":
             self.spec = MtpBackend(self)
+        elif layout.spec_method:
+            self.spec = DFlashBackend(self)
 
     # ==== identity =====================================================================
     def input_digest(self, tokens: tuple[int, ...] | list[int], media: bytes = b"") -> bytes:
@@ -214,7 +219,12 @@ class Program:
 
     def _dirs(self) -> dict[str, list[KvBlock]]:
         """An empty KV directory per kind this Program keeps."""
-        return {MAIN: [], MTP: []} if self.spec is not None else {MAIN: []}
+        return {MAIN: [], self.spec.kind: []} if self.spec is not None else {MAIN: []}
+
+    def _page0(self, obj: Sequence | Checkpoint, kind: str) -> int:
+        """The page number of a directory's first entry: a draft backend's directory starts at
+        its base (DraftBackend.page0), Main's at 0."""
+        return 0 if kind == MAIN else obj.draft_base // PAGE_SIZE
 
     def spec_peak(self, seq: Sequence, n_tokens: int) -> int:
         """Drafts a unit of ``n_tokens`` verifies (its speculative peak)."""
@@ -327,7 +337,7 @@ class Program:
         if source is None:
             seq.slot = self._take_slot(seq, res)
             self.mem.zero_slot(seq.slot)
-            seq.frontier = seq.mtp_base = seq.mtp_frontier = 0
+            seq.frontier = seq.draft_base = seq.draft_frontier = 0
         else:
             reads, after, abort = self._bind_from(seq, source, mode, res)
         self._drop_own_snapshot(seq)
@@ -413,7 +423,7 @@ class Program:
                     reads.append(self.mem.host_to_page(b.host, b.page))
                     self.bytes_h2d += self.mem.page_bytes
                     b.touch()
-        seq.mtp_base, seq.mtp_frontier = src.mtp_base, src.mtp_frontier
+        seq.draft_base, seq.draft_frontier = src.draft_base, src.draft_frontier
         self._claim_tail(seq)
         lost = [src.cid] if mode is BindMode.MOVE and detached is not None else []
         if mode is BindMode.MOVE:
@@ -455,9 +465,10 @@ class Program:
         self.sequences.pop(seq.sid, None)
 
     def _claim_tail(self, seq: Sequence) -> None:
-        for kind, f in ((MAIN, seq.frontier), (MTP, seq.mtp_frontier)):
+        for kind, f in ((MAIN, seq.frontier), (self.spec.kind if self.spec else MTP, seq.draft_frontier)):
             blocks = seq.blocks.get(kind)
-            if f % PAGE_SIZE and blocks and len(blocks) == pages_for(f) and self._can_append(blocks[-1], seq.sid, f):
+            if f % PAGE_SIZE and blocks and len(blocks) == pages_for(f) - self._page0(seq, kind) \
+                    and self._can_append(blocks[-1], seq.sid, f):
                 blocks[-1].appender = seq.sid
 
     # ==== execution ====================================================================
@@ -490,7 +501,7 @@ class Program:
         if seqs_in:
             batch = ForwardBatch.build(seqs_in, self.device)
             prev = {r.seq.sid: self.mem.hidden[r.seq.slot].clone() for r in compute
-                    if self.spec is not None and r.seq.frontier > 0}
+                    if self.spec is not None and self.spec.needs_prev and r.seq.frontier > 0}
             embeds = None
             if any(r.seq.media is not None and r.seq.media.overlapping(r.seq.frontier, r.seq.frontier + r.n_tokens)
                    for r in compute):
@@ -498,7 +509,7 @@ class Program:
                 embeds = call_embeds(self.model.embed, [t for s_in in seqs_in for t in s_in.token_ids],
                                      batch.cu[:-1], [(r.seq.frontier, r.n_tokens, r.seq.media) for r in compute],
                                      self.encoder, self.model.cfg.vocab_size)
-            out = self.model.forward(batch, self.mem.cache, embeds)
+            out = self.model.forward(batch, self.mem.cache, embeds, self.spec.taps if self.spec is not None else ())
             li = 0                                # the row of out.logits of the sequence's first logits row
             for i, r in enumerate(compute):
                 seq, d, res = r.seq, drafts[i], results[r.seq.sid]
@@ -521,11 +532,11 @@ class Program:
                 if self.spec is not None:
                     if r.kind in (UnitKind.DECODE, UnitKind.VERIFY):
                         self.spec.note_verify(d, res.committed)
-                    pending.append((seq, f0, prev.get(seq.sid), out.all_hidden[lo:lo + keep], bool(res.committed)))
+                    pending.append((seq, f0, prev.get(seq.sid), self.spec.rows(out, lo, keep), bool(res.committed)))
         for r in rows:
             seq, res = r.seq, results[r.seq.sid]
             if r.n_tokens == 0 and seq.frontier == len(seq.ledger) and not seq.finished:
-                prev_h = self.mem.hidden[seq.slot].clone() if self.spec is not None else None
+                prev_h = self.mem.hidden[seq.slot].clone() if self.spec is not None and self.spec.needs_prev else None
                 self._sample(seq, res, None)
                 if self.spec is not None:
                     pending.append((seq, seq.frontier, prev_h, None, True))
@@ -577,9 +588,10 @@ class Program:
                         res: Reservation | None = None) -> None:
         """Allocate growth pages and copy a tail the sequence may not append to (COW), for the
         ``kind`` directory written from ``f`` (default: Main at the execution frontier)."""
-        blocks = seq.blocks[kind]
+        blocks, p0 = seq.blocks[kind], self._page0(seq, kind)
         f = seq.frontier if f is None else f
-        tail = blocks[f // PAGE_SIZE] if f % PAGE_SIZE and len(blocks) > f // PAGE_SIZE else None
+        i = f // PAGE_SIZE - p0
+        tail = blocks[i] if f % PAGE_SIZE and len(blocks) > i else None
         if tail is not None and not self._can_append(tail, seq.sid, f):
             new = self._new_block(kind, seq, res)
             if tail.page is None:
@@ -587,11 +599,11 @@ class Program:
             copy = self.mem.copy_page_prefix if kind == MAIN else self.spec.copy_page_prefix
             copy(tail.page, new.page, f % PAGE_SIZE)
             new.filled = f % PAGE_SIZE
-            blocks[f // PAGE_SIZE] = new
+            blocks[i] = new
             self._drop_holder(tail, seq.sid)
         elif tail is not None:
             tail.appender = seq.sid
-        while len(blocks) < pages_for(end):
+        while len(blocks) < pages_for(end) - p0:
             blocks.append(self._new_block(kind, seq, res))
         for b in blocks:
             if b.page is None or b.leases:
@@ -605,9 +617,9 @@ class Program:
         return b
 
     def _mark_written(self, seq: Sequence, start: int, end: int, kind: str = MAIN) -> None:
-        blocks = seq.blocks[kind]
+        blocks, p0 = seq.blocks[kind], self._page0(seq, kind)
         for p in range(start // PAGE_SIZE, pages_for(end)):
-            b = blocks[p]
+            b = blocks[p - p0]
             b.filled = max(b.filled, min(PAGE_SIZE, end - p * PAGE_SIZE))
             if b.host is not None and b.host_filled < b.filled:
                 self._release_host(b)      # the Host copy no longer holds everything
@@ -679,14 +691,17 @@ class Program:
                         digest=self.input_digest(tokens), image=image, blocks={}, owners={owner: 1})
         cover = {MAIN: seq.frontier}
         if self.spec is not None:
-            ck.mtp_base, cover[MTP] = self.spec.coverage(seq)
-            ck.mtp_frontier = cover[MTP]
+            ck.draft_base, ck.draft_frontier = self.spec.coverage(seq)
+            cover[self.spec.kind] = ck.draft_frontier
         for k, blocks in seq.blocks.items():
-            ck.blocks[k] = blocks[:pages_for(cover[k])]
+            # a coverage that starts at the same base as the sequence's directory: a prefix of it
+            ck.blocks[k] = blocks[:max(0, pages_for(cover[k]) - self._page0(ck, k))]
             for b in ck.blocks[k]:
                 b.holders.add(ck.cid)
                 b.touch()
         self.checkpoints[ck.cid] = ck
+        if self.spec is not None:
+            self.spec.noted(ck)
         return ck
 
     def add_owner(self, ck: Checkpoint, owner: Owner) -> None:
@@ -1076,7 +1091,7 @@ class Program:
                 self._drop_holder(b, seq.sid)
         seq.blocks = self._dirs()
         seq.drafts = []
-        seq.mtp_base = seq.mtp_frontier = 0
+        seq.draft_base = seq.draft_frontier = 0
 
     def release(self, seq: Sequence) -> None:
         """Cancel / error / done without saving: free everything the sequence holds. While its
@@ -1193,14 +1208,19 @@ class Program:
         for sq in self.sequences.values():      # between calls a directory covers its frontier exactly
             if sq.phase is Phase.RUNNING and len(sq.blocks[MAIN]) != pages_for(sq.frontier):
                 raise IntegrityError(f"sequence {sq.sid} holds {len(sq.blocks[MAIN])} Main pages at frontier {sq.frontier}")
-            if sq.phase is Phase.RUNNING and self.spec is not None and len(sq.blocks[MTP]) != pages_for(sq.mtp_frontier):
-                raise IntegrityError(f"sequence {sq.sid} holds {len(sq.blocks[MTP])} MTP pages at its head's "
-                                     f"frontier {sq.mtp_frontier}")
+            if sq.phase is Phase.RUNNING and self.spec is not None and \
+                    len(sq.blocks[self.spec.kind]) != pages_for(sq.draft_frontier) - self._page0(sq, self.spec.kind):
+                raise IntegrityError(f"sequence {sq.sid} holds {len(sq.blocks[self.spec.kind])} draft pages over its "
+                                     f"draft coverage [{sq.draft_base}, {sq.draft_frontier})")
         for c in self.checkpoints.values():
             if not c.owners:
                 raise IntegrityError(f"checkpoint {c.cid} has no owner")
             if c.image.slot is None and c.image.host is None:
                 raise IntegrityError(f"checkpoint {c.cid} has no StateImage replica")
+            if self.spec is not None and \
+                    len(c.blocks.get(self.spec.kind, ())) != max(0, pages_for(c.draft_frontier) - self._page0(c, self.spec.kind)):
+                raise IntegrityError(f"checkpoint {c.cid}'s draft pages disagree with its coverage "
+                                     f"[{c.draft_base}, {c.draft_frontier})")
         if idle:
             for pool in self.pools.values():
                 if pool.reserved:

@@ -3,7 +3,7 @@
 Frontiers of one sequence (seed: Main、MTP、DFlash 的 frontier 分别解释)::
 
     execution_frontier F     Main KV + GDN state cover positions 0 .. F-1; ledger[F] is the next input
-    mtp_frontier M <= F      the head's KV covers entries mtp_base .. M-1, entry p = (h_p, x_{p+1})
+    draft_frontier M <= F      the head's KV covers entries draft_base .. M-1, entry p = (h_p, x_{p+1})
 
 One execute call, for a sequence with MTP::
 
@@ -18,9 +18,9 @@ One execute call, for a sequence with MTP::
     drafts   n' <= k drafts for the next call, the first from entry E-1, the others from draft
              entries E .. E+n'-2 written past M (never covered, overwritten by the next catch-up).
 
-Checkpoints carry the head's coverage [mtp_base, min(M, F-1)): entry F-1 needs x_F, which is not
+Checkpoints carry the head's coverage [draft_base, min(M, F-1)): entry F-1 needs x_F, which is not
 part of the checkpoint's input identity. A sequence restored from a point whose coverage ends
-before F-1 (none kept, or dropped) restarts the head's context at the bridge (``mtp_base``):
+before F-1 (none kept, or dropped) restarts the head's context at the bridge (``draft_base``):
 nothing of the target is recomputed and outputs stay the same; drafts just see less context
 until it refills. Replay recomputes the target's hiddens, so its chunks rebuild the head's KV
 along with Main.
@@ -40,6 +40,7 @@ import torch
 
 from ninfer.native.layout import MTP
 from ninfer.native.model.mtp import MtpEntries, MtpHead
+from ninfer.native.model.config import PAGE_SIZE
 from ninfer.native.objects import Checkpoint, Sequence, pages_for
 from ninfer.native.stores import reserve_all, settle
 from ninfer.protocol import SpecStats, unit_pages
@@ -69,13 +70,20 @@ class Pending:
     sampled: bool                        # the call committed a token (drafts are wanted)
 
 
-class MtpBackend:
-    def __init__(self, prog: "Program"):
+class DraftBackend:
+    """What every draft backend shares: its typed pool and directory (``kind``), the coverage
+    [draft_base, draft_frontier) of sequences and checkpoints, the pending drafts of a decode
+    row, the counters. A directory lists the pages from ``draft_base // 64`` on (``page0``):
+    positions below the base (a restarted or windowed context) hold no page."""
+
+    kind: str = MTP
+    needs_prev: bool = False           # after_call wants the continuation hidden before the call
+    taps: tuple[int, ...] = ()         # target layers whose outputs the backend reads
+
+    def __init__(self, prog: "Program", method: str):
         self.prog = prog
         self.k = prog.layout.spec_tokens
-        self.head = MtpHead(prog.model)
-        self.cache = self.head.new_cache(prog.layout.kv_pages[MTP])
-        self.stats = SpecStats(by_position=[0] * self.k, offered=[0] * self.k)
+        self.stats = SpecStats(method=method, by_position=[0] * self.k, offered=[0] * self.k)
 
     # ---- verify -------------------------------------------------------------------------
     def drafts_for(self, seq: Sequence, n_tokens: int) -> list[int]:
@@ -99,6 +107,108 @@ class MtpBackend:
         st.drafted += len(drafts)
         st.accepted += kept
 
+    def _budget(self, seq: Sequence) -> int:
+        """Drafts the next verify may carry: within max_tokens (the bonus token included) and the context."""
+        left = seq.params.max_tokens - seq.n_generated - 1
+        room = self.prog.layout.max_context - 1 - seq.frontier
+        return max(0, min(self.k, left, room))
+
+    # ---- the directory ----------------------------------------------------------------------
+    @staticmethod
+    def page0(obj: Sequence | Checkpoint) -> int:
+        return obj.draft_base // PAGE_SIZE
+
+    def _pages(self, seq: Sequence) -> list[int]:
+        """The page table by absolute page number (pages below the base: -1, never read)."""
+        return [-1] * self.page0(seq) + [b.page for b in seq.blocks[self.kind]]
+
+    def _room(self, seq: Sequence, m: int, end: int) -> bool:
+        """Allocate the pages for positions m .. end-1 (tail copy included) from the pool;
+        short, drop checkpoints' coverage first. False: still short (nothing held)."""
+        prog, kind = self.prog, self.kind
+        blocks, p0 = seq.blocks[kind], self.page0(seq)
+        i = m // PAGE_SIZE - p0
+        tail = not m % PAGE_SIZE or len(blocks) <= i or prog._can_append(blocks[i], seq.sid, m)
+        need = unit_pages(m, end - m, p0 + len(blocks), tail)
+        res, short = reserve_all(prog.pools, {kind: need})
+        if res is None:
+            self._drop_coverage(short[kind])
+            res, short = reserve_all(prog.pools, {kind: need})
+            if res is None:
+                return False
+        prog._prepare_blocks(seq, end, kind, m, res)
+        settle(prog.pools, res)
+        return True
+
+    def _trim(self, seq: Sequence) -> None:
+        """Pages past the backend's frontier (draft entries) are garbage once drafted: return them."""
+        blocks = seq.blocks[self.kind]
+        keep = pages_for(seq.draft_frontier) - self.page0(seq)
+        for b in blocks[keep:]:
+            self.prog._drop_holder(b, seq.sid)
+        del blocks[keep:]
+
+    def _restart(self, seq: Sequence, base: int) -> None:
+        """The backend's context restarts at ``base``: positions below it are never covered."""
+        for b in seq.blocks[self.kind]:
+            self.prog._drop_holder(b, seq.sid)
+        seq.blocks[self.kind] = []
+        seq.draft_base = seq.draft_frontier = base
+        self.stats.restarts += 1
+
+    def _drop_coverage(self, pages: int) -> None:
+        """Free pages by dropping checkpoints' coverage (outputs never depend on it): Host-resident
+        points first, then the oldest. O(checkpoints), only when the pool is short."""
+        prog = self.prog
+        cks = sorted((c for c in prog.checkpoints.values() if c.blocks.get(self.kind)),
+                     key=lambda c: (c.image.slot is not None, c.cid))
+        for ck in cks:
+            if prog.pools[self.kind].available >= pages:
+                return
+            self.drop_coverage(ck)
+
+    def drop_coverage(self, ck: Checkpoint) -> None:
+        for b in ck.blocks.get(self.kind, ()):
+            self.prog._drop_holder(b, ck.cid)
+        ck.blocks[self.kind] = []
+        ck.draft_base = ck.draft_frontier = 0
+        ck.touch()
+        self.stats.coverage_dropped += 1
+        self.noted(ck)
+
+    def noted(self, ck: Checkpoint) -> None:
+        """A new or changed checkpoint: a backend whose restore needs coverage reports a point
+        that lacks it (``Program.uncovered``) so the policy stops offering it as a source."""
+
+    def copy_page_prefix(self, src: int, dst: int, n: int) -> None:
+        """Tail copy (COW) of the backend's page ``src`` into ``dst``: its first n positions."""
+        self.cache.k[:, dst, :n] = self.cache.k[:, src, :n]
+        self.cache.v[:, dst, :n] = self.cache.v[:, src, :n]
+
+    def rows(self, out, lo: int, keep: int) -> torch.Tensor:
+        """What ``after_call`` reads of one sequence's rows lo .. lo+keep-1 of the call's output."""
+        raise NotImplementedError
+
+    def after_call(self, pending: list["Pending"]) -> None:
+        raise NotImplementedError
+
+    @staticmethod
+    def coverage(seq: Sequence) -> tuple[int, int]:
+        raise NotImplementedError
+
+
+class MtpBackend(DraftBackend):
+    kind = MTP
+    needs_prev = True
+
+    def __init__(self, prog: "Program"):
+        super().__init__(prog, "mtp")
+        self.head = MtpHead(prog.model)
+        self.cache = self.head.new_cache(prog.layout.kv_pages[MTP])
+
+    def rows(self, out, lo: int, keep: int) -> torch.Tensor:
+        return out.all_hidden[lo:lo + keep]
+
     # ---- the head after the target's forward ----------------------------------------------
     def after_call(self, pending: list[Pending]) -> None:
         """Catch the head up on every sequence of the call and draft for the next one."""
@@ -110,9 +220,9 @@ class MtpBackend:
             if seq.finished:
                 continue
             f0 = p.old_frontier
-            if seq.mtp_frontier < f0 - 1:        # hiddens below f0 - 1 are gone: a gap
+            if seq.draft_frontier < f0 - 1:        # hiddens below f0 - 1 are gone: a gap
                 self._restart(seq, max(f0 - 1, 0))
-            m = seq.mtp_frontier
+            m = seq.draft_frontier
             end = min(seq.frontier, len(seq.ledger) - 1)
             if end <= m:
                 continue
@@ -127,12 +237,12 @@ class MtpBackend:
         if not work:
             return
         entries = [MtpEntries(tokens=w.seq.ledger[w.start + 1:w.end + 1], prev=head.feature(w.hidden), start=w.start,
-                              page_table=self._pages(w.seq), base=w.seq.mtp_base) for w in work]
+                              page_table=self._pages(w.seq), base=w.seq.draft_base) for w in work]
         with torch.no_grad():
             out = head.forward(entries, self.cache)
             for w in work:
                 prog._mark_written(w.seq, w.start, w.end, MTP)
-                w.seq.mtp_frontier = w.end
+                w.seq.draft_frontier = w.end
                 self.stats.entries += w.end - w.start
             rows = [i for i, w in enumerate(work) if w.drafts > 0]
             if rows:
@@ -152,82 +262,14 @@ class MtpBackend:
             if not live:
                 return
             entries = [MtpEntries(tokens=[work[j].seq.drafts[-1]], prev=h[j:j + 1], start=work[j].end - 1 + step,
-                                  page_table=self._pages(work[j].seq), base=work[j].seq.mtp_base) for j in live]
+                                  page_table=self._pages(work[j].seq), base=work[j].seq.draft_base) for j in live]
             o = head.forward(entries, self.cache, step)
             for i, (j, t) in enumerate(zip(live, head.logits(o).argmax(-1).tolist())):
                 work[j].seq.drafts.append(t)
                 h[j] = o[i]
 
-    def _budget(self, seq: Sequence) -> int:
-        """Drafts the next verify may carry: within max_tokens (the bonus token included) and the context."""
-        left = seq.params.max_tokens - seq.n_generated - 1
-        room = self.prog.layout.max_context - 1 - seq.frontier
-        return max(0, min(self.k, left, room))
-
-    def _pages(self, seq: Sequence) -> list[int]:
-        return [b.page for b in seq.blocks[MTP]]
-
-    # ---- pages ----------------------------------------------------------------------------
-    def _room(self, seq: Sequence, m: int, end: int) -> bool:
-        """Allocate the head's pages for entries m .. end-1 (tail copy included), from the MTP
-        pool; short, drop checkpoints' head coverage first. False: still short (nothing held)."""
-        prog = self.prog
-        blocks = seq.blocks[MTP]
-        tail = not m % 64 or len(blocks) <= m // 64 or prog._can_append(blocks[m // 64], seq.sid, m)
-        need = unit_pages(m, end - m, len(blocks), tail)
-        res, short = reserve_all(prog.pools, {MTP: need})
-        if res is None:
-            self._drop_coverage(short[MTP])
-            res, short = reserve_all(prog.pools, {MTP: need})
-            if res is None:
-                return False
-        prog._prepare_blocks(seq, end, MTP, m, res)
-        settle(prog.pools, res)
-        return True
-
-    def _trim(self, seq: Sequence) -> None:
-        """Draft entries past the frontier are garbage once drafted: return their pages."""
-        blocks = seq.blocks[MTP]
-        keep = pages_for(seq.mtp_frontier)
-        for b in blocks[keep:]:
-            self.prog._drop_holder(b, seq.sid)
-        del blocks[keep:]
-
-    def _restart(self, seq: Sequence, base: int) -> None:
-        """The head's context restarts at ``base`` (the bridge): entries below it never existed."""
-        for b in seq.blocks[MTP]:
-            self.prog._drop_holder(b, seq.sid)
-        seq.blocks[MTP] = []
-        seq.mtp_base = seq.mtp_frontier = base
-        self.stats.restarts += 1
-
-    def _drop_coverage(self, pages: int) -> None:
-        """Free MTP pages by dropping checkpoints' head coverage (outputs never depend on it):
-        Host-resident points first, then the oldest. O(checkpoints), only when the pool is short."""
-        prog = self.prog
-        cks = sorted((c for c in prog.checkpoints.values() if c.blocks.get(MTP)),
-                     key=lambda c: (c.image.slot is not None, c.cid))
-        for ck in cks:
-            if prog.pools[MTP].available >= pages:
-                return
-            self.drop_coverage(ck)
-
-    def drop_coverage(self, ck: Checkpoint) -> None:
-        for b in ck.blocks.get(MTP, ()):
-            self.prog._drop_holder(b, ck.cid)
-        ck.blocks[MTP] = []
-        ck.mtp_base = ck.mtp_frontier = 0
-        ck.touch()
-        self.stats.coverage_dropped += 1
-
-    def copy_page_prefix(self, src: int, dst: int, n: int) -> None:
-        """Tail copy (COW) of the head's page ``src`` into ``dst``: its first n positions."""
-        self.cache.k[:, dst, :n] = self.cache.k[:, src, :n]
-        self.cache.v[:, dst, :n] = self.cache.v[:, src, :n]
-
-    # ---- checkpoints ----------------------------------------------------------------------
     @staticmethod
     def coverage(seq: Sequence) -> tuple[int, int]:
         """(base, frontier) of the head's coverage a checkpoint of ``seq`` at its frontier gets."""
-        end = min(seq.mtp_frontier, seq.frontier - 1)
-        return (seq.mtp_base, end) if end > seq.mtp_base else (0, 0)
+        end = min(seq.draft_frontier, seq.frontier - 1)
+        return (seq.draft_base, end) if end > seq.draft_base else (0, 0)

@@ -111,6 +111,7 @@ class ResourceManager:
         self.remembered: OrderedDict[tuple[int, bytes], str] = OrderedDict()   # missing points -> cause
         self.books: dict[str, CacheBook] = {}
         self.host_order = HostOrder(self.table)
+        self.uncovered: dict[int, int] = {}    # cid -> generation: no restore source (``uncover``)
 
     def host_window(self, k: int) -> list[int]:
         """The Host candidates a scoped quote carries (see policy/host_order.py)."""
@@ -142,7 +143,8 @@ class ResourceManager:
         out = []
         for cid in self.table.index.lookup(tokens, limit):
             info = self.table.ckpts.get(cid)
-            if info is not None and tuple(tokens[: info.frontier]) == info.tokens and self._public(info, rid):
+            if info is not None and tuple(tokens[: info.frontier]) == info.tokens and self._public(info, rid) \
+                    and self.restorable(info):
                 out.append(info)
         return out
 
@@ -150,6 +152,17 @@ class ResourceManager:
     def _public(info: CkptInfo, rid: str | None) -> bool:
         """Not a point that only waiters keep — unless ``rid`` is one of them (its own source)."""
         return not info.owners or not all(isinstance(o, WaiterOwner) and o.rid != rid for o in info.owners)
+
+    def restorable(self, info: CkptInfo) -> bool:
+        """Not a point the worker reported without the draft coverage its restore needs."""
+        return self.uncovered.get(info.cid) != info.ref.generation
+
+    def uncover(self, refs) -> None:
+        """The worker's report of checkpoints without their draft coverage (DFlash): each stays
+        until released, but no request restores from it or shares it as a save."""
+        for cid, generation in refs:
+            if cid in self.table.ckpts:
+                self.uncovered[cid] = generation
 
     def _h2d_bytes(self, info: CkptInfo) -> int:
         """What restoring this source reads back: its StateImage unless on the Device, and
@@ -404,7 +417,8 @@ class ResourceManager:
         it): a save there shares it instead of keeping a second physical copy."""
         for cid in sorted(self.table.index.at(req.prompt, f)):
             info = self.table.ckpts.get(cid)
-            if info is not None and info.tokens == tuple(req.prompt[:f]) and self._public(info, req.rid):
+            if info is not None and info.tokens == tuple(req.prompt[:f]) and self._public(info, req.rid) \
+                    and self.restorable(info):
                 return info
         return None
 
@@ -676,6 +690,7 @@ class ResourceManager:
 
     def _forget(self, cid: int, cause: str | None = "evicted") -> None:
         info = self.table.ckpts.get(cid)
+        self.uncovered.pop(cid, None)
         self.table.forget_ckpt(cid)
         if info is not None and cause is not None:
             self._note_missing(info.frontier, digest(info.tokens), cause)

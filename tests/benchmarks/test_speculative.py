@@ -16,3 +16,14 @@ def test_speculative_bench_reports_the_ratio_and_acceptance(tiny_model, tmp_path
     assert len(result["acceptance_by_position"]["2"]) == 2
     assert out.is_file() and out.with_suffix(".png").is_file()
     assert "acceptance by draft position" in capsys.readouterr().out
+
+
+def test_speculative_bench_runs_a_dflash_draft(tiny_model, tiny_dflash2, tmp_path):
+    """`--method dflash2 --draft DIR`: the same table, with the accepted length per block."""
+    out = tmp_path / "dflash.json"
+    result = speculative.run(tiny_model, out=str(out), drafts=(3,), concurrency=(1,), max_tokens=12,
+                             prompt_tokens=16, method="dflash2", draft=tiny_dflash2)
+    assert result["method"] == "dflash2" and result["all_same_tokens"]
+    [on] = [r for r in result["rows"] if r["drafts"] == 3]
+    assert on["accepted_per_block"] > 0 and on["tokens_per_step"] > 1, on
+    assert out.is_file() and out.with_suffix(".png").is_file()

@@ -100,7 +100,7 @@ def test_a_checkpoint_with_mtp_coverage_resumes_without_recomputing_the_head(mak
     second = base + random_prompt(9, 4)
     cold = make(speculative={"method": "mtp", "num_tokens": 2})
     run(cold, second, max_tokens=12)
-    entries_cold = _spec(cold)["head_entries"]
+    entries_cold = _spec(cold)["draft_entries"]
 
     h = make(speculative={"method": "mtp", "num_tokens": 2})
     run(h, base, max_tokens=12)
@@ -111,7 +111,7 @@ def test_a_checkpoint_with_mtp_coverage_resumes_without_recomputing_the_head(mak
     hit = f.usage["cached_tokens"]
     assert hit > 64, f.usage
     assert after["context_restarts"] == before["context_restarts"]
-    assert after["head_entries"] - before["head_entries"] == entries_cold - (hit - 1)
+    assert after["draft_entries"] - before["draft_entries"] == entries_cold - (hit - 1)
     h.check_clean()
 
 
