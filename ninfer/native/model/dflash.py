@@ -123,16 +123,19 @@ class Selector:
     hidden_projection: torch.Tensor
     top_k: int
 
-    def select(self, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
-        """hidden: [B, N, H]; logits: [B, N, V]; anchors: [B] -> the path [B, N] (long)."""
+    def scores(self, hidden: torch.Tensor, logits: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: [..., H]; logits: [..., V]; prev: [...] each row's predecessor -> (the scores
+        [..., k] of its top-k candidates, those candidates [..., k]), in the logits' dtype."""
         unary, cand = torch.topk(logits, self.top_k, dim=-1)
-        acc = logits.dtype
-        proj = F.linear(hidden, self.hidden_projection).to(acc)                      # [B, N, r]
+        left = self.predecessor[prev] * F.linear(hidden, self.hidden_projection)       # [..., r]
+        return unary + (self.successor[cand] @ left[..., None])[..., 0].to(logits.dtype), cand
+
+    def select(self, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """hidden: [B, N, H]; logits: [B, N, V]; anchors: [B] -> the greedy path [B, N] (long)."""
         prev, path = anchors, []
         for i in range(hidden.shape[1]):
-            left = self.predecessor[prev].to(acc) * proj[:, i]                        # [B, r]
-            scores = unary[:, i] + (self.successor[cand[:, i]].to(acc) @ left[:, :, None])[..., 0]
-            prev = cand[:, i].gather(1, scores.argmax(-1, keepdim=True))[:, 0]
+            scores, cand = self.scores(hidden[:, i], logits[:, i], prev)
+            prev = cand.gather(1, scores.argmax(-1, keepdim=True))[:, 0]
             path.append(prev)
         return torch.stack(path, dim=1)
 
