@@ -276,7 +276,7 @@ def test_last_layer_tap_scales_and_image_anchor(target, target_dir, kind):
 
 def test_conv_longer_than_the_block(target, target_dir):
     """A DFlash2 kernel wider than a one-draft block (zero padding at the block's start)."""
-    draft = make_draft(target, target_dir, "dflash2", seed=4, dflash_config={"conv_kernel_size": 3})
+    draft = make_draft(target, target_dir, "dflash2", seed=4, dflash_config={"conv_kernel_size": 4})
     seq, ctx = random_prompt(11, 6), 10
     taps = sequence_taps(target, seq[:ctx], draft.taps)
     cache = fresh_cache(draft, 1)
