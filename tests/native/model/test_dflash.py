@@ -281,10 +281,11 @@ def test_conv_longer_than_the_block(target, target_dir):
     taps = sequence_taps(target, seq[:ctx], draft.taps)
     cache = fresh_cache(draft, 1)
     write_context(draft, cache, taps, [0], 0, ctx)
-    blocks = [DraftBlock(seq[ctx], ctx, 1, [0]), DraftBlock(seq[ctx], ctx, 4, [0])]
-    hidden, drafts = draft.forward(blocks, cache), draft.draft(blocks, cache)
-    for i, b in enumerate(blocks):
-        assert_matches(draft, hidden[i], drafts[i], reference(draft, taps, seq[ctx], ctx, b.n), b.n)
+    one, longer = DraftBlock(seq[ctx], ctx, 1, [0]), DraftBlock(seq[ctx], ctx, 4, [0])
+    for blocks in ([one], [one, longer]):            # two rows alone, then padded to five
+        hidden, drafts = draft.forward(blocks, cache), draft.draft(blocks, cache)
+        for i, b in enumerate(blocks):
+            assert_matches(draft, hidden[i], drafts[i], reference(draft, taps, seq[ctx], ctx, b.n), b.n)
     assert draft.draft([], cache) == []
 
 
