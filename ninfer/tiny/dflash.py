@@ -1,7 +1,7 @@
 """A tiny DFlash / DFlash2 draft directory for the tiny target, made without a hub.
 
 Writes config.json (the reference's layout: draft parameters under ``dflash_config``) and
-model.safetensors (seeded random weights in bfloat16, the reference's state-dict names) beside
+model.safetensors (seeded random weights in bfloat16, the reference's state-dict names), and
 nothing else: the draft uses the target's embedding, lm_head and tokenizer. ``fit`` then trains
 it on the target's own greedy continuations (ninfer/tiny/dflash_fit.py) so that some first
 drafts are accepted; a random draft's almost never are.
@@ -22,12 +22,13 @@ from safetensors.torch import save_file
 
 from ninfer.native.model.config import ModelConfig, load_config
 from ninfer.native.model.dflash_config import (
+    ARCHITECTURES,
     DFlashConfig,
     expected_tensors,
     parse_draft_config,
 )
 
-KINDS = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
+KINDS = {kind: arch for arch, kind in ARCHITECTURES.items()}   # "dflash" -> "DFlashDraftModel"
 MASK_SYMBOL = "ÿ"          # byte 0xFF in the byte-level alphabet: never produced from text
 TAP_LAYERS = (1, 3)        # of the tiny target's 5 layers
 

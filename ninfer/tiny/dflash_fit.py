@@ -146,7 +146,7 @@ def warm_start(draft: DFlashDraft, trajs: list[Trajectory], first: int, gamma: f
     zero, the convs are the identity, the selector's bigram term is zero, and the final norm's
     weight is the temperature of a small grid that fits the targets best: from the random
     weights (cross-entropy ~14) Adam would spend its few steps unlearning a confidently wrong
-    draft; from here (~7.5) it spends them on the context and the later rows."""
+    draft; from here (~7.5) its steps refine instead."""
     c, t, tgt = draft.cfg, draft.tensors, draft.target
     for name, w in t.items():
         if name.endswith("norm.weight"):
@@ -176,9 +176,10 @@ def warm_start(draft: DFlashDraft, trajs: list[Trajectory], first: int, gamma: f
     # head of each KV group writes its head's share through o_proj
     d, rep, r = c.head_dim, c.num_heads // c.num_kv_heads, min(c.hidden_size, c.num_kv_heads * c.head_dim)
     t["layers.0.self_attn.v_proj.weight"].zero_()[:r] = vt[:r]
+    # keys a training row averages: its context (anchors lie uniformly in first .. n - B) and the block
     spread = sum(len(tr.tokens) - c.block_size + first for tr in trajs) / (2 * len(trajs)) + c.block_size
     o = t["layers.0.self_attn.o_proj.weight"]
-    for g in range(-(-r // d)):
+    for g in range((r + d - 1) // d):
         cols = slice(g * d, min((g + 1) * d, r))          # KV head g's share of the r directions
         o[:, g * rep * d:g * rep * d + cols.stop - cols.start] = u[:, cols] * sv[cols] * spread
     fixed = (trajs[:8], sample_anchors(trajs[:8], first, c.block_size, 8, torch.Generator().manual_seed(0)))

@@ -16,6 +16,7 @@ from ninfer.native.model.model import HybridModel
 from ninfer.tiny.build import make_tiny_model
 from ninfer.tiny.dflash import make_tiny_dflash
 from ninfer.tiny.dflash_fit import dflash_acceptance, fit_dflash
+from ninfer.tiny.mtp_fit import corpus_stream
 
 # Measured (seed 0): the default fit's first drafts 0.039 (dflash) / 0.059 (dflash2) of ~1000
 # held-out blocks; the small fit below ~0.04 of ~400; a random draft <= 0.001. Chance: 0.0005.
@@ -42,6 +43,7 @@ def test_generation_is_deterministic(target_dir, tmp_path, kind):
     assert _bytes(a) == _bytes(b) != _bytes(c)
     draft = DFlashDraft.load(a, HybridModel.load(target_dir, "float32"))
     assert draft.cfg.kind == kind and draft.cfg.block_size == 8
+    assert draft.cfg.mask_token_id not in corpus_stream(target_dir)      # text never encodes to it
 
 
 def test_fit_is_deterministic(target_dir, tmp_path):
