@@ -22,7 +22,11 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from ninfer.native.model.config import parse_config
-from ninfer.tiny.vision import preprocessor_config, qwen3_5_vision_config, random_vision_model
+from ninfer.tiny.vision import (
+    preprocessor_config,
+    qwen3_5_vision_config,
+    random_vision_model,
+)
 from ninfer.tiny.weights import qwen3_config, qwen3_next_config, random_tensors
 
 TEXT_CONFIGS = {"qwen3_next": qwen3_next_config, "qwen3": qwen3_config}

@@ -1,7 +1,7 @@
 """A tiny DFlash / DFlash2 draft directory for the tiny target, made without a hub.
 
 Writes config.json (the reference's layout: draft parameters under ``dflash_config``) and
-model.safetensors (seeded random weights in bfloat16, the reference's state-dict names) beside
+model.safetensors (seeded random weights in bfloat16, the reference's state-dict names), and
 nothing else: the draft uses the target's embedding, lm_head and tokenizer. ``fit`` then trains
 it on the target's own greedy continuations (ninfer/tiny/dflash_fit.py) so that some first
 drafts are accepted; a random draft's almost never are.
@@ -22,12 +22,13 @@ from safetensors.torch import save_file
 
 from ninfer.native.model.config import ModelConfig, load_config
 from ninfer.native.model.dflash_config import (
+    ARCHITECTURES,
     DFlashConfig,
     expected_tensors,
     parse_draft_config,
 )
 
-KINDS = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
+KINDS = {kind: arch for arch, kind in ARCHITECTURES.items()}   # "dflash" -> "DFlashDraftModel"
 MASK_SYMBOL = "ÿ"          # byte 0xFF in the byte-level alphabet: never produced from text
 TAP_LAYERS = (1, 3)        # of the tiny target's 5 layers
 
@@ -41,16 +42,19 @@ def mask_token_id(target_dir: Path) -> int:
 
 def tiny_draft_config(target: ModelConfig, kind: str, mask_id: int, *, layers: int = 2, block_size: int = 8,
                       window: int = 2048, taps: tuple[int, ...] = TAP_LAYERS) -> dict:
-    """The config.json dict of a tiny draft: 4 heads of 32 (2 KV heads), intermediate 256; DFlash2
+    """The config.json dict of a tiny draft: 4 heads of 64 (2 KV heads), intermediate 256; DFlash2
     with sliding windows of ``window``, a kernel-2 conv of 16-channel groups and a rank-32 top-8
     selector."""
     if kind not in KINDS:
         raise ValueError(f"unknown draft kind {kind!r} (choose from {', '.join(KINDS)})")
-    draft: dict = {"block_size": block_size, "mask_token_id": mask_id, "target_layer_ids": list(taps)}
+    # a small embedding scale keeps the mask rows' own embedding from drowning what attention
+    # brings them (dflash_fit.warm_start): in the residual stream it is a fixed bias of every row
+    draft: dict = {"block_size": block_size, "mask_token_id": mask_id, "target_layer_ids": list(taps),
+                   "input_embedding_scale": 0.01}
     raw: dict = {
         "architectures": [KINDS[kind]], "model_type": "qwen3", "hidden_act": "silu", "attention_bias": False,
         "hidden_size": target.hidden_size, "num_hidden_layers": layers, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 256, "rms_norm_eps": 1e-6,
+        "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 256, "rms_norm_eps": 1e-6,
         "rope_theta": 1000000.0, "vocab_size": target.vocab_size, "max_position_embeddings": 4096,
         "num_target_layers": target.num_hidden_layers, "tie_word_embeddings": False, "dtype": "bfloat16",
         "dflash_config": draft,
@@ -90,11 +94,15 @@ def random_draft_tensors(cfg: DFlashConfig, seed: int) -> dict[str, torch.Tensor
     return {name: _init(name, shapes[name], gen).contiguous() for name in sorted(shapes)}
 
 
-def write_draft(out: Path, raw: dict, tensors: dict[str, torch.Tensor]) -> None:
-    """config.json + model.safetensors (bfloat16, the dtype the config names)."""
-    out.mkdir(parents=True, exist_ok=True)
+def write_weights(out: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """The draft's model.safetensors, in bfloat16 (the dtype its config names)."""
     save_file({k: v.detach().to(torch.bfloat16).contiguous() for k, v in tensors.items()},
               str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def write_draft(out: Path, raw: dict, tensors: dict[str, torch.Tensor]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    write_weights(out, tensors)
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
 
 

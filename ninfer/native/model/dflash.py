@@ -79,6 +79,7 @@ class DynamicConv:
         return self._convolve(x, dyn[:, :, 0], self.base[0]), dyn[:, :, 1]
 
     def finish(self, x: torch.Tensor, dyn: torch.Tensor) -> torch.Tensor:
+        """x: [B, R, H] the sublayer's output; dyn: ``prepare``'s second kernel -> [B, R, H]."""
         return self._convolve(x, dyn, self.base[1])
 
     def _convolve(self, x: torch.Tensor, dyn: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
@@ -87,7 +88,7 @@ class DynamicConv:
         xs = x.view(b, r, g, self.group_size)
         out = torch.zeros_like(xs)
         for o in range(base.shape[0]):
-            shifted = F.pad(xs[:, :r - o], (0, 0, 0, 0, o, 0))       # row t holds x[t - o]
+            shifted = F.pad(xs, (0, 0, 0, 0, o, 0))[:, :r]           # row t holds x[t - o]
             out = out + (base[o].view(g, self.group_size) + dyn[:, :, o, :, None]) * shifted
         return out.view(b, r, h)
 
@@ -123,16 +124,19 @@ class Selector:
     hidden_projection: torch.Tensor
     top_k: int
 
-    def select(self, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
-        """hidden: [B, N, H]; logits: [B, N, V]; anchors: [B] -> the path [B, N] (long)."""
+    def scores(self, hidden: torch.Tensor, logits: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: [..., H]; logits: [..., V]; prev: [...] each row's predecessor -> (the scores
+        [..., k] of its top-k candidates, those candidates [..., k]), in the logits' dtype."""
         unary, cand = torch.topk(logits, self.top_k, dim=-1)
-        acc = logits.dtype
-        proj = F.linear(hidden, self.hidden_projection).to(acc)                      # [B, N, r]
+        left = self.predecessor[prev] * F.linear(hidden, self.hidden_projection)       # [..., r]
+        return unary + (self.successor[cand] @ left[..., None])[..., 0].to(logits.dtype), cand
+
+    def select(self, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """hidden: [B, N, H]; logits: [B, N, V]; anchors: [B] -> the greedy path [B, N] (long)."""
         prev, path = anchors, []
         for i in range(hidden.shape[1]):
-            left = self.predecessor[prev].to(acc) * proj[:, i]                        # [B, r]
-            scores = unary[:, i] + (self.successor[cand[:, i]].to(acc) @ left[:, :, None])[..., 0]
-            prev = cand[:, i].gather(1, scores.argmax(-1, keepdim=True))[:, 0]
+            scores, cand = self.scores(hidden[:, i], logits[:, i], prev)
+            prev = cand.gather(1, scores.argmax(-1, keepdim=True))[:, 0]
             path.append(prev)
         return torch.stack(path, dim=1)
 
@@ -281,6 +285,12 @@ class DFlashDraft:
         w = self.cfg.window
         return block.base if w is None else max(block.base, block.start - w + 1)
 
+    def _anchors(self, blocks: list[DraftBlock]) -> torch.Tensor:
+        """[B] long. An image's identity ids (>= vocab, native/media.py) anchor as id 0: a rough
+        anchor costs acceptance only, never a token (the engine verifies every draft)."""
+        vocab = self.target.cfg.vocab_size
+        return torch.tensor([b.anchor if b.anchor < vocab else 0 for b in blocks], device=self.target.device)
+
     def _check(self, block: DraftBlock) -> None:
         if not 1 <= block.n < self.cfg.block_size:
             raise ValueError(f"a block drafts 1..{self.cfg.block_size - 1} tokens, not {block.n}")
@@ -341,10 +351,8 @@ class DFlashDraft:
             self._check(b)
         c, t = self.cfg, self.target
         dev, r = t.device, max(b.n for b in blocks) + 1
-        # an image's identity ids (>= vocab, native/media.py) embed as id 0: a rough anchor there
-        # costs acceptance only, never a token (the engine verifies every draft)
         ids = torch.full((len(blocks), r), c.mask_token_id, dtype=torch.long, device=dev)
-        ids[:, 0] = torch.tensor([b.anchor if b.anchor < t.cfg.vocab_size else 0 for b in blocks], device=dev)
+        ids[:, 0] = self._anchors(blocks)
         x = F.embedding(ids, t.embed) * c.input_embedding_scale
         row_pos = torch.tensor([b.start for b in blocks], device=dev)[:, None] + torch.arange(r, device=dev)
         slots, ctx_valid, ctx_pos = self._context_slots(blocks)
@@ -391,12 +399,12 @@ class DFlashDraft:
     @torch.no_grad()
     def draft(self, blocks: list[DraftBlock], cache: DFlashCache) -> list[list[int]]:
         """n drafts per block: the argmax of each row (DFlash), or the selector's path (DFlash2)."""
+        if not blocks:
+            return []
         hidden = self.forward(blocks, cache)
         logits = self.logits(hidden)
         if self.selector is None:
             tokens = logits.argmax(-1)
         else:
-            vocab = self.target.cfg.vocab_size
-            anchors = torch.tensor([b.anchor if b.anchor < vocab else 0 for b in blocks], device=hidden.device)
-            tokens = self.selector.select(hidden, logits, anchors)
+            tokens = self.selector.select(hidden, logits, self._anchors(blocks))
         return [row[:b.n] for row, b in zip(tokens.tolist(), blocks)]

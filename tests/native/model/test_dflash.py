@@ -274,6 +274,21 @@ def test_last_layer_tap_scales_and_image_anchor(target, target_dir, kind):
     assert draft.draft([image], cache) == draft.draft([DraftBlock(0, ctx, 5, [0, 1])], cache)
 
 
+def test_conv_longer_than_the_block(target, target_dir):
+    """A DFlash2 kernel wider than a one-draft block (zero padding at the block's start)."""
+    draft = make_draft(target, target_dir, "dflash2", seed=4, dflash_config={"conv_kernel_size": 4})
+    seq, ctx = random_prompt(11, 6), 10
+    taps = sequence_taps(target, seq[:ctx], draft.taps)
+    cache = fresh_cache(draft, 1)
+    write_context(draft, cache, taps, [0], 0, ctx)
+    one, longer = DraftBlock(seq[ctx], ctx, 1, [0]), DraftBlock(seq[ctx], ctx, 4, [0])
+    for blocks in ([one], [one, longer]):            # two rows alone, then padded to five
+        hidden, drafts = draft.forward(blocks, cache), draft.draft(blocks, cache)
+        for i, b in enumerate(blocks):
+            assert_matches(draft, hidden[i], drafts[i], reference(draft, taps, seq[ctx], ctx, b.n), b.n)
+    assert draft.draft([], cache) == []
+
+
 def test_tap_features_of_the_last_layer_give_the_target_logits(target):
     seq = random_prompt(20, 5)
     batch = ForwardBatch.build([SeqInput(seq, 0, [0], logits="all")])
@@ -365,7 +380,7 @@ def test_loads_strictly(target, draft_dir, tmp_path):
     draft = DFlashDraft.load(draft_dir, target)
     assert draft.cfg == load_draft_config(draft_dir)
     assert all(t.dtype == torch.float64 for t in draft.tensors.values())
-    assert draft.page_bytes() == 2 * 2 * PAGE_SIZE * 2 * 32 * 8
+    assert draft.page_bytes() == 2 * 2 * PAGE_SIZE * 2 * 64 * 8          # K+V, 2 layers, 2 KV heads of 64, fp64
     name = "layers.1.mlp_conv.base_kernel"
     with pytest.raises(ModelLoadError, match=f"missing tensor '{name}'"):
         DFlashDraft.load(_edited_copy(draft_dir, tmp_path / "a", lambda t: t.pop(name)), target)
