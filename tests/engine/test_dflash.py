@@ -150,7 +150,7 @@ def test_a_checkpoint_without_dflash_coverage_is_rebuilt_by_prefill(make, tiny_d
     assert cks and all(ck.blocks["dflash"] for ck in cks)
     for ck in cks:
         prog.spec.drop_coverage(ck)
-    h.cycle()                                        # the report reaches the controller
+    h.core.call_commands([])                         # a round trip: the report reaches the policy
     before = _spec(h)
     f = run(h, second, max_tokens=12)
     after = _spec(h)
@@ -224,7 +224,7 @@ def test_dflash2_keeps_only_its_window_of_context(make, tiny_dflash2):
     """DFlash2 (window 96): between calls a running sequence holds exactly the draft pages from
     the window's first page to its frontier; checkpoints keep what their own window needs, so a
     hit deep in a long prompt restores a complete context; outputs equal the oracle."""
-    h = make(speculative={"method": "dflash2", "draft": tiny_dflash2}, max_concurrency=2)
+    h = make(speculative={"method": "dflash2", "draft": tiny_dflash2}, max_concurrency=2, max_context=512)
     prompt = random_prompt(200, 13)
     rid = h.submit(prompt, max_tokens=70)
     while not h.done(rid):
