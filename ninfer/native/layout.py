@@ -16,8 +16,8 @@ from ninfer.errors import ConfigError, ModelLoadError
 from ninfer.native.model.config import PAGE_SIZE, ModelConfig
 from ninfer.native.model.dflash_config import load_draft_config
 from ninfer.native.model.forward import state_dtype
-
 from ninfer.protocol import DFLASH, KV_KINDS, MAIN, MTP, STATE  # noqa: E402,F401  (pool kinds)
+
 CPU_DEFAULT_BUDGET = 1 << 30
 
 
@@ -83,7 +83,8 @@ def resolve_layout(cfg: ModelConfig, ec: EngineConfig, device: torch.device,
         except ModelLoadError as exc:
             raise ConfigError(f"speculative.draft={spec.draft!r}: {exc}") from None
         if dcfg.kind != spec.method:
-            raise ConfigError(f"speculative.method={spec.method!r} but the draft in {spec.draft} is a {dcfg.kind} draft")
+            raise ConfigError(f"speculative.method={spec.method!r} but the draft in {spec.draft} is a "
+                              f"{dcfg.kind} draft")
         if k is None:
             k = dcfg.block_size - 1
         if k > dcfg.block_size - 1:
@@ -92,8 +93,10 @@ def resolve_layout(cfg: ModelConfig, ec: EngineConfig, device: torch.device,
         draft_bytes = PAGE_SIZE * 2 * dcfg.num_kv_heads * dcfg.head_dim * item * dcfg.num_layers
     else:
         if k and not cfg.mtp_num_hidden_layers:
-            raise ConfigError("speculative.method='mtp' needs a model with MTP weights (mtp.* tensors); this one has none")
-        draft_bytes = PAGE_SIZE * 2 * cfg.num_key_value_heads * cfg.head_dim * item * cfg.mtp_num_hidden_layers if k else 0
+            raise ConfigError("speculative.method='mtp' needs a model with MTP weights (mtp.* tensors); "
+                              "this one has none")
+        draft_bytes = PAGE_SIZE * 2 * cfg.num_key_value_heads * cfg.head_dim * item * cfg.mtp_num_hidden_layers \
+            if k else 0
     fixed_pages = spec is not None and spec.draft_pages is not None
     main_bytes = cfg.kv_bytes_per_page(item)
     page_bytes = main_bytes + (0 if fixed_pages else draft_bytes)
@@ -102,8 +105,8 @@ def resolve_layout(cfg: ModelConfig, ec: EngineConfig, device: torch.device,
     # verify rows keep every step's recurrent state until the accepted prefix is known
     work = workspace_bytes(cfg, ec.prefill_chunk_tokens, item) + ec.max_concurrency * (k + 1) * image * (k > 0)
     lo, hi = kv_page_bounds(max_ctx, ec.max_concurrency)
-    fixed = slots * image + work + (spec.draft_pages if fixed_pages else draft_pages(0, ec.max_concurrency, k, method)) \
-        * draft_bytes
+    margin = spec.draft_pages if fixed_pages else draft_pages(0, ec.max_concurrency, k, method)
+    fixed = slots * image + work + margin * draft_bytes
     if budget_bytes is None:
         budget_bytes = ec.memory_budget_bytes
     if budget_bytes is None and device.type == "cuda":

@@ -39,8 +39,8 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from ninfer.native.layout import MTP
-from ninfer.native.model.mtp import MtpEntries, MtpHead
 from ninfer.native.model.config import PAGE_SIZE
+from ninfer.native.model.mtp import MtpEntries, MtpHead
 from ninfer.native.objects import Checkpoint, Sequence, pages_for
 from ninfer.native.stores import reserve_all, settle
 from ninfer.protocol import SpecStats, unit_pages

@@ -31,7 +31,6 @@ one block per committed length, drafts compared with the target's greedy tokens.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +48,7 @@ from ninfer.tiny.mtp_fit import (
     HELD_OUT,
     RANDOM_SHARE,
     _one_thread,
+    adam,
     continue_batch,
     corpus_stream,
     held_out_prompts,
@@ -192,29 +192,11 @@ def warm_start(draft: DFlashDraft, trajs: list[Trajectory], first: int, gamma: f
 
 def train(draft: DFlashDraft, trajs: list[Trajectory], steps: int, batch: int, anchors: int, first: int,
           lr: float, gamma: float, gen: torch.Generator) -> None:
-    """Adam on every draft tensor over random batches of trajectories and anchors; the learning
-    rate warms up over the first 5% of the steps, then follows a cosine to 0."""
-    if steps <= 0:
-        return
-    params = list(draft.tensors.values())
-    for p in params:
-        p.requires_grad_(True)
-    opt = torch.optim.Adam(params, lr=lr)
-    warm = max(1, steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1.0 + math.cos(math.pi * s / steps)))
-    try:
-        for _ in range(steps):
-            picked = [trajs[i] for i in torch.randint(0, len(trajs), (batch,), generator=gen).tolist()]
-            loss = batch_loss(draft, picked, sample_anchors(picked, first, draft.cfg.block_size, anchors, gen), gamma)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-    finally:
-        for p in params:
-            p.requires_grad_(False)
-            p.grad = None
+    """``mtp_fit.adam`` on every draft tensor over random batches of trajectories and anchors."""
+    def loss() -> torch.Tensor:
+        picked = [trajs[i] for i in torch.randint(0, len(trajs), (batch,), generator=gen).tolist()]
+        return batch_loss(draft, picked, sample_anchors(picked, first, draft.cfg.block_size, anchors, gen), gamma)
+    adam(list(draft.tensors.values()), steps, lr, loss)
 
 
 # ---- acceptance ---------------------------------------------------------------------------------

@@ -210,12 +210,11 @@ def warm_start(head: MtpHead, examples, ridge: float = 1e-3) -> None:
     head.fc.copy_(torch.linalg.solve(gram, x.T @ y).T)
 
 
-def train(head: MtpHead, examples, steps: int, batch: int, lr: float, gen: torch.Generator) -> None:
-    """Adam on the head's tensors over random batches of ``examples``; the learning rate warms
-    up over the first 5% of the steps and then follows a cosine to 0 (the last steps settle)."""
+def adam(params: list[torch.Tensor], steps: int, lr: float, loss_of_step) -> None:
+    """Adam on ``params`` for ``steps`` steps of ``loss_of_step()``; the learning rate warms up
+    over the first 5% of the steps and then follows a cosine to 0 (the last steps settle)."""
     if steps <= 0:
         return
-    params = head_parameters(head)
     for p in params:
         p.requires_grad_(True)
     opt = torch.optim.Adam(params, lr=lr)
@@ -224,8 +223,7 @@ def train(head: MtpHead, examples, steps: int, batch: int, lr: float, gen: torch
         opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1.0 + math.cos(math.pi * s / steps)))
     try:
         for _ in range(steps):
-            idx = torch.randint(0, len(examples), (batch,), generator=gen).tolist()
-            loss = batch_loss(head, [examples[i] for i in idx])
+            loss = loss_of_step()
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -234,6 +232,14 @@ def train(head: MtpHead, examples, steps: int, batch: int, lr: float, gen: torch
         for p in params:
             p.requires_grad_(False)
             p.grad = None
+
+
+def train(head: MtpHead, examples, steps: int, batch: int, lr: float, gen: torch.Generator) -> None:
+    """``adam`` on the head's tensors over random batches of ``examples``."""
+    def loss() -> torch.Tensor:
+        idx = torch.randint(0, len(examples), (batch,), generator=gen).tolist()
+        return batch_loss(head, [examples[i] for i in idx])
+    adam(head_parameters(head), steps, lr, loss)
 
 
 # ---- acceptance ---------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import pytest
 from ninfer.errors import ConfigError
 from ninfer.native.objects import pages_for
 from tests.engine.harness import force_pause, oracle, run
-from tests.engine.test_invariance import run_workloads
+from tests.engine.test_invariance import count_speculation, run_workloads
 from tests.factories import random_prompt
 
 TOTALS: Counter = Counter()
@@ -31,16 +31,6 @@ def drafts(tiny_dflash, tiny_dflash2) -> dict[str, str]:
     return {"dflash": tiny_dflash, "dflash2": tiny_dflash2}
 
 
-def _count(all_stats: list[dict]) -> None:
-    for stats in all_stats:
-        spec = stats["speculative"]
-        TOTALS["drafted"] += spec["drafted"]
-        TOTALS["accepted"] += spec["accepted"]
-        TOTALS["rejected"] += spec["drafted"] - spec["accepted"]
-        TOTALS["pauses"] += stats["pauses"]["snapshot"] + stats["pauses"]["replay"]
-        TOTALS["hits"] += stats["cache"]["hits"]
-
-
 def _sweep(tiny_model: str, drafts: dict[str, str], seeds: list[int]) -> None:
     """DFlash (even seeds) and DFlash2 with a 96-position window (odd seeds), 1..7 drafts per
     block, in the oracle sweep's workloads."""
@@ -51,7 +41,7 @@ def _sweep(tiny_model: str, drafts: dict[str, str], seeds: list[int]) -> None:
     all_stats = run_workloads(tiny_model, seeds, overrides)
     for seed, stats in zip(seeds, all_stats):
         assert stats["speculative"]["method"] == overrides(seed)["speculative"]["method"]
-    _count(all_stats)
+    count_speculation(TOTALS, all_stats)
 
 
 @pytest.mark.slow

@@ -19,8 +19,15 @@ from collections import Counter
 
 import pytest
 
-from tests.engine.harness import (Harness, assert_logprobs_close, assert_timings_derived, check_lifecycle,
-                                  force_pause, oracle, oracle_logprobs)
+from tests.engine.harness import (
+    Harness,
+    assert_logprobs_close,
+    assert_timings_derived,
+    check_lifecycle,
+    force_pause,
+    oracle,
+    oracle_logprobs,
+)
 from tests.factories import random_prompt
 
 MAX_CTX = 256
@@ -208,6 +215,17 @@ def run_workloads(model_dir: str, seeds: list[int], overrides=None) -> list[dict
                 failures.append(f"seed {seed}: {type(exc).__name__}: {exc}")
     assert not failures, f"{len(failures)} of {len(seeds)} workloads failed:\n" + "\n".join(failures)
     return [stats[s] for s in seeds]
+
+
+def count_speculation(totals: Counter, all_stats: list[dict]) -> None:
+    """Add a speculative sweep's drafts (accepted, rejected), pauses and hits to ``totals``."""
+    for stats in all_stats:
+        spec = stats["speculative"]
+        totals["drafted"] += spec["drafted"]
+        totals["accepted"] += spec["accepted"]
+        totals["rejected"] += spec["drafted"] - spec["accepted"]
+        totals["pauses"] += stats["pauses"]["snapshot"] + stats["pauses"]["replay"]
+        totals["hits"] += stats["cache"]["hits"]
 
 
 @pytest.mark.slow

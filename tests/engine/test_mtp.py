@@ -18,7 +18,7 @@ from ninfer.errors import ConfigError
 from ninfer.native.model.forward import ForwardBatch, SeqInput
 from ninfer.native.model.model import HybridModel
 from tests.engine.harness import oracle, run
-from tests.engine.test_invariance import run_workloads
+from tests.engine.test_invariance import count_speculation, run_workloads
 from tests.factories import random_prompt
 
 SPEC_TOTALS: Counter = Counter()
@@ -28,22 +28,12 @@ def _mtp(seed: int) -> dict:
     return {"speculative": {"method": "mtp", "num_tokens": random.Random(seed).randint(1, 4)}}
 
 
-def _count(all_stats: list[dict]) -> None:
-    for stats in all_stats:
-        spec = stats["speculative"]
-        SPEC_TOTALS["drafted"] += spec["drafted"]
-        SPEC_TOTALS["accepted"] += spec["accepted"]
-        SPEC_TOTALS["rejected"] += spec["drafted"] - spec["accepted"]
-        SPEC_TOTALS["pauses"] += stats["pauses"]["snapshot"] + stats["pauses"]["replay"]
-        SPEC_TOTALS["hits"] += stats["cache"]["hits"]
-
-
 @pytest.mark.slow
 def test_random_workloads_with_mtp_match_the_oracle(tiny_model):
     """The oracle sweep's workloads (pressure, pauses of both routes, cache hits, faults,
     greedy and seeded sampling, logprobs) with k = 1..4 drafts per step (12 workloads, on every
     core): every completed request equals the isolated run without speculation; nothing leaks."""
-    _count(run_workloads(tiny_model, [5000 + s for s in range(12)], _mtp))
+    count_speculation(SPEC_TOTALS, run_workloads(tiny_model, [5000 + s for s in range(12)], _mtp))
 
 
 @pytest.mark.slow
@@ -52,7 +42,7 @@ def test_the_mtp_workloads_really_speculated(tiny_model):
     seed = 5100
     while not all(SPEC_TOTALS[k] for k in ("accepted", "rejected", "pauses", "hits")):
         assert seed < 5140, dict(SPEC_TOTALS)
-        _count(run_workloads(tiny_model, [seed, seed + 1], _mtp))
+        count_speculation(SPEC_TOTALS, run_workloads(tiny_model, [seed, seed + 1], _mtp))
         seed += 2
     print("\nmtp workloads:", dict(SPEC_TOTALS))
 

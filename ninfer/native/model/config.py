@@ -310,16 +310,22 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     path = Path(model_dir)
     if not path.is_dir():
         raise ModelLoadError(f"model directory not found: {path}")
-    cfg_path = path / "config.json"
+    return parse_config(read_config_json(path, "a Hugging Face model directory"))
+
+
+def read_config_json(directory: Path, expected: str) -> dict:
+    """``directory/config.json`` as a dict; a missing file, bad JSON or a non-object is a
+    ModelLoadError naming the file (``expected``: what the directory should have been)."""
+    cfg_path = directory / "config.json"
     if not cfg_path.is_file():
-        raise ModelLoadError(f"{path}: no config.json (expected a Hugging Face model directory)")
+        raise ModelLoadError(f"{directory}: no config.json (expected {expected})")
     try:
         raw = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as exc:
         raise ModelLoadError(f"{cfg_path}: invalid JSON ({exc.msg} at line {exc.lineno})") from None
     if not isinstance(raw, dict):
         raise ModelLoadError(f"{cfg_path}: expected a JSON object")
-    return parse_config(raw)
+    return raw
 
 
 def load_eos_ids(model_dir: str | Path, cfg: ModelConfig) -> tuple[int, ...]:

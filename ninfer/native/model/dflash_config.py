@@ -8,14 +8,13 @@ name). Everything here is plain values: a ``DFlashConfig`` builds in a test with
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
 
 from ninfer.errors import ModelLoadError
-from ninfer.native.model.config import _rope
+from ninfer.native.model.config import _rope, read_config_json
 from ninfer.native.model.weights import Shapes
 
 ARCHITECTURES = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2"}
@@ -159,16 +158,7 @@ def _validate(c: DFlashConfig) -> None:
 
 def load_draft_config(draft_dir: str | Path) -> DFlashConfig:
     """Read ``draft_dir/config.json``; errors name the directory or the field."""
-    path = Path(draft_dir) / "config.json"
-    if not path.is_file():
-        raise ModelLoadError(f"{draft_dir}: no config.json (expected a DFlash draft directory)")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ModelLoadError(f"{path}: invalid JSON ({exc.msg} at line {exc.lineno})") from None
-    if not isinstance(raw, dict):
-        raise ModelLoadError(f"{path}: expected a JSON object")
-    return parse_draft_config(raw)
+    return parse_draft_config(read_config_json(Path(draft_dir), "a DFlash draft directory"))
 
 
 def expected_tensors(c: DFlashConfig) -> Shapes:
