@@ -97,14 +97,15 @@ def test_sampled_outputs_with_dflash_are_the_seeded_samples(make, tiny_dflash):
 def test_a_hit_restores_the_dflash_context_without_recomputing_it(make, tiny_dflash):
     """A hit on a kept point restores the draft's context with it: the warm request appends
     exactly `hit` context positions fewer than the same request on a cold engine, no context
-    restarts, same output."""
+    restarts, same output. Prefill runs in 48-token chunks: every chunk appends its positions."""
     base = random_prompt(130, 3)
     second = base + random_prompt(9, 4)
-    cold = make(speculative={"method": "dflash", "draft": tiny_dflash})
+    cfg = {"speculative": {"method": "dflash", "draft": tiny_dflash}, "prefill_chunk_tokens": 48}
+    cold = make(**cfg)
     run(cold, second, max_tokens=12)
     cold_entries = _spec(cold)["draft_entries"]
 
-    h = make(speculative={"method": "dflash", "draft": tiny_dflash})
+    h = make(**cfg)
     run(h, base, max_tokens=12)
     before = _spec(h)
     f = run(h, second, max_tokens=12)
@@ -261,5 +262,7 @@ def test_dflash_config_errors_are_specific(make_harness, tiny_dflash, tmp_path):
         make_harness(max_context=256, speculative={"method": "dflash", "draft": tiny_dflash, "num_tokens": 9})
     with pytest.raises(ConfigError, match="block"):
         make_harness(max_context=256, speculative={"method": "mtp", "block": 4})
-    with pytest.raises((ConfigError, Exception), match="config.json|draft"):
+    with pytest.raises(ConfigError, match="no config.json"):
         make_harness(max_context=256, speculative={"method": "dflash", "draft": str(tmp_path / "missing")})
+    with pytest.raises(ConfigError, match="is a dflash draft"):
+        make_harness(max_context=256, speculative={"method": "dflash2", "draft": tiny_dflash})
