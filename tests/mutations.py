@@ -330,6 +330,9 @@ MUTATIONS = [
     ("the verify unit's demand includes the speculative peak (worker)", "ninfer/native/program.py",
      "n_tokens + self.spec_peak(seq, n_tokens))", "n_tokens)",
      [E + "test_mtp.py::test_a_verify_unit_reserves_its_speculative_peak"]),
+    ("a failed unit's prepared save keeps its retirements (mirror)", "ninfer/engine/outcomes.py",
+     "                self._save_prepared(req, item, u)", "                pass",
+     [E + "test_invariance.py::test_a_failed_unit_keeps_the_retirements_of_its_prepared_save"]),
     # ---- DFlash / DFlash2 (issue 17) ----
     ("the DFlash context appends every committed position (prefill chunks too)", "ninfer/native/dflash.py",
      "            if p.rows is not None and f > d:", "            if p.rows is not None and f > d and p.sampled:",

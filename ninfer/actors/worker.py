@@ -420,12 +420,14 @@ class _StepRun:
         except Exception as exc:            # device or programming error: this call's rows fail
             log.exception("execute failed")
             error = f"{type(exc).__name__}: {exc}"
-            for (iid, unit, seq), row in zip(batch, rows):
+            for (iid, unit, seq), row, (result, room) in zip(batch, rows, dests):
                 self.ran.add(iid)
                 if row.capture is not None:
                     self.prog.drop_capture(row.capture)
                 self.prog._fail_sequence(seq)
-                self.reply.units.append(P.UnitOut(seq.sid, ran=False, error=error))
+                # what the save's preparation already did stands (seed: 新保存失败不恢复旧点):
+                # its retirements, its superseded holds when it had found a destination, its room
+                self.reply.units.append(P.UnitOut(seq.sid, ran=False, error=error, capture=result, room_applied=room))
             return
         for (iid, unit, seq), r, (result, room) in zip(batch, results, dests):
             self.ran.add(iid)

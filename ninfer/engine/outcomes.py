@@ -275,6 +275,8 @@ class Outcomes:
             return False
         if u.error:
             core.stats.device_errors += 1
+            if item.sp is not None and u.capture is not CaptureResult.NONE:
+                self._save_prepared(req, item, u)
             req.sid = None
             core.by_sid.pop(u.sid, None)
             core.fail(req, DeviceError(f"the forward call failed: {u.error}"), "device_error")
@@ -309,6 +311,17 @@ class Outcomes:
         if unit.n_tokens > 1:
             core.sched.rotate(req)
         return True
+
+    def _save_prepared(self, req: Request, item: Item, u: P.UnitOut) -> None:
+        """The unit failed after its save was prepared: the worker had given up the retired
+        holds, the superseded ones too when it found a destination (SAVED), and committed the
+        admitted room — a failed save does not bring them back, so the mirror follows."""
+        rm = self.core.rm
+        rm.retired(req, item.unit.retire)
+        if u.capture is CaptureResult.SAVED:
+            rm.retired(req, item.unit.replace)
+        if u.room_applied is not None:
+            self.committed(item.spec.capture.room, u.room_applied)
 
     def _saved(self, req: Request, item: Item, u: P.UnitOut, host_room: bool) -> None:
         """The unit ended on a save point: attach the capture, or count the skipped save."""
