@@ -333,6 +333,9 @@ MUTATIONS = [
     ("a failed unit's prepared save keeps its retirements (mirror)", "ninfer/engine/outcomes.py",
      "                self._save_prepared(req, item, u)", "                pass",
      [E + "test_invariance.py::test_a_failed_unit_keeps_the_retirements_of_its_prepared_save"]),
+    ("a resume that cannot bind leaves the prefill turn to a resident", "ninfer/engine/planning.py",
+     "                fallback = P.Guard((), (item.iid,), 1)", "                fallback = None",
+     [E + "test_scheduling.py::test_a_resume_that_cannot_bind_leaves_the_prefill_turn_to_a_resident"]),
     # ---- DFlash / DFlash2 (issue 17) ----
     ("the DFlash context appends every committed position (prefill chunks too)", "ninfer/native/dflash.py",
      "            if p.rows is not None and f > d:", "            if p.rows is not None and f > d and p.sampled:",

@@ -103,22 +103,30 @@ class CyclePlanner:
             if victims:
                 plan.take_back = victims[0]          # seed: 收回较年轻请求占用的 lane
                 lanes += 1
-        chunk_taken = False
+        chunk_taken, fallback = False, None
         if resume is not None and lanes > 0:
             item = self._resume(resume)
             plan.items.append(item)
             if item.intent.source is not None:
                 plan.sources.add(item.intent.source.cid)
             chunk_taken = item.spec.n_tokens > 1
+            if chunk_taken and sched.older_resident_than(resume):
+                # with an older resident the resume only tries free and optional space, and a
+                # paused request's wait constrains only itself: if it does not bind, the
+                # cycle's prefill turn goes to a resident (skipped when the resume bound)
+                fallback = P.Guard((), (item.iid,), 1)
             lanes -= 1
         skip = plan.take_back
         for req in sched.rows():
             if req is not skip:
                 plan.items.append(self._resident(req, ROW, recovery))
-        if not chunk_taken:
+        if not chunk_taken or fallback is not None:
             for req in sched.chunk_order():
                 if req is not skip:
-                    plan.items.append(self._resident(req, CHUNK, recovery))
+                    item = self._resident(req, CHUNK, recovery)
+                    if fallback is not None:
+                        item.intent.guards = [fallback]
+                    plan.items.append(item)
                     chunk_taken = True
                     break
         self._fresh(plan, lanes, chunk_taken, recovery)

@@ -297,3 +297,27 @@ def test_cancel_in_every_phase(make, tiny_model, phase):
     after = h.submit(bystander_p, max_tokens=3)        # the engine keeps serving
     h.run(until=lambda: h.done(after))
     assert h.finals[after].token_ids == oracle(tiny_model, bystander_p, max_tokens=3)
+
+
+def test_a_resume_that_cannot_bind_leaves_the_prefill_turn_to_a_resident(make):
+    """Seed: Paused 请求的等待只约束它自身 — with an older resident present, the oldest paused
+    request's resume only tries free and optional space; its attempt takes the cycle's prefill
+    turn only if it binds: the plan also carries a resident's chunk, skipped exactly when the
+    resume bound (a resume short cycle after cycle used to starve every resident's prefill until
+    the progress guard failed the oldest — seed 328184 under CPU load)."""
+    from tests.engine.harness import force_pause
+    h = make(max_concurrency=2, prefill_chunk_tokens=16, context_cache={"host_capacity_bytes": 0, "device_state_slots": 0})
+    old = h.submit(random_prompt(200, seed=31), max_tokens=4)
+    young = h.submit(random_prompt(20, seed=32), max_tokens=30)
+    h.run(until=lambda: len(h.streams.get(young, [])) >= 2)
+    force_pause(h, young)
+    h.run(until=lambda: (r := _req(h, young)) is not None and r.phase is Phase.PAUSED)
+    assert h.req(old).frontier < 199, "the older resident is still prefilling"
+    h.core.sched.event()                      # a capacity event: the paused request may try
+    plan = h.core.planner.build()
+    [resume] = [i for i in plan.items if i.kind == "resume"]
+    [chunk] = [i for i in plan.items if i.kind == "chunk"]
+    assert chunk.req is h.req(old) and resume.spec.n_tokens > 1
+    assert chunk.intent.guards == [P.Guard((), (resume.iid,), 1)]
+    h.run(until=lambda: h.done(old, young))
+    h.check_clean()
