@@ -53,6 +53,21 @@ def test_make_tiny_vision_model(tmp_path):
     assert max(ids.values()) == cfg["text_config"]["vocab_size"] - 1
 
 
+def test_make_tiny_dflash_writes_a_draft_the_engine_loads(made, tmp_path):
+    """`ninfer make-tiny-dflash TARGET DIR --kind dflash2 --window 128 --no-fit`: z-lab's layout
+    (config.json with dflash_config, safetensors) that the engine's layout solve reads."""
+    from ninfer.native.model.dflash_config import load_draft_config
+
+    r = _ninfer("make-tiny-dflash", str(made), str(tmp_path / "d"), "--kind", "dflash2", "--window", "128",
+                "--no-fit")
+    assert r.returncode == 0, r.stderr
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlash2DraftModel"] and "target_layer_ids" in cfg["dflash_config"]
+    parsed = load_draft_config(tmp_path / "d")
+    assert parsed.kind == "dflash2" and parsed.window == 128
+    assert any(p.suffix == ".safetensors" for p in (tmp_path / "d").iterdir())
+
+
 @pytest.mark.ray
 def test_demo_runs_through_the_ray_actors(made):
     r = _ninfer("demo", "--model", str(made))
