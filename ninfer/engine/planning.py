@@ -6,7 +6,9 @@ changes no books; the commands it wants sent come back in the plan).
                    and the first real new unit; own Snapshot first, else Replay. With no free
                    lane and no older resident it takes back the youngest preemptable lane.
     2. rows        resident Decode/Control units in permit order (recovery first, then ticket)
-    3. chunk       one Prefill/Replay chunk, rotating among residents (recovery first)
+    3. chunk       one Prefill/Replay chunk, rotating among residents (recovery first); when
+                   the resume's unit is a chunk and an older resident exists, a resident's chunk
+                   too, skipped if the resume binds (its wait constrains only itself)
     4. fresh       the scan (head + up to C followers) with the lane and overtaking bounds as
                    guards; no free lane: the scanned keep their valuable sources (waiting refs)
 
