@@ -140,6 +140,20 @@ def force_pause(h: Harness, rid: str) -> None:
     h.core.preempt(rid)
 
 
+def pause_while_drafting(h: Harness, prompt, seed_tokens: int = 6, **kw):
+    """Submit ``prompt``, let it decode ``seed_tokens`` tokens (holding drafts), pause it as the
+    preemption chain would and wait until it is paused: (rid, its Native sequence). The
+    sequence held drafts before the pause and holds none after it."""
+    rid = h.submit(prompt, **kw)
+    h.run(until=lambda: len(h.streams.get(rid, [])) >= seed_tokens)
+    seq = h.worker.prog.sequences[h.req(rid).sid]
+    assert seq.drafts, "a decoding sequence holds its next drafts"
+    force_pause(h, rid)
+    h.run(until=lambda: h.req(rid) is not None and h.req(rid).phase.name == "PAUSED")
+    assert seq.drafts == []
+    return rid, seq
+
+
 def run(h: Harness, prompt, **kw) -> P.FinalEvent:
     """Submit one request, run the engine until it ends, and return its final event (it must
     have completed normally)."""

@@ -15,7 +15,7 @@ import pytest
 
 from ninfer.errors import ConfigError
 from ninfer.native.objects import pages_for
-from tests.engine.harness import force_pause, oracle, run
+from tests.engine.harness import force_pause, oracle, pause_while_drafting, run
 from tests.engine.test_invariance import count_speculation, run_workloads
 from tests.factories import random_prompt
 
@@ -174,13 +174,7 @@ def test_a_pause_drops_the_block_and_the_resume_keeps_the_context_rules(make, ti
     cfg = {"context_cache": {"host_capacity_bytes": 64 << 20 if host else 0}}
     h = make(speculative={"method": "dflash", "draft": tiny_dflash}, **cfg)
     prompt = random_prompt(30, 11)
-    rid = h.submit(prompt, max_tokens=40)
-    h.run(until=lambda: len(h.streams.get(rid, [])) >= 6)
-    seq = h.worker.prog.sequences[h.req(rid).sid]
-    assert seq.drafts, "a decoding sequence holds its next block"
-    force_pause(h, rid)
-    h.run(until=lambda: h.req(rid) is not None and h.req(rid).phase.name == "PAUSED")
-    assert seq.drafts == []
+    rid, _ = pause_while_drafting(h, prompt, max_tokens=40)
     h.run(until=lambda: h.done(rid))
     f = h.finals[rid]
     assert [p["route"] for p in f.pauses] == ["snapshot" if host else "replay"]

@@ -17,7 +17,7 @@ import torch
 from ninfer.errors import ConfigError
 from ninfer.native.model.forward import ForwardBatch, SeqInput
 from ninfer.native.model.model import HybridModel
-from tests.engine.harness import oracle, run
+from tests.engine.harness import oracle, pause_while_drafting, run
 from tests.engine.test_invariance import count_speculation, run_workloads
 from tests.factories import random_prompt
 
@@ -149,18 +149,10 @@ def test_a_pause_drops_the_drafts_and_the_resumed_request_rebuilds_them(make, ho
     """Seed: MTP 丢弃未使用 drafts，并在恢复后的合法单元中重建 — the paused sequence keeps no
     draft (its first unit after the resume is a plain decode row that drafts again), by both
     routes; outputs equal the oracle."""
-    from tests.engine.harness import force_pause
     cfg = {"context_cache": {"host_capacity_bytes": 64 << 20 if host else 0}}
     h = make(speculative={"method": "mtp", "num_tokens": 3}, **cfg)
     prompt = random_prompt(30, 11)
-    rid = h.submit(prompt, max_tokens=40)
-    h.run(until=lambda: len(h.streams.get(rid, [])) >= 6)
-    sid = h.req(rid).sid
-    seq = h.worker.prog.sequences[sid]
-    assert seq.drafts, "a decoding sequence holds its next drafts"
-    force_pause(h, rid)
-    h.run(until=lambda: h.req(rid) is not None and h.req(rid).phase.name == "PAUSED")
-    assert seq.drafts == []
+    rid, _ = pause_while_drafting(h, prompt, max_tokens=40)
     h.run(until=lambda: h.done(rid))
     f = h.finals[rid]
     assert [p["route"] for p in f.pauses] == ["snapshot" if host else "replay"]
