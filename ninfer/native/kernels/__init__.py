@@ -7,8 +7,9 @@ Every op here comes in three names::
                      TRITON_INTERPRET=1, which is how the tests check it)
     op(...)          dispatch: the kernel for CUDA tensors, the reference otherwise
 
-The dispatch is decided by the tensors' device only, never by a flag. Nothing in
-``ninfer/native/model`` calls these yet: wiring them into the batched forward is a later step.
+The dispatch is decided by the tensors' device only, never by a flag. The model calls the
+kernels through ``native/model/paths.py``'s ``KERNELS`` path, which a CUDA model runs
+(``paths.for_device``) and the tests run on CPU tensors under the interpreter.
 
 Modules: ``paged_attention`` (decode with split-K over pages, chunk/prefill over a cached
 prefix), ``copies`` (KV write by slot mapping, tail copy-on-write of pages, StateImage

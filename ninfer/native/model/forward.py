@@ -76,6 +76,8 @@ class ForwardBatch:
     # filled by the GDN layers for the verify rows, one dict per linear layer (cache order):
     # verify index s -> (conv state before [C, K-1], pre-conv inputs [T, C], states after each step [T, Hv, Dk, Dv])
     spec_states: list[dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = field(default_factory=list)
+    # per-call metadata a forward path builds once and every layer reuses (paths.KernelPath)
+    kernel_meta: dict = field(default_factory=dict)
 
     @property
     def all_decode(self) -> bool:

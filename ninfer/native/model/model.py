@@ -14,12 +14,11 @@ import torch
 import torch.nn.functional as F
 
 from ninfer.errors import ModelLoadError
-from ninfer.native.model.attention import write_kv
 from ninfer.native.model.config import LINEAR, ModelConfig, load_config
 from ninfer.native.model.forward import ForwardBatch, ForwardOutput, ModelCache
 from ninfer.native.model.moe import MoeWeights, sparse_moe
 from ninfer.native.model.ops import Rope, acc_dtype, gated_rms_norm, rms_norm, silu_mlp
-from ninfer.native.model.paths import BATCHED, ForwardPath
+from ninfer.native.model.paths import BATCHED, ForwardPath, for_device
 from ninfer.native.model.weights import count_mtp_layers, load_tensors, weight_files
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -139,8 +138,10 @@ def _layer_weights(t: dict[str, torch.Tensor], p: str, c: ModelConfig, kind: str
 class HybridModel:
     """Weights + math of one resident model. Stateless: all state lives in a ModelCache.
 
-    ``path`` says how the mixers run over the sequences of a call (``paths.BATCHED``, or the
-    per-sequence reference ``paths.PER_SEQUENCE`` that tests and the decode benchmark set)."""
+    ``path`` says how the mixers run over the sequences of a call: chosen by device and dtype
+    (``paths.for_device``: the kernels on CUDA, ``paths.BATCHED`` elsewhere); tests and the
+    decode benchmark set the per-sequence reference ``paths.PER_SEQUENCE`` or, under the Triton
+    interpreter, ``paths.KERNELS`` on the CPU."""
 
     path: ForwardPath = BATCHED
 
@@ -150,6 +151,7 @@ class HybridModel:
         self.dtype = dtype
         self.acc = acc_dtype(dtype)
         self.device = torch.device(device)
+        self.path = for_device(self.device, dtype)
         t = {k: v.to(self.device) for k, v in tensors.items()}
         p = cfg.text_prefix
         self.embed = t[f"{p}embed_tokens.weight"]
@@ -242,7 +244,7 @@ class HybridModel:
         k = rms_norm(F.linear(x, w.k_proj, bk).view(T, -1, D), w.k_norm, c.rms_norm_eps, c.zero_centered_norm)
         v = F.linear(x, w.v_proj, bv).view(T, -1, D)
         q, k = Rope.apply(q, cos, sin), Rope.apply(k, cos, sin)
-        write_kv(cache.k[j], cache.v[j], batch.slot_mapping, k, v)
+        self.path.write_kv(cache.k[j], cache.v[j], batch.slot_mapping, k, v)
         out = (attend or self.path.attention)(q, cache.k[j], cache.v[j], batch, D ** -0.5).reshape(T, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)

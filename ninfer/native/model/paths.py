@@ -16,8 +16,14 @@ batched one, as ``reference_generate`` is the oracle of the engine:
   them one by one.
 * ``PER_SEQUENCE`` — every sequence alone, decode rows included, with the same per-sequence
   ops. Slow; kept for tests and for the decode benchmark's comparison.
+* ``KERNELS`` — the batched path on ``native/kernels``: the Triton paged attention reading the
+  page tables directly (decode rows split-K, chunk and verify rows in one prefill launch over
+  their cached prefixes), the Triton KV write by slot mapping, and the GDN ops through
+  ``kernels.gdn`` (fla-core's kernels on CUDA when installed, the reference otherwise). It is
+  what a CUDA model in fp32/fp16/bf16 runs (``for_device``); on the CPU the tests run it under
+  ``TRITON_INTERPRET=1`` against ``BATCHED``.
 
-A path is chosen per model (``HybridModel.path``); nothing else reads it.
+A path is chosen per model (``HybridModel.path``, by ``for_device``); nothing else reads it.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ninfer.native.model import gdn
-from ninfer.native.model.attention import decode_attention, paged_attention
+from ninfer.native.model.attention import decode_attention, paged_attention, write_kv
 from ninfer.native.model.forward import ForwardBatch
 
 Split = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -37,6 +43,11 @@ Split = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 class ForwardPath(Protocol):
     name: str
+
+    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                 k: torch.Tensor, v: torch.Tensor) -> None:
+        """The new keys / values of the call into their flat slots (``batch.slot_mapping``)."""
+        ...
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   batch: ForwardBatch, scale: float) -> torch.Tensor:
@@ -65,22 +76,22 @@ def _attention_alone(out, q, k_cache, v_cache, batch, scale, seqs) -> None:
         out[lo:hi] = paged_attention(q[lo:hi], k_cache, v_cache, batch.page_tables[s], batch.starts[s], scale)
 
 
-def _gdn_alone(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split, seqs) -> None:
+def _gdn_alone(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split, seqs, ops=gdn) -> None:
     """Each of ``seqs`` by itself: a chunk in the chunked form, a decode row in the recurrent
     form with N = 1; its rows of ``core`` and its state slot are written."""
     for s in seqs:
         lo, hi = batch.cu[s], batch.cu[s + 1]
         slot = int(batch.state_slots[s])
         if hi - lo == 1:   # a decode row computed alone (the per-sequence path)
-            y, new_conv = gdn.causal_conv1d_step(mixed[lo:hi], conv_states[slot:slot + 1], conv_w)
+            y, new_conv = ops.causal_conv1d_step(mixed[lo:hi], conv_states[slot:slot + 1], conv_w)
             q, k, v = split(y)
-            o, new_ssm = gdn.recurrent_gated_delta_rule(
+            o, new_ssm = ops.recurrent_gated_delta_rule(
                 q[:, None], k[:, None], v[:, None], g[lo:hi, None], beta[lo:hi, None], ssm_states[slot:slot + 1])
             o, new_conv, new_ssm = o[:, 0], new_conv[0], new_ssm[0]
         else:
-            y, new_conv = gdn.causal_conv1d(mixed[lo:hi], conv_states[slot], conv_w)
+            y, new_conv = ops.causal_conv1d(mixed[lo:hi], conv_states[slot], conv_w)
             q, k, v = split(y)
-            o, new_ssm = gdn.chunk_gated_delta_rule(q, k, v, g[lo:hi], beta[lo:hi], ssm_states[slot])
+            o, new_ssm = ops.chunk_gated_delta_rule(q, k, v, g[lo:hi], beta[lo:hi], ssm_states[slot])
         core[lo:hi] = o
         conv_states[slot] = new_conv.to(conv_states.dtype)
         ssm_states[slot] = new_ssm.to(ssm_states.dtype)
@@ -124,6 +135,13 @@ def _core_out(mixed: torch.Tensor, ssm_states: torch.Tensor) -> torch.Tensor:
 class BatchedPath:
     name = "batched"
 
+    def write_kv(self, k_cache, v_cache, slots, k, v):
+        write_kv(k_cache, v_cache, slots, k, v)
+
+    def _gdn_ops(self):
+        """The module of GDN ops this path calls (the torch reference here)."""
+        return gdn
+
     def attention(self, q, k_cache, v_cache, batch, scale):
         if batch.all_decode:
             return decode_attention(q, k_cache, v_cache, batch.decode_block_table, batch.decode_kv_lens, scale,
@@ -138,17 +156,18 @@ class BatchedPath:
         return out
 
     def gdn(self, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split):
+        ops = self._gdn_ops()
         if not batch.decode_seqs:
             core = _core_out(mixed, ssm_states)
-            _gdn_alone(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split, batch.chunk_seqs)
+            _gdn_alone(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split, batch.chunk_seqs, ops)
             if batch.verify_seqs:
                 _gdn_verify(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split)
             return core
         rows, slots = batch.decode_rows, batch.decode_slots
         pick = (lambda t: t) if batch.all_decode else (lambda t: t.index_select(0, rows))
-        y, new_conv = gdn.causal_conv1d_step(pick(mixed), conv_states.index_select(0, slots), conv_w)
+        y, new_conv = ops.causal_conv1d_step(pick(mixed), conv_states.index_select(0, slots), conv_w)
         q, k, v = split(y)
-        o, new_ssm = gdn.recurrent_gated_delta_rule(
+        o, new_ssm = ops.recurrent_gated_delta_rule(
             q[:, None], k[:, None], v[:, None], pick(g)[:, None], pick(beta)[:, None],
             ssm_states.index_select(0, slots))
         conv_states.index_copy_(0, slots, new_conv.to(conv_states.dtype))
@@ -157,7 +176,7 @@ class BatchedPath:
             return o[:, 0]
         core = _core_out(mixed, ssm_states)
         core.index_copy_(0, rows, o[:, 0])
-        _gdn_alone(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split, batch.chunk_seqs)
+        _gdn_alone(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split, batch.chunk_seqs, ops)
         if batch.verify_seqs:
             _gdn_verify(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split)
         return core
@@ -165,6 +184,9 @@ class BatchedPath:
 
 class PerSequencePath:
     name = "per_sequence"
+
+    def write_kv(self, k_cache, v_cache, slots, k, v):
+        write_kv(k_cache, v_cache, slots, k, v)
 
     def attention(self, q, k_cache, v_cache, batch, scale):
         out = torch.empty_like(q)
@@ -180,6 +202,71 @@ class PerSequencePath:
         return core
 
 
+class _MultiRows:
+    """The chunk and verify rows of a call as one packed prefill launch: their token rows, the
+    relative ``cu_seqlens``, absolute starts and a page table padded to the widest of them."""
+
+    def __init__(self, batch: ForwardBatch, device):
+        seqs = batch.multi_seqs
+        lt = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+        self.rows = lt([r for s in seqs for r in range(batch.cu[s], batch.cu[s + 1])])
+        cu = [0]
+        for s in seqs:
+            cu.append(cu[-1] + batch.cu[s + 1] - batch.cu[s])
+        self.cu = lt(cu)
+        self.starts = lt([batch.starts[s] for s in seqs])
+        tables = [batch.page_tables[s] for s in seqs]
+        width = max(int(t.numel()) for t in tables)
+        self.tables = torch.stack([torch.cat([t, t[:1].expand(width - t.numel())]) for t in tables]).to(device)
+        self.contiguous = len(seqs) == batch.num_seqs        # no decode rows: q is the launch's own
+
+
+class KernelPath(BatchedPath):
+    """``BatchedPath`` on the ``native/kernels`` ops (imported on first use: triton decides at a
+    kernel's decoration whether it is interpreted, so importing them must wait for the caller's
+    environment). The verify rows' GDN keeps the reference's every-step states (``_gdn_verify``)."""
+
+    name = "kernels"
+
+    def write_kv(self, k_cache, v_cache, slots, k, v):
+        from ninfer.native.kernels.copies import write_kv_triton
+        write_kv_triton(k_cache, v_cache, slots, k, v)
+
+    def _gdn_ops(self):
+        from ninfer.native.kernels import gdn as kernel_gdn
+        return kernel_gdn
+
+    def _decode(self, q, k_cache, v_cache, batch, scale):
+        from ninfer.native.kernels.paged_attention import decode_splits, paged_decode_triton
+        table = batch.decode_block_table
+        splits = decode_splits(table.shape[1], q.shape[0], k_cache.shape[2])
+        return paged_decode_triton(q, k_cache, v_cache, table, batch.decode_kv_lens, scale, splits)
+
+    def attention(self, q, k_cache, v_cache, batch, scale):
+        from ninfer.native.kernels.paged_attention import paged_prefill_triton
+        if batch.all_decode:
+            return self._decode(q, k_cache, v_cache, batch, scale)
+        m = batch.kernel_meta.get("multi")
+        if m is None:
+            m = batch.kernel_meta["multi"] = _MultiRows(batch, q.device)
+        if m.contiguous:
+            return paged_prefill_triton(q, k_cache, v_cache, m.tables, m.cu, m.starts, scale)
+        out = torch.empty_like(q)
+        rows = batch.decode_rows
+        out.index_copy_(0, rows, self._decode(q.index_select(0, rows), k_cache, v_cache, batch, scale))
+        out.index_copy_(0, m.rows, paged_prefill_triton(q.index_select(0, m.rows), k_cache, v_cache, m.tables,
+                                                        m.cu, m.starts, scale))
+        return out
+
+
 BATCHED: ForwardPath = BatchedPath()
 PER_SEQUENCE: ForwardPath = PerSequencePath()
-PATHS = {p.name: p for p in (BATCHED, PER_SEQUENCE)}
+KERNELS: ForwardPath = KernelPath()
+PATHS = {p.name: p for p in (BATCHED, PER_SEQUENCE, KERNELS)}
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def for_device(device: torch.device, dtype: torch.dtype) -> ForwardPath:
+    """The path a model on ``device`` runs: the kernels on CUDA (fp32/fp16/bf16), the batched
+    torch path elsewhere and for float64 (the oracle's dtype: the kernels accumulate in fp32)."""
+    return KERNELS if device.type == "cuda" and dtype in KERNEL_DTYPES else BATCHED

@@ -128,11 +128,11 @@ class Prepared:
 
     def run(self, path, rows: list[SeqInput]):
         cache = type(self.cache)(*(t.clone() for t in (self.cache.k, self.cache.v, self.cache.conv, self.cache.ssm)))
-        self.model.path = path
+        before, self.model.path = self.model.path, path
         try:
             out = self.model.forward(ForwardBatch.build(rows), cache)
         finally:
-            del self.model.path           # back to the class default (batched)
+            self.model.path = before
         return out, cache
 
 

@@ -1,0 +1,76 @@
+"""The model's kernel path (``paths.KERNELS``: Triton paged attention and KV write, the GDN ops
+through ``kernels.gdn``) against the batched torch path, through the whole tiny model, with the
+Triton kernels interpreted on CPU tensors. This is the forward a CUDA model runs
+(``paths.for_device``); here it proves the wiring — which rows go to the decode kernel, which
+to the prefill launch, the padded page tables, the slot mapping — on the same prepared caches as
+``tests/native/model/test_batched_forward.py``.
+
+Bounds: fp32 differs from the torch path only by summation order (the kernels accumulate the
+softmax online over pages), so ``REL["float32"]`` of that test holds; argmax tokens equal.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ninfer.native.model import paths
+from ninfer.native.model.forward import SeqInput
+from tests.native.model.test_batched_forward import (
+    CHUNK_PREFIX,
+    CONTEXTS,
+    REL,
+    _written_kv,
+    prepared,
+    rel_err,
+)
+
+
+def _compare(prep, rows, dtype="float32") -> None:
+    got, got_cache = prep.run(paths.KERNELS, rows)
+    ref, ref_cache = prep.run(paths.BATCHED, rows)
+    bound = REL[dtype]
+    assert rel_err(got.logits, ref.logits) < bound
+    for a, b in zip(_written_kv(got_cache, rows), _written_kv(ref_cache, rows)):
+        assert torch.isfinite(a).all() and rel_err(a, b) < bound
+    slots = [r.state_slot for r in rows]
+    if got_cache.conv.numel():
+        assert rel_err(got_cache.ssm[:, slots], ref_cache.ssm[:, slots]) < bound
+        assert rel_err(got_cache.conv[:, slots], ref_cache.conv[:, slots]) < bound
+    assert torch.equal(got.logits.argmax(-1), ref.logits.argmax(-1))
+
+
+@pytest.mark.parametrize("with_chunk", [False, True], ids=["decode-only", "with-chunk"])
+@pytest.mark.parametrize("n_decode", [1, 5, 8], ids=lambda n: f"B{n}")
+def test_the_kernel_path_equals_the_batched_path(tiny_model, with_chunk, n_decode):
+    prep = prepared(tiny_model, "float32")
+    _compare(prep, prep.step(n_decode, with_chunk))
+
+
+def test_a_chunk_alone_is_one_contiguous_prefill_launch(tiny_model):
+    prep = prepared(tiny_model, "float32")
+    _compare(prep, prep.step(0, True))
+
+
+def test_verify_rows_beside_decode_rows(tiny_model):
+    """A verify row (an input and its drafts over a cached prefix) goes to the prefill launch,
+    the decode rows to the decode kernel; the GDN keeps every step's state as on the torch path."""
+    prep = prepared(tiny_model, "float32")
+    c = len(CONTEXTS)
+    rows = prep.step(3, False)
+    rows.insert(1, SeqInput(prep.chunk_tokens[CHUNK_PREFIX:CHUNK_PREFIX + 4], CHUNK_PREFIX, prep.tables[c],
+                            prep.slots[c], "all", verify=True))
+    _compare(prep, rows)
+
+
+def test_pure_attention_model_on_the_kernel_path(tiny_qwen3):
+    prep = prepared(tiny_qwen3, "float32")
+    _compare(prep, prep.step(8, True))
+
+
+def test_the_device_chooses_the_path():
+    cuda = torch.device("cuda")
+    for dt in (torch.float32, torch.float16, torch.bfloat16):
+        assert paths.for_device(cuda, dt) is paths.KERNELS
+    assert paths.for_device(cuda, torch.float64) is paths.BATCHED      # the oracle's dtype
+    assert paths.for_device(torch.device("cpu"), torch.float32) is paths.BATCHED
