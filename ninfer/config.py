@@ -138,6 +138,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omi
     copy_engine: str = "auto"
     completion_timeout_s: float = 2.0
     cost_calibration: bool = True       # measure copy and prefill rates at startup
+    enforce_eager: bool = False         # no CUDA graphs (vLLM's name): every call runs eagerly
     media_budget_bytes: int = 512 * 2 ** 20   # the frontend's prepared images (MediaCache); one
     #                                           image's pixel_values above it is a 400
     faults: list[Fault] = []

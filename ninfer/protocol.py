@@ -655,6 +655,7 @@ class StepReply(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     uncovered: list[tuple[int, int]] = []   # (cid, generation) of checkpoints without the draft
     #                                  coverage their restore needs (DFlash): no query source
     vision: VisionStats | None = None  # the encoder cache's counters (None: no vision tower)
+    graphs: GraphStats | None = None   # the Program's graphs (None: eager only)
     worker_s: float = 0.0            # time the worker spent on this plan (observation)
 
 
@@ -683,6 +684,21 @@ class SpecStats(msgspec.Struct, array_like=True, gc=False):
                 "draft_entries": self.entries, "context_restarts": self.restarts,
                 "coverage_dropped": self.coverage_dropped, "short_of_pages": self.short,
                 "mean_accepted_per_block": self.accepted / max(self.verify_rows, 1)}
+
+
+class GraphStats(msgspec.Struct, array_like=True, gc=False):
+    """The Program's graphs of the decode forward (native/graphs.py)."""
+
+    backend: str = "cuda"         # "cuda", or the tests' CPU stand-in "replay"
+    buckets: list[int] = []       # member-count buckets captured (profile "decode")
+    capture_s: float = 0.0        # time to capture them all at startup
+    replays: int = 0              # calls run by replaying a graph
+    padded: int = 0               # of which had fewer rows than their bucket (padding rows ran)
+    eager: int = 0                # calls run eagerly (a chunk, verify rows, images, no bucket)
+
+    def as_dict(self) -> dict:
+        return {"backend": self.backend, "buckets": list(self.buckets), "capture_s": self.capture_s,
+                "replays": self.replays, "padded": self.padded, "eager": self.eager}
 
 
 class VisionStats(msgspec.Struct, array_like=True, gc=False):

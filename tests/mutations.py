@@ -365,6 +365,26 @@ MUTATIONS = [
      "        seq.blocks = self._dirs()\n        seq.drafts = []\n        seq.draft_base = seq.draft_frontier = 0\n",
      "        seq.blocks = self._dirs()\n        seq.draft_base = seq.draft_frontier = 0\n",
      [E + "test_dflash.py::test_a_pause_drops_the_block_and_the_resume_keeps_the_context_rules"]),
+    # ---- the GPU path (issue 15): the kernel path's wiring and the decode graphs ----
+    ("kernel path: decode rows attend their own lengths", "ninfer/native/model/paths.py",
+     "paged_decode_triton(q, k_cache, v_cache, table, batch.decode_kv_lens, scale, splits)",
+     "paged_decode_triton(q, k_cache, v_cache, table, batch.decode_kv_lens - 1, scale, splits)",
+     ["tests/native/kernels/test_kernel_path.py"]),
+    ("kernel path: the prefill launch starts at each sequence's frontier", "ninfer/native/model/paths.py",
+     "m.cu, m.starts, scale))", "m.cu, m.starts * 0, scale))",
+     ["tests/native/kernels/test_kernel_path.py"]),
+    ("kernel path: KV written by the Triton slot mapping", "ninfer/native/model/paths.py",
+     "        write_kv_triton(k_cache, v_cache, slots, k, v)", "        write_kv_triton(k_cache, v_cache, slots[:1], k[:1], v[:1])",
+     ["tests/native/kernels/test_kernel_path.py"]),
+    ("graphs: padding rows are reset on every replay (never a stale row)", "ninfer/native/graphs.py",
+     "            buf[n:].fill_(pad)", "            pass",
+     ["tests/native/test_graphs.py", E + "test_graphs.py::test_workloads_with_decode_graphs_match_the_oracle"]),
+    ("graphs: the block table is refreshed on every replay", "ninfer/native/graphs.py",
+     "        self.block_table[:n, :w].copy_(table)", "        pass",
+     ["tests/native/test_graphs.py"]),
+    ("graphs: only all-decode calls replay", "ninfer/native/graphs.py",
+     "        if (g is None or not batch.all_decode or embeds", "        if (g is None or embeds",
+     ["tests/native/test_graphs.py"]),
 ]
 
 

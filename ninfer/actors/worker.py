@@ -89,7 +89,7 @@ class Worker:
         self.faults = FaultPlan(config.faults if faults is None else faults)
         tower, merge = load_vision_tower(model_dir, model, device)
         self.prog = Program(model, resolve_layout(model.cfg, config, device), self.faults, config.copy_engine,
-                            tower, merge, config.context_cache.encoder_cache_bytes)
+                            tower, merge, config.context_cache.encoder_cache_bytes, config.enforce_eager)
         if notify is not None:
             self.prog.transfers.on_done = notify
         self._held = 0
@@ -184,6 +184,7 @@ class Worker:
         reply.spec = prog.spec.stats if prog.spec is not None else None
         reply.uncovered, prog.uncovered = prog.uncovered, []
         reply.vision = prog.encoder.stats if prog.encoder is not None else None
+        reply.graphs = prog.graphs.stats if prog.graphs is not None else None
 
     # ---- commands -----------------------------------------------------------------------
     def _command(self, c, reply: P.StepReply) -> P.CommandOut:

@@ -3,8 +3,9 @@
 On CUDA, at Qwen3-Next-like sizes: every kernel of ``ninfer/native/kernels`` against its torch
 reference on the same device (relative error within the bound the CPU tests state, copies bit
 for bit), each kernel's time, pinned H2D / D2H bandwidth, and the engine on ``device="cuda"``
-against ``reference_generate`` (greedy tokens; recorded, not fatal, while the engine's GPU
-path is being built). Without CUDA the same kernel comparisons run at a tiny size under
+(``engine_check``: the tiny model and a mid-size synthetic one, ``make_mid_model``, each with
+CUDA graphs on and off) against ``reference_generate`` and each other, with decode tok/s at
+C = 1..8, prefill tok/s and the graphs' capture time (recorded, not fatal). Without CUDA the same kernel comparisons run at a tiny size under
 TRITON_INTERPRET=1, which is what the CPU tests exercise. Exits non-zero (via the JSON's
 ``ok``) when any kernel misses its bound. It has not yet run on a GPU.
 """
@@ -187,26 +188,88 @@ def transfer_bandwidth(mib: int = 256, reps: int = 5) -> list[dict]:
     return out
 
 
-def engine_check(model_dir: str, prompts: int = 4, max_tokens: int = 16) -> dict:
-    """The engine on CUDA against the oracle (greedy). Recorded, never raised: the engine's
-    GPU path may not exist yet when this runs."""
+MID = {"hidden_size": 2048, "num_hidden_layers": 48, "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+       "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16,
+       "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+       "intermediate_size": 5632, "num_experts": 0, "max_position_embeddings": 8192}
+
+
+def make_mid_model(tiny_dir: str, out: str, sizes: dict | None = None) -> str:
+    """A mid-size synthetic Qwen3-Next (hidden 2048, 48 layers at 3:1 GDN:attention, head dims
+    256 / 128, dense MLP — about 1.7 B parameters, random, bf16) beside the tiny model's
+    tokenizer. Dense MLP: a 512-expert MoE of this width would be tens of GB, and graphs capture
+    at most ``graphs.DENSE_MOE_MAX_EXPERTS`` experts."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from ninfer.native.model.config import parse_config
+    from ninfer.tiny.weights import random_tensors
+    dst, src = Path(out), Path(tiny_dir)
+    if (dst / "model.safetensors").exists():
+        return str(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    raw = json.loads((src / "config.json").read_text())
+    sizes = sizes or MID
+    raw.update(sizes)
+    raw["layer_types"] = (sizes["layer_types"] * sizes["num_hidden_layers"])[:sizes["num_hidden_layers"]]
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        if (src / name).exists():
+            shutil.copy(src / name, dst / name)
+    save_file(random_tensors(parse_config(raw), seed=0), str(dst / "model.safetensors"), metadata={"format": "pt"})
+    (dst / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    return str(dst)
+
+
+def engine_check(model_dir: str, prompts: int = 4, max_tokens: int = 16, dtype: str = "float32",
+                 concurrency=(1, 2, 4, 8), prefill_tokens: int = 2048, device: str = "cuda",
+                 reference: bool = True) -> dict:
+    """The engine on CUDA with graphs on and off (``enforce_eager``): greedy tokens against
+    ``reference_generate`` (recorded, not fatal: on CUDA the engine's kernels and the reference's
+    torch ops round differently), the graphs' buckets, capture time and replays, decode tok/s at
+    each C and prefill tok/s of one long prompt. ``reference=False`` skips the oracle (it runs
+    on the CPU: too slow for the mid-size model within the check's 8 minutes); ``device="cpu"``
+    is how the tests run this function (with ``NINFER_GRAPHS=replay``)."""
     from ninfer.api import Engine
+    from ninfer.benchmarks.actors import measure
     from ninfer.reference import reference_generate
-    try:
-        eng = Engine.start(model_dir, config={"device": "cuda", "max_concurrency": 4, "max_context": 512},
-                           dtype="float32")
-    except Exception as exc:  # noqa: BLE001 - reported as a finding
-        return {"engine": "not started", "reason": f"{type(exc).__name__}: {exc}"[:300]}
-    try:
-        ps = [[7 + i] * (20 + 13 * i) for i in range(prompts)]
-        hs = [eng.generate(p, max_tokens=max_tokens, ignore_eos=True) for p in ps]
-        got = [h.result(300).token_ids for h in hs]
-    except Exception as exc:  # noqa: BLE001
-        return {"engine": "failed", "reason": f"{type(exc).__name__}: {exc}"[:300]}
-    finally:
-        eng.shutdown()
-    want = [reference_generate(model_dir, p, max_tokens=max_tokens, ignore_eos=True) for p in ps]
-    return {"engine": "ran", "requests_equal_reference": sum(g == w for g, w in zip(got, want)), "requests": prompts}
+    ps = [[7 + i] * (20 + 13 * i) for i in range(prompts)]
+    want = None
+    out = {}
+    for eager in (False, True):
+        key = "eager" if eager else "graphs"
+        cfg = {"device": device, "max_concurrency": max(8, *concurrency), "max_context": prefill_tokens + 256,
+               "prefill_chunk_tokens": 512, "enforce_eager": eager}
+        try:
+            eng = Engine.start(model_dir, config=cfg, dtype=dtype)
+        except Exception as exc:  # noqa: BLE001 - reported as a finding
+            out[key] = {"engine": "not started", "reason": f"{type(exc).__name__}: {exc}"[:300]}
+            continue
+        try:
+            hs = [eng.generate(p, max_tokens=max_tokens, ignore_eos=True) for p in ps]
+            got = [h.result(300).token_ids for h in hs]
+            if want is None and reference:
+                want = [reference_generate(model_dir, p, max_tokens=max_tokens, ignore_eos=True, dtype=dtype)
+                        for p in ps]
+            rec = {"engine": "ran", "requests": prompts, "tokens": got}
+            if want is not None:
+                rec["requests_equal_reference"] = sum(g == w for g, w in zip(got, want))
+            rec["decode_tok_s"] = {c: measure(eng, c, 64, 16)["decode_tok_s"] for c in concurrency}
+            t0 = time.perf_counter()
+            eng.generate([11] * prefill_tokens, max_tokens=1, ignore_eos=True).result(300)
+            rec["prefill_tok_s"] = prefill_tokens / (time.perf_counter() - t0)
+            rec["graphs"] = eng.stats().get("graphs")
+            out[key] = rec
+        except Exception as exc:  # noqa: BLE001
+            out[key] = {"engine": "failed", "reason": f"{type(exc).__name__}: {exc}"[:300]}
+        finally:
+            eng.shutdown()
+    g, e = out.get("graphs", {}), out.get("eager", {})
+    if "tokens" in g and "tokens" in e:
+        out["graphs_equal_eager"] = g["tokens"] == e["tokens"]
+    return out
 
 
 def run(model_dir: str, out: str | None = None) -> dict:
@@ -221,7 +284,13 @@ def run(model_dir: str, out: str | None = None) -> dict:
     if bw:
         print(table(bw, ["copy", "MiB", "GB_s"]) + "\n")
         result["transfers"] = bw
-    result["engine"] = engine_check(ensure_model(model_dir)) if cuda else {"engine": "skipped: no CUDA device"}
+    if cuda:
+        tiny = ensure_model(model_dir)
+        result["engine"] = {"tiny": engine_check(tiny)}
+        mid = make_mid_model(tiny, os.path.join(os.path.dirname(os.path.abspath(tiny)), "mid-qwen3-next"))
+        result["engine"]["mid"] = engine_check(mid, dtype="bfloat16", max_tokens=8, prompts=2, reference=False)
+    else:
+        result["engine"] = {"engine": "skipped: no CUDA device"}
     result["wall_s"] = time.perf_counter() - t0
     report("gpu", result, rows, ["kernel", "dtype", "error", "bound", "ok", "ms"], out)
     if not result["ok"]:

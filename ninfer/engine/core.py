@@ -109,6 +109,7 @@ class EngineCore:
         self.faults_fired: dict[str, int] = {}
         self.spec: P.SpecStats | None = None
         self.vision: P.VisionStats | None = None
+        self.graphs: P.GraphStats | None = None
         self._stuck = 0
         self.summary = EngineSummary(self, config.log_stats_interval_s)
 
@@ -264,6 +265,7 @@ class EngineCore:
         self.faults_fired = reply.faults_fired
         self.spec = reply.spec
         self.vision = reply.vision
+        self.graphs = reply.graphs
         self.tx = reply.tx
         if self.tx is not None and self._tx_since is None:
             self._tx_since = time.monotonic()
@@ -443,6 +445,7 @@ class EngineCore:
             "telemetry": self.telemetry.snapshot(),
             "speculative": self.spec.as_dict() if self.spec is not None else None,
             "vision": self.vision.as_dict() if self.vision is not None else None,
+            "graphs": self.graphs.as_dict() if self.graphs is not None else None,
             "cost_model": {"h2d_bytes_per_s": self.rm.cost.h2d_bytes_per_s,
                            "prefill_s_per_token": self.rm.cost.prefill_s_per_token,
                            "calibrated": bool(self.info.h2d_bytes_per_s or self.info.prefill_s_per_token)},

@@ -37,6 +37,7 @@ class Layout(msgspec.Struct, frozen=True, kw_only=True):
     spec_tokens: int = 0              # drafts per step (0: no speculative backend, no draft pool)
     spec_method: str = ""             # "mtp" | "dflash" | "dflash2" (its pool: MTP or DFLASH)
     draft_dir: str = ""               # the DFlash draft model
+    graph_bytes: int = 0              # CUDA graphs' memory pool + their scratch page and slot
 
     @property
     def main_pages(self) -> int:
@@ -53,6 +54,18 @@ def workspace_bytes(cfg: ModelConfig, chunk_tokens: int, itemsize: int) -> int:
     widest = max(cfg.hidden_size * 4, 2 * cfg.linear_key_dim + 2 * cfg.linear_value_dim,
                  cfg.num_attention_heads * cfg.head_dim * 3)
     return 8 * chunk_tokens * widest * itemsize + 4 * cfg.vocab_size * 8
+
+
+def graph_bytes(cfg: ModelConfig, ec: EngineConfig, device: torch.device, itemsize: int, page_bytes: int,
+                image_bytes: int) -> int:
+    """What CUDA graphs take beside the eager workspace (on CUDA unless ``enforce_eager``): their
+    memory pool — the activations of the largest bucket (max_concurrency rows), shared by all
+    buckets (captured largest first) — plus the padding rows' scratch KV page and state slot.
+    Nothing for a model whose decode cannot be captured (``graphs.not_capturable``)."""
+    from ninfer.native.graphs import not_capturable
+    if device.type != "cuda" or ec.enforce_eager or not_capturable(cfg):
+        return 0
+    return workspace_bytes(cfg, ec.max_concurrency, itemsize) + page_bytes + image_bytes
 
 
 def draft_pages(main_pages: int, max_concurrency: int, spec_tokens: int, method: str) -> int:
@@ -105,8 +118,9 @@ def resolve_layout(cfg: ModelConfig, ec: EngineConfig, device: torch.device,
     # verify rows keep every step's recurrent state until the accepted prefix is known
     work = workspace_bytes(cfg, ec.prefill_chunk_tokens, item) + ec.max_concurrency * (k + 1) * image * (k > 0)
     lo, hi = kv_page_bounds(max_ctx, ec.max_concurrency)
+    graph = graph_bytes(cfg, ec, device, item, main_bytes, image)
     margin = spec.draft_pages if fixed_pages else draft_pages(0, ec.max_concurrency, k, method)
-    fixed = slots * image + work + margin * draft_bytes
+    fixed = slots * image + work + margin * draft_bytes + graph
     if budget_bytes is None:
         budget_bytes = ec.memory_budget_bytes
     if budget_bytes is None and device.type == "cuda":
@@ -133,7 +147,7 @@ def resolve_layout(cfg: ModelConfig, ec: EngineConfig, device: torch.device,
         kv_pages={MAIN: int(pages), MTP: 0, DFLASH: 0, pool: n_draft},
         kv_page_bytes={MAIN: main_bytes, MTP: 0, DFLASH: 0, pool: draft_bytes},
         state_slots=slots, state_image_bytes=image,
-        host_capacity_bytes=ec.host_capacity(image), workspace_bytes=work,
+        host_capacity_bytes=ec.host_capacity(image), workspace_bytes=work, graph_bytes=graph,
         dtype=ec.dtype, prefill_chunk_tokens=ec.prefill_chunk_tokens, spec_tokens=k,
         spec_method=method if k else "", draft_dir=(spec.draft or "") if spec is not None else "",
     )

@@ -48,11 +48,15 @@ def _host_backing(host_bytes: int, pin: bool) -> torch.Tensor:
 
 
 class Memory:
-    def __init__(self, model: HybridModel, pages: int, slots: int, host_bytes: int):
+    """``scratch``: one more KV page and state slot past the pools (indices ``pages`` and
+    ``slots``), written only by a CUDA graph's padding rows (native/graphs.py)."""
+
+    def __init__(self, model: HybridModel, pages: int, slots: int, host_bytes: int, scratch: bool = False):
         self.model = model
         self.device = model.device
-        self.cache: ModelCache = model.new_cache(pages, slots)
-        self.hidden = torch.zeros(slots, model.cfg.hidden_size, dtype=model.dtype, device=self.device)
+        self.scratch = (pages, slots) if scratch else None
+        self.cache: ModelCache = model.new_cache(pages + scratch, slots + scratch)
+        self.hidden = torch.zeros(slots + scratch, model.cfg.hidden_size, dtype=model.dtype, device=self.device)
         self.host = _host_backing(host_bytes, pin=self.device.type == "cuda")
         c = self.cache
         self._conv_bytes = _bytes(c.conv[:, 0])

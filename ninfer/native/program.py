@@ -24,6 +24,7 @@ that is gone (or has another generation) and changes nothing.
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ import torch
 
 from ninfer.errors import NInferError
 from ninfer.faults import FaultPlan
+from ninfer.native import graphs
 from ninfer.native.layout import KV_KINDS, MAIN, MTP, STATE, Layout
 from ninfer.native.memory import Memory
 from ninfer.native.model.config import PAGE_SIZE
@@ -76,6 +78,7 @@ from ninfer.protocol import (
 from ninfer.sampling_params import SamplingParams
 
 Job = Callable[[], None]
+log = logging.getLogger("ninfer.native")
 
 
 class NativeError(NInferError):
@@ -155,7 +158,8 @@ class TxSettled:
 
 class Program:
     def __init__(self, model: HybridModel, layout: Layout, faults: FaultPlan | None = None,
-                 copy_engine: str = "auto", tower=None, vision_merge: int = 0, encoder_cache_bytes: int = 0):
+                 copy_engine: str = "auto", tower=None, vision_merge: int = 0, encoder_cache_bytes: int = 0,
+                 enforce_eager: bool = False):
         self.model = model
         self.vision_merge = vision_merge              # 0: no vision tower (text-only model)
         self.encoder = None                           # media.EncoderCache: tower outputs by digest
@@ -168,11 +172,17 @@ class Program:
             kind: IdPool(kind, layout.kv_pages[kind], layout.kv_page_bytes[kind]) for kind in KV_KINDS
         }
         self.pools[STATE] = IdPool(STATE, layout.state_slots, layout.state_image_bytes)
-        self.mem = Memory(model, layout.main_pages, layout.state_slots, layout.host_capacity_bytes)
+        backend = graphs.backend_for(model.device, enforce_eager)
+        why = graphs.GraphRunner.usable(model) if backend is not None else ""
+        if why:
+            log.info("no CUDA graphs: %s", why)
+            backend = None
+        self.mem = Memory(model, layout.main_pages, layout.state_slots, layout.host_capacity_bytes,
+                          scratch=backend is not None)
         self.host = HostArena(layout.host_capacity_bytes)
         self.transfers = TransferEngine(self.device, copy_engine, faults)
         self.exec_identity = hashlib.blake2b(
-            (repr(model.cfg) + str(model.dtype) + "torch-reference").encode(), digest_size=16).digest()
+            (repr(model.cfg) + str(model.dtype) + model.path.name).encode(), digest_size=16).digest()
         self._ids = count(1)
         self.sequences: dict[int, Sequence] = {}
         self.checkpoints: dict[int, Checkpoint] = {}
@@ -194,6 +204,12 @@ class Program:
             self.spec = MtpBackend(self)
         elif layout.spec_method:
             self.spec = DFlashBackend(self)
+        self.graphs: graphs.GraphRunner | None = None   # the decode forward's graphs (graphs.py)
+        if backend is not None:
+            self.graphs = graphs.GraphRunner(model, self.mem.cache, backend, layout.max_concurrency,
+                                             layout.max_context, *self.mem.scratch,
+                                             taps=self.spec.taps if self.spec is not None else ())
+            self.graphs.capture_all()
 
     # ==== identity =====================================================================
     def input_digest(self, tokens: tuple[int, ...] | list[int], media: bytes = b"") -> bytes:
@@ -509,7 +525,9 @@ class Program:
                 embeds = call_embeds(self.model.embed, [t for s_in in seqs_in for t in s_in.token_ids],
                                      batch.cu[:-1], [(r.seq.frontier, r.n_tokens, r.seq.media) for r in compute],
                                      self.encoder, self.model.cfg.vocab_size)
-            out = self.model.forward(batch, self.mem.cache, embeds, self.spec.taps if self.spec is not None else ())
+            taps = self.spec.taps if self.spec is not None else ()
+            out = (self.graphs.forward(batch, embeds, taps) if self.graphs is not None
+                   else self.model.forward(batch, self.mem.cache, embeds, taps))
             li = 0                                # the row of out.logits of the sequence's first logits row
             for i, r in enumerate(compute):
                 seq, d, res = r.seq, drafts[i], results[r.seq.sid]

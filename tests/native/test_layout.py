@@ -61,3 +61,22 @@ def test_budget_too_small_names_the_numbers(cfg):
 def test_host_default_is_8gib_plus_8_images(cfg):
     lay = resolve_layout(cfg, EngineConfig(max_context=1024, kv_capacity=1024), CPU)
     assert lay.host_capacity_bytes == (8 << 30) + 8 * lay.state_image_bytes
+
+
+def test_cuda_graphs_take_their_pool_and_scratch_from_the_budget(cfg):
+    """On CUDA (solved here without a device: the budget is given) the graphs' memory pool —
+    the largest bucket's activations — and their scratch page and slot come off the KV pages;
+    ``enforce_eager`` and the CPU reserve nothing."""
+    from ninfer.native.layout import workspace_bytes
+    cuda = torch.device("cuda")
+    ec = dict(max_concurrency=4, max_context=4096, memory_budget_bytes=20 << 20)
+    graphs = resolve_layout(cfg, EngineConfig(**ec), cuda)
+    eager = resolve_layout(cfg, EngineConfig(**ec, enforce_eager=True), cuda)
+    cpu = resolve_layout(cfg, EngineConfig(**ec), CPU)
+    assert eager.graph_bytes == cpu.graph_bytes == 0
+    assert graphs.graph_bytes == (workspace_bytes(cfg, 4, 4) + graphs.kv_page_bytes[MAIN]
+                                  + graphs.state_image_bytes)
+    assert graphs.main_pages < eager.main_pages
+    used = graphs.main_pages * graphs.kv_page_bytes[MAIN] + graphs.state_slots * graphs.state_image_bytes \
+        + graphs.workspace_bytes + graphs.graph_bytes
+    assert used <= 20 << 20

@@ -186,12 +186,14 @@ class HybridModel:
     # ---- forward ------------------------------------------------------------------------
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, cache: ModelCache, embeds: torch.Tensor | None = None,
-                taps: tuple[int, ...] = ()) -> ForwardOutput:
+                taps: tuple[int, ...] = (), static: bool = False) -> ForwardOutput:
         """``embeds`` [T, H] replaces the token embeddings when given (a prompt with images:
         ``multimodal.prompt_embeddings``). With ``mrope_section``, ``batch.rope_positions`` [3, T]
         (when set) are the rotary positions; the cache is always indexed by ``batch.positions``.
         ``taps``: layer ids whose outputs (every row) come back concatenated in ``out.taps``
-        [T, len(taps) * H] — a DFlash draft's context features (``dflash.tap_features``)."""
+        [T, len(taps) * H] — a DFlash draft's context features (``dflash.tap_features``).
+        ``static``: only ops without data-dependent shapes (MoE in its dense form), for a CUDA
+        graph's capture (native/graphs.py)."""
         c = self.cfg
         x = F.embedding(batch.input_ids, self.embed) if embeds is None else embeds.to(self.dtype)
         rope_pos = batch.rope_positions if (c.mrope_section and batch.rope_positions is not None) else batch.positions
@@ -206,7 +208,7 @@ class HybridModel:
                 h = self._attention(layer.mixer, h, cos, sin, batch, cache, j)
             x = x + h
             h = rms_norm(x, layer.post_norm, c.rms_norm_eps, c.zero_centered_norm)
-            x = x + (sparse_moe(h, layer.mlp) if isinstance(layer.mlp, MoeWeights) else silu_mlp(h, *layer.mlp))
+            x = x + (sparse_moe(h, layer.mlp, static) if isinstance(layer.mlp, MoeWeights) else silu_mlp(h, *layer.mlp))
             if i in taps:
                 tapped[i] = x
         hidden = x[batch.logits_rows]

@@ -26,10 +26,15 @@ class MoeWeights:
     shared_gate: torch.Tensor | None = None
 
 
-def sparse_moe(x: torch.Tensor, w: MoeWeights) -> torch.Tensor:
+def sparse_moe(x: torch.Tensor, w: MoeWeights, dense: bool = False) -> torch.Tensor:
     """x: [T, H] -> [T, H]. Routing softmax in the accumulation dtype, top-k, optional
     renormalisation; each token's output is the weighted sum of its experts plus the gated
-    shared expert."""
+    shared expert.
+
+    ``dense``: every expert over every token, weighted by a [T, E] routing matrix that is zero
+    where an expert was not chosen — no data-dependent shape or host sync, so a CUDA graph can
+    capture it (native/graphs.py). Experts are summed in the same ascending order as the sparse
+    form and an unchosen expert adds an exact zero, so the two agree to the matmuls' rounding."""
     acc = acc_dtype(x.dtype)
     probs = torch.softmax(F.linear(x, w.router).to(acc), dim=-1)
     top_w, top_i = torch.topk(probs, w.top_k, dim=-1)                 # [T, k]
@@ -38,12 +43,23 @@ def sparse_moe(x: torch.Tensor, w: MoeWeights) -> torch.Tensor:
     top_w = top_w.to(x.dtype)
     out = torch.zeros_like(x)
     inter = w.down.shape[-1]
+    if dense:
+        route = torch.zeros(x.shape[0], w.gate_up.shape[0], dtype=x.dtype, device=x.device).scatter_(1, top_i, top_w)
+        for e in range(w.gate_up.shape[0]):
+            gate_up = F.linear(x, w.gate_up[e])
+            h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+            out = out + F.linear(h, w.down[e]) * route[:, e:e + 1]
+        return _with_shared(out, x, w)
     for e in torch.unique(top_i).tolist():
         tok, slot = torch.where(top_i == e)
         gate_up = F.linear(x[tok], w.gate_up[e])
         h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
         y = F.linear(h, w.down[e]) * top_w[tok, slot, None]
         out.index_add_(0, tok, y)
+    return _with_shared(out, x, w)
+
+
+def _with_shared(out: torch.Tensor, x: torch.Tensor, w: MoeWeights) -> torch.Tensor:
     if w.shared_gate_proj is not None:
         shared = silu_mlp(x, w.shared_gate_proj, w.shared_up_proj, w.shared_down_proj)
         out = out + torch.sigmoid(F.linear(x, w.shared_gate)) * shared

@@ -34,3 +34,31 @@ def test_runs_from_this_checkout():
 
     import ninfer
     assert Path(ninfer.__file__).resolve().parents[1] == Path(__file__).resolve().parents[3]
+
+
+def test_the_engine_check_runs_graphs_and_eager_on_the_cpu_stand_in(tiny_model, monkeypatch):
+    """The check's engine part, on the CPU with the graphs' stand-in backend: both runs start,
+    equal the oracle and each other, measure decode and prefill, and the graph run replayed."""
+    monkeypatch.setenv("NINFER_GRAPHS", "replay")
+    out = gpu.engine_check(tiny_model, prompts=2, max_tokens=4, concurrency=(1, 2), prefill_tokens=128,
+                           device="cpu")
+    g, e = out["graphs"], out["eager"]
+    assert g["engine"] == e["engine"] == "ran", out
+    assert g["requests_equal_reference"] == e["requests_equal_reference"] == 2
+    assert out["graphs_equal_eager"]
+    assert g["graphs"]["replays"] > 0 and g["graphs"]["buckets"] == [1, 2, 4, 8]
+    assert e["graphs"] is None
+    assert set(g["decode_tok_s"]) == {1, 2} and g["prefill_tok_s"] > 0
+
+
+def test_the_mid_size_model_is_a_loadable_directory(tiny_model, tmp_path):
+    """``make_mid_model`` with small sizes (the real ones are 1.7 B parameters): the layer
+    pattern repeats 3:1, the tokenizer comes along, the model loads."""
+    from ninfer.native.model.model import HybridModel
+    small = {**gpu.MID, "hidden_size": 64, "num_hidden_layers": 8, "num_attention_heads": 2, "head_dim": 32,
+             "linear_num_key_heads": 1, "linear_num_value_heads": 2, "linear_key_head_dim": 16,
+             "linear_value_head_dim": 16, "intermediate_size": 96}
+    d = gpu.make_mid_model(tiny_model, str(tmp_path / "mid"), small)
+    m = HybridModel.load(d, "float32")
+    assert list(m.cfg.layer_types) == (["linear_attention"] * 3 + ["full_attention"]) * 2
+    assert m.cfg.hidden_size == 64 and (tmp_path / "mid" / "tokenizer.json").exists()

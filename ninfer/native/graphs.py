@@ -1,0 +1,222 @@
+"""The Program's CUDA graphs of the decode forward (seed: CUDA graph 由 Program 拥有，按实际成员数和
+执行 profile 选择).
+
+A graph is keyed by (member-count bucket, execution profile). The profile captured today is
+``decode``: every row of the call is one decode row, no image embeddings. Every other call — a
+prefill or replay chunk, speculative verify rows, MRoPE rows — runs eagerly (the fallback,
+counted in ``GraphStats.eager``); verify rows are the next profile to capture.
+
+Buckets are vLLM's capture sizes cut at ``max_concurrency``: 1, 2, 4, 8, then every multiple
+of 8. A call of n rows replays the smallest bucket >= n; rows n .. B-1 are padding rows: token 0
+at position 0, its KV written into the scratch page, its state read and written in the scratch
+slot (``Memory``'s extra page and slot, outside every pool the policy sees), so a padding row
+never touches a page or slot of a sequence. Every row of a forward is independent of the others
+(attention, GDN, MoE and norms are per row), so padding changes no real row.
+
+**Never stale:** every tensor the captured forward reads is a static buffer of its graph, and
+every replay rewrites all of it — the real rows from the call's ``ForwardBatch``, the padding
+rows to their fixed values, the block table to the real pages padded with each row's own first
+page (the scratch page for padding rows) — before the graph runs. The outputs are the graph's
+static tensors; the caller reads them before the next replay.
+
+Backends: ``CudaBackend`` captures with ``torch.cuda.CUDAGraph`` into one shared memory pool
+(largest bucket first, after two warm-up runs on a side stream, so autotuned kernels have picked
+their configs before capture). ``ReplayBackend`` is the CPU stand-in the tests use
+(``NINFER_GRAPHS=replay``): "capture" runs the function once, "replay" runs it again on the same
+static buffers and copies its results into the captured outputs — so a buffer that a replay did
+not refresh would feed the previous call's values, as it would on the GPU. What the stand-in
+cannot show is a Python decision frozen at capture; the captured forward makes none on values
+(shapes only: the bucket and the table's width).
+
+MoE layers run the dense-over-experts form in a graph (``sparse_moe(dense=True)``: the routing
+weights are zero for unselected experts, so the sum equals the sparse one to rounding) — it has
+no data-dependent shapes. It reads every expert's weights per step, so graphs are used only for
+models with at most ``DENSE_MOE_MAX_EXPERTS`` experts; a larger MoE (Qwen3-Next's 512) runs
+eagerly until a fused MoE kernel exists.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import torch
+
+from ninfer.native.model.config import PAGE_SIZE
+from ninfer.native.model.forward import ForwardBatch, ForwardOutput, ModelCache
+from ninfer.protocol import GraphStats
+
+log = logging.getLogger("ninfer.graphs")
+
+DENSE_MOE_MAX_EXPERTS = 64
+DECODE = "decode"
+
+
+def not_capturable(cfg) -> str:
+    """Why a model of this config gets no graphs ('' when it does)."""
+    if cfg.num_experts > DENSE_MOE_MAX_EXPERTS and any(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
+        return (f"{cfg.num_experts} experts: the capture-safe MoE reads every expert "
+                f"(at most {DENSE_MOE_MAX_EXPERTS}); decode runs eagerly")
+    return ""
+
+
+def buckets(max_rows: int) -> list[int]:
+    """Member-count buckets up to ``max_rows`` (always including it)."""
+    return sorted({b for b in [1, 2, 4, *range(8, max_rows, 8)] if b < max_rows} | {max_rows})
+
+
+def bucket_for(n: int, sizes: list[int]) -> int | None:
+    for b in sizes:
+        if b >= n:
+            return b
+    return None
+
+
+def backend_for(device: torch.device, enforce_eager: bool):
+    """The graph backend of a Program on ``device``: CUDA graphs on CUDA unless the config says
+    ``enforce_eager``; on the CPU none, except the tests' stand-in (``NINFER_GRAPHS=replay``)."""
+    if enforce_eager:
+        return None
+    if device.type == "cuda":
+        return CudaBackend(device)
+    if os.environ.get("NINFER_GRAPHS") == "replay":
+        return ReplayBackend()
+    return None
+
+
+class CudaBackend:
+    name = "cuda"
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()
+        self.side = torch.cuda.Stream(device)
+
+    def capture(self, fn: Callable[[], ForwardOutput]) -> tuple[Callable[[], None], ForwardOutput]:
+        main = torch.cuda.current_stream(self.device)
+        self.side.wait_stream(main)
+        with torch.cuda.stream(self.side):
+            for _ in range(2):                 # warm-up: autotuners pick their configs here
+                fn()
+        main.wait_stream(self.side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = fn()
+        return graph.replay, out
+
+
+class ReplayBackend:
+    name = "replay"
+
+    def capture(self, fn: Callable[[], ForwardOutput]) -> tuple[Callable[[], None], ForwardOutput]:
+        out = fn()
+
+        def replay() -> None:
+            new = fn()
+            for dst, src in ((out.hidden, new.hidden), (out.logits, new.logits),
+                             (out.all_hidden, new.all_hidden), (out.taps, new.taps)):
+                if dst is not None:
+                    dst.copy_(src)
+        return replay, out
+
+
+class _Static:
+    """The input buffers of one bucket's graph and the ForwardBatch over them."""
+
+    def __init__(self, rows: int, width: int, device, scratch_page: int, scratch_slot: int):
+        lt = lambda n, v: torch.full((n,), v, dtype=torch.long, device=device)  # noqa: E731
+        self.rows, self.width = rows, width
+        self.pad_slot_mapping, self.scratch_page, self.scratch_slot = scratch_page * PAGE_SIZE, scratch_page, scratch_slot
+        self.input_ids = lt(rows, 0)
+        self.positions = lt(rows, 0)
+        self.slot_mapping = lt(rows, self.pad_slot_mapping)
+        self.state_slots = lt(rows, scratch_slot)
+        self.kv_lens = lt(rows, 1)
+        self.block_table = torch.full((rows, width), scratch_page, dtype=torch.long, device=device)
+        arange = torch.arange(rows, dtype=torch.long, device=device)
+        self.batch = ForwardBatch(
+            input_ids=self.input_ids, positions=self.positions, cu=list(range(rows + 1)), starts=[0] * rows,
+            page_tables=[], state_slots=self.state_slots, slot_mapping=self.slot_mapping, logits_rows=arange,
+            decode_seqs=list(range(rows)), decode_rows=arange, decode_slots=self.state_slots,
+            decode_kv_lens=self.kv_lens, decode_block_table=self.block_table, decode_kv_slots=None)
+
+    def load(self, b: ForwardBatch) -> None:
+        """Every buffer rewritten: the call's rows, then padding."""
+        n = len(b.decode_seqs)
+        for buf, src, pad in ((self.input_ids, b.input_ids, 0), (self.positions, b.positions, 0),
+                              (self.slot_mapping, b.slot_mapping, self.pad_slot_mapping),
+                              (self.state_slots, b.state_slots, self.scratch_slot),
+                              (self.kv_lens, b.decode_kv_lens, 1)):
+            buf[:n].copy_(src)
+            buf[n:].fill_(pad)
+        table, w = b.decode_block_table, b.decode_block_table.shape[1]
+        self.block_table[:n, :w].copy_(table)
+        self.block_table[:n, w:].copy_(table[:, :1].expand(n, self.width - w))
+        self.block_table[n:].fill_(self.scratch_page)
+
+
+class _Graph:
+    def __init__(self, static: _Static, replay: Callable[[], None], out: ForwardOutput):
+        self.static, self.replay, self.out = static, replay, out
+
+
+class GraphRunner:
+    """The Program's graphs; ``forward`` replays one when the call's shape has one, else runs
+    the model eagerly."""
+
+    def __init__(self, model, cache: ModelCache, backend, max_rows: int, max_context: int,
+                 scratch_page: int, scratch_slot: int, taps: tuple[int, ...] = ()):
+        self.model, self.cache, self.backend, self.taps = model, cache, backend, taps
+        self.sizes = buckets(max_rows)
+        self.width = -(-max_context // PAGE_SIZE)
+        self.scratch_page, self.scratch_slot = scratch_page, scratch_slot
+        self.graphs: dict[tuple[int, str], _Graph] = {}
+        self.stats = GraphStats(backend=backend.name)
+
+    @staticmethod
+    def usable(model) -> str:
+        """Why this model's decode forward cannot be captured ('' when it can)."""
+        return not_capturable(model.cfg)
+
+    def capture_all(self) -> None:
+        """Every bucket's decode graph, largest first (smaller graphs reuse its memory pool)."""
+        t0 = time.perf_counter()
+        for b in sorted(self.sizes, reverse=True):
+            self._capture(b)
+        self.stats.capture_s = time.perf_counter() - t0
+        self.stats.buckets = sorted(b for b, _ in self.graphs)
+
+    def _capture(self, rows: int) -> _Graph:
+        static = _Static(rows, self.width, self.model.device, self.scratch_page, self.scratch_slot)
+
+        def fn() -> ForwardOutput:
+            return self.model.forward(static.batch, self.cache, taps=self.taps, static=True)
+        replay, out = self.backend.capture(fn)
+        g = self.graphs[(rows, DECODE)] = _Graph(static, replay, out)
+        self._clear_scratch()
+        return g
+
+    def _clear_scratch(self) -> None:
+        c = self.cache
+        if c.conv.numel():
+            c.conv[:, self.scratch_slot].zero_()
+            c.ssm[:, self.scratch_slot].zero_()
+
+    def forward(self, batch: ForwardBatch, embeds: torch.Tensor | None, taps: tuple[int, ...]) -> ForwardOutput:
+        n = len(batch.decode_seqs)
+        b = bucket_for(n, self.sizes)
+        g = self.graphs.get((b, DECODE)) if b is not None else None
+        if (g is None or not batch.all_decode or embeds is not None or batch.rope_positions is not None
+                or tuple(taps) != tuple(self.taps) or batch.decode_block_table.shape[1] > self.width):
+            self.stats.eager += 1
+            return self.model.forward(batch, self.cache, embeds, taps)
+        g.static.load(batch)
+        self._clear_scratch()
+        g.replay()
+        self.stats.replays += 1
+        self.stats.padded += n < b
+        o = g.out
+        return ForwardOutput(hidden=o.hidden[:n], logits=o.logits[:n], all_hidden=o.all_hidden[:n],
+                             taps=o.taps[:n] if o.taps is not None else None)

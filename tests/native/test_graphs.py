@@ -1,0 +1,100 @@
+"""The Program's decode graphs (native/graphs.py) on the CPU stand-in backend: a sequence of
+decode calls of changing membership, lengths and page tables, each replayed on its bucket's
+static buffers, equals the same calls run eagerly — logits, every KV page and every state slot
+of the pools (the scratch page and slot excepted) — so no replay read a previous call's inputs
+and no padding row wrote outside the scratch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ninfer.native import graphs
+from ninfer.native.model.forward import ForwardBatch, ModelCache
+from tests.native.model.test_batched_forward import ORDER, prepared, rel_err
+
+
+def _with_scratch(cache: ModelCache) -> ModelCache:
+    """The prepared cache plus one page and one slot (the scratch), filled with NaN: a real row
+    that read them would show it."""
+    grow = lambda t, dim: torch.cat([t, torch.full_like(t.narrow(dim, 0, 1), float("nan"))], dim)  # noqa: E731
+    return ModelCache(grow(cache.k, 1), grow(cache.v, 1), grow(cache.conv, 1), grow(cache.ssm, 1))
+
+
+# buckets 4, 8, 4 (full), 4 (one padding row after a full call: stale unless refreshed), 2, 1,
+# 8 (full), 4, 1
+CALLS = [[0, 1, 2], [3, 4, 5, 6, 7], [2, 3, 4, 1], [0, 7, 5], [1, 2], [6], [6, 5, 4, 3, 2, 1, 0, 7], [4, 1, 0], [4]]
+
+
+def test_bucket_sizes():
+    assert graphs.buckets(1) == [1]
+    assert graphs.buckets(6) == [1, 2, 4, 6]
+    assert graphs.buckets(8) == [1, 2, 4, 8]
+    assert graphs.buckets(30) == [1, 2, 4, 8, 16, 24, 30]
+    assert graphs.bucket_for(3, [1, 2, 4, 8]) == 4 and graphs.bucket_for(9, [1, 2, 4, 8]) is None
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_replayed_decode_calls_equal_eager_calls(tiny_model, dtype):
+    prep = prepared(tiny_model, dtype)
+    model = prep.model
+    eager = _with_scratch(prep.cache)
+    replayed = _with_scratch(prep.cache)
+    pages, slots = prep.cache.k.shape[1], prep.cache.conv.shape[1]
+    runner = graphs.GraphRunner(model, replayed, graphs.ReplayBackend(), max_rows=8, max_context=512,
+                                scratch_page=pages, scratch_slot=slots)
+    runner.capture_all()
+    assert runner.stats.buckets == [1, 2, 4, 8]
+    lens = {i: 0 for i in range(len(ORDER))}        # decode steps taken by each sequence
+    bound = 1e-12 if dtype == "float64" else 1e-5
+    for call in CALLS:
+        rows = []
+        for i in call:
+            (row,) = [r for r in prep.step(len(ORDER), False) if r.state_slot == prep.slots[i]]
+            row.start += lens[i]                     # one position further each time it decodes
+            row.token_ids = [(7 * i + lens[i]) % 2000 + 1]
+            rows.append(row)
+            lens[i] += 1
+        batch = ForwardBatch.build(rows)
+        want = model.forward(batch, eager)
+        got = runner.forward(batch, None, ())
+        assert rel_err(got.logits, want.logits) < bound
+        assert torch.equal(got.logits.argmax(-1), want.logits.argmax(-1))
+        assert rel_err(got.all_hidden, want.all_hidden) < bound
+        for a, b in ((replayed.ssm, eager.ssm), (replayed.conv, eager.conv)):
+            assert rel_err(a[:, :slots], b[:, :slots]) < bound
+        for a, b in ((replayed.k, eager.k), (replayed.v, eager.v)):
+            a, b = a[:, :pages], b[:, :pages]
+            assert torch.equal(a.isnan(), b.isnan())    # the same slots written, nothing else
+            assert rel_err(torch.nan_to_num(a), torch.nan_to_num(b)) < bound
+    assert runner.stats.replays == len(CALLS) and runner.stats.padded > 0 and runner.stats.eager == 0
+
+
+def test_calls_without_a_graph_run_eagerly(tiny_model):
+    prep = prepared(tiny_model, "float64")
+    cache = _with_scratch(prep.cache)
+    runner = graphs.GraphRunner(prep.model, cache, graphs.ReplayBackend(), max_rows=2, max_context=512,
+                                scratch_page=prep.cache.k.shape[1], scratch_slot=prep.cache.conv.shape[1])
+    runner.capture_all()
+    for rows in (prep.step(2, True), prep.step(3, False)):   # a chunk; more rows than any bucket
+        batch = ForwardBatch.build(rows)
+        out = runner.forward(batch, None, ())
+        assert out.logits.shape[0] == batch.logits_rows.numel()
+    assert runner.stats.eager == 2 and runner.stats.replays == 0
+
+
+def test_a_moe_too_wide_for_the_dense_form_is_not_captured(tiny_model):
+    prep = prepared(tiny_model, "float64")
+    assert graphs.GraphRunner.usable(prep.model) == ""
+    wide = type("M", (), {"cfg": type("C", (), {"num_experts": 512, "num_hidden_layers": 1,
+                                                 "is_moe_layer": lambda self, i: True})()})()
+    assert "512 experts" in graphs.GraphRunner.usable(wide)
+
+
+def test_the_backend_follows_the_device_and_enforce_eager(monkeypatch):
+    monkeypatch.delenv("NINFER_GRAPHS", raising=False)
+    cpu = torch.device("cpu")
+    assert graphs.backend_for(cpu, False) is None
+    monkeypatch.setenv("NINFER_GRAPHS", "replay")
+    assert isinstance(graphs.backend_for(cpu, False), graphs.ReplayBackend)
+    assert graphs.backend_for(cpu, True) is None
