@@ -94,16 +94,23 @@ class Memory:
         self.hidden[dst] = self.hidden[src]
 
     def slot_to_host(self, slot: int, ext: Extent, snapshot_now: bool) -> Job:
-        """D2H of a StateImage. ``snapshot_now`` clones the source at submission (the writer
-        keeps computing in that slot); on CUDA stream order gives the same guarantee."""
+        """D2H of a StateImage. ``snapshot_now``: the writer keeps computing in that slot, so the
+        source is cloned at submission — on the CPU before the copy thread reads it; on CUDA on
+        the compute stream, in its order (the copy stream waits for compute before the job runs,
+        but compute never waits for the copy stream, so the slot itself may be overwritten by the
+        next step while the D2H is still reading). The clone is marked used by the copy stream,
+        so the caching allocator keeps it until that copy is done."""
         c = self.cache
         src = (c.conv[:, slot], c.ssm[:, slot], self.hidden[slot])
-        if snapshot_now and self.device.type != "cuda":
+        if snapshot_now:
             src = tuple(t.clone() for t in src)
         dst = self._image_views(ext)
+        cuda = self.device.type == "cuda"
 
         def job() -> None:
             for d, s in zip(dst, src):
+                if cuda and snapshot_now:
+                    s.record_stream(torch.cuda.current_stream(self.device))   # the copy stream
                 d.copy_(s, non_blocking=True)
         return job
 

@@ -1,7 +1,11 @@
 """Asynchronous copies (D2H, H2D) whose completions arrive later as events.
 
-On CUDA a copy runs on a dedicated stream after the compute stream's current work and
-completes when its event fires. On the CPU a worker thread performs the copies (``thread``),
+On CUDA a copy runs on a dedicated stream after the compute stream's current work (the copy
+stream waits for compute at submission: a capture reads an image compute has finished writing)
+and completes when its event fires. Compute never waits for the copy stream; it needs not to:
+a restored slot or page is read only after its transaction settled, which the Program does
+only once every event of the transaction has fired (``drain`` queries them), and a D2H of a
+slot that compute keeps writing copies a clone taken in compute order (``Memory.slot_to_host``). On the CPU a worker thread performs the copies (``thread``),
 so completion handling is really asynchronous there too; ``inline`` runs each copy at
 submission and delivers its completion at the next progress point (deterministic, for tests).
 
