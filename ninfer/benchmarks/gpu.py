@@ -140,6 +140,30 @@ def gdn_cases(size: dict, dtype, device) -> list[Case]:
     ]
 
 
+NORM_BOUND = {"cpu": {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 2.4e-2},   # interpreter: bf16
+              "cuda": {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}}     # casts truncate
+
+
+def norm_cases(size: dict, dtype, device) -> list[Case]:
+    """The fused norms over a decode batch's rows of the model width (plain, zero-centred, gated)."""
+    from ninfer.native.kernels import norms
+    rows, width = size["rows"] * size["h"], size["d"]
+    g = torch.Generator(device=device).manual_seed(5)
+    x = (torch.randn(rows, width, generator=g, device=device) * 3).to(dtype)
+    gate = torch.randn(rows, width, generator=g, device=device).to(dtype)
+    w = (torch.randn(width, generator=g, device=device) * 0.2 + 1).to(dtype)
+    bound = NORM_BOUND[torch.device(device).type][dtype]
+    out = []
+    for zc in (False, True):
+        want = norms.rms_norm_ref(x, w, 1e-6, zc)
+        out.append(Case(f"rms_norm ({'zero-centred' if zc else 'plain'})", dtype,
+                        lambda zc=zc: norms.rms_norm_triton(x, w, 1e-6, zc), lambda o, r=want: _rel(o, r), bound))
+    want = norms.gated_rms_norm_ref(x, gate, w, 1e-6)
+    out.append(Case("gated_rms_norm", dtype, lambda: norms.gated_rms_norm_triton(x, gate, w, 1e-6),
+                    lambda o: _rel(o, want), bound))
+    return out
+
+
 def _time_ms(fn: Callable[[], object], device: str, reps: int) -> float | None:
     if torch.device(device).type != "cuda":
         return None
@@ -162,7 +186,9 @@ def check_kernels(device: str = "cpu", size: str = "tiny", dtypes=(torch.float32
     sz = SIZES[size]
     rows = []
     for dtype in dtypes:
-        for case in attention_cases(sz, dtype, device) + copy_cases(sz, dtype, device) + gdn_cases(sz, dtype, device):
+        cases = (attention_cases(sz, dtype, device) + copy_cases(sz, dtype, device) + norm_cases(sz, dtype, device)
+                 + gdn_cases(sz, dtype, device))
+        for case in cases:
             err = case.check(case.run())
             rows.append({"kernel": case.kernel, "dtype": str(case.dtype).removeprefix("torch."),
                          "error": err, "bound": case.bound, "ok": err <= case.bound,

@@ -13,7 +13,7 @@ kernels through ``native/model/paths.py``'s ``KERNELS`` path, which a CUDA model
 
 Modules: ``paged_attention`` (decode with split-K over pages, chunk/prefill over a cached
 prefix), ``copies`` (KV write by slot mapping, tail copy-on-write of pages, StateImage
-gather/scatter/copy between slots), ``gdn`` (the gated delta rule and the causal conv through
+gather/scatter/copy between slots), ``norms`` (fused RMSNorm: plain, zero-centred, gated), ``gdn`` (the gated delta rule and the causal conv through
 fla-core on CUDA when it is installed; see docs/structures.md for why those are fla's).
 """
 

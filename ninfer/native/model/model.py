@@ -17,7 +17,7 @@ from ninfer.errors import ModelLoadError
 from ninfer.native.model.config import LINEAR, ModelConfig, load_config
 from ninfer.native.model.forward import ForwardBatch, ForwardOutput, ModelCache
 from ninfer.native.model.moe import MoeWeights, sparse_moe
-from ninfer.native.model.ops import Rope, acc_dtype, gated_rms_norm, rms_norm, silu_mlp
+from ninfer.native.model.ops import Rope, acc_dtype, silu_mlp
 from ninfer.native.model.paths import BATCHED, ForwardPath, for_device
 from ninfer.native.model.weights import count_mtp_layers, load_tensors, weight_files
 
@@ -200,14 +200,14 @@ class HybridModel:
         cos, sin = self.rope.cos_sin(rope_pos)
         tapped = {}
         for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.input_norm, c.rms_norm_eps, c.zero_centered_norm)
+            h = self.path.rms_norm(x, layer.input_norm, c.rms_norm_eps, c.zero_centered_norm)
             j = self.cache_index[i]
             if layer.kind == LINEAR:
                 h = self._gdn(layer.mixer, h, batch, cache, j)
             else:
                 h = self._attention(layer.mixer, h, cos, sin, batch, cache, j)
             x = x + h
-            h = rms_norm(x, layer.post_norm, c.rms_norm_eps, c.zero_centered_norm)
+            h = self.path.rms_norm(x, layer.post_norm, c.rms_norm_eps, c.zero_centered_norm)
             x = x + (sparse_moe(h, layer.mlp, static) if isinstance(layer.mlp, MoeWeights) else silu_mlp(h, *layer.mlp))
             if i in taps:
                 tapped[i] = x
@@ -228,7 +228,7 @@ class HybridModel:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Pre-norm hidden [M, H] -> logits [M, V] (accumulation dtype)."""
-        normed = rms_norm(hidden, self.final_norm, self.cfg.rms_norm_eps, self.cfg.zero_centered_norm)
+        normed = self.path.rms_norm(hidden, self.final_norm, self.cfg.rms_norm_eps, self.cfg.zero_centered_norm)
         return F.linear(normed, self.lm_head).to(self.acc)
 
     def _attention(self, w: AttentionWeights, x: torch.Tensor, cos, sin, batch: ForwardBatch,
@@ -242,8 +242,8 @@ class HybridModel:
         if c.attn_output_gate:
             q, gate = q.view(T, -1, 2 * D).chunk(2, dim=-1)
             gate = gate.reshape(T, -1)
-        q = rms_norm(q.reshape(T, -1, D), w.q_norm, c.rms_norm_eps, c.zero_centered_norm)
-        k = rms_norm(F.linear(x, w.k_proj, bk).view(T, -1, D), w.k_norm, c.rms_norm_eps, c.zero_centered_norm)
+        q = self.path.rms_norm(q.reshape(T, -1, D), w.q_norm, c.rms_norm_eps, c.zero_centered_norm)
+        k = self.path.rms_norm(F.linear(x, w.k_proj, bk).view(T, -1, D), w.k_norm, c.rms_norm_eps, c.zero_centered_norm)
         v = F.linear(x, w.v_proj, bv).view(T, -1, D)
         q, k = Rope.apply(q, cos, sin), Rope.apply(k, cos, sin)
         self.path.write_kv(cache.k[j], cache.v[j], batch.slot_mapping, k, v)
@@ -267,5 +267,5 @@ class HybridModel:
             return q.unflatten(-1, (hk, dk)), k.unflatten(-1, (hk, dk)), v.unflatten(-1, (hv, dv))
 
         core = self.path.gdn(mixed, g, beta, w.conv, cache.conv[j], cache.ssm[j], batch, split)
-        out = gated_rms_norm(core, z.view(T, hv, dv), w.norm, c.rms_norm_eps)
+        out = self.path.gated_rms_norm(core, z.view(T, hv, dv), w.norm, c.rms_norm_eps)
         return F.linear(out.reshape(T, hv * dv), w.out_proj)

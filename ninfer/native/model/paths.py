@@ -18,7 +18,8 @@ batched one, as ``reference_generate`` is the oracle of the engine:
   ops. Slow; kept for tests and for the decode benchmark's comparison.
 * ``KERNELS`` — the batched path on ``native/kernels``: the Triton paged attention reading the
   page tables directly (decode rows split-K, chunk and verify rows in one prefill launch over
-  their cached prefixes), the Triton KV write by slot mapping, and the GDN ops through
+  their cached prefixes), the Triton KV write by slot mapping, the fused RMSNorms
+  (``kernels/norms.py``), and the GDN ops through
   ``kernels.gdn`` (fla-core's kernels on CUDA when installed, the reference otherwise). It is
   what a CUDA model in fp32/fp16/bf16 runs (``for_device``); on the CPU the tests run it under
   ``TRITON_INTERPRET=1`` against ``BATCHED``.
@@ -37,12 +38,21 @@ import torch.nn.functional as F
 from ninfer.native.model import gdn
 from ninfer.native.model.attention import decode_attention, paged_attention, write_kv
 from ninfer.native.model.forward import ForwardBatch
+from ninfer.native.model.ops import gated_rms_norm, rms_norm
 
 Split = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 class ForwardPath(Protocol):
     name: str
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
+        """``ops.rms_norm``'s contract."""
+        ...
+
+    def gated_rms_norm(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``ops.gated_rms_norm``'s contract."""
+        ...
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                  k: torch.Tensor, v: torch.Tensor) -> None:
@@ -138,6 +148,9 @@ class BatchedPath:
     def write_kv(self, k_cache, v_cache, slots, k, v):
         write_kv(k_cache, v_cache, slots, k, v)
 
+    rms_norm = staticmethod(rms_norm)
+    gated_rms_norm = staticmethod(gated_rms_norm)
+
     def _gdn_ops(self):
         """The module of GDN ops this path calls (the torch reference here)."""
         return gdn
@@ -188,6 +201,9 @@ class PerSequencePath:
     def write_kv(self, k_cache, v_cache, slots, k, v):
         write_kv(k_cache, v_cache, slots, k, v)
 
+    rms_norm = staticmethod(rms_norm)
+    gated_rms_norm = staticmethod(gated_rms_norm)
+
     def attention(self, q, k_cache, v_cache, batch, scale):
         out = torch.empty_like(q)
         _attention_alone(out, q, k_cache, v_cache, batch, scale, range(batch.num_seqs))
@@ -231,6 +247,14 @@ class KernelPath(BatchedPath):
     def write_kv(self, k_cache, v_cache, slots, k, v):
         from ninfer.native.kernels.copies import write_kv_triton
         write_kv_triton(k_cache, v_cache, slots, k, v)
+
+    def rms_norm(self, x, weight, eps, zero_centered):
+        from ninfer.native.kernels.norms import rms_norm_triton
+        return rms_norm_triton(x, weight, eps, zero_centered)
+
+    def gated_rms_norm(self, x, gate, weight, eps):
+        from ninfer.native.kernels.norms import gated_rms_norm_triton
+        return gated_rms_norm_triton(x, gate, weight, eps)
 
     def _gdn_ops(self):
         from ninfer.native.kernels import gdn as kernel_gdn
