@@ -14,6 +14,8 @@
                              "thread" | "inline" (copies at submission; deterministic, tests)
     completion_timeout_s     a transaction whose copies finished but whose completion never
                              arrived is settled after this long (a dropped completion)
+    step_timeout_s           over Ray, a step unanswered this long (default 600 s; None: no limit)
+                             makes the controller replace the worker as lost (a hung process)
     cost_calibration         measure the Host→Device copy rate and the prefill rate at startup
                              for the source cost model (false: the built-in CPU defaults)
     faults                   public fault injection (``ninfer.faults``); empty = none
@@ -137,6 +139,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omi
     request_timeout_s: float | None = None
     copy_engine: str = "auto"
     completion_timeout_s: float = 2.0
+    # Over Ray: a step the GPU worker has not answered within this many seconds makes the
+    # controller treat the worker as lost (a hung process: killed and replaced, as a dead one
+    # is). None waits for ever. vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S plays this part there.
+    step_timeout_s: float | None = 600.0
     cost_calibration: bool = True       # measure copy and prefill rates at startup
     enforce_eager: bool = False         # no CUDA graphs (vLLM's name): every call runs eagerly
     media_budget_bytes: int = 512 * 2 ** 20   # the frontend's prepared images (MediaCache); one
@@ -174,6 +180,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omi
             raise _range_error("prefill_chunk_tokens", self.prefill_chunk_tokens, ">= 1")
         if not self.completion_timeout_s > 0:
             raise _range_error("completion_timeout_s", self.completion_timeout_s, "> 0 seconds")
+        if self.step_timeout_s is not None and not self.step_timeout_s > 0:
+            raise _range_error("step_timeout_s", self.step_timeout_s, "> 0 seconds or null")
         if self.copy_engine not in COPY_ENGINES:
             raise _range_error("copy_engine", self.copy_engine, " | ".join(COPY_ENGINES))
         try:

@@ -18,6 +18,9 @@ Each fault lets ``skip`` opportunities pass, then fires ``count`` times (0 = eve
                                                     one (or ``steps`` points late)
     worker_death           a step at ``point``      the worker process dies (before_execute |
                                                     mid_transaction | after_execute)
+    worker_hang            a step at ``point``      the worker stops answering for ``seconds``
+                                                    (over Ray, past ``step_timeout_s`` the
+                                                    controller treats it as lost and replaces it)
     controller_restart     a controller cycle       the controller restarts (once)
 
 Faults fire where they are configured: the worker owns the copy, compute, completion and
@@ -31,7 +34,7 @@ import threading
 import msgspec
 
 KINDS = ("copy_error", "forward_error", "completion_delay", "completion_drop", "completion_duplicate",
-         "completion_reorder", "worker_death", "controller_restart")
+         "completion_reorder", "worker_death", "worker_hang", "controller_restart")
 POINTS = ("before_execute", "mid_transaction", "after_execute")
 
 
@@ -45,6 +48,7 @@ class Fault(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=Tru
     skip: int = 0
     point: str | None = None
     steps: int = 3
+    seconds: float = 30.0            # worker_hang: how long the worker stops answering
 
     def __post_init__(self) -> None:
         from ninfer.errors import ConfigError
@@ -52,8 +56,10 @@ class Fault(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=Tru
             raise ConfigError(f"faults: kind={self.kind!r} is not one of {', '.join(KINDS)}")
         if self.count < 0 or self.skip < 0 or self.steps < 1:
             raise ConfigError(f"faults: {self.kind}: count >= 0, skip >= 0 and steps >= 1 are required")
-        if self.kind == "worker_death" and self.point not in POINTS:
-            raise ConfigError(f"faults: worker_death needs point= one of {', '.join(POINTS)}")
+        if self.kind in ("worker_death", "worker_hang") and self.point not in POINTS:
+            raise ConfigError(f"faults: {self.kind} needs point= one of {', '.join(POINTS)}")
+        if self.seconds < 0:
+            raise ConfigError(f"faults: {self.kind}: seconds >= 0 is required")
 
 
 class FaultPlan:

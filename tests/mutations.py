@@ -365,6 +365,11 @@ MUTATIONS = [
      "        seq.blocks = self._dirs()\n        seq.drafts = []\n        seq.draft_base = seq.draft_frontier = 0\n",
      "        seq.blocks = self._dirs()\n        seq.draft_base = seq.draft_frontier = 0\n",
      [E + "test_dflash.py::test_a_pause_drops_the_block_and_the_resume_keeps_the_context_rules"]),
+    # ---- supervision over Ray (issue 19) ----
+    ("a step unanswered for step_timeout_s loses the worker", "ninfer/actors/channel.py",
+     "        sock.settimeout(timeout_s)                        # a hung worker: TimeoutError in recv",
+     "        sock.settimeout(None)",
+     ["tests/actors/test_faults.py::test_a_hung_worker_is_replaced_after_step_timeout_s"]),
     # ---- the GPU path (issue 15): the kernel path's wiring and the decode graphs ----
     ("kernel path: decode rows attend their own lengths", "ninfer/native/model/paths.py",
      "paged_decode_triton(q, k_cache, v_cache, table, batch.decode_kv_lens, scale, splits)",

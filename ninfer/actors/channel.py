@@ -20,7 +20,8 @@ engine costs nothing (``NINFER_STEP_POLL_US=0`` turns polling off; the default i
 
 Frames are ``kind (1 byte) | length (8 bytes) | payload``: kind 0 a reply, 1 an exception in
 the worker's ``handle`` (its text; the control loop treats it as it treated a failed Ray task).
-A dead worker closes the socket, so the step in flight fails at once with ``WorkerLost`` and the
+A worker that stops answering (hung) is lost too once a step waited ``step_timeout_s``
+(``WorkerTimeout``; the recovery kills it). A dead worker closes the socket, so the step in flight fails at once with ``WorkerLost`` and the
 control loop recreates the worker (and with it a new channel). ``NINFER_RAY_STEP_CHANNEL=call``
 keeps plain actor calls; actors on different nodes use them too.
 """
@@ -222,9 +223,11 @@ def new_address() -> str:
 class StepChannel:
     """The controller side: bytes -> bytes over the worker's socket, or plain actor calls."""
 
-    def __init__(self, actor, lost: Callable[[str], Exception]):
+    def __init__(self, actor, lost: Callable[[str], Exception], timeout_s: float | None = None,
+                 timed_out: Callable[[str], Exception] | None = None):
         import ray
         self.actor, self.lost, self.sock = actor, lost, None
+        self.timeout_s, self.timed_out = timeout_s, timed_out or lost
         if os.environ.get("NINFER_RAY_STEP_CHANNEL", "socket") != "socket":
             return
         address, node = ray.get(actor.channel_address.remote())
@@ -233,6 +236,7 @@ class StepChannel:
             return
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.connect(address)
+        sock.settimeout(timeout_s)                        # a hung worker: TimeoutError in recv
         self.sock, self.poller, self.window = sock, Poller(sock), poll_window_s()
         self.last_s = 0.0                                 # the previous round trip
 
@@ -244,10 +248,13 @@ class StepChannel:
         if self.sock is None:
             import ray
             from ray.exceptions import RayActorError
+            from ray.exceptions import GetTimeoutError
             try:
-                return ray.get(self.actor.handle.remote(data))
+                return ray.get(self.actor.handle.remote(data), timeout=self.timeout_s)
             except RayActorError as exc:
                 raise self.lost(f"{type(exc).__name__}: {str(exc).splitlines()[0]}") from None
+            except GetTimeoutError:
+                raise self.timed_out(self._no_answer()) from None
         try:
             t0 = time.perf_counter()
             send_frame(self.sock, OK, data)
@@ -255,6 +262,8 @@ class StepChannel:
             self.poller.wait(self.last_s - self.window, 2 * self.window)
             frame = recv_frame(self.sock)
             self.last_s = time.perf_counter() - t0
+        except TimeoutError:
+            raise self.timed_out(self._no_answer()) from None
         except OSError as exc:
             raise self.lost(f"the step channel to the GPU worker failed: {exc}") from None
         if frame is None:
@@ -263,6 +272,9 @@ class StepChannel:
         if kind == ERROR:
             raise WorkerStepError(body.decode(errors="replace"))
         return body
+
+    def _no_answer(self) -> str:
+        return f"the GPU worker did not answer a step within step_timeout_s={self.timeout_s} s (hung)"
 
     def close(self) -> None:
         sock, self.sock = self.sock, None

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from ninfer import protocol as P
-from ninfer.actors.transport import WorkerLost
+from ninfer.actors.transport import WorkerLost, WorkerTimeout
 from ninfer.config import EngineConfig
 from ninfer.engine.core import EngineCore
 from ninfer.errors import RequestError
@@ -92,7 +92,7 @@ class ControlLoop:
                     continue
                 worked = self.core.busy() and self.core.cycle()
             except WorkerLost as exc:
-                self._recover(str(exc))
+                self._recover(str(exc), isinstance(exc, WorkerTimeout))
                 worked = True
             except Exception:                       # never let the control thread die silently
                 log.exception("engine cycle failed")
@@ -137,7 +137,7 @@ class ControlLoop:
             else:
                 fut.set_exception(ValueError(f"unknown call {what!r}"))
         except WorkerLost as exc:
-            self._recover(str(exc))
+            self._recover(str(exc), isinstance(exc, WorkerTimeout))
             fut.set_exception(RequestError(f"the GPU worker was lost: {exc}"))
         except Exception as exc:
             fut.set_exception(exc)
@@ -157,7 +157,7 @@ class ControlLoop:
             self.core.fail(req, RuntimeError(message))
 
     # ---- supervision ------------------------------------------------------------------------
-    def _recover(self, cause: str) -> None:
+    def _recover(self, cause: str, hung: bool = False) -> None:
         """The worker is gone: in-flight requests fail clearly, a fresh worker (fresh Program,
         the faults still left) replaces it, cache records die with the old Program, queued
         requests are kept."""
@@ -166,8 +166,9 @@ class ControlLoop:
         message = f"the GPU worker failed and was restarted ({cause}); this request was in flight"
         keep = self._end_all("worker_lost", message, keep_queued=True)
         consumed = dict(self.core.faults_fired)
-        if any(f.kind == "worker_death" for f in self._worker_faults.faults):
-            consumed["worker_death"] = consumed.get("worker_death", 0) + 1   # it died before reporting
+        kind = "worker_hang" if hung else "worker_death"
+        if any(f.kind == kind for f in self._worker_faults.faults):
+            consumed[kind] = consumed.get(kind, 0) + 1   # it fired and never reported it
         self._renew(self._worker_faults.remaining(consumed))
         for req in keep:                 # its arrival and published moments carry over
             self.core.add(req.spec, carry=req)

@@ -138,14 +138,18 @@ class GpuWorkerActor:
     def ping(self) -> bool:
         return True
 
+    def pid(self) -> int:
+        return os.getpid()
+
 
 class RayWorkerClient:
     """The controller's view of the worker actor: bytes in, bytes out; a dead actor is
     reported as WorkerLost so the control loop can supervise. Steps travel on the direct step
     channel (``actors/channel.py``) once the worker is up; everything else is a plain call."""
 
-    def __init__(self, actor):
+    def __init__(self, actor, step_timeout_s: float | None = None):
         self.actor = actor
+        self.step_timeout_s = step_timeout_s
         self.channel = None
         self.bytes_out = self.bytes_in = 0     # protocol bytes (the periodic engine summary)
 
@@ -166,8 +170,8 @@ class RayWorkerClient:
     def open_channel(self) -> None:
         """The per-cycle channel, built once the worker answered ``info``."""
         from ninfer.actors.channel import StepChannel
-        from ninfer.actors.transport import WorkerLost
-        self.channel = StepChannel(self.actor, WorkerLost)
+        from ninfer.actors.transport import WorkerLost, WorkerTimeout
+        self.channel = StepChannel(self.actor, WorkerLost, self.step_timeout_s, WorkerTimeout)
 
     @property
     def channel_kind(self) -> str:
@@ -177,7 +181,7 @@ class RayWorkerClient:
     def step(self, plan: P.StepPlan) -> P.StepReply:
         data = P.encode(plan)
         self.bytes_out += len(data)
-        if self.channel is None:
+        if self.channel is None:             # before the channel opened (StepChannel covers both after)
             reply = self._get(self.actor.handle.remote(data))
         else:
             reply = self.channel.call(data)
@@ -215,6 +219,7 @@ class EngineControllerActor:
         self._failed: Exception | None = None
         self.loop = None
         cfg = decode_config(config)
+        self._step_timeout_s = cfg.step_timeout_s
         if cfg.log_format:                     # its summaries go to this actor's stderr (Ray's log)
             configure_logging(cfg.log_format)
         try:
@@ -239,7 +244,7 @@ class EngineControllerActor:
                 break
             except ValueError:                 # the old name is still being released
                 time.sleep(0.05)
-        client = RayWorkerClient(actor)
+        client = RayWorkerClient(actor, self._step_timeout_s)
         try:
             client.info()                      # wait until it is up
             client.open_channel()

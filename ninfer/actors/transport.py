@@ -16,6 +16,10 @@ class WorkerLost(NInferError):
     """The GPU worker is gone (killed, crashed, restarting)."""
 
 
+class WorkerTimeout(WorkerLost):
+    """The GPU worker did not answer a step within ``step_timeout_s`` (hung): lost as well."""
+
+
 class InprocClient:
     def __init__(self, worker):
         self.worker = worker

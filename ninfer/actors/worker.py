@@ -147,6 +147,9 @@ class Worker:
     def _die(self, point: str) -> None:
         if self.faults.fire("worker_death", point):
             raise WorkerDeath(f"injected worker death ({point})")
+        hang = self.faults.fire("worker_hang", point)
+        if hang is not None:
+            time.sleep(hang.seconds)
 
     def seq_facts(self, seq: Sequence) -> P.SeqFacts:
         return P.SeqFacts(frontier=seq.frontier, ledger_len=len(seq.ledger), blocks=len(seq.blocks[P.MAIN]),

@@ -162,6 +162,42 @@ def test_injected_worker_death_over_ray(tiny_model, deployment):
         eng.shutdown()
 
 
+def test_a_hung_worker_is_replaced_after_step_timeout_s(tiny_model, deployment):
+    """``faults=[worker_hang]``: the worker stops answering mid-step; past ``step_timeout_s``
+    the controller treats it as lost — the request in flight fails with ``worker_lost`` naming
+    the timeout, the hung process is killed and replaced (without that fault) — and it serves on."""
+    eng = ninfer.Engine.start(tiny_model, config={**CFG, "step_timeout_s": 2.0, "faults": [
+        {"kind": "worker_hang", "point": "before_execute", "skip": 3, "seconds": 120}]},
+        dtype="float64", transport="ray", deployment=deployment)
+    try:
+        hung_pid = ray.get(_actor(deployment, "worker").pid.remote())
+        t0 = time.time()
+        out = eng.generate(random_prompt(60, seed=80), max_tokens=10, ignore_eos=True).result(120)
+        assert out.finish_reason == "error" and out.error["type"] == "worker_lost"
+        assert "step_timeout_s=2.0" in out.error["message"]
+        assert time.time() - t0 < 60                 # not the hang's 120 s
+        p = random_prompt(40, seed=81)
+        assert eng.generate(p, max_tokens=6, ignore_eos=True).result(120).token_ids == oracle(tiny_model, p, max_tokens=6)
+        assert eng.stats()["worker_recoveries"] == 1
+        assert ray.get(_actor(deployment, "worker").pid.remote()) != hung_pid
+        deadline = time.time() + 30                  # the hung process was killed
+        while _alive(hung_pid) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not _alive(hung_pid)
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:             # a zombie is dead too
+        return f.read().split(")")[1].split()[0] != "Z"
+
+
 def test_injected_controller_restart_over_ray(tiny_model, deployment):
     """``faults=[controller_restart]``: the controller actor exits, Ray restarts it (the fault
     does not fire again), the frontend fails what was in flight and serves through the new one."""

@@ -128,3 +128,37 @@ def test_reclaim_steps_are_trimmed_to_the_shortfall_and_a_stale_one_is_skipped(t
         assert points[2].cid in w.prog.checkpoints
     finally:
         w.shutdown()
+
+
+def test_an_in_process_hang_only_delays_the_step(tiny_model):
+    """In-process there is no other process to time out: a ``worker_hang`` makes its step take
+    ``seconds`` longer and the request completes exactly (over Ray ``step_timeout_s`` replaces
+    the worker: tests/actors/test_faults.py)."""
+    import time
+
+    import ninfer
+    from tests.engine.harness import oracle
+    eng = ninfer.Engine.start(tiny_model, config={"max_concurrency": 2, "max_context": 256, "step_timeout_s": 0.05,
+                                                  "faults": [{"kind": "worker_hang", "point": "after_execute",
+                                                              "skip": 2, "seconds": 0.3}]}, dtype="float64")
+    try:
+        p = random_prompt(30, seed=5)
+        t0 = time.perf_counter()
+        out = eng.generate(p, max_tokens=6, ignore_eos=True).result(60)
+        assert out.token_ids == oracle(tiny_model, p, max_tokens=6)
+        assert time.perf_counter() - t0 >= 0.3
+        assert eng.stats()["faults_fired"].get("worker_hang") == 1
+    finally:
+        eng.shutdown()
+
+
+def test_fault_and_timeout_config_errors_name_the_field():
+    from ninfer.errors import ConfigError
+    from ninfer.faults import Fault
+    with pytest.raises(ConfigError, match="worker_hang needs point="):
+        Fault(kind="worker_hang")
+    with pytest.raises(ConfigError, match="seconds >= 0"):
+        Fault(kind="worker_hang", point="before_execute", seconds=-1)
+    with pytest.raises(ConfigError, match="step_timeout_s"):
+        EngineConfig(step_timeout_s=0)
+    assert EngineConfig(step_timeout_s=None).step_timeout_s is None
