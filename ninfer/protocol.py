@@ -691,14 +691,17 @@ class GraphStats(msgspec.Struct, array_like=True, gc=False):
 
     backend: str = "cuda"         # "cuda", or the tests' CPU stand-in "replay"
     buckets: list[int] = []       # member-count buckets captured (profile "decode")
+    verify_buckets: list[int] = []   # and of profile "verify" (rows of 1 + k drafts), with a draft backend
     capture_s: float = 0.0        # time to capture them all at startup
     replays: int = 0              # calls run by replaying a graph
     padded: int = 0               # of which had fewer rows than their bucket (padding rows ran)
-    eager: int = 0                # calls run eagerly (a chunk, verify rows, images, no bucket)
+    eager: int = 0                # calls run eagerly (a chunk, mixed rows, images, no bucket)
+    verify_replays: int = 0       # replays of a verify graph
 
     def as_dict(self) -> dict:
-        return {"backend": self.backend, "buckets": list(self.buckets), "capture_s": self.capture_s,
-                "replays": self.replays, "padded": self.padded, "eager": self.eager}
+        return {"backend": self.backend, "buckets": list(self.buckets), "verify_buckets": list(self.verify_buckets),
+                "capture_s": self.capture_s, "replays": self.replays, "verify_replays": self.verify_replays,
+                "padded": self.padded, "eager": self.eager}
 
 
 class VisionStats(msgspec.Struct, array_like=True, gc=False):

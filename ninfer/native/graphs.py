@@ -1,15 +1,16 @@
 """The Program's CUDA graphs of the decode forward (seed: CUDA graph 由 Program 拥有，按实际成员数和
 执行 profile 选择).
 
-A graph is keyed by (member-count bucket, execution profile). The profile captured today is
-``decode``: every row of the call is one decode row, no image embeddings. Every other call — a
-prefill or replay chunk, speculative verify rows, MRoPE rows — runs eagerly (the fallback,
-counted in ``GraphStats.eager``); verify rows are the next profile to capture.
+A graph is keyed by (member-count bucket, execution profile). Two profiles are captured:
+``decode`` (every row of the call is one decode row) and, with a draft backend, ``verify``
+(every row is a verify row of 1 + k inputs: the speculating decode step). Every other call — a
+prefill or replay chunk, decode and verify rows mixed, rows with fewer drafts, image
+embeddings or MRoPE rows — runs eagerly (the fallback, counted in ``GraphStats.eager``).
 
 Buckets are vLLM's capture sizes cut at ``max_concurrency``: 1, 2, 4, 8, then every multiple
 of 8. A call of n rows replays the smallest bucket >= n; rows n .. B-1 are padding rows: token 0
-at position 0, its KV written into the scratch page, its state read and written in the scratch
-slot (``Memory``'s extra page and slot, outside every pool the policy sees), so a padding row
+at position 0 (a verify padding row: positions 0 .. k), its KV written into the scratch page,
+its state read and written in the scratch slot (``Memory``'s extra page and slot, outside every pool the policy sees), so a padding row
 never touches a page or slot of a sequence. Every row of a forward is independent of the others
 (attention, GDN, MoE and norms are per row), so padding changes no real row.
 
@@ -17,7 +18,8 @@ never touches a page or slot of a sequence. Every row of a forward is independen
 every replay rewrites all of it — the real rows from the call's ``ForwardBatch``, the padding
 rows to their fixed values, the block table to the real pages padded with each row's own first
 page (the scratch page for padding rows) — before the graph runs. The outputs are the graph's
-static tensors; the caller reads them before the next replay.
+static tensors; the caller reads them before the next replay — a verify graph's kept per-step
+states too (handed to the call's batch for ``HybridModel.roll_back``).
 
 Backends: ``CudaBackend`` captures with ``torch.cuda.CUDAGraph`` into one shared memory pool
 (largest bucket first, after two warm-up runs on a side stream, so autotuned kernels have picked
@@ -52,6 +54,7 @@ log = logging.getLogger("ninfer.graphs")
 
 DENSE_MOE_MAX_EXPERTS = 64
 DECODE = "decode"
+VERIFY = "verify"
 
 
 def not_capturable(cfg) -> str:
@@ -157,21 +160,77 @@ class _Static:
         self.block_table[n:].fill_(self.scratch_page)
 
 
+class _StaticVerify:
+    """The input buffers of one bucket's verify graph: ``rows`` verify rows of ``n`` inputs
+    (an input and n - 1 drafts each), packed row by row; padding rows decode positions 0..n-1
+    on the scratch page and slot. The kernel path's prefill launch reads a prepared
+    ``kernel_meta["multi"]`` over the same buffers (its longest row known: n)."""
+
+    def __init__(self, rows: int, n: int, width: int, device, scratch_page: int, scratch_slot: int):
+        from ninfer.native.model.paths import _MultiRows
+        lt = lambda k, v: torch.full((k,), v, dtype=torch.long, device=device)  # noqa: E731
+        t = rows * n
+        self.rows, self.n, self.width, self.scratch_page, self.scratch_slot = rows, n, width, scratch_page, scratch_slot
+        step = torch.arange(n, dtype=torch.long, device=device)
+        self.pad_positions = step.repeat(rows)
+        self.pad_slot_mapping = scratch_page * PAGE_SIZE + self.pad_positions
+        self.input_ids = lt(t, 0)
+        self.positions = self.pad_positions.clone()
+        self.slot_mapping = self.pad_slot_mapping.clone()
+        self.state_slots = lt(rows, scratch_slot)
+        self.starts = lt(rows, 0)
+        self.block_table = torch.full((rows, width), scratch_page, dtype=torch.long, device=device)
+        arange = torch.arange(t, dtype=torch.long, device=device)
+        empty = lt(0, 0)
+        self.batch = ForwardBatch(
+            input_ids=self.input_ids, positions=self.positions, cu=list(range(0, t + 1, n)), starts=[0] * rows,
+            page_tables=[], state_slots=self.state_slots, slot_mapping=self.slot_mapping, logits_rows=arange,
+            verify_seqs=list(range(rows)), decode_rows=empty, decode_slots=empty, decode_kv_lens=empty,
+            decode_block_table=empty.view(0, 0), verify_len=n, verify_rows=arange, verify_slots=self.state_slots,
+            verify_starts=self.starts, verify_block_table=self.block_table)
+        multi = _MultiRows.__new__(_MultiRows)
+        multi.rows, multi.cu, multi.starts, multi.tables = arange, torch.arange(0, t + 1, n, device=device), \
+            self.starts, self.block_table
+        multi.contiguous, multi.max_q = True, n
+        self.batch.kernel_meta["multi"] = multi
+
+    def load(self, b: ForwardBatch) -> None:
+        v = len(b.verify_seqs)
+        t = v * self.n
+        for buf, src, pad in ((self.input_ids, b.input_ids, None), (self.positions, b.positions, self.pad_positions),
+                              (self.slot_mapping, b.slot_mapping, self.pad_slot_mapping)):
+            buf[:t].copy_(src)
+            if pad is None:
+                buf[t:].zero_()
+            else:
+                buf[t:].copy_(pad[t:])
+        self.state_slots[:v].copy_(b.verify_slots)
+        self.state_slots[v:].fill_(self.scratch_slot)
+        self.starts[:v].copy_(b.verify_starts)
+        self.starts[v:].zero_()
+        table, w = b.verify_block_table, b.verify_block_table.shape[1]
+        self.block_table[:v, :w].copy_(table)
+        self.block_table[:v, w:].copy_(table[:, :1].expand(v, self.width - w))
+        self.block_table[v:].fill_(self.scratch_page)
+
+
 class _Graph:
-    def __init__(self, static: _Static, replay: Callable[[], None], out: ForwardOutput):
+    def __init__(self, static, replay: Callable[[], None], out: ForwardOutput):
         self.static, self.replay, self.out = static, replay, out
 
 
 class GraphRunner:
     """The Program's graphs; ``forward`` replays one when the call's shape has one, else runs
-    the model eagerly."""
+    the model eagerly. ``verify_tokens``: the inputs of a speculating row (1 + k drafts; 0
+    without a draft backend) — the "verify" profile's row length."""
 
     def __init__(self, model, cache: ModelCache, backend, max_rows: int, max_context: int,
-                 scratch_page: int, scratch_slot: int, taps: tuple[int, ...] = ()):
+                 scratch_page: int, scratch_slot: int, taps: tuple[int, ...] = (), verify_tokens: int = 0):
         self.model, self.cache, self.backend, self.taps = model, cache, backend, taps
         self.sizes = buckets(max_rows)
         self.width = -(-max_context // PAGE_SIZE)
         self.scratch_page, self.scratch_slot = scratch_page, scratch_slot
+        self.verify_tokens = verify_tokens if 1 < verify_tokens <= PAGE_SIZE else 0
         self.graphs: dict[tuple[int, str], _Graph] = {}
         self.stats = GraphStats(backend=backend.name)
 
@@ -181,20 +240,26 @@ class GraphRunner:
         return not_capturable(model.cfg)
 
     def capture_all(self) -> None:
-        """Every bucket's decode graph, largest first (smaller graphs reuse its memory pool)."""
+        """Every bucket's graph of every profile, largest first (smaller graphs reuse its pool)."""
         t0 = time.perf_counter()
         for b in sorted(self.sizes, reverse=True):
-            self._capture(b)
+            if self.verify_tokens:
+                self._capture(b, VERIFY)
+            self._capture(b, DECODE)
         self.stats.capture_s = time.perf_counter() - t0
-        self.stats.buckets = sorted(b for b, _ in self.graphs)
+        self.stats.buckets = sorted(b for b, p in self.graphs if p == DECODE)
+        self.stats.verify_buckets = sorted(b for b, p in self.graphs if p == VERIFY)
 
-    def _capture(self, rows: int) -> _Graph:
-        static = _Static(rows, self.width, self.model.device, self.scratch_page, self.scratch_slot)
+    def _capture(self, rows: int, profile: str) -> _Graph:
+        dev = self.model.device
+        static = (_Static(rows, self.width, dev, self.scratch_page, self.scratch_slot) if profile == DECODE else
+                  _StaticVerify(rows, self.verify_tokens, self.width, dev, self.scratch_page, self.scratch_slot))
 
         def fn() -> ForwardOutput:
+            static.batch.spec_states.clear()     # the verify rows' kept states: this run's
             return self.model.forward(static.batch, self.cache, taps=self.taps, static=True)
         replay, out = self.backend.capture(fn)
-        g = self.graphs[(rows, DECODE)] = _Graph(static, replay, out)
+        g = self.graphs[(rows, profile)] = _Graph(static, replay, out)
         self._clear_scratch()
         return g
 
@@ -204,19 +269,34 @@ class GraphRunner:
             c.conv[:, self.scratch_slot].zero_()
             c.ssm[:, self.scratch_slot].zero_()
 
+    def _profile(self, batch: ForwardBatch, embeds, taps) -> tuple[str, int] | None:
+        """The call's (profile, member count) when a graph may run it."""
+        if embeds is not None or batch.rope_positions is not None or tuple(taps) != tuple(self.taps):
+            return None
+        if batch.all_decode:
+            return (DECODE, len(batch.decode_seqs)) if batch.decode_block_table.shape[1] <= self.width else None
+        if (self.verify_tokens and not batch.decode_seqs and not batch.chunk_seqs
+                and batch.verify_len == self.verify_tokens and batch.verify_block_table.shape[1] <= self.width):
+            return VERIFY, len(batch.verify_seqs)
+        return None
+
     def forward(self, batch: ForwardBatch, embeds: torch.Tensor | None, taps: tuple[int, ...]) -> ForwardOutput:
-        n = len(batch.decode_seqs)
-        b = bucket_for(n, self.sizes)
-        g = self.graphs.get((b, DECODE)) if b is not None else None
-        if (g is None or not batch.all_decode or embeds is not None or batch.rope_positions is not None
-                or tuple(taps) != tuple(self.taps) or batch.decode_block_table.shape[1] > self.width):
+        shape = self._profile(batch, embeds, taps)
+        b = bucket_for(shape[1], self.sizes) if shape is not None else None
+        g = self.graphs.get((b, shape[0])) if b is not None else None
+        if g is None:
             self.stats.eager += 1
             return self.model.forward(batch, self.cache, embeds, taps)
+        profile, n = shape
         g.static.load(batch)
         self._clear_scratch()
         g.replay()
         self.stats.replays += 1
         self.stats.padded += n < b
         o = g.out
-        return ForwardOutput(hidden=o.hidden[:n], logits=o.logits[:n], all_hidden=o.all_hidden[:n],
-                             taps=o.taps[:n] if o.taps is not None else None)
+        t = n if profile == DECODE else n * self.verify_tokens
+        if profile == VERIFY:                    # the kept states, for HybridModel.roll_back
+            self.stats.verify_replays += 1
+            batch.spec_states = [{s: v for s, v in d.items() if s < n} for d in g.static.batch.spec_states]
+        return ForwardOutput(hidden=o.hidden[:t], logits=o.logits[:t], all_hidden=o.all_hidden[:t],
+                             taps=o.taps[:t] if o.taps is not None else None)

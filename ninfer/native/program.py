@@ -208,7 +208,8 @@ class Program:
         if backend is not None:
             self.graphs = graphs.GraphRunner(model, self.mem.cache, backend, layout.max_concurrency,
                                              layout.max_context, *self.mem.scratch,
-                                             taps=self.spec.taps if self.spec is not None else ())
+                                             taps=self.spec.taps if self.spec is not None else (),
+                                             verify_tokens=layout.spec_tokens + 1 if layout.spec_tokens else 0)
             self.graphs.capture_all()
 
     # ==== identity =====================================================================

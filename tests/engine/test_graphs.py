@@ -2,7 +2,8 @@
 backend (``NINFER_GRAPHS=replay``): the oracle sweep's workloads — pressure, both pause routes,
 hits, faults, sampling, logprobs — where every all-decode call replays its bucket's graph on
 static buffers, padding rows included, and every other call runs eagerly; with MTP and DFlash
-too (DFlash's graphs carry the tap layers). Every completed request equals the isolated oracle;
+too, whose calls of verify rows (an input and k drafts each) replay the "verify" profile
+(DFlash's graphs carry the tap layers). Every completed request equals the isolated oracle;
 nothing leaks; graphs really ran, with padding."""
 
 from __future__ import annotations
@@ -37,9 +38,11 @@ def test_speculative_workloads_with_decode_graphs_match_the_oracle(tiny_model, t
         if seed % 2:
             return {"speculative": {"method": "mtp", "num_tokens": k}}
         return {"speculative": {"method": "dflash", "draft": tiny_dflash, "num_tokens": k}}
-    # decode calls of speculating sequences carry drafts (verify rows: eager); the replays are
-    # the calls before a sequence's first draft and those that drafted nothing
-    _check_graphs(run_workloads(tiny_model, [7100 + s for s in range(6)], overrides), padded=False)
+    # decode calls of speculating sequences carry k drafts: the "verify" profile's graphs
+    stats = run_workloads(tiny_model, [7100 + s for s in range(6)], overrides)
+    _check_graphs(stats, padded=False)
+    assert sum(x["graphs"]["verify_replays"] for x in stats) > 0
+    assert all(x["graphs"]["verify_buckets"] for x in stats)
 
 
 def test_enforce_eager_captures_nothing(tiny_model, monkeypatch):

@@ -98,3 +98,44 @@ def test_the_backend_follows_the_device_and_enforce_eager(monkeypatch):
     monkeypatch.setenv("NINFER_GRAPHS", "replay")
     assert isinstance(graphs.backend_for(cpu, False), graphs.ReplayBackend)
     assert graphs.backend_for(cpu, True) is None
+
+
+def test_replayed_verify_calls_equal_eager_calls(tiny_model):
+    """The "verify" profile (rows of an input and 3 drafts): over changing membership in one
+    bucket, a replay equals the eager call in logits, every page and slot, and the kept
+    per-step states — so rolling a rejected row back gives the same state either way."""
+    from tests.native.model.test_batched_forward import CONTEXTS, _verify_rows
+    prep = prepared(tiny_model, "float64")
+    model = prep.model
+    eager, replayed = _with_scratch(prep.cache), _with_scratch(prep.cache)
+    pages, slots = prep.cache.k.shape[1], prep.cache.conv.shape[1]
+    runner = graphs.GraphRunner(model, replayed, graphs.ReplayBackend(), max_rows=4, max_context=512,
+                                scratch_page=pages, scratch_slot=slots, verify_tokens=4)
+    runner.capture_all()
+    assert runner.stats.verify_buckets == [1, 2, 4]
+    steps = {i: 0 for i in range(len(CONTEXTS))}
+    for call in ([1, 6, 2, 3], [0, 4, 5], [3, 1], [6, 0, 2, 4]):
+        rows = _verify_rows(prep, call, 4)
+        for r, i in zip(rows, call):
+            r.start += 4 * steps[i]                 # each call of a sequence 4 positions on
+            steps[i] += 1
+        want_b, got_b = ForwardBatch.build(rows), ForwardBatch.build(rows)
+        want = model.forward(want_b, eager)
+        got = runner.forward(got_b, None, ())
+        assert rel_err(got.logits, want.logits) < 1e-12
+        assert len(got_b.spec_states) == len(want_b.spec_states) > 0
+        for g_layer, w_layer in zip(got_b.spec_states, want_b.spec_states):
+            assert sorted(g_layer) == sorted(w_layer) == list(range(len(call)))
+            for s in w_layer:
+                for a, b in zip(g_layer[s], w_layer[s]):
+                    assert rel_err(a, b) < 1e-12
+        s, slot = 1, rows[1].state_slot           # the second row kept only its input and one draft
+        model.roll_back(eager, want_b, s, slot, 2)
+        model.roll_back(replayed, got_b, s, slot, 2)
+        for a, b in ((replayed.ssm, eager.ssm), (replayed.conv, eager.conv)):
+            assert rel_err(a[:, :slots], b[:, :slots]) < 1e-12
+        for a, b in ((replayed.k, eager.k), (replayed.v, eager.v)):
+            a, b = a[:, :pages], b[:, :pages]
+            assert torch.equal(a.isnan(), b.isnan())
+            assert rel_err(torch.nan_to_num(a), torch.nan_to_num(b)) < 1e-12
+    assert runner.stats.verify_replays == 4 and runner.stats.padded > 0

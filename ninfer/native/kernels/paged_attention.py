@@ -239,13 +239,17 @@ def _prefill(q, k_cache, v_cache, page_tables, cu_seqlens, starts, out, scale, p
              mask=m_ok[:, None] & d_ok[None, :])
 
 
-def paged_prefill_triton(q, k_cache, v_cache, page_tables, cu_seqlens, starts, scale, block_m: int = 64):
+def paged_prefill_triton(q, k_cache, v_cache, page_tables, cu_seqlens, starts, scale, block_m: int = 64,
+                         max_q: int | None = None):
+    """``max_q``: the longest sequence's queries when the caller knows it (a CUDA graph's
+    capture must not read it back from the device)."""
     t, h, d = q.shape
     out = torch.empty_like(q)
     n = starts.numel()
     if t == 0 or n == 0:
         return out
-    max_q = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    if max_q is None:
+        max_q = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     q, page_tables = q.contiguous(), page_tables.contiguous()
     grid = (n, triton.cdiv(max_q, block_m), h)
     _prefill[grid](q, k_cache, v_cache, page_tables, cu_seqlens.contiguous(), starts.contiguous(), out, scale,

@@ -114,6 +114,34 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out.reshape(b, h, d)
 
 
+def verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_table: torch.Tensor, starts: torch.Tensor, n: int, scale: float) -> torch.Tensor:
+    """V verify rows of ``n`` queries each at once (no per-row Python loop): row b's queries,
+    packed at q[b*n:(b+1)*n] ([V*n, H, D]), sit at positions starts[b] .. starts[b] + n - 1 and
+    attend causally over the row's paged KV (the new K/V already written). ``block_table``
+    [V, W] covers start + n positions of every row (padded with the row's first page). Keys
+    are gathered over L = W * 64 positions (a static length, so a graph can capture it);
+    positions past a query's own are masked. The precision policy of ``paged_attention``."""
+    vb, h, d = q.shape[0] // n, q.shape[1], q.shape[2]
+    hkv = k_cache.shape[2]
+    rep = h // hkv
+    length = block_table.shape[1] * PAGE_SIZE
+    slots = decode_kv_slots(block_table, starts + n, length).reshape(-1)
+    k = k_cache.view(-1, hkv * d).index_select(0, slots).view(vb, length, hkv, d).to(q.dtype)
+    v = v_cache.view(-1, hkv * d).index_select(0, slots).view(vb, length, hkv, d).to(q.dtype)
+    qpos = starts[:, None] + torch.arange(n, device=q.device)[None, :]                    # [V, n]
+    masked = torch.arange(length, device=q.device)[None, None, :] > qpos[:, :, None]      # [V, n, L]
+    qg = q.view(vb, n, hkv, rep, d)
+    out = torch.empty_like(qg)
+    for g in range(hkv):
+        qh = qg[:, :, g].reshape(vb, n * rep, d)
+        scores = torch.bmm(qh, k[:, :, g].transpose(1, 2)) * scale                        # [V, n*rep, L]
+        scores = scores.view(vb, n, rep, length).masked_fill(masked[:, :, None, :], float("-inf"))
+        probs = torch.softmax(scores.to(acc_dtype(q.dtype)), dim=-1).to(q.dtype).view(vb, n * rep, length)
+        out[:, :, g] = torch.bmm(probs, v[:, :, g]).view(vb, n, rep, d)
+    return out.view(vb * n, h, d)
+
+
 def decode_attention_naive(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_table: torch.Tensor, kv_lens: torch.Tensor, scale: float,
                            kv_slots: torch.Tensor | None = None) -> torch.Tensor:

@@ -25,6 +25,14 @@ every layer (the batched path computes all of them with one op per step, no Pyth
                                    first page (padding is masked, never read as a key)
     decode_kv_slots     [B, Lmax]  the flat slot of each of its keys, Lmax = max kv_len
                                    (``attention.decode_kv_slots``: the gather index)
+
+Verify rows of one length n (the usual case: every speculating row carries k drafts) get the
+same treatment, so their attention and GDN run as one op per step too::
+
+    verify_rows         [V * n]    their token rows, row by row
+    verify_slots        [V]        their state slots
+    verify_starts       [V]        the position of each one's first input
+    verify_block_table  [V, Pmax]  their pages up to start + n, padded with their first page
 """
 
 from __future__ import annotations
@@ -70,6 +78,11 @@ class ForwardBatch:
     decode_kv_lens: torch.Tensor | None = None       # [B] long
     decode_block_table: torch.Tensor | None = None   # [B, Pmax] long
     decode_kv_slots: torch.Tensor | None = None      # [B, Lmax] long
+    verify_len: int = 0                              # n when every verify row has n inputs, else 0
+    verify_rows: torch.Tensor | None = None          # [V * n] long (see the module docstring)
+    verify_slots: torch.Tensor | None = None         # [V] long
+    verify_starts: torch.Tensor | None = None        # [V] long
+    verify_block_table: torch.Tensor | None = None   # [V, Pmax] long
     # [3, T] long: MRoPE rotary rows (t, h, w), read only by a model with mrope_section, and only
     # set when some sequence gave SeqInput.rope_positions (text-only batches keep None: bit-identical)
     rope_positions: torch.Tensor | None = None
@@ -124,6 +137,17 @@ class ForwardBatch:
         block_table = lt([t + t[:1] * (width - len(t)) for t in tables]).view(len(decode), width)
         kv_lens = lt([seqs[i].start + 1 for i in decode])
         max_len = max((seqs[i].start + 1 for i in decode), default=0)
+        verify = [i for i, s in enumerate(seqs) if len(s.token_ids) > 1 and s.verify]
+        lens = {len(seqs[i].token_ids) for i in verify}
+        vmeta = {}
+        if len(lens) == 1:
+            (n,) = lens
+            vt = [seqs[i].page_table[:(seqs[i].start + n + PAGE_SIZE - 1) // PAGE_SIZE] for i in verify]
+            vw = max(len(t) for t in vt)
+            vmeta = dict(verify_len=n, verify_rows=lt([r for i in verify for r in range(cu[i], cu[i] + n)]),
+                         verify_slots=lt([seqs[i].state_slot for i in verify]),
+                         verify_starts=lt([seqs[i].start for i in verify]),
+                         verify_block_table=lt([t + t[:1] * (vw - len(t)) for t in vt]).view(len(verify), vw))
         rope = None
         if any(s.rope_positions is not None for s in seqs):
             rope_rows = []
@@ -147,7 +171,8 @@ class ForwardBatch:
             logits_rows=lt(rows),
             decode_seqs=decode,
             chunk_seqs=[i for i, s in enumerate(seqs) if len(s.token_ids) > 1 and not s.verify],
-            verify_seqs=[i for i, s in enumerate(seqs) if len(s.token_ids) > 1 and s.verify],
+            verify_seqs=verify,
+            **vmeta,
             decode_rows=lt([cu[i] for i in decode]),
             decode_slots=lt([seqs[i].state_slot for i in decode]),
             decode_kv_lens=kv_lens,

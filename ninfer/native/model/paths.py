@@ -10,10 +10,10 @@ batched one, as ``reference_generate`` is the oracle of the engine:
   their slots and scattered back (``index_select`` / ``index_copy_``). The one prefill/replay
   chunk a call may carry goes through the chunk ops (``paged_attention``,
   ``chunk_gated_delta_rule``).
-* Verify rows (a committed input and its drafts) go through the per-sequence attention like a
-  chunk and through the recurrent GDN form with every step's state kept (``_gdn_verify``), in
-  both paths: a verify row is the decode math over several steps, so its tokens equal decoding
-  them one by one.
+* Verify rows (a committed input and its drafts) of one length go through one batched
+  attention op (``verify_attention``; the per-sequence attention on ``PER_SEQUENCE``) and
+  through the recurrent GDN form with every step's state kept (``_gdn_verify``): a verify row
+  is the decode math over several steps, so its tokens equal decoding them one by one.
 * ``PER_SEQUENCE`` — every sequence alone, decode rows included, with the same per-sequence
   ops. Slow; kept for tests and for the decode benchmark's comparison.
 * ``KERNELS`` — the batched path on ``native/kernels``: the Triton paged attention reading the
@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from ninfer.native.model import gdn
-from ninfer.native.model.attention import decode_attention, paged_attention, write_kv
+from ninfer.native.model.attention import decode_attention, paged_attention, verify_attention, write_kv
 from ninfer.native.model.forward import ForwardBatch
 from ninfer.native.model.ops import gated_rms_norm, rms_norm
 
@@ -113,12 +113,15 @@ def _gdn_verify(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, sp
     like any row's (``HybridModel.roll_back`` replaces them when a draft is rejected). Rows of one
     length run as one batch (usually all of them: every row carries k drafts)."""
     kept = {}
-    by_len: dict[int, list[int]] = {}
-    for s in batch.verify_seqs:
-        by_len.setdefault(batch.cu[s + 1] - batch.cu[s], []).append(s)
-    for n, seqs in by_len.items():
-        rows = torch.cat([torch.arange(batch.cu[s], batch.cu[s] + n) for s in seqs]).to(mixed.device)
-        slots = batch.state_slots[seqs]
+    if batch.verify_len:       # one length: the batch's own index tensors (no host-built index)
+        groups = [(batch.verify_len, batch.verify_seqs, batch.verify_rows, batch.verify_slots)]
+    else:
+        by_len: dict[int, list[int]] = {}
+        for s in batch.verify_seqs:
+            by_len.setdefault(batch.cu[s + 1] - batch.cu[s], []).append(s)
+        groups = [(n, seqs, torch.cat([torch.arange(batch.cu[s], batch.cu[s] + n) for s in seqs]).to(mixed.device),
+                   batch.state_slots[seqs]) for n, seqs in by_len.items()]
+    for n, seqs, rows, slots in groups:
         conv0 = conv_states.index_select(0, slots)                                # [N, C, K-1]
         x = mixed.index_select(0, rows).view(len(seqs), n, -1)                    # [N, T, C]
         xs = torch.cat([conv0.to(x.dtype), x.transpose(1, 2)], dim=2)             # [N, C, K-1+T]
@@ -165,7 +168,14 @@ class BatchedPath:
             out.index_copy_(0, rows, decode_attention(q.index_select(0, rows), k_cache, v_cache,
                                                       batch.decode_block_table, batch.decode_kv_lens, scale,
                                                       batch.decode_kv_slots))
-        _attention_alone(out, q, k_cache, v_cache, batch, scale, batch.multi_seqs)
+        if batch.verify_len:                      # the verify rows in one op, the chunk alone
+            rows = batch.verify_rows
+            out.index_copy_(0, rows, verify_attention(q.index_select(0, rows), k_cache, v_cache,
+                                                      batch.verify_block_table, batch.verify_starts,
+                                                      batch.verify_len, scale))
+            _attention_alone(out, q, k_cache, v_cache, batch, scale, batch.chunk_seqs)
+        else:
+            _attention_alone(out, q, k_cache, v_cache, batch, scale, batch.multi_seqs)
         return out
 
     def gdn(self, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split):
@@ -235,6 +245,7 @@ class _MultiRows:
         width = max(int(t.numel()) for t in tables)
         self.tables = torch.stack([torch.cat([t, t[:1].expand(width - t.numel())]) for t in tables]).to(device)
         self.contiguous = len(seqs) == batch.num_seqs        # no decode rows: q is the launch's own
+        self.max_q = None                                    # read from cu when None
 
 
 class KernelPath(BatchedPath):
@@ -274,7 +285,7 @@ class KernelPath(BatchedPath):
         if m is None:
             m = batch.kernel_meta["multi"] = _MultiRows(batch, q.device)
         if m.contiguous:
-            return paged_prefill_triton(q, k_cache, v_cache, m.tables, m.cu, m.starts, scale)
+            return paged_prefill_triton(q, k_cache, v_cache, m.tables, m.cu, m.starts, scale, max_q=m.max_q)
         out = torch.empty_like(q)
         rows = batch.decode_rows
         out.index_copy_(0, rows, self._decode(q.index_select(0, rows), k_cache, v_cache, batch, scale))

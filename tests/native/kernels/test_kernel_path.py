@@ -74,3 +74,35 @@ def test_the_device_chooses_the_path():
         assert paths.for_device(cuda, dt) is paths.KERNELS
     assert paths.for_device(cuda, torch.float64) is paths.BATCHED      # the oracle's dtype
     assert paths.for_device(torch.device("cpu"), torch.float32) is paths.BATCHED
+
+
+def test_graphs_on_the_kernel_path_equal_the_eager_torch_path(tiny_model):
+    """The graphs a CUDA model replays run the kernel path on their static buffers (the verify
+    profile's prefill launch over its prepared padded tables, its longest row given): with the
+    CPU stand-in backend, decode and verify calls of changing membership equal the eager
+    batched torch path."""
+    from ninfer.native import graphs
+    from ninfer.native.model.forward import ForwardBatch
+    from tests.native.model.test_batched_forward import _verify_rows
+    from tests.native.test_graphs import _with_scratch
+    prep = prepared(tiny_model, "float32")
+    model = prep.model
+    eager, replayed = _with_scratch(prep.cache), _with_scratch(prep.cache)
+    pages, slots = prep.cache.k.shape[1], prep.cache.conv.shape[1]
+    before, model.path = model.path, paths.KERNELS
+    try:
+        runner = graphs.GraphRunner(model, replayed, graphs.ReplayBackend(), max_rows=4, max_context=512,
+                                    scratch_page=pages, scratch_slot=slots, verify_tokens=3)
+        runner.capture_all()
+        for call, verify in (([1, 6, 2], True), ([0, 4], True), ([3, 5, 7], False)):
+            rows = _verify_rows(prep, call, 3) if verify else [
+                r for r in prep.step(8, False) if r.state_slot in {prep.slots[i] for i in call}]
+            model.path = paths.BATCHED
+            want = model.forward(ForwardBatch.build(rows), eager)
+            model.path = paths.KERNELS
+            got = runner.forward(ForwardBatch.build(rows), None, ())
+            assert rel_err(got.logits, want.logits) < REL["float32"]
+            assert torch.equal(got.logits.argmax(-1), want.logits.argmax(-1))
+        assert runner.stats.verify_replays == 2 and runner.stats.replays == 3
+    finally:
+        model.path = before

@@ -205,3 +205,37 @@ def test_batched_decode_equals_isolated_calls(tiny_model):
         out, _ = prep.run(paths.BATCHED, [r])
         logit_rows.append(out.logits)
     assert rel_err(got.logits, torch.cat(logit_rows)) < REL["float64"]
+
+
+def _verify_rows(prep: Prepared, which: list[int], n: int) -> list[SeqInput]:
+    """Sequence i of ``which`` as a verify row of ``n`` inputs (its next token and n - 1 drafts)
+    from its decode position on; some cross a page boundary."""
+    rows = []
+    for i in which:
+        drafts = [(13 * i + j) % 1000 + 5 for j in range(n - 1)]
+        rows.append(SeqInput([prep.prompts[i][-1], *drafts], CONTEXTS[i] - 1, prep.tables[i], prep.slots[i], "all",
+                             verify=True))
+    return rows
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("mix", ["verify-only", "with-decode", "with-decode-and-chunk"])
+def test_verify_rows_batched_equal_per_sequence(tiny_model, dtype, mix):
+    """Verify rows of one length in one attention op (``verify_attention``) equal each row
+    computed alone, beside decode rows and a chunk."""
+    prep = prepared(tiny_model, dtype)
+    rows = _verify_rows(prep, [1, 6, 2, 3], 4)                # kv lengths 64, 200, 65, 128 (+3)
+    if mix != "verify-only":
+        rows = prep.step(3, mix == "with-decode-and-chunk")[:3] + rows
+        rows = [r for r in rows if r.state_slot not in {prep.slots[i] for i in (1, 6, 2, 3)} or r.verify]
+    batch = ForwardBatch.build(rows)
+    assert batch.verify_len == 4 and len(batch.verify_seqs) == 4
+    assert len(batch.decode_seqs) == (mix != "verify-only") and len(batch.chunk_seqs) == (mix == "with-decode-and-chunk")
+    _compare(prep, rows, dtype)
+
+
+def test_verify_rows_of_mixed_lengths_take_the_grouped_path(tiny_model):
+    prep = prepared(tiny_model, "float64")
+    rows = _verify_rows(prep, [1, 6], 4) + _verify_rows(prep, [2], 3)
+    assert ForwardBatch.build(rows).verify_len == 0
+    _compare(prep, rows, "float64")
