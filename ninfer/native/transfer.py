@@ -2,12 +2,14 @@
 
 On CUDA a copy runs on a dedicated stream after the compute stream's current work (the copy
 stream waits for compute at submission: a capture reads an image compute has finished writing)
-and completes when its event fires. Compute never waits for the copy stream; it needs not to:
-a restored slot or page is read only after its transaction settled, which the Program does
-only once every event of the transaction has fired (``drain`` queries them), and a D2H of a
-slot that compute keeps writing copies a clone taken in compute order (``Memory.slot_to_host``). On the CPU a worker thread performs the copies (``thread``),
-so completion handling is really asynchronous there too; ``inline`` runs each copy at
-submission and delivers its completion at the next progress point (deterministic, for tests).
+and completes when its event fires. Compute waits for the copy stream only where it reads what
+a copy wrote: a restored slot or page is read only after its transaction settled, which happens
+once every event of the transaction has fired (``drain`` queries them, then makes the compute
+stream wait on them — free by then, but the order stands on the GPU as on the host); a D2H of a
+slot that compute keeps writing copies a clone taken in compute order (``Memory.slot_to_host``).
+On the CPU a worker thread performs the copies (``thread``), so completion handling is really
+asynchronous there too; ``inline`` runs each copy at submission and delivers its completion at
+the next progress point (deterministic, for tests).
 
 A transaction may receive further copies while its earlier ones run (the Program's single
 context transaction is joined by later captures, pauses and demotions); its completion is
@@ -135,6 +137,9 @@ class TransferEngine:
             with self._lock:
                 for key, o in list(self._open.items()):
                     if not o.outstanding and o.events and all(ev.query() for ev in o.events):
+                        compute = torch.cuda.current_stream(self.device)
+                        for ev in o.events:       # done already; the order is explicit on the GPU too
+                            compute.wait_event(ev)
                         del self._open[key]
                         self._done.append((*key, o.error))
                         self._finished[key] = o.error
