@@ -251,13 +251,14 @@ def make_mid_model(tiny_dir: str, out: str, sizes: dict | None = None) -> str:
 
 def engine_check(model_dir: str, prompts: int = 4, max_tokens: int = 16, dtype: str = "float32",
                  concurrency=(1, 2, 4, 8), prefill_tokens: int = 2048, device: str = "cuda",
-                 reference: bool = True) -> dict:
+                 reference: bool = True, speculative: dict | None = None) -> dict:
     """The engine on CUDA with graphs on and off (``enforce_eager``): greedy tokens against
     ``reference_generate`` (recorded, not fatal: on CUDA the engine's kernels and the reference's
     torch ops round differently), the graphs' buckets, capture time and replays, decode tok/s at
     each C and prefill tok/s of one long prompt. ``reference=False`` skips the oracle (it runs
     on the CPU: too slow for the mid-size model within the check's 8 minutes); ``device="cpu"``
-    is how the tests run this function (with ``NINFER_GRAPHS=replay``)."""
+    is how the tests run this function (with ``NINFER_GRAPHS=replay``). ``speculative``: the
+    engine's speculative config (MTP: its speculating steps replay the verify graphs)."""
     from ninfer.api import Engine
     from ninfer.benchmarks.actors import measure
     from ninfer.reference import reference_generate
@@ -268,6 +269,8 @@ def engine_check(model_dir: str, prompts: int = 4, max_tokens: int = 16, dtype: 
         key = "eager" if eager else "graphs"
         cfg = {"device": device, "max_concurrency": max(8, *concurrency), "max_context": prefill_tokens + 256,
                "prefill_chunk_tokens": 512, "enforce_eager": eager}
+        if speculative:
+            cfg["speculative"] = speculative
         try:
             eng = Engine.start(model_dir, config=cfg, dtype=dtype)
         except Exception as exc:  # noqa: BLE001 - reported as a finding
@@ -312,7 +315,8 @@ def run(model_dir: str, out: str | None = None) -> dict:
         result["transfers"] = bw
     if cuda:
         tiny = ensure_model(model_dir)
-        result["engine"] = {"tiny": engine_check(tiny)}
+        result["engine"] = {"tiny": engine_check(tiny),
+                            "tiny_mtp": engine_check(tiny, speculative={"method": "mtp", "num_tokens": 2})}
         mid = make_mid_model(tiny, os.path.join(os.path.dirname(os.path.abspath(tiny)), "mid-qwen3-next"))
         result["engine"]["mid"] = engine_check(mid, dtype="bfloat16", max_tokens=8, prompts=2, reference=False)
     else:

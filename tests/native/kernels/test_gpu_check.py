@@ -52,6 +52,14 @@ def test_the_engine_check_runs_graphs_and_eager_on_the_cpu_stand_in(tiny_model, 
     assert set(g["decode_tok_s"]) == {1, 2} and g["prefill_tok_s"] > 0
 
 
+def test_the_engine_check_with_mtp_replays_verify_graphs(tiny_model, monkeypatch):
+    monkeypatch.setenv("NINFER_GRAPHS", "replay")
+    out = gpu.engine_check(tiny_model, prompts=2, max_tokens=6, concurrency=(2,), prefill_tokens=64,
+                           device="cpu", speculative={"method": "mtp", "num_tokens": 2})
+    assert out["graphs_equal_eager"] and out["graphs"]["requests_equal_reference"] == 2
+    assert out["graphs"]["graphs"]["verify_buckets"] and out["graphs"]["graphs"]["verify_replays"] > 0
+
+
 def test_the_mid_size_model_is_a_loadable_directory(tiny_model, tmp_path):
     """``make_mid_model`` with small sizes (the real ones are 1.7 B parameters): the layer
     pattern repeats 3:1, the tokenizer comes along, the model loads."""
