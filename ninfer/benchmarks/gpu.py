@@ -28,9 +28,10 @@ GDN_BOUND = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2e-2}
 SIZES = {
     # decode rows, context, heads, kv heads, head dim | prefill prefix, chunk | GDN heads k/v, dims, chunk
     "tiny": {"rows": 2, "ctx": 130, "h": 4, "hkv": 2, "d": 64, "prefix": 70, "chunk": 20,
-             "hk": 1, "hv": 2, "dk": 32, "t": 9, "layers": 2},
+             "hk": 1, "hv": 2, "dk": 32, "t": 9, "layers": 2, "experts": 8, "topk": 2, "hidden": 128, "inter": 64},
     "full": {"rows": 64, "ctx": 4096, "h": 16, "hkv": 2, "d": 256, "prefix": 2048, "chunk": 2048,
-             "hk": 16, "hv": 32, "dk": 128, "t": 2048, "layers": 36},
+             "hk": 16, "hv": 32, "dk": 128, "t": 2048, "layers": 36, "experts": 512, "topk": 10, "hidden": 2048,
+             "inter": 512},
 }
 
 
@@ -164,6 +165,25 @@ def norm_cases(size: dict, dtype, device) -> list[Case]:
     return out
 
 
+MOE_BOUND = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def moe_cases(size: dict, dtype, device) -> list[Case]:
+    """The fused MoE over a decode batch (Qwen3-Next's 512 experts, top-10, at full size) with
+    a shared expert, against the grouped torch reference on the same device."""
+    from ninfer.native.kernels import moe
+    from ninfer.native.model.moe import MoeWeights
+    e, k, h, inter, t = size["experts"], size["topk"], size["hidden"], size["inter"], size["rows"]
+    g = torch.Generator(device=device).manual_seed(9)
+    r = lambda *s, std=0.05: (torch.randn(*s, generator=g, device=device) * std).to(dtype)  # noqa: E731
+    w = MoeWeights(router=r(e, h, std=0.5), gate_up=r(e, 2 * inter, h), down=r(e, h, inter), top_k=k,
+                   norm_topk_prob=True, shared_gate_proj=r(inter, h), shared_up_proj=r(inter, h),
+                   shared_down_proj=r(h, inter), shared_gate=r(1, h))
+    x = r(t, h, std=1.0)
+    want = moe.sparse_moe_ref(x, w)
+    return [Case("fused_moe", dtype, lambda: moe.fused_moe_triton(x, w), lambda o: _rel(o, want), MOE_BOUND[dtype])]
+
+
 def _time_ms(fn: Callable[[], object], device: str, reps: int) -> float | None:
     if torch.device(device).type != "cuda":
         return None
@@ -187,7 +207,7 @@ def check_kernels(device: str = "cpu", size: str = "tiny", dtypes=(torch.float32
     rows = []
     for dtype in dtypes:
         cases = (attention_cases(sz, dtype, device) + copy_cases(sz, dtype, device) + norm_cases(sz, dtype, device)
-                 + gdn_cases(sz, dtype, device))
+                 + moe_cases(sz, dtype, device) + gdn_cases(sz, dtype, device))
         for case in cases:
             err = case.check(case.run())
             rows.append({"kernel": case.kernel, "dtype": str(case.dtype).removeprefix("torch."),

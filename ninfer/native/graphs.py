@@ -30,11 +30,12 @@ not refresh would feed the previous call's values, as it would on the GPU. What 
 cannot show is a Python decision frozen at capture; the captured forward makes none on values
 (shapes only: the bucket and the table's width).
 
-MoE layers run the dense-over-experts form in a graph (``sparse_moe(dense=True)``: the routing
-weights are zero for unselected experts, so the sum equals the sparse one to rounding) — it has
-no data-dependent shapes. It reads every expert's weights per step, so graphs are used only for
-models with at most ``DENSE_MOE_MAX_EXPERTS`` experts; a larger MoE (Qwen3-Next's 512) runs
-eagerly until a fused MoE kernel exists.
+MoE layers need a form without data-dependent shapes. On the kernel path (CUDA) that is the
+fused MoE (``kernels/moe.py``: one program per token and chosen expert), for any expert count.
+On the torch path a graph takes the dense-over-experts form (``sparse_moe(dense=True)``: the
+routing weights are zero for unselected experts, so the sum equals the sparse one to rounding),
+which reads every expert per step — so there graphs serve models of at most
+``DENSE_MOE_MAX_EXPERTS`` experts.
 """
 
 from __future__ import annotations
@@ -57,8 +58,11 @@ DECODE = "decode"
 VERIFY = "verify"
 
 
-def not_capturable(cfg) -> str:
-    """Why a model of this config gets no graphs ('' when it does)."""
+def not_capturable(cfg, fused_moe: bool = False) -> str:
+    """Why a model of this config gets no graphs ('' when it does). ``fused_moe``: the kernel
+    path's MoE (``kernels/moe.py``), capture-safe for any expert count."""
+    if fused_moe:
+        return ""
     if cfg.num_experts > DENSE_MOE_MAX_EXPERTS and any(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
         return (f"{cfg.num_experts} experts: the capture-safe MoE reads every expert "
                 f"(at most {DENSE_MOE_MAX_EXPERTS}); decode runs eagerly")
@@ -237,7 +241,8 @@ class GraphRunner:
     @staticmethod
     def usable(model) -> str:
         """Why this model's decode forward cannot be captured ('' when it can)."""
-        return not_capturable(model.cfg)
+        from ninfer.native.model.paths import KERNELS
+        return not_capturable(model.cfg, fused_moe=model.path is KERNELS)
 
     def capture_all(self) -> None:
         """Every bucket's graph of every profile, largest first (smaller graphs reuse its pool)."""

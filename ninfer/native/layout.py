@@ -63,7 +63,8 @@ def graph_bytes(cfg: ModelConfig, ec: EngineConfig, device: torch.device, itemsi
     buckets (captured largest first) — plus the padding rows' scratch KV page and state slot.
     Nothing for a model whose decode cannot be captured (``graphs.not_capturable``)."""
     from ninfer.native.graphs import not_capturable
-    if device.type != "cuda" or ec.enforce_eager or not_capturable(cfg):
+    from ninfer.native.model.paths import KERNEL_DTYPES
+    if device.type != "cuda" or ec.enforce_eager or not_capturable(cfg, getattr(torch, ec.dtype) in KERNEL_DTYPES):
         return 0
     return workspace_bytes(cfg, ec.max_concurrency, itemsize) + page_bytes + image_bytes
 

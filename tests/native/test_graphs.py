@@ -83,12 +83,17 @@ def test_calls_without_a_graph_run_eagerly(tiny_model):
     assert runner.stats.eager == 2 and runner.stats.replays == 0
 
 
-def test_a_moe_too_wide_for_the_dense_form_is_not_captured(tiny_model):
+def test_a_moe_too_wide_for_the_dense_form_is_captured_only_on_the_kernel_path(tiny_model):
+    """The torch path's capture-safe MoE reads every expert (512 would be too many); the kernel
+    path's fused MoE serves any expert count."""
+    from ninfer.native.model import paths
     prep = prepared(tiny_model, "float64")
     assert graphs.GraphRunner.usable(prep.model) == ""
-    wide = type("M", (), {"cfg": type("C", (), {"num_experts": 512, "num_hidden_layers": 1,
-                                                 "is_moe_layer": lambda self, i: True})()})()
+    cfg = type("C", (), {"num_experts": 512, "num_hidden_layers": 1, "is_moe_layer": lambda self, i: True})()
+    wide = type("M", (), {"cfg": cfg, "path": paths.BATCHED})()
     assert "512 experts" in graphs.GraphRunner.usable(wide)
+    wide.path = paths.KERNELS
+    assert graphs.GraphRunner.usable(wide) == ""
 
 
 def test_the_backend_follows_the_device_and_enforce_eager(monkeypatch):

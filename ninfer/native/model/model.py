@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from ninfer.errors import ModelLoadError
 from ninfer.native.model.config import LINEAR, ModelConfig, load_config
 from ninfer.native.model.forward import ForwardBatch, ForwardOutput, ModelCache
-from ninfer.native.model.moe import MoeWeights, sparse_moe
+from ninfer.native.model.moe import MoeWeights
 from ninfer.native.model.ops import Rope, acc_dtype, silu_mlp
 from ninfer.native.model.paths import BATCHED, ForwardPath, for_device
 from ninfer.native.model.weights import count_mtp_layers, load_tensors, weight_files
@@ -208,7 +208,7 @@ class HybridModel:
                 h = self._attention(layer.mixer, h, cos, sin, batch, cache, j)
             x = x + h
             h = self.path.rms_norm(x, layer.post_norm, c.rms_norm_eps, c.zero_centered_norm)
-            x = x + (sparse_moe(h, layer.mlp, static) if isinstance(layer.mlp, MoeWeights) else silu_mlp(h, *layer.mlp))
+            x = x + (self.path.moe(h, layer.mlp, static) if isinstance(layer.mlp, MoeWeights) else silu_mlp(h, *layer.mlp))
             if i in taps:
                 tapped[i] = x
         hidden = x[batch.logits_rows]

@@ -19,7 +19,8 @@ batched one, as ``reference_generate`` is the oracle of the engine:
 * ``KERNELS`` — the batched path on ``native/kernels``: the Triton paged attention reading the
   page tables directly (decode rows split-K, chunk and verify rows in one prefill launch over
   their cached prefixes), the Triton KV write by slot mapping, the fused RMSNorms
-  (``kernels/norms.py``), and the GDN ops through
+  (``kernels/norms.py``), the fused MoE for decode-sized calls and graphs (``kernels/moe.py``),
+  and the GDN ops through
   ``kernels.gdn`` (fla-core's kernels on CUDA when installed, the reference otherwise). It is
   what a CUDA model in fp32/fp16/bf16 runs (``for_device``); on the CPU the tests run it under
   ``TRITON_INTERPRET=1`` against ``BATCHED``.
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 from ninfer.native.model import gdn
 from ninfer.native.model.attention import decode_attention, paged_attention, verify_attention, write_kv
 from ninfer.native.model.forward import ForwardBatch
+from ninfer.native.model.moe import MoeWeights, sparse_moe
 from ninfer.native.model.ops import gated_rms_norm, rms_norm
 
 Split = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -48,6 +50,11 @@ class ForwardPath(Protocol):
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
         """``ops.rms_norm``'s contract."""
+        ...
+
+    def moe(self, x: torch.Tensor, w: MoeWeights, static: bool) -> torch.Tensor:
+        """``moe.sparse_moe``'s contract; ``static``: inside a CUDA graph's capture (no
+        data-dependent shapes)."""
         ...
 
     def gated_rms_norm(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -154,6 +161,9 @@ class BatchedPath:
     rms_norm = staticmethod(rms_norm)
     gated_rms_norm = staticmethod(gated_rms_norm)
 
+    def moe(self, x, w, static):
+        return sparse_moe(x, w, static)           # grouped by expert; dense over experts in a graph
+
     def _gdn_ops(self):
         """The module of GDN ops this path calls (the torch reference here)."""
         return gdn
@@ -214,6 +224,12 @@ class PerSequencePath:
     rms_norm = staticmethod(rms_norm)
     gated_rms_norm = staticmethod(gated_rms_norm)
 
+    def moe(self, x, w, static):
+        return sparse_moe(x, w, static)
+
+    rms_norm = staticmethod(rms_norm)
+    gated_rms_norm = staticmethod(gated_rms_norm)
+
     def attention(self, q, k_cache, v_cache, batch, scale):
         out = torch.empty_like(q)
         _attention_alone(out, q, k_cache, v_cache, batch, scale, range(batch.num_seqs))
@@ -266,6 +282,10 @@ class KernelPath(BatchedPath):
     def gated_rms_norm(self, x, gate, weight, eps):
         from ninfer.native.kernels.norms import gated_rms_norm_triton
         return gated_rms_norm_triton(x, gate, weight, eps)
+
+    def moe(self, x, w, static):
+        from ninfer.native.kernels.moe import fused_moe_triton, use_fused
+        return fused_moe_triton(x, w) if use_fused(x.shape[0], static) else sparse_moe(x, w)
 
     def _gdn_ops(self):
         from ninfer.native.kernels import gdn as kernel_gdn

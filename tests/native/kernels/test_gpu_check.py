@@ -20,7 +20,7 @@ def test_tiny_kernel_checks_pass_on_cpu():
     rows = gpu.check_kernels("cpu", "tiny", dtypes=(torch.float32, torch.bfloat16))
     names = {r["kernel"].split(" x")[0] for r in rows}
     assert {"paged_decode", "paged_prefill", "write_kv", "copy_page_prefix", "gather_slots (ssm state)",
-            "rms_norm (plain)", "rms_norm (zero-centred)", "gated_rms_norm"} <= names
+            "rms_norm (plain)", "rms_norm (zero-centred)", "gated_rms_norm", "fused_moe"} <= names
     assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
     assert all(r["ms"] is None for r in rows)          # no timings without CUDA
 
