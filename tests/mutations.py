@@ -411,10 +411,10 @@ MUTATIONS = [
      "            buf[n:].fill_(pad)", "            pass",
      ["tests/native/test_graphs.py", E + "test_graphs.py::test_workloads_with_decode_graphs_match_the_oracle"]),
     ("graphs: the block table is refreshed on every replay", "ninfer/native/graphs.py",
-     "        self.block_table[:n, :w].copy_(table)", "        pass",
+     "    buf[:n, :w].copy_(table)", "    pass",
      ["tests/native/test_graphs.py"]),
     ("graphs: only all-decode calls replay", "ninfer/native/graphs.py",
-     "        if (g is None or not batch.all_decode or embeds", "        if (g is None or embeds",
+     "        if batch.all_decode:\n            return (DECODE", "        if not batch.verify_seqs:\n            return (DECODE",
      ["tests/native/test_graphs.py"]),
 ]
 

@@ -129,6 +129,15 @@ class ReplayBackend:
         return replay, out
 
 
+def _load_table(buf: torch.Tensor, table: torch.Tensor, n: int, scratch_page: int) -> None:
+    """A graph's block table from the call's: its n rows' pages, padded with each row's own
+    first page to the static width; padding rows on the scratch page."""
+    w = table.shape[1]
+    buf[:n, :w].copy_(table)
+    buf[:n, w:].copy_(table[:, :1].expand(n, buf.shape[1] - w))
+    buf[n:].fill_(scratch_page)
+
+
 class _Static:
     """The input buffers of one bucket's graph and the ForwardBatch over them."""
 
@@ -158,10 +167,7 @@ class _Static:
                               (self.kv_lens, b.decode_kv_lens, 1)):
             buf[:n].copy_(src)
             buf[n:].fill_(pad)
-        table, w = b.decode_block_table, b.decode_block_table.shape[1]
-        self.block_table[:n, :w].copy_(table)
-        self.block_table[:n, w:].copy_(table[:, :1].expand(n, self.width - w))
-        self.block_table[n:].fill_(self.scratch_page)
+        _load_table(self.block_table, b.decode_block_table, n, self.scratch_page)
 
 
 class _StaticVerify:
@@ -192,11 +198,8 @@ class _StaticVerify:
             verify_seqs=list(range(rows)), decode_rows=empty, decode_slots=empty, decode_kv_lens=empty,
             decode_block_table=empty.view(0, 0), verify_len=n, verify_rows=arange, verify_slots=self.state_slots,
             verify_starts=self.starts, verify_block_table=self.block_table)
-        multi = _MultiRows.__new__(_MultiRows)
-        multi.rows, multi.cu, multi.starts, multi.tables = arange, torch.arange(0, t + 1, n, device=device), \
-            self.starts, self.block_table
-        multi.contiguous, multi.max_q = True, n
-        self.batch.kernel_meta["multi"] = multi
+        self.batch.kernel_meta["multi"] = _MultiRows(arange, torch.arange(0, t + 1, n, device=device), self.starts,
+                                                     self.block_table, contiguous=True, max_q=n)
 
     def load(self, b: ForwardBatch) -> None:
         v = len(b.verify_seqs)
@@ -212,10 +215,7 @@ class _StaticVerify:
         self.state_slots[v:].fill_(self.scratch_slot)
         self.starts[:v].copy_(b.verify_starts)
         self.starts[v:].zero_()
-        table, w = b.verify_block_table, b.verify_block_table.shape[1]
-        self.block_table[:v, :w].copy_(table)
-        self.block_table[:v, w:].copy_(table[:, :1].expand(v, self.width - w))
-        self.block_table[v:].fill_(self.scratch_page)
+        _load_table(self.block_table, b.verify_block_table, v, self.scratch_page)
 
 
 class _Graph:

@@ -23,6 +23,17 @@ def _with_scratch(cache: ModelCache) -> ModelCache:
 
 # buckets 4, 8, 4 (full), 4 (one padding row after a full call: stale unless refreshed), 2, 1,
 # 8 (full), 4, 1
+def _assert_pools_equal(replayed: ModelCache, eager: ModelCache, pages: int, slots: int, bound: float) -> None:
+    """Every state slot and KV page of the pools (the scratch ones excepted) alike: the same
+    slots written (NaN where neither wrote), to ``bound``."""
+    for a, b in ((replayed.ssm, eager.ssm), (replayed.conv, eager.conv)):
+        assert rel_err(a[:, :slots], b[:, :slots]) < bound
+    for a, b in ((replayed.k, eager.k), (replayed.v, eager.v)):
+        a, b = a[:, :pages], b[:, :pages]
+        assert torch.equal(a.isnan(), b.isnan())
+        assert rel_err(torch.nan_to_num(a), torch.nan_to_num(b)) < bound
+
+
 CALLS = [[0, 1, 2], [3, 4, 5, 6, 7], [2, 3, 4, 1], [0, 7, 5], [1, 2], [6], [6, 5, 4, 3, 2, 1, 0, 7], [4, 1, 0], [4]]
 
 
@@ -61,12 +72,7 @@ def test_replayed_decode_calls_equal_eager_calls(tiny_model, dtype):
         assert rel_err(got.logits, want.logits) < bound
         assert torch.equal(got.logits.argmax(-1), want.logits.argmax(-1))
         assert rel_err(got.all_hidden, want.all_hidden) < bound
-        for a, b in ((replayed.ssm, eager.ssm), (replayed.conv, eager.conv)):
-            assert rel_err(a[:, :slots], b[:, :slots]) < bound
-        for a, b in ((replayed.k, eager.k), (replayed.v, eager.v)):
-            a, b = a[:, :pages], b[:, :pages]
-            assert torch.equal(a.isnan(), b.isnan())    # the same slots written, nothing else
-            assert rel_err(torch.nan_to_num(a), torch.nan_to_num(b)) < bound
+        _assert_pools_equal(replayed, eager, pages, slots, bound)
     assert runner.stats.replays == len(CALLS) and runner.stats.padded > 0 and runner.stats.eager == 0
 
 
@@ -137,10 +143,5 @@ def test_replayed_verify_calls_equal_eager_calls(tiny_model):
         s, slot = 1, rows[1].state_slot           # the second row kept only its input and one draft
         model.roll_back(eager, want_b, s, slot, 2)
         model.roll_back(replayed, got_b, s, slot, 2)
-        for a, b in ((replayed.ssm, eager.ssm), (replayed.conv, eager.conv)):
-            assert rel_err(a[:, :slots], b[:, :slots]) < 1e-12
-        for a, b in ((replayed.k, eager.k), (replayed.v, eager.v)):
-            a, b = a[:, :pages], b[:, :pages]
-            assert torch.equal(a.isnan(), b.isnan())
-            assert rel_err(torch.nan_to_num(a), torch.nan_to_num(b)) < 1e-12
+        _assert_pools_equal(replayed, eager, pages, slots, 1e-12)
     assert runner.stats.verify_replays == 4 and runner.stats.padded > 0

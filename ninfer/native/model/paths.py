@@ -152,8 +152,8 @@ def _core_out(mixed: torch.Tensor, ssm_states: torch.Tensor) -> torch.Tensor:
     return mixed.new_empty(mixed.shape[0], ssm_states.shape[1], ssm_states.shape[3])
 
 
-class BatchedPath:
-    name = "batched"
+class _TorchOps:
+    """The per-row ops both torch paths share (``KernelPath`` replaces them with kernels)."""
 
     def write_kv(self, k_cache, v_cache, slots, k, v):
         write_kv(k_cache, v_cache, slots, k, v)
@@ -167,6 +167,10 @@ class BatchedPath:
     def _gdn_ops(self):
         """The module of GDN ops this path calls (the torch reference here)."""
         return gdn
+
+
+class BatchedPath(_TorchOps):
+    name = "batched"
 
     def attention(self, q, k_cache, v_cache, batch, scale):
         if batch.all_decode:
@@ -215,20 +219,8 @@ class BatchedPath:
         return core
 
 
-class PerSequencePath:
+class PerSequencePath(_TorchOps):
     name = "per_sequence"
-
-    def write_kv(self, k_cache, v_cache, slots, k, v):
-        write_kv(k_cache, v_cache, slots, k, v)
-
-    rms_norm = staticmethod(rms_norm)
-    gated_rms_norm = staticmethod(gated_rms_norm)
-
-    def moe(self, x, w, static):
-        return sparse_moe(x, w, static)
-
-    rms_norm = staticmethod(rms_norm)
-    gated_rms_norm = staticmethod(gated_rms_norm)
 
     def attention(self, q, k_cache, v_cache, batch, scale):
         out = torch.empty_like(q)
@@ -246,22 +238,27 @@ class PerSequencePath:
 
 class _MultiRows:
     """The chunk and verify rows of a call as one packed prefill launch: their token rows, the
-    relative ``cu_seqlens``, absolute starts and a page table padded to the widest of them."""
+    relative ``cu_seqlens``, absolute starts and a page table padded to the widest of them;
+    ``contiguous``: they are all of the call's rows (q is the launch's own); ``max_q``: the
+    longest one's queries when known (else the kernel reads it from ``cu``)."""
 
-    def __init__(self, batch: ForwardBatch, device):
+    def __init__(self, rows, cu, starts, tables, contiguous: bool, max_q: int | None = None):
+        self.rows, self.cu, self.starts, self.tables = rows, cu, starts, tables
+        self.contiguous, self.max_q = contiguous, max_q
+
+    @classmethod
+    def of(cls, batch: ForwardBatch, device) -> "_MultiRows":
         seqs = batch.multi_seqs
         lt = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
-        self.rows = lt([r for s in seqs for r in range(batch.cu[s], batch.cu[s + 1])])
         cu = [0]
         for s in seqs:
             cu.append(cu[-1] + batch.cu[s + 1] - batch.cu[s])
-        self.cu = lt(cu)
-        self.starts = lt([batch.starts[s] for s in seqs])
         tables = [batch.page_tables[s] for s in seqs]
         width = max(int(t.numel()) for t in tables)
-        self.tables = torch.stack([torch.cat([t, t[:1].expand(width - t.numel())]) for t in tables]).to(device)
-        self.contiguous = len(seqs) == batch.num_seqs        # no decode rows: q is the launch's own
-        self.max_q = None                                    # read from cu when None
+        return cls(lt([r for s in seqs for r in range(batch.cu[s], batch.cu[s + 1])]), lt(cu),
+                   lt([batch.starts[s] for s in seqs]),
+                   torch.stack([torch.cat([t, t[:1].expand(width - t.numel())]) for t in tables]).to(device),
+                   len(seqs) == batch.num_seqs)
 
 
 class KernelPath(BatchedPath):
@@ -303,7 +300,7 @@ class KernelPath(BatchedPath):
             return self._decode(q, k_cache, v_cache, batch, scale)
         m = batch.kernel_meta.get("multi")
         if m is None:
-            m = batch.kernel_meta["multi"] = _MultiRows(batch, q.device)
+            m = batch.kernel_meta["multi"] = _MultiRows.of(batch, q.device)
         if m.contiguous:
             return paged_prefill_triton(q, k_cache, v_cache, m.tables, m.cu, m.starts, scale, max_q=m.max_q)
         out = torch.empty_like(q)
