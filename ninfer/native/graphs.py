@@ -1,34 +1,46 @@
-"""The Program's CUDA graphs of the decode forward (seed: CUDA graph 由 Program 拥有，按实际成员数和
+"""The Program's CUDA graphs of the forward (seed: CUDA graph 由 Program 拥有，按实际成员数和
 执行 profile 选择).
 
-A graph is keyed by (member-count bucket, execution profile). Two profiles are captured:
-``decode`` (every row of the call is one decode row) and, with a draft backend, ``verify``
-(every row is a verify row of 1 + k inputs: the speculating decode step). Every other call — a
-prefill or replay chunk, decode and verify rows mixed, rows with fewer drafts, image
-embeddings or MRoPE rows — runs eagerly (the fallback, counted in ``GraphStats.eager``).
+A graph is keyed by (execution profile, member-count bucket, row length). Three profiles:
+
+* ``decode`` — every row of the call is one decode row;
+* ``chunk`` — one prefill/replay chunk of up to L tokens beside 0 .. B decode rows (the
+  chunked-prefill step); L runs over ``chunk_sizes`` (64, 128, 256, … up to the prefill chunk
+  budget), the chunk padded to it;
+* ``verify`` (with a draft backend) — every row is a verify row of 1 + k inputs (the
+  speculating decode step).
+
+Every other call — verify rows beside a chunk or beside plain decode rows, rows with fewer
+drafts, a chunk longer than the budget, image embeddings or MRoPE rows — runs eagerly (the
+fallback, counted in ``GraphStats.eager``).
 
 Buckets are vLLM's capture sizes cut at ``max_concurrency``: 1, 2, 4, 8, then every multiple
-of 8. A call of n rows replays the smallest bucket >= n; rows n .. B-1 are padding rows: token 0
-at position 0 (a verify padding row: positions 0 .. k), its KV written into the scratch page,
-its state read and written in the scratch slot (``Memory``'s extra page and slot, outside every pool the policy sees), so a padding row
-never touches a page or slot of a sequence. Every row of a forward is independent of the others
-(attention, GDN, MoE and norms are per row), so padding changes no real row.
+of 8 (and 0 for a chunk alone). A call of n rows replays the smallest bucket >= n; rows n .. B-1
+are padding rows: token 0 at position 0 (a verify padding row: positions 0 .. k), its KV
+written into the scratch page, its state read and written in the scratch slot (``Memory``'s
+extra page and slot, outside every pool the policy sees), so a padding row never touches a page
+or slot of a sequence. Every row of a forward is independent of the others (attention, GDN,
+MoE and norms are per row), so padding changes no real row. A padded chunk's real rows come
+first: attention is causal and the GDN masks the padding rows out (``paths._gdn_padded``), so
+its state and outputs are the unpadded chunk's.
 
 **Never stale:** every tensor the captured forward reads is a static buffer of its graph, and
 every replay rewrites all of it — the real rows from the call's ``ForwardBatch``, the padding
-rows to their fixed values, the block table to the real pages padded with each row's own first
-page (the scratch page for padding rows) — before the graph runs. The outputs are the graph's
-static tensors; the caller reads them before the next replay — a verify graph's kept per-step
-states too (handed to the call's batch for ``HybridModel.roll_back``).
+rows to their fixed values, the block tables to the real pages padded with each row's own first
+page (the scratch page for padding rows), a chunk's start, length and mask — before the graph
+runs. The outputs are the graph's static tensors (hidden states: the LM head runs after the
+replay, on the real rows only); the caller reads them (put back into the call's row order)
+before the next replay — a verify graph's kept per-step states too (handed to
+the call's batch for ``HybridModel.roll_back``).
 
 Backends: ``CudaBackend`` captures with ``torch.cuda.CUDAGraph`` into one shared memory pool
-(largest bucket first, after two warm-up runs on a side stream, so autotuned kernels have picked
+(largest graph first, after two warm-up runs on a side stream, so autotuned kernels have picked
 their configs before capture). ``ReplayBackend`` is the CPU stand-in the tests use
 (``NINFER_GRAPHS=replay``): "capture" runs the function once, "replay" runs it again on the same
 static buffers and copies its results into the captured outputs — so a buffer that a replay did
 not refresh would feed the previous call's values, as it would on the GPU. What the stand-in
 cannot show is a Python decision frozen at capture; the captured forward makes none on values
-(shapes only: the bucket and the table's width).
+(shapes only: the bucket, the chunk length and the tables' widths).
 
 MoE layers need a form without data-dependent shapes. On the kernel path (CUDA) that is the
 fused MoE (``kernels/moe.py``: one program per token and chosen expert), for any expert count.
@@ -48,7 +60,7 @@ from collections.abc import Callable
 import torch
 
 from ninfer.native.model.config import PAGE_SIZE
-from ninfer.native.model.forward import ForwardBatch, ForwardOutput, ModelCache
+from ninfer.native.model.forward import ForwardBatch, ForwardOutput, ModelCache, PaddedChunk
 from ninfer.protocol import GraphStats
 
 log = logging.getLogger("ninfer.graphs")
@@ -56,6 +68,7 @@ log = logging.getLogger("ninfer.graphs")
 DENSE_MOE_MAX_EXPERTS = 64
 DECODE = "decode"
 VERIFY = "verify"
+CHUNK = "chunk"
 
 
 def not_capturable(cfg, fused_moe: bool = False) -> str:
@@ -65,13 +78,42 @@ def not_capturable(cfg, fused_moe: bool = False) -> str:
         return ""
     if cfg.num_experts > DENSE_MOE_MAX_EXPERTS and any(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
         return (f"{cfg.num_experts} experts: the capture-safe MoE reads every expert "
-                f"(at most {DENSE_MOE_MAX_EXPERTS}); decode runs eagerly")
+                f"(at most {DENSE_MOE_MAX_EXPERTS}); the forward runs eagerly")
     return ""
 
 
 def buckets(max_rows: int) -> list[int]:
     """Member-count buckets up to ``max_rows`` (always including it)."""
     return sorted({b for b in [1, 2, 4, *range(8, max_rows, 8)] if b < max_rows} | {max_rows})
+
+
+def chunk_sizes(chunk_tokens: int) -> list[int]:
+    """The chunk profile's padded lengths: 64, 128, 256, … below the prefill chunk budget, and
+    the budget itself (none for a budget under 2: such a chunk is a decode row)."""
+    if chunk_tokens < 2:
+        return []
+    sizes, n = [], PAGE_SIZE
+    while n < chunk_tokens:
+        sizes.append(n)
+        n *= 2
+    return sizes + [chunk_tokens]
+
+
+def plan(max_rows: int, verify_tokens: int = 0, chunk_tokens: int = 0) -> list[tuple[str, int, int]]:
+    """Every graph a Program captures, as (profile, member-count bucket, row length), largest
+    first (tokens per call): the capture order, and what the layout reserves for."""
+    rows = buckets(max_rows)
+    keys = [(DECODE, b, 1) for b in rows]
+    if 1 < verify_tokens <= PAGE_SIZE:
+        keys += [(VERIFY, b, verify_tokens) for b in rows]
+    keys += [(CHUNK, b, n) for b in [0, *rows] for n in chunk_sizes(chunk_tokens)]
+    return sorted(keys, key=lambda k: (-tokens(k), k))
+
+
+def tokens(key: tuple[str, int, int]) -> int:
+    """The rows of one graph's forward."""
+    profile, b, n = key
+    return b + n if profile == CHUNK else b * n
 
 
 def bucket_for(n: int, sizes: list[int]) -> int | None:
@@ -218,6 +260,90 @@ class _StaticVerify:
         _load_table(self.block_table, b.verify_block_table, v, self.scratch_page)
 
 
+class _StaticChunk:
+    """The input buffers of one (decode bucket B, chunk length L) graph: rows 0 .. B-1 decode
+    rows (as ``_Static``), rows B .. B+L-1 the chunk, real tokens first. Its padding rows write
+    their K/V into the scratch page; its state slot is the chunk's own (``PaddedChunk``)."""
+
+    def __init__(self, rows: int, length: int, width: int, device, scratch_page: int, scratch_slot: int):
+        from ninfer.native.model.paths import _MultiRows
+        lt = lambda n, v: torch.full((n,), v, dtype=torch.long, device=device)  # noqa: E731
+        t = rows + length
+        self.rows, self.length, self.scratch_page, self.scratch_slot = rows, length, scratch_page, scratch_slot
+        self.pad_slot_mapping = torch.cat([lt(rows, scratch_page * PAGE_SIZE),
+                                           scratch_page * PAGE_SIZE + torch.arange(length, device=device) % PAGE_SIZE])
+        self.input_ids = lt(t, 0)
+        self.positions = lt(t, 0)
+        self.slot_mapping = self.pad_slot_mapping.clone()
+        self.state_slots = lt(rows + 1, scratch_slot)
+        self.kv_lens = lt(rows, 1)
+        self.block_table = torch.full((rows, width), scratch_page, dtype=torch.long, device=device)
+        # a padding row of the chunk may look up to L - 1 positions past the real end
+        self.chunk_table = torch.full((1, width + -(-length // PAGE_SIZE)), scratch_page, dtype=torch.long,
+                                      device=device)
+        self.logits_rows = torch.arange(rows + 1, dtype=torch.long, device=device)
+        decode_rows = torch.arange(rows, dtype=torch.long, device=device)
+        cu = lt(2, 0)                            # the kernel launch's [0, n]: its real queries only
+        self.chunk = PaddedChunk(length=length, rows=torch.arange(rows, t, dtype=torch.long, device=device),
+                                 slot=self.state_slots[rows:], start=lt(1, 0), end=cu[1:],
+                                 valid=torch.zeros(length, dtype=torch.bool, device=device),
+                                 block_table=self.chunk_table)
+        self.batch = ForwardBatch(
+            input_ids=self.input_ids, positions=self.positions, cu=[*range(rows + 1), t], starts=[0] * (rows + 1),
+            page_tables=[], state_slots=self.state_slots, slot_mapping=self.slot_mapping,
+            logits_rows=self.logits_rows, decode_seqs=list(range(rows)), chunk_seqs=[rows], decode_rows=decode_rows,
+            decode_slots=self.state_slots[:rows], decode_kv_lens=self.kv_lens, decode_block_table=self.block_table,
+            decode_kv_slots=None, chunk=self.chunk, logits_last=True)
+        self.batch.kernel_meta["multi"] = _MultiRows(self.chunk.rows, cu, self.chunk.start, self.chunk_table,
+                                                     contiguous=rows == 0, max_q=length)
+
+    def load(self, b: ForwardBatch) -> None:
+        """Every buffer rewritten: the call's decode rows, then padding; its chunk, then padding."""
+        d, B = len(b.decode_seqs), self.rows
+        (s,) = b.chunk_seqs
+        lo, hi = b.cu[s], b.cu[s + 1]
+        n = hi - lo
+        for buf, src, pad in ((self.input_ids, b.input_ids, None), (self.positions, b.positions, None),
+                              (self.slot_mapping, b.slot_mapping, self.pad_slot_mapping)):
+            if d:
+                buf[:d].copy_(src.index_select(0, b.decode_rows))
+            buf[B:B + n].copy_(src[lo:hi])
+            for a, z in ((d, B), (B + n, B + self.length)):
+                if pad is None:
+                    buf[a:z].zero_()
+                else:
+                    buf[a:z].copy_(pad[a:z])
+        self.state_slots[:d].copy_(b.decode_slots)
+        self.state_slots[d:B].fill_(self.scratch_slot)
+        self.state_slots[B:].copy_(b.state_slots[s:s + 1])
+        self.kv_lens[:d].copy_(b.decode_kv_lens)
+        self.kv_lens[d:].fill_(1)
+        if d:
+            _load_table(self.block_table, b.decode_block_table, d, self.scratch_page)
+        else:
+            self.block_table.fill_(self.scratch_page)
+        _load_table(self.chunk_table, b.page_tables[s][None], 1, self.scratch_page)
+        self.chunk.start.fill_(b.starts[s])
+        self.chunk.end.fill_(n)
+        self.chunk.valid[:n].fill_(True)
+        self.chunk.valid[n:].fill_(False)
+        self.logits_rows[B:].fill_(B + n - 1)
+
+    def order(self, b: ForwardBatch) -> tuple[list[int], list[int]]:
+        """The graph's rows and logits rows in the call's order (decode row j of the call is
+        graph row j, its chunk graph rows B ..)."""
+        rows, logits, j = [], [], 0
+        for i in range(b.num_seqs):
+            if i in b.chunk_seqs:
+                rows.extend(range(self.rows, self.rows + b.cu[i + 1] - b.cu[i]))
+                logits.append(self.rows)
+            else:
+                rows.append(j)
+                logits.append(j)
+                j += 1
+        return rows, logits
+
+
 class _Graph:
     def __init__(self, static, replay: Callable[[], None], out: ForwardOutput):
         self.static, self.replay, self.out = static, replay, out
@@ -226,45 +352,53 @@ class _Graph:
 class GraphRunner:
     """The Program's graphs; ``forward`` replays one when the call's shape has one, else runs
     the model eagerly. ``verify_tokens``: the inputs of a speculating row (1 + k drafts; 0
-    without a draft backend) — the "verify" profile's row length."""
+    without a draft backend) — the "verify" profile's row length; ``chunk_tokens``: the prefill
+    chunk budget (0: no "chunk" profile)."""
 
     def __init__(self, model, cache: ModelCache, backend, max_rows: int, max_context: int,
-                 scratch_page: int, scratch_slot: int, taps: tuple[int, ...] = (), verify_tokens: int = 0):
+                 scratch_page: int, scratch_slot: int, taps: tuple[int, ...] = (), verify_tokens: int = 0,
+                 chunk_tokens: int = 0):
         self.model, self.cache, self.backend, self.taps = model, cache, backend, taps
         self.sizes = buckets(max_rows)
+        self.chunk_sizes = chunk_sizes(chunk_tokens)
         self.width = -(-max_context // PAGE_SIZE)
         self.scratch_page, self.scratch_slot = scratch_page, scratch_slot
         self.verify_tokens = verify_tokens if 1 < verify_tokens <= PAGE_SIZE else 0
-        self.graphs: dict[tuple[int, str], _Graph] = {}
+        self.plan = plan(max_rows, self.verify_tokens, chunk_tokens)
+        self.graphs: dict[tuple[str, int, int], _Graph] = {}
         self.stats = GraphStats(backend=backend.name)
 
     @staticmethod
     def usable(model) -> str:
-        """Why this model's decode forward cannot be captured ('' when it can)."""
-        from ninfer.native.model.paths import KERNELS
+        """Why this model's forward cannot be captured ('' when it can)."""
+        from ninfer.native.model.paths import KERNELS, PER_SEQUENCE
+        if model.path is PER_SEQUENCE:
+            return "the per-sequence reference path reads its rows' bounds on the host"
         return not_capturable(model.cfg, fused_moe=model.path is KERNELS)
 
     def capture_all(self) -> None:
-        """Every bucket's graph of every profile, largest first (smaller graphs reuse its pool)."""
+        """Every graph of the plan, largest first (smaller graphs reuse its pool)."""
         t0 = time.perf_counter()
-        for b in sorted(self.sizes, reverse=True):
-            if self.verify_tokens:
-                self._capture(b, VERIFY)
-            self._capture(b, DECODE)
+        for key in self.plan:
+            self._capture(key)
         self.stats.capture_s = time.perf_counter() - t0
-        self.stats.buckets = sorted(b for b, p in self.graphs if p == DECODE)
-        self.stats.verify_buckets = sorted(b for b, p in self.graphs if p == VERIFY)
+        self.stats.buckets = sorted(b for p, b, _ in self.graphs if p == DECODE)
+        self.stats.verify_buckets = sorted(b for p, b, _ in self.graphs if p == VERIFY)
+        self.stats.chunk_buckets = sorted([b, n] for p, b, n in self.graphs if p == CHUNK)
 
-    def _capture(self, rows: int, profile: str) -> _Graph:
-        dev = self.model.device
-        static = (_Static(rows, self.width, dev, self.scratch_page, self.scratch_slot) if profile == DECODE else
-                  _StaticVerify(rows, self.verify_tokens, self.width, dev, self.scratch_page, self.scratch_slot))
+    def _capture(self, key: tuple[str, int, int]) -> _Graph:
+        profile, rows, n = key
+        dev, args = self.model.device, (self.scratch_page, self.scratch_slot)
+        static = (_Static(rows, self.width, dev, *args) if profile == DECODE else
+                  _StaticVerify(rows, n, self.width, dev, *args) if profile == VERIFY else
+                  _StaticChunk(rows, n, self.width, dev, *args))
 
         def fn() -> ForwardOutput:
             static.batch.spec_states.clear()     # the verify rows' kept states: this run's
-            return self.model.forward(static.batch, self.cache, taps=self.taps, static=True)
+            return self.model.forward(static.batch, self.cache, taps=self.taps, static=True, logits=False)
+        self._clear_scratch()
         replay, out = self.backend.capture(fn)
-        g = self.graphs[(rows, profile)] = _Graph(static, replay, out)
+        g = self.graphs[key] = _Graph(static, replay, out)
         self._clear_scratch()
         return g
 
@@ -274,34 +408,60 @@ class GraphRunner:
             c.conv[:, self.scratch_slot].zero_()
             c.ssm[:, self.scratch_slot].zero_()
 
-    def _profile(self, batch: ForwardBatch, embeds, taps) -> tuple[str, int] | None:
-        """The call's (profile, member count) when a graph may run it."""
+    def _key(self, batch: ForwardBatch, embeds, taps) -> tuple[tuple[str, int, int], bool] | None:
+        """The graph that may run the call, and whether it pads (None: none may)."""
         if embeds is not None or batch.rope_positions is not None or tuple(taps) != tuple(self.taps):
             return None
+        n_dec = len(batch.decode_seqs)
+        if n_dec and batch.decode_block_table.shape[1] > self.width:
+            return None
         if batch.all_decode:
-            return (DECODE, len(batch.decode_seqs)) if batch.decode_block_table.shape[1] <= self.width else None
-        if (self.verify_tokens and not batch.decode_seqs and not batch.chunk_seqs
-                and batch.verify_len == self.verify_tokens and batch.verify_block_table.shape[1] <= self.width):
-            return VERIFY, len(batch.verify_seqs)
-        return None
+            b = bucket_for(n_dec, self.sizes) if batch.logits_last else None
+            return ((DECODE, b, 1), n_dec < b) if b else None
+        if batch.verify_seqs:
+            if (not self.verify_tokens or n_dec or batch.chunk_seqs or batch.verify_len != self.verify_tokens
+                    or batch.verify_block_table.shape[1] > self.width):
+                return None
+            b = bucket_for(len(batch.verify_seqs), self.sizes)
+            return ((VERIFY, b, self.verify_tokens), len(batch.verify_seqs) < b) if b else None
+        if len(batch.chunk_seqs) != 1:
+            return None
+        (s,) = batch.chunk_seqs
+        n = batch.cu[s + 1] - batch.cu[s]
+        b, length = bucket_for(n_dec, [0, *self.sizes]), bucket_for(n, self.chunk_sizes)
+        if b is None or length is None or not batch.logits_last or batch.page_tables[s].numel() > self.width:
+            return None
+        return (CHUNK, b, length), n_dec < b or n < length
 
     def forward(self, batch: ForwardBatch, embeds: torch.Tensor | None, taps: tuple[int, ...]) -> ForwardOutput:
-        shape = self._profile(batch, embeds, taps)
-        b = bucket_for(shape[1], self.sizes) if shape is not None else None
-        g = self.graphs.get((b, shape[0])) if b is not None else None
+        found = self._key(batch, embeds, taps)
+        g = self.graphs.get(found[0]) if found is not None else None
         if g is None:
             self.stats.eager += 1
             return self.model.forward(batch, self.cache, embeds, taps)
-        profile, n = shape
+        (profile, b, n), padded = found
+        order = None
+        if profile == CHUNK:                     # built before the replay: no host wait on it
+            rows, logits = g.static.order(batch)
+            dev = g.out.hidden.device
+            order = (torch.tensor(rows, device=dev), torch.tensor(logits, device=dev))
         g.static.load(batch)
         self._clear_scratch()
         g.replay()
         self.stats.replays += 1
-        self.stats.padded += n < b
+        self.stats.padded += padded
         o = g.out
-        t = n if profile == DECODE else n * self.verify_tokens
-        if profile == VERIFY:                    # the kept states, for HybridModel.roll_back
-            self.stats.verify_replays += 1
-            batch.spec_states = [{s: v for s, v in d.items() if s < n} for d in g.static.batch.spec_states]
-        return ForwardOutput(hidden=o.hidden[:t], logits=o.logits[:t], all_hidden=o.all_hidden[:t],
-                             taps=o.taps[:t] if o.taps is not None else None)
+        if profile == CHUNK:
+            self.stats.chunk_replays += 1
+            rows, logits = order
+            hidden, all_hidden, taps_out = o.hidden[logits], o.all_hidden[rows], o.taps[rows] if o.taps is not None else None
+        else:
+            m = len(batch.decode_seqs) if profile == DECODE else len(batch.verify_seqs)
+            t = m * n
+            if profile == VERIFY:                # the kept states, for HybridModel.roll_back
+                self.stats.verify_replays += 1
+                batch.spec_states = [{s: v for s, v in d.items() if s < m} for d in g.static.batch.spec_states]
+            hidden, all_hidden, taps_out = o.hidden[:t], o.all_hidden[:t], o.taps[:t] if o.taps is not None else None
+        # the LM head runs outside the graph, on the real rows only: a graph's outputs stay
+        # hidden-sized ([rows, H], not [rows, vocab]) in the pool
+        return ForwardOutput(hidden=hidden, logits=self.model.logits(hidden), all_hidden=all_hidden, taps=taps_out)

@@ -57,16 +57,21 @@ def workspace_bytes(cfg: ModelConfig, chunk_tokens: int, itemsize: int) -> int:
 
 
 def graph_bytes(cfg: ModelConfig, ec: EngineConfig, device: torch.device, itemsize: int, page_bytes: int,
-                image_bytes: int) -> int:
+                image_bytes: int, spec_tokens: int = 0) -> int:
     """What CUDA graphs take beside the eager workspace (on CUDA unless ``enforce_eager``): their
-    memory pool — the activations of the largest bucket (max_concurrency rows), shared by all
-    buckets (captured largest first) — plus the padding rows' scratch KV page and state slot.
-    Nothing for a model whose decode cannot be captured (``graphs.not_capturable``)."""
-    from ninfer.native.graphs import not_capturable
+    memory pool — the activations of the largest graph (``graphs.plan``: a full decode bucket
+    beside a budget-long chunk, or the verify rows), shared by all graphs (captured largest
+    first), plus every graph's own outputs (the hidden of its logits rows and of every row live
+    on; the LM head runs outside the graphs) — and the padding rows' scratch KV page and state
+    slot. Nothing for a model whose forward cannot be captured (``graphs.not_capturable``)."""
+    from ninfer.native.graphs import CHUNK, not_capturable, plan, tokens
     from ninfer.native.model.paths import KERNEL_DTYPES
     if device.type != "cuda" or ec.enforce_eager or not_capturable(cfg, getattr(torch, ec.dtype) in KERNEL_DTYPES):
         return 0
-    return workspace_bytes(cfg, ec.max_concurrency, itemsize) + page_bytes + image_bytes
+    keys = plan(ec.max_concurrency, spec_tokens + 1 if spec_tokens else 0, ec.prefill_chunk_tokens)
+    largest = max(tokens(key) for key in keys)
+    rows = sum((key[1] + 1 if key[0] == CHUNK else tokens(key)) + tokens(key) for key in keys)
+    return workspace_bytes(cfg, largest, itemsize) + rows * cfg.hidden_size * itemsize + page_bytes + image_bytes
 
 
 def draft_pages(main_pages: int, max_concurrency: int, spec_tokens: int, method: str) -> int:
@@ -119,7 +124,7 @@ def resolve_layout(cfg: ModelConfig, ec: EngineConfig, device: torch.device,
     # verify rows keep every step's recurrent state until the accepted prefix is known
     work = workspace_bytes(cfg, ec.prefill_chunk_tokens, item) + ec.max_concurrency * (k + 1) * image * (k > 0)
     lo, hi = kv_page_bounds(max_ctx, ec.max_concurrency)
-    graph = graph_bytes(cfg, ec, device, item, main_bytes, image)
+    graph = graph_bytes(cfg, ec, device, item, main_bytes, image, k)
     margin = spec.draft_pages if fixed_pages else draft_pages(0, ec.max_concurrency, k, method)
     fixed = slots * image + work + margin * draft_bytes + graph
     if budget_bytes is None:

@@ -204,12 +204,13 @@ class Program:
             self.spec = MtpBackend(self)
         elif layout.spec_method:
             self.spec = DFlashBackend(self)
-        self.graphs: graphs.GraphRunner | None = None   # the decode forward's graphs (graphs.py)
+        self.graphs: graphs.GraphRunner | None = None   # the forward's graphs (graphs.py)
         if backend is not None:
             self.graphs = graphs.GraphRunner(model, self.mem.cache, backend, layout.max_concurrency,
                                              layout.max_context, *self.mem.scratch,
                                              taps=self.spec.taps if self.spec is not None else (),
-                                             verify_tokens=layout.spec_tokens + 1 if layout.spec_tokens else 0)
+                                             verify_tokens=layout.spec_tokens + 1 if layout.spec_tokens else 0,
+                                             chunk_tokens=layout.prefill_chunk_tokens)
             self.graphs.capture_all()
 
     # ==== identity =====================================================================

@@ -1,8 +1,9 @@
-"""Output invariance with the Program's decode graphs (native/graphs.py) on the CPU stand-in
-backend (``NINFER_GRAPHS=replay``): the oracle sweep's workloads — pressure, both pause routes,
-hits, faults, sampling, logprobs — where every all-decode call replays its bucket's graph on
-static buffers, padding rows included, and every other call runs eagerly; with MTP and DFlash
-too, whose calls of verify rows (an input and k drafts each) replay the "verify" profile
+"""Output invariance with the Program's graphs (native/graphs.py) on the CPU stand-in backend
+(``NINFER_GRAPHS=replay``): the oracle sweep's workloads — pressure, both pause routes, hits,
+faults, sampling, logprobs — where every all-decode call replays its bucket's graph on static
+buffers, padding rows included, every call of one prefill/replay chunk and decode rows replays
+the "chunk" profile (the chunk padded to its length), and the rest runs eagerly; with MTP and
+DFlash too, whose calls of verify rows (an input and k drafts each) replay the "verify" profile
 (DFlash's graphs carry the tap layers). Every completed request equals the isolated oracle;
 nothing leaks; graphs really ran, with padding."""
 
@@ -22,12 +23,17 @@ def _check_graphs(all_stats: list[dict], padded: bool = True) -> None:
     assert all(x is not None and x["backend"] == "replay" for x in g)
     assert sum(x["replays"] for x in g) > 0
     assert sum(x["padded"] for x in g) > 0 or not padded
-    assert sum(x["eager"] for x in g) > 0          # chunks and verify rows took the fallback
+    assert sum(x["chunk_replays"] for x in g) > 0 and all(x["chunk_buckets"] for x in g)
 
 
-def test_workloads_with_decode_graphs_match_the_oracle(tiny_model, monkeypatch):
+def test_workloads_with_graphs_match_the_oracle(tiny_model, monkeypatch):
     monkeypatch.setenv("NINFER_GRAPHS", "replay")        # inherited by the sweep's processes
-    _check_graphs(run_workloads(tiny_model, REGRESSION_SEEDS + [7000 + s for s in range(7)]))
+    stats = run_workloads(tiny_model, REGRESSION_SEEDS + [7000 + s for s in range(7)])
+    _check_graphs(stats)
+    g = [s["graphs"] for s in stats]
+    # without a draft backend every chunk of the budget has a graph: a call runs eagerly only
+    # for images or a chunk past the budget, which these workloads do not make
+    assert sum(x["eager"] for x in g) == 0
 
 
 def test_speculative_workloads_with_decode_graphs_match_the_oracle(tiny_model, tiny_dflash, monkeypatch):
@@ -42,6 +48,7 @@ def test_speculative_workloads_with_decode_graphs_match_the_oracle(tiny_model, t
     stats = run_workloads(tiny_model, [7100 + s for s in range(6)], overrides)
     _check_graphs(stats, padded=False)
     assert sum(x["graphs"]["verify_replays"] for x in stats) > 0
+    assert sum(x["graphs"]["eager"] for x in stats) > 0       # verify rows beside a chunk
     assert all(x["graphs"]["verify_buckets"] for x in stats)
 
 

@@ -145,3 +145,77 @@ def test_replayed_verify_calls_equal_eager_calls(tiny_model):
         model.roll_back(replayed, got_b, s, slot, 2)
         _assert_pools_equal(replayed, eager, pages, slots, 1e-12)
     assert runner.stats.verify_replays == 4 and runner.stats.padded > 0
+
+
+# (decode members, chunk length, whose chunk) of each call: the chunk sequence continuing from
+# its prefix (None), last sequence 3 from where it decoded to (other pages, slot and start);
+# buckets (4, 64) full, (4, 64) with a padding row and a shorter chunk after a longer one,
+# (1, 100), (0, 64) the chunk alone, (2, 64); the chunk sits among the decode rows
+CHUNK_CALLS = [([4, 5, 6, 7], 60, None), ([0, 1, 2], 5, None), ([3], 70, None), ([], 34, None), ([6, 2], 17, 3)]
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_replayed_chunk_calls_equal_eager_calls(tiny_model, dtype):
+    """The "chunk" profile (a prefill chunk padded to its length beside 0 .. B decode rows): a
+    replay equals the eager call in logits, every row's hidden (in the call's order), every page
+    and slot — so the padded chunk's state is the unpadded one's and its padding wrote nothing
+    of a sequence's."""
+    from ninfer.native.model.config import PAGE_SIZE
+    from ninfer.native.model.forward import SeqInput
+    from tests.native.model.test_batched_forward import CHUNK_PREFIX, CONTEXTS
+    prep = prepared(tiny_model, dtype)
+    model = prep.model
+    eager, replayed = _with_scratch(prep.cache), _with_scratch(prep.cache)
+    pages, slots = prep.cache.k.shape[1], prep.cache.conv.shape[1]
+    runner = graphs.GraphRunner(model, replayed, graphs.ReplayBackend(), max_rows=4, max_context=512,
+                                scratch_page=pages, scratch_slot=slots, chunk_tokens=100)
+    runner.capture_all()
+    assert runner.stats.chunk_buckets == [[b, n] for b in (0, 1, 2, 4) for n in (64, 100)]
+    c = len(CONTEXTS)
+    assert CHUNK_PREFIX + sum(n for _, n, who in CHUNK_CALLS if who is None) <= len(prep.tables[c]) * PAGE_SIZE
+    lens = {i: 0 for i in range(c)}
+    at = CHUNK_PREFIX
+    bound = 1e-12 if dtype == "float64" else 1e-5
+    for members, n, who in CHUNK_CALLS:
+        rows = []
+        for i in members:
+            rows.append(SeqInput([(7 * i + lens[i]) % 2000 + 1], CONTEXTS[i] - 1 + lens[i], prep.tables[i],
+                                 prep.slots[i]))
+            lens[i] += 1
+        start = at if who is None else CONTEXTS[who] - 1 + lens[who]
+        chunk = [(11 * p) % 1900 + 3 for p in range(start, start + n)]
+        seq = c if who is None else who
+        rows.insert(len(rows) // 2, SeqInput(chunk, start, prep.tables[seq], prep.slots[seq]))
+        if who is None:
+            at += n
+        batch = ForwardBatch.build(rows)
+        want = model.forward(batch, eager)
+        got = runner.forward(batch, None, ())
+        assert rel_err(got.logits, want.logits) < bound
+        assert torch.equal(got.logits.argmax(-1), want.logits.argmax(-1))
+        assert rel_err(got.all_hidden, want.all_hidden) < bound
+        _assert_pools_equal(replayed, eager, pages, slots, bound)
+    assert runner.stats.chunk_replays == len(CHUNK_CALLS) and runner.stats.eager == 0
+    assert runner.stats.padded == len(CHUNK_CALLS)
+
+
+def test_calls_outside_the_chunk_profile_run_eagerly(tiny_model):
+    """A chunk longer than the budget, a chunk returning every row's logits, and a chunk beside
+    verify rows have no graph."""
+    from tests.native.model.test_batched_forward import _verify_rows
+    prep = prepared(tiny_model, "float64")
+    cache = _with_scratch(prep.cache)
+    runner = graphs.GraphRunner(prep.model, cache, graphs.ReplayBackend(), max_rows=4, max_context=512,
+                                scratch_page=prep.cache.k.shape[1], scratch_slot=prep.cache.conv.shape[1],
+                                chunk_tokens=32, verify_tokens=4)
+    runner.capture_all()
+    assert runner.stats.chunk_buckets == [[b, 32] for b in (0, 1, 2, 4)]
+    long_chunk = prep.step(1, True)                  # 60 tokens, logits "all"
+    long_chunk[1].logits = "last"
+    every_row = prep.step(1, True)
+    every_row[1].token_ids = every_row[1].token_ids[:20]
+    with_verify = _verify_rows(prep, [1], 4) + [every_row[1]]
+    with_verify[1].logits = "last"
+    for rows in (long_chunk, every_row, with_verify):
+        runner.forward(ForwardBatch.build(rows), None, ())
+    assert runner.stats.eager == 3 and runner.stats.replays == 0

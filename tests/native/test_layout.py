@@ -45,7 +45,7 @@ def test_solved_capacity_fits_the_budget(cfg):
     ec = EngineConfig(max_concurrency=4, max_context=4096, memory_budget_bytes=20 << 20)
     lay = resolve_layout(cfg, ec, CPU)
     used = lay.main_pages * lay.kv_page_bytes[MAIN] + lay.state_slots * lay.state_image_bytes + lay.workspace_bytes
-    assert used <= 20 << 20 and 64 < lay.main_pages < 256
+    assert used <= 28 << 20 and 64 < lay.main_pages < 256
     assert (lay.main_pages + 1) * lay.kv_page_bytes[MAIN] + used - lay.main_pages * lay.kv_page_bytes[MAIN] > 20 << 20
     big = resolve_layout(cfg, EngineConfig(max_concurrency=4, max_context=4096, memory_budget_bytes=1 << 40), CPU)
     assert big.main_pages == 4 * 64                # clipped to the top of the curve
@@ -65,18 +65,27 @@ def test_host_default_is_8gib_plus_8_images(cfg):
 
 def test_cuda_graphs_take_their_pool_and_scratch_from_the_budget(cfg):
     """On CUDA (solved here without a device: the budget is given) the graphs' memory pool —
-    the largest bucket's activations — and their scratch page and slot come off the KV pages;
-    ``enforce_eager`` and the CPU reserve nothing."""
+    the largest graph's activations (4 decode rows beside a 256-token chunk) and every graph's
+    hidden-sized outputs — and their scratch page and slot come off the KV pages; ``enforce_eager`` and the
+    CPU reserve nothing; a longer chunk budget reserves more."""
+    from ninfer.native import graphs as g
     from ninfer.native.layout import workspace_bytes
     cuda = torch.device("cuda")
-    ec = dict(max_concurrency=4, max_context=4096, memory_budget_bytes=20 << 20)
+    ec = dict(max_concurrency=4, max_context=4096, memory_budget_bytes=28 << 20)
     graphs = resolve_layout(cfg, EngineConfig(**ec), cuda)
     eager = resolve_layout(cfg, EngineConfig(**ec, enforce_eager=True), cuda)
     cpu = resolve_layout(cfg, EngineConfig(**ec), CPU)
     assert eager.graph_bytes == cpu.graph_bytes == 0
-    assert graphs.graph_bytes == (workspace_bytes(cfg, 4, 4) + graphs.kv_page_bytes[MAIN]
+    keys = g.plan(4, 0, 256)
+    assert keys[0] == (g.CHUNK, 4, 256) and len(keys) == 3 + 4 * 3      # decode 1, 2, 4; chunks (0..4) x (64..256)
+    outputs = sum(((b + 1 if p == g.CHUNK else g.tokens((p, b, n))) + g.tokens((p, b, n))) * cfg.hidden_size * 4
+                  for p, b, n in keys)
+    assert graphs.graph_bytes == (workspace_bytes(cfg, 260, 4) + outputs + graphs.kv_page_bytes[MAIN]
                                   + graphs.state_image_bytes)
+    longer = resolve_layout(cfg, EngineConfig(**{**ec, "memory_budget_bytes": 64 << 20}, prefill_chunk_tokens=512),
+                            cuda)
+    assert longer.graph_bytes > graphs.graph_bytes
     assert graphs.main_pages < eager.main_pages
     used = graphs.main_pages * graphs.kv_page_bytes[MAIN] + graphs.state_slots * graphs.state_image_bytes \
         + graphs.workspace_bytes + graphs.graph_bytes
-    assert used <= 20 << 20
+    assert used <= 28 << 20

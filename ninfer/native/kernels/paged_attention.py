@@ -244,7 +244,7 @@ def paged_prefill_triton(q, k_cache, v_cache, page_tables, cu_seqlens, starts, s
     """``max_q``: the longest sequence's queries when the caller knows it (a CUDA graph's
     capture must not read it back from the device)."""
     t, h, d = q.shape
-    out = torch.empty_like(q)
+    out = torch.zeros_like(q)          # rows no sequence covers (a graph's padded chunk) read as zeros
     n = starts.numel()
     if t == 0 or n == 0:
         return out

@@ -115,18 +115,21 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     block_table: torch.Tensor, starts: torch.Tensor, n: int, scale: float) -> torch.Tensor:
+                     block_table: torch.Tensor, starts: torch.Tensor, n: int, scale: float,
+                     ends: torch.Tensor | None = None) -> torch.Tensor:
     """V verify rows of ``n`` queries each at once (no per-row Python loop): row b's queries,
     packed at q[b*n:(b+1)*n] ([V*n, H, D]), sit at positions starts[b] .. starts[b] + n - 1 and
     attend causally over the row's paged KV (the new K/V already written). ``block_table``
     [V, W] covers start + n positions of every row (padded with the row's first page). Keys
     are gathered over L = W * 64 positions (a static length, so a graph can capture it);
-    positions past a query's own are masked. The precision policy of ``paged_attention``."""
+    positions past a query's own are masked. The precision policy of ``paged_attention``.
+    ``ends`` [V]: one past each row's last written key when fewer than its n queries are real
+    (a graph's padded chunk: keys from there on read position 0's, never an unwritten slot)."""
     vb, h, d = q.shape[0] // n, q.shape[1], q.shape[2]
     hkv = k_cache.shape[2]
     rep = h // hkv
     length = block_table.shape[1] * PAGE_SIZE
-    slots = decode_kv_slots(block_table, starts + n, length).reshape(-1)
+    slots = decode_kv_slots(block_table, starts + n if ends is None else ends, length).reshape(-1)
     k = k_cache.view(-1, hkv * d).index_select(0, slots).view(vb, length, hkv, d).to(q.dtype)
     v = v_cache.view(-1, hkv * d).index_select(0, slots).view(vb, length, hkv, d).to(q.dtype)
     qpos = starts[:, None] + torch.arange(n, device=q.device)[None, :]                    # [V, n]

@@ -33,6 +33,12 @@ same treatment, so their attention and GDN run as one op per step too::
     verify_slots        [V]        their state slots
     verify_starts       [V]        the position of each one's first input
     verify_block_table  [V, Pmax]  their pages up to start + n, padded with their first page
+
+A CUDA graph's "chunk" profile (native/graphs.py) runs the call's one prefill/replay chunk
+padded to a fixed length L, described by ``ForwardBatch.chunk`` (a ``PaddedChunk``): its real
+length and start live in tensors, not in ``cu`` / ``starts``, so one capture serves every
+chunk of up to L tokens. The paths then take the chunk's attention as one verify-shaped row of
+L queries and its GDN with the padding rows masked out (``paths._gdn_padded``).
 """
 
 from __future__ import annotations
@@ -58,6 +64,31 @@ class SeqInput:
     # start + delta on all rows when decoding after an image); None = start .. end - 1 on all rows
     rope_positions: torch.Tensor | None = None
     verify: bool = False            # a speculative verify row (see the module docstring)
+
+
+@dataclass
+class PaddedChunk:
+    """One chunk of n real tokens padded to ``length`` = L rows (a graph's static chunk).
+
+    rows         [L]       its token rows in the packed T, real ones first
+    slot         [1]       its state slot
+    start        [1]       the position of its first token
+    end          [1]       n: the real rows are 0 .. n-1
+    valid        [L] bool  row < n
+    block_table  [1, W]    its pages, padded with its first page past its own; W * 64 >= start + L
+                           (a padding row's queries may look past the real end: never a real row's)
+
+    Padding rows write their K/V into the scratch page and are masked out of the GDN (k, v, q,
+    beta and the decay zero: the state passes them unchanged, as the chunked form's own
+    block padding does); the conv state is taken at the real end."""
+
+    length: int
+    rows: torch.Tensor
+    slot: torch.Tensor
+    start: torch.Tensor
+    end: torch.Tensor
+    valid: torch.Tensor
+    block_table: torch.Tensor
 
 
 @dataclass
@@ -91,6 +122,10 @@ class ForwardBatch:
     spec_states: list[dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = field(default_factory=list)
     # per-call metadata a forward path builds once and every layer reuses (paths.KernelPath)
     kernel_meta: dict = field(default_factory=dict)
+    # the chunk of ``chunk_seqs`` padded to a static length (a graph's "chunk" profile; see the
+    # module docstring); None: the chunk's rows are ``cu`` / ``starts`` as usual
+    chunk: PaddedChunk | None = None
+    logits_last: bool = False      # every sequence returns its last row's logits, and only it
 
     @property
     def all_decode(self) -> bool:
@@ -179,6 +214,7 @@ class ForwardBatch:
             decode_block_table=block_table,
             decode_kv_slots=decode_kv_slots(block_table, kv_lens, max_len),
             rope_positions=rope,
+            logits_last=all(s.logits == "last" for s in seqs),
         )
 
 

@@ -186,14 +186,15 @@ class HybridModel:
     # ---- forward ------------------------------------------------------------------------
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, cache: ModelCache, embeds: torch.Tensor | None = None,
-                taps: tuple[int, ...] = (), static: bool = False) -> ForwardOutput:
+                taps: tuple[int, ...] = (), static: bool = False, logits: bool = True) -> ForwardOutput:
         """``embeds`` [T, H] replaces the token embeddings when given (a prompt with images:
         ``multimodal.prompt_embeddings``). With ``mrope_section``, ``batch.rope_positions`` [3, T]
         (when set) are the rotary positions; the cache is always indexed by ``batch.positions``.
         ``taps``: layer ids whose outputs (every row) come back concatenated in ``out.taps``
         [T, len(taps) * H] — a DFlash draft's context features (``dflash.tap_features``).
         ``static``: only ops without data-dependent shapes (MoE in its dense form), for a CUDA
-        graph's capture (native/graphs.py)."""
+        graph's capture (native/graphs.py). ``logits=False``: ``out.logits`` is None (a graph
+        leaves the LM head to its caller, for the real rows only)."""
         c = self.cfg
         x = F.embedding(batch.input_ids, self.embed) if embeds is None else embeds.to(self.dtype)
         rope_pos = batch.rope_positions if (c.mrope_section and batch.rope_positions is not None) else batch.positions
@@ -212,7 +213,7 @@ class HybridModel:
             if i in taps:
                 tapped[i] = x
         hidden = x[batch.logits_rows]
-        return ForwardOutput(hidden=hidden, logits=self.logits(hidden), all_hidden=x,
+        return ForwardOutput(hidden=hidden, logits=self.logits(hidden) if logits else None, all_hidden=x,
                              taps=torch.cat([tapped[i] for i in taps], dim=-1) if taps else None)
 
     def roll_back(self, cache: ModelCache, batch: ForwardBatch, s: int, slot: int, keep: int) -> None:

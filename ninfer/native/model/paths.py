@@ -114,6 +114,38 @@ def _gdn_alone(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, spl
         ssm_states[slot] = new_ssm.to(ssm_states.dtype)
 
 
+def _gdn_padded(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split, ops=gdn) -> None:
+    """The padded chunk of a graph's "chunk" profile (``ForwardBatch.chunk``): conv over all L
+    rows (causal: a real row never sees a padding row), the new conv state gathered at the real
+    end, the padding rows' q, k, v, beta and decay set to zero (by selection, so nothing a
+    padding row computed reaches the state: it passes them unchanged), then the chunked form
+    over L rows from the slot's state."""
+    c = batch.chunk
+    x = mixed.index_select(0, c.rows)                                          # [L, C]
+    conv0 = conv_states.index_select(0, c.slot)[0]                             # [C, K-1]
+    y, _ = ops.causal_conv1d(x, conv0, conv_w)
+    k1 = conv0.shape[1]
+    xs = torch.cat([conv0.to(x.dtype), x.t()], dim=1)                          # [C, K-1+L]
+    new_conv = xs.index_select(1, c.end + torch.arange(k1, device=x.device))   # inputs n .. n+K-2 of xs
+    keep = c.valid
+    zero = lambda t: torch.where(keep.view(-1, *[1] * (t.dim() - 1)), t, torch.zeros((), dtype=t.dtype,  # noqa: E731
+                                                                                    device=t.device))
+    q, k, v = (zero(t) for t in split(y))
+    o, new_ssm = ops.chunk_gated_delta_rule(q, k, v, zero(g.index_select(0, c.rows)), zero(beta.index_select(0, c.rows)),
+                                            ssm_states.index_select(0, c.slot)[0])
+    core.index_copy_(0, c.rows, o)
+    conv_states.index_copy_(0, c.slot, new_conv[None].to(conv_states.dtype))
+    ssm_states.index_copy_(0, c.slot, new_ssm[None].to(ssm_states.dtype))
+
+
+def _gdn_chunks(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split, ops=gdn) -> None:
+    """The call's chunk: padded to a graph's length, or alone at its own."""
+    if batch.chunk is not None:
+        _gdn_padded(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split, ops)
+    else:
+        _gdn_alone(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split, batch.chunk_seqs, ops)
+
+
 def _gdn_verify(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split) -> None:
     """The verify rows: conv over each row, the recurrent delta rule with every step's state kept
     in ``batch.spec_states`` (one dict per call = per linear layer); the final states are written
@@ -187,16 +219,21 @@ class BatchedPath(_TorchOps):
             out.index_copy_(0, rows, verify_attention(q.index_select(0, rows), k_cache, v_cache,
                                                       batch.verify_block_table, batch.verify_starts,
                                                       batch.verify_len, scale))
-            _attention_alone(out, q, k_cache, v_cache, batch, scale, batch.chunk_seqs)
+        elif batch.verify_seqs:
+            _attention_alone(out, q, k_cache, v_cache, batch, scale, batch.verify_seqs)
+        if batch.chunk is not None:               # a graph's padded chunk: one row of L queries
+            c = batch.chunk
+            out.index_copy_(0, c.rows, verify_attention(q.index_select(0, c.rows), k_cache, v_cache,
+                                                        c.block_table, c.start, c.length, scale, c.start + c.end))
         else:
-            _attention_alone(out, q, k_cache, v_cache, batch, scale, batch.multi_seqs)
+            _attention_alone(out, q, k_cache, v_cache, batch, scale, batch.chunk_seqs)
         return out
 
     def gdn(self, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split):
         ops = self._gdn_ops()
         if not batch.decode_seqs:
             core = _core_out(mixed, ssm_states)
-            _gdn_alone(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split, batch.chunk_seqs, ops)
+            _gdn_chunks(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split, ops)
             if batch.verify_seqs:
                 _gdn_verify(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split)
             return core
@@ -213,7 +250,7 @@ class BatchedPath(_TorchOps):
             return o[:, 0]
         core = _core_out(mixed, ssm_states)
         core.index_copy_(0, rows, o[:, 0])
-        _gdn_alone(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split, batch.chunk_seqs, ops)
+        _gdn_chunks(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split, ops)
         if batch.verify_seqs:
             _gdn_verify(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split)
         return core

@@ -48,6 +48,7 @@ def test_the_engine_check_runs_graphs_and_eager_on_the_cpu_stand_in(tiny_model, 
     assert g["requests_equal_reference"] == e["requests_equal_reference"] == 2
     assert out["graphs_equal_eager"]
     assert g["graphs"]["replays"] > 0 and g["graphs"]["buckets"] == [1, 2, 4, 8]
+    assert g["graphs"]["chunk_replays"] > 0 and [0, 512] in g["graphs"]["chunk_buckets"]
     assert e["graphs"] is None
     assert set(g["decode_tok_s"]) == {1, 2} and g["prefill_tok_s"] > 0
 

@@ -78,13 +78,19 @@ def test_the_device_chooses_the_path():
 
 def test_graphs_on_the_kernel_path_equal_the_eager_torch_path(tiny_model):
     """The graphs a CUDA model replays run the kernel path on their static buffers (the verify
-    profile's prefill launch over its prepared padded tables, its longest row given): with the
-    CPU stand-in backend, decode and verify calls of changing membership equal the eager
-    batched torch path."""
+    profile's prefill launch over its prepared padded tables, its longest row given; the chunk
+    profile's launch over the chunk's real queries, its GDN through the kernel ops): with the
+    CPU stand-in backend, decode, verify and decode + chunk calls of changing membership equal
+    the eager batched torch path, pages and slots included."""
     from ninfer.native import graphs
     from ninfer.native.model.forward import ForwardBatch
     from tests.native.model.test_batched_forward import _verify_rows
-    from tests.native.test_graphs import _with_scratch
+    from tests.native.test_graphs import _assert_pools_equal, _with_scratch
+    c = len(CONTEXTS)
+
+    def with_chunk(rows, start, n):
+        tokens = [(5 * p) % 1700 + 9 for p in range(start, start + n)]
+        return rows[:1] + [SeqInput(tokens, start, prep.tables[c], prep.slots[c])] + rows[1:]
     prep = prepared(tiny_model, "float32")
     model = prep.model
     eager, replayed = _with_scratch(prep.cache), _with_scratch(prep.cache)
@@ -92,17 +98,21 @@ def test_graphs_on_the_kernel_path_equal_the_eager_torch_path(tiny_model):
     before, model.path = model.path, paths.KERNELS
     try:
         runner = graphs.GraphRunner(model, replayed, graphs.ReplayBackend(), max_rows=4, max_context=512,
-                                    scratch_page=pages, scratch_slot=slots, verify_tokens=3)
+                                    scratch_page=pages, scratch_slot=slots, verify_tokens=3, chunk_tokens=40)
         runner.capture_all()
-        for call, verify in (([1, 6, 2], True), ([0, 4], True), ([3, 5, 7], False)):
+        for call, verify, chunk in (([1, 6, 2], True, None), ([0, 4], True, None), ([3, 5, 7], False, None),
+                                    ([3, 5], False, (CHUNK_PREFIX, 25)), ([], False, (CHUNK_PREFIX + 25, 40))):
             rows = _verify_rows(prep, call, 3) if verify else [
                 r for r in prep.step(8, False) if r.state_slot in {prep.slots[i] for i in call}]
+            if chunk is not None:
+                rows = with_chunk(rows, *chunk)
             model.path = paths.BATCHED
             want = model.forward(ForwardBatch.build(rows), eager)
             model.path = paths.KERNELS
             got = runner.forward(ForwardBatch.build(rows), None, ())
             assert rel_err(got.logits, want.logits) < REL["float32"]
             assert torch.equal(got.logits.argmax(-1), want.logits.argmax(-1))
-        assert runner.stats.verify_replays == 2 and runner.stats.replays == 3
+            _assert_pools_equal(replayed, eager, pages, slots, REL["float32"])
+        assert runner.stats.verify_replays == 2 and runner.stats.chunk_replays == 2 and runner.stats.replays == 5
     finally:
         model.path = before
