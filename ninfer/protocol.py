@@ -695,15 +695,18 @@ class GraphStats(msgspec.Struct, array_like=True, gc=False):
     capture_s: float = 0.0        # time to capture them all at startup
     replays: int = 0              # calls run by replaying a graph
     padded: int = 0               # of which had fewer rows than their bucket (padding rows ran)
-    eager: int = 0                # calls run eagerly (verify rows with a chunk or decode rows, images, no bucket)
-    verify_replays: int = 0       # replays of a verify graph
+    eager: int = 0                # calls run eagerly (verify and decode rows mixed, images, no bucket)
+    verify_replays: int = 0       # replays of a graph with verify rows (alone or beside a chunk)
     # profile "chunk": [decode-row bucket (0 = the chunk alone), chunk length] pairs captured
     chunk_buckets: list[list[int]] = []
     chunk_replays: int = 0        # replays of a chunk graph (its chunk padded to the length)
+    # and beside verify rows (with a draft backend): [verify-row bucket, chunk length] pairs
+    verify_chunk_buckets: list[list[int]] = []
 
     def as_dict(self) -> dict:
         return {"backend": self.backend, "buckets": list(self.buckets), "verify_buckets": list(self.verify_buckets),
                 "chunk_buckets": [list(b) for b in self.chunk_buckets],
+                "verify_chunk_buckets": [list(b) for b in self.verify_chunk_buckets],
                 "capture_s": self.capture_s, "replays": self.replays, "verify_replays": self.verify_replays,
                 "chunk_replays": self.chunk_replays, "padded": self.padded, "eager": self.eager}
 

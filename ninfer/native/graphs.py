@@ -1,18 +1,19 @@
 """The Program's CUDA graphs of the forward (seed: CUDA graph 由 Program 拥有，按实际成员数和
 执行 profile 选择).
 
-A graph is keyed by (execution profile, member-count bucket, row length). Three profiles:
+A graph is keyed by (execution profile, member-count bucket, row length, chunk length). Three
+profiles:
 
 * ``decode`` — every row of the call is one decode row;
-* ``chunk`` — one prefill/replay chunk of up to L tokens beside 0 .. B decode rows (the
-  chunked-prefill step); L runs over ``chunk_sizes`` (64, 128, 256, … up to the prefill chunk
-  budget), the chunk padded to it;
 * ``verify`` (with a draft backend) — every row is a verify row of 1 + k inputs (the
-  speculating decode step).
+  speculating decode step);
+* ``chunk`` — one prefill/replay chunk of up to L tokens beside 0 .. B decode rows, or (with a
+  draft backend) beside 1 .. B verify rows: the chunked-prefill step. L runs over
+  ``chunk_sizes`` (64, 128, 256, … up to the prefill chunk budget), the chunk padded to it.
 
-Every other call — verify rows beside a chunk or beside plain decode rows, rows with fewer
-drafts, a chunk longer than the budget, image embeddings or MRoPE rows — runs eagerly (the
-fallback, counted in ``GraphStats.eager``).
+Every other call — verify rows beside plain decode rows, rows with fewer drafts, a chunk longer
+than the budget, image embeddings or MRoPE rows — runs eagerly (the fallback, counted in
+``GraphStats.eager``).
 
 Buckets are vLLM's capture sizes cut at ``max_concurrency``: 1, 2, 4, 8, then every multiple
 of 8 (and 0 for a chunk alone). A call of n rows replays the smallest bucket >= n; rows n .. B-1
@@ -99,21 +100,26 @@ def chunk_sizes(chunk_tokens: int) -> list[int]:
     return sizes + [chunk_tokens]
 
 
-def plan(max_rows: int, verify_tokens: int = 0, chunk_tokens: int = 0) -> list[tuple[str, int, int]]:
-    """Every graph a Program captures, as (profile, member-count bucket, row length), largest
-    first (tokens per call): the capture order, and what the layout reserves for."""
+def plan(max_rows: int, verify_tokens: int = 0, chunk_tokens: int = 0) -> list[tuple[str, int, int, int]]:
+    """Every graph a Program captures, as (profile, rows bucket, row length, chunk length),
+    largest first (tokens per call): the capture order, and what the layout reserves for.
+    Profile "chunk" with row length 1 is a chunk beside decode rows, with 1 + k beside verify
+    rows."""
     rows = buckets(max_rows)
-    keys = [(DECODE, b, 1) for b in rows]
-    if 1 < verify_tokens <= PAGE_SIZE:
-        keys += [(VERIFY, b, verify_tokens) for b in rows]
-    keys += [(CHUNK, b, n) for b in [0, *rows] for n in chunk_sizes(chunk_tokens)]
+    verify = 1 < verify_tokens <= PAGE_SIZE
+    chunks = chunk_sizes(chunk_tokens)
+    keys = [(DECODE, b, 1, 0) for b in rows]
+    keys += [(CHUNK, b, 1, n) for b in [0, *rows] for n in chunks]
+    if verify:
+        keys += [(VERIFY, b, verify_tokens, 0) for b in rows]
+        keys += [(CHUNK, b, verify_tokens, n) for b in rows for n in chunks]
     return sorted(keys, key=lambda k: (-tokens(k), k))
 
 
-def tokens(key: tuple[str, int, int]) -> int:
+def tokens(key: tuple[str, int, int, int]) -> int:
     """The rows of one graph's forward."""
-    profile, b, n = key
-    return b + n if profile == CHUNK else b * n
+    _, b, n, length = key
+    return b * n + length
 
 
 def bucket_for(n: int, sizes: list[int]) -> int | None:
@@ -261,85 +267,120 @@ class _StaticVerify:
 
 
 class _StaticChunk:
-    """The input buffers of one (decode bucket B, chunk length L) graph: rows 0 .. B-1 decode
-    rows (as ``_Static``), rows B .. B+L-1 the chunk, real tokens first. Its padding rows write
-    their K/V into the scratch page; its state slot is the chunk's own (``PaddedChunk``)."""
+    """The input buffers of one (rows bucket B, row length n, chunk length L) graph: B rows of n
+    inputs first — decode rows (n = 1, as ``_Static``) or verify rows (n = 1 + k, as
+    ``_StaticVerify``) — then the chunk's L rows, real tokens first. Its padding rows write
+    their K/V into the scratch page; its state slot is the chunk's own (``PaddedChunk``). One
+    block table holds both parts (the rows', then the chunk's), so on the kernel path the verify
+    rows and the chunk are one prefill launch as in an eager call."""
 
-    def __init__(self, rows: int, length: int, width: int, device, scratch_page: int, scratch_slot: int):
+    def __init__(self, rows: int, n: int, length: int, width: int, device, scratch_page: int, scratch_slot: int):
         from ninfer.native.model.paths import _MultiRows
-        lt = lambda n, v: torch.full((n,), v, dtype=torch.long, device=device)  # noqa: E731
-        t = rows + length
-        self.rows, self.length, self.scratch_page, self.scratch_slot = rows, length, scratch_page, scratch_slot
-        self.pad_slot_mapping = torch.cat([lt(rows, scratch_page * PAGE_SIZE),
-                                           scratch_page * PAGE_SIZE + torch.arange(length, device=device) % PAGE_SIZE])
+        lt = lambda k, v: torch.full((k,), v, dtype=torch.long, device=device)  # noqa: E731
+        ar = lambda lo, hi: torch.arange(lo, hi, dtype=torch.long, device=device)  # noqa: E731
+        m = rows * n
+        t = m + length
+        self.rows, self.n, self.m, self.length = rows, n, m, length
+        self.scratch_page, self.scratch_slot = scratch_page, scratch_slot
+        step = ar(0, n).repeat(rows)                 # a padding verify row: positions 0 .. n-1
+        self.pad_positions = torch.cat([step, lt(length, 0)])
+        self.pad_slot_mapping = scratch_page * PAGE_SIZE + torch.cat([step, ar(0, length) % PAGE_SIZE])
         self.input_ids = lt(t, 0)
-        self.positions = lt(t, 0)
+        self.positions = self.pad_positions.clone()
         self.slot_mapping = self.pad_slot_mapping.clone()
         self.state_slots = lt(rows + 1, scratch_slot)
+        self.starts = lt(rows + 1, 0)                # the verify rows' starts, then the chunk's
         self.kv_lens = lt(rows, 1)
-        self.block_table = torch.full((rows, width), scratch_page, dtype=torch.long, device=device)
         # a padding row of the chunk may look up to L - 1 positions past the real end
-        self.chunk_table = torch.full((1, width + -(-length // PAGE_SIZE)), scratch_page, dtype=torch.long,
-                                      device=device)
-        self.logits_rows = torch.arange(rows + 1, dtype=torch.long, device=device)
-        decode_rows = torch.arange(rows, dtype=torch.long, device=device)
-        cu = lt(2, 0)                            # the kernel launch's [0, n]: its real queries only
-        self.chunk = PaddedChunk(length=length, rows=torch.arange(rows, t, dtype=torch.long, device=device),
-                                 slot=self.state_slots[rows:], start=lt(1, 0), end=cu[1:],
-                                 valid=torch.zeros(length, dtype=torch.bool, device=device),
-                                 block_table=self.chunk_table)
-        self.batch = ForwardBatch(
-            input_ids=self.input_ids, positions=self.positions, cu=[*range(rows + 1), t], starts=[0] * (rows + 1),
-            page_tables=[], state_slots=self.state_slots, slot_mapping=self.slot_mapping,
-            logits_rows=self.logits_rows, decode_seqs=list(range(rows)), chunk_seqs=[rows], decode_rows=decode_rows,
-            decode_slots=self.state_slots[:rows], decode_kv_lens=self.kv_lens, decode_block_table=self.block_table,
-            decode_kv_slots=None, chunk=self.chunk, logits_last=True)
-        self.batch.kernel_meta["multi"] = _MultiRows(self.chunk.rows, cu, self.chunk.start, self.chunk_table,
-                                                     contiguous=rows == 0, max_q=length)
+        self.tables = torch.full((rows + 1, width + -(-length // PAGE_SIZE)), scratch_page, dtype=torch.long,
+                                 device=device)
+        self.logits_rows = ar(0, m + 1)
+        self.chunk = PaddedChunk(length=length, rows=ar(m, t), slot=self.state_slots[rows:], start=self.starts[rows:],
+                                 end=lt(1, 0), valid=torch.zeros(length, dtype=torch.bool, device=device),
+                                 block_table=self.tables[rows:])
+        verify = n > 1
+        # the kernel path's prefill launch: [0, n, 2n, .., m, m + real chunk] with verify rows,
+        # [0, real chunk] beside decode rows (they take the decode kernel); real queries only
+        self.cu = torch.cat([ar(0, m + 1).view(-1)[::n], lt(1, m)]) if verify else lt(2, 0)
+        empty = lt(0, 0)
+        part = ar(0, m)
+        common = dict(input_ids=self.input_ids, positions=self.positions, cu=[*range(0, m + 1, n), t],
+                      starts=[0] * (rows + 1), page_tables=[], state_slots=self.state_slots,
+                      slot_mapping=self.slot_mapping, logits_rows=self.logits_rows, chunk_seqs=[rows],
+                      chunk=self.chunk, usual_logits=True)
+        if verify:
+            self.batch = ForwardBatch(
+                **common, verify_seqs=list(range(rows)), decode_rows=empty, decode_slots=empty, decode_kv_lens=empty,
+                decode_block_table=empty.view(0, 0), verify_len=n, verify_rows=part,
+                verify_slots=self.state_slots[:rows], verify_starts=self.starts[:rows],
+                verify_block_table=self.tables[:rows])
+            multi = _MultiRows(ar(0, t), self.cu, self.starts, self.tables, contiguous=True, max_q=max(n, length))
+        else:
+            self.batch = ForwardBatch(
+                **common, decode_seqs=list(range(rows)), decode_rows=part, decode_slots=self.state_slots[:rows],
+                decode_kv_lens=self.kv_lens, decode_block_table=self.tables[:rows], decode_kv_slots=None)
+            multi = _MultiRows(self.chunk.rows, self.cu, self.chunk.start, self.chunk.block_table,
+                               contiguous=rows == 0, max_q=length)
+        self.batch.kernel_meta["multi"] = multi
+
+    def _members(self, b: ForwardBatch):
+        """The call's decode or verify rows: (sequences, token rows, slots, block table)."""
+        if self.n > 1:
+            return b.verify_seqs, b.verify_rows, b.verify_slots, b.verify_block_table
+        return b.decode_seqs, b.decode_rows, b.decode_slots, b.decode_block_table
 
     def load(self, b: ForwardBatch) -> None:
-        """Every buffer rewritten: the call's decode rows, then padding; its chunk, then padding."""
-        d, B = len(b.decode_seqs), self.rows
+        """Every buffer rewritten: the call's decode or verify rows, then padding; its chunk,
+        then padding."""
+        seqs, part_rows, part_slots, part_table = self._members(b)
+        c, B, m = len(seqs), self.rows, self.m
+        cm = c * self.n
         (s,) = b.chunk_seqs
         lo, hi = b.cu[s], b.cu[s + 1]
-        n = hi - lo
-        for buf, src, pad in ((self.input_ids, b.input_ids, None), (self.positions, b.positions, None),
+        nr = hi - lo
+        for buf, src, pad in ((self.input_ids, b.input_ids, None), (self.positions, b.positions, self.pad_positions),
                               (self.slot_mapping, b.slot_mapping, self.pad_slot_mapping)):
-            if d:
-                buf[:d].copy_(src.index_select(0, b.decode_rows))
-            buf[B:B + n].copy_(src[lo:hi])
-            for a, z in ((d, B), (B + n, B + self.length)):
+            if c:
+                buf[:cm].copy_(src.index_select(0, part_rows))
+            buf[m:m + nr].copy_(src[lo:hi])
+            for a, z in ((cm, m), (m + nr, m + self.length)):
                 if pad is None:
                     buf[a:z].zero_()
                 else:
                     buf[a:z].copy_(pad[a:z])
-        self.state_slots[:d].copy_(b.decode_slots)
-        self.state_slots[d:B].fill_(self.scratch_slot)
+        self.state_slots[:c].copy_(part_slots)
+        self.state_slots[c:B].fill_(self.scratch_slot)
         self.state_slots[B:].copy_(b.state_slots[s:s + 1])
-        self.kv_lens[:d].copy_(b.decode_kv_lens)
-        self.kv_lens[d:].fill_(1)
-        if d:
-            _load_table(self.block_table, b.decode_block_table, d, self.scratch_page)
+        if self.n > 1:
+            self.starts[:c].copy_(b.verify_starts)
+            self.starts[c:B].zero_()
         else:
-            self.block_table.fill_(self.scratch_page)
-        _load_table(self.chunk_table, b.page_tables[s][None], 1, self.scratch_page)
+            self.kv_lens[:c].copy_(b.decode_kv_lens)
+            self.kv_lens[c:].fill_(1)
+        if c:
+            _load_table(self.tables[:B], part_table, c, self.scratch_page)
+        else:
+            self.tables[:B].fill_(self.scratch_page)
+        _load_table(self.chunk.block_table, b.page_tables[s][None], 1, self.scratch_page)
         self.chunk.start.fill_(b.starts[s])
-        self.chunk.end.fill_(n)
-        self.chunk.valid[:n].fill_(True)
-        self.chunk.valid[n:].fill_(False)
-        self.logits_rows[B:].fill_(B + n - 1)
+        self.chunk.end.fill_(nr)
+        self.cu[-1:].fill_((m if self.n > 1 else 0) + nr)
+        self.chunk.valid[:nr].fill_(True)
+        self.chunk.valid[nr:].fill_(False)
+        self.logits_rows[m:].fill_(m + nr - 1)
 
     def order(self, b: ForwardBatch) -> tuple[list[int], list[int]]:
-        """The graph's rows and logits rows in the call's order (decode row j of the call is
-        graph row j, its chunk graph rows B ..)."""
+        """The graph's rows and logits rows in the call's order (the call's j-th decode or
+        verify row is the graph's j-th, its chunk the graph's rows m ..)."""
         rows, logits, j = [], [], 0
         for i in range(b.num_seqs):
             if i in b.chunk_seqs:
-                rows.extend(range(self.rows, self.rows + b.cu[i + 1] - b.cu[i]))
-                logits.append(self.rows)
+                rows.extend(range(self.m, self.m + b.cu[i + 1] - b.cu[i]))
+                logits.append(self.m)
             else:
-                rows.append(j)
-                logits.append(j)
+                own = range(j * self.n, (j + 1) * self.n)
+                rows.extend(own)
+                logits.extend(own)
                 j += 1
         return rows, logits
 
@@ -352,8 +393,8 @@ class _Graph:
 class GraphRunner:
     """The Program's graphs; ``forward`` replays one when the call's shape has one, else runs
     the model eagerly. ``verify_tokens``: the inputs of a speculating row (1 + k drafts; 0
-    without a draft backend) — the "verify" profile's row length; ``chunk_tokens``: the prefill
-    chunk budget (0: no "chunk" profile)."""
+    without a draft backend) — the verify rows' length; ``chunk_tokens``: the prefill chunk
+    budget (0: no "chunk" profile)."""
 
     def __init__(self, model, cache: ModelCache, backend, max_rows: int, max_context: int,
                  scratch_page: int, scratch_slot: int, taps: tuple[int, ...] = (), verify_tokens: int = 0,
@@ -365,7 +406,7 @@ class GraphRunner:
         self.scratch_page, self.scratch_slot = scratch_page, scratch_slot
         self.verify_tokens = verify_tokens if 1 < verify_tokens <= PAGE_SIZE else 0
         self.plan = plan(max_rows, self.verify_tokens, chunk_tokens)
-        self.graphs: dict[tuple[str, int, int], _Graph] = {}
+        self.graphs: dict[tuple[str, int, int, int], _Graph] = {}
         self.stats = GraphStats(backend=backend.name)
 
     @staticmethod
@@ -382,16 +423,17 @@ class GraphRunner:
         for key in self.plan:
             self._capture(key)
         self.stats.capture_s = time.perf_counter() - t0
-        self.stats.buckets = sorted(b for p, b, _ in self.graphs if p == DECODE)
-        self.stats.verify_buckets = sorted(b for p, b, _ in self.graphs if p == VERIFY)
-        self.stats.chunk_buckets = sorted([b, n] for p, b, n in self.graphs if p == CHUNK)
+        self.stats.buckets = sorted(b for p, b, _, _ in self.graphs if p == DECODE)
+        self.stats.verify_buckets = sorted(b for p, b, _, _ in self.graphs if p == VERIFY)
+        self.stats.chunk_buckets = sorted([b, n] for p, b, k, n in self.graphs if p == CHUNK and k == 1)
+        self.stats.verify_chunk_buckets = sorted([b, n] for p, b, k, n in self.graphs if p == CHUNK and k > 1)
 
-    def _capture(self, key: tuple[str, int, int]) -> _Graph:
-        profile, rows, n = key
+    def _capture(self, key: tuple[str, int, int, int]) -> _Graph:
+        profile, rows, n, length = key
         dev, args = self.model.device, (self.scratch_page, self.scratch_slot)
         static = (_Static(rows, self.width, dev, *args) if profile == DECODE else
                   _StaticVerify(rows, n, self.width, dev, *args) if profile == VERIFY else
-                  _StaticChunk(rows, n, self.width, dev, *args))
+                  _StaticChunk(rows, n, length, self.width, dev, *args))
 
         def fn() -> ForwardOutput:
             static.batch.spec_states.clear()     # the verify rows' kept states: this run's
@@ -408,30 +450,31 @@ class GraphRunner:
             c.conv[:, self.scratch_slot].zero_()
             c.ssm[:, self.scratch_slot].zero_()
 
-    def _key(self, batch: ForwardBatch, embeds, taps) -> tuple[tuple[str, int, int], bool] | None:
+    def _key(self, batch: ForwardBatch, embeds, taps) -> tuple[tuple[str, int, int, int], bool] | None:
         """The graph that may run the call, and whether it pads (None: none may)."""
-        if embeds is not None or batch.rope_positions is not None or tuple(taps) != tuple(self.taps):
+        if (embeds is not None or batch.rope_positions is not None or tuple(taps) != tuple(self.taps)
+                or not batch.usual_logits):
             return None
-        n_dec = len(batch.decode_seqs)
+        n_dec, n_ver = len(batch.decode_seqs), len(batch.verify_seqs)
+        if n_dec and n_ver:
+            return None
         if n_dec and batch.decode_block_table.shape[1] > self.width:
             return None
-        if batch.all_decode:
-            b = bucket_for(n_dec, self.sizes) if batch.logits_last else None
-            return ((DECODE, b, 1), n_dec < b) if b else None
-        if batch.verify_seqs:
-            if (not self.verify_tokens or n_dec or batch.chunk_seqs or batch.verify_len != self.verify_tokens
-                    or batch.verify_block_table.shape[1] > self.width):
-                return None
-            b = bucket_for(len(batch.verify_seqs), self.sizes)
-            return ((VERIFY, b, self.verify_tokens), len(batch.verify_seqs) < b) if b else None
+        if n_ver and (batch.verify_len != self.verify_tokens or not self.verify_tokens
+                      or batch.verify_block_table.shape[1] > self.width):
+            return None
+        members, n = (n_ver, self.verify_tokens) if n_ver else (n_dec, 1)
+        if not batch.chunk_seqs:
+            b = bucket_for(members, self.sizes)
+            return ((VERIFY if n_ver else DECODE, b, n, 0), members < b) if b else None
         if len(batch.chunk_seqs) != 1:
             return None
         (s,) = batch.chunk_seqs
-        n = batch.cu[s + 1] - batch.cu[s]
-        b, length = bucket_for(n_dec, [0, *self.sizes]), bucket_for(n, self.chunk_sizes)
-        if b is None or length is None or not batch.logits_last or batch.page_tables[s].numel() > self.width:
+        real = batch.cu[s + 1] - batch.cu[s]
+        b, length = bucket_for(members, [0, *self.sizes]), bucket_for(real, self.chunk_sizes)
+        if b is None or length is None or batch.page_tables[s].numel() > self.width:
             return None
-        return (CHUNK, b, length), n_dec < b or n < length
+        return (CHUNK, b, n, length), members < b or real < length
 
     def forward(self, batch: ForwardBatch, embeds: torch.Tensor | None, taps: tuple[int, ...]) -> ForwardOutput:
         found = self._key(batch, embeds, taps)
@@ -439,7 +482,7 @@ class GraphRunner:
         if g is None:
             self.stats.eager += 1
             return self.model.forward(batch, self.cache, embeds, taps)
-        (profile, b, n), padded = found
+        (profile, b, n, _), padded = found
         order = None
         if profile == CHUNK:                     # built before the replay: no host wait on it
             rows, logits = g.static.order(batch)
@@ -451,16 +494,15 @@ class GraphRunner:
         self.stats.replays += 1
         self.stats.padded += padded
         o = g.out
+        if batch.verify_seqs:                    # the kept states, for HybridModel.roll_back, by call index
+            self.stats.verify_replays += 1
+            batch.spec_states = [{s: d[j] for j, s in enumerate(batch.verify_seqs)} for d in g.static.batch.spec_states]
         if profile == CHUNK:
             self.stats.chunk_replays += 1
             rows, logits = order
             hidden, all_hidden, taps_out = o.hidden[logits], o.all_hidden[rows], o.taps[rows] if o.taps is not None else None
         else:
-            m = len(batch.decode_seqs) if profile == DECODE else len(batch.verify_seqs)
-            t = m * n
-            if profile == VERIFY:                # the kept states, for HybridModel.roll_back
-                self.stats.verify_replays += 1
-                batch.spec_states = [{s: v for s, v in d.items() if s < m} for d in g.static.batch.spec_states]
+            t = (len(batch.verify_seqs) or len(batch.decode_seqs)) * n
             hidden, all_hidden, taps_out = o.hidden[:t], o.all_hidden[:t], o.taps[:t] if o.taps is not None else None
         # the LM head runs outside the graph, on the real rows only: a graph's outputs stay
         # hidden-sized ([rows, H], not [rows, vocab]) in the pool

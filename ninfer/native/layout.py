@@ -70,7 +70,7 @@ def graph_bytes(cfg: ModelConfig, ec: EngineConfig, device: torch.device, itemsi
         return 0
     keys = plan(ec.max_concurrency, spec_tokens + 1 if spec_tokens else 0, ec.prefill_chunk_tokens)
     largest = max(tokens(key) for key in keys)
-    rows = sum((key[1] + 1 if key[0] == CHUNK else tokens(key)) + tokens(key) for key in keys)
+    rows = sum((key[1] * key[2] + 1 if key[0] == CHUNK else tokens(key)) + tokens(key) for key in keys)
     return workspace_bytes(cfg, largest, itemsize) + rows * cfg.hidden_size * itemsize + page_bytes + image_bytes
 
 

@@ -200,8 +200,8 @@ def test_replayed_chunk_calls_equal_eager_calls(tiny_model, dtype):
 
 
 def test_calls_outside_the_chunk_profile_run_eagerly(tiny_model):
-    """A chunk longer than the budget, a chunk returning every row's logits, and a chunk beside
-    verify rows have no graph."""
+    """A chunk longer than the budget, a chunk returning every row's logits, and verify rows
+    beside a chunk and a decode row have no graph; the same chunk cut to the budget has."""
     from tests.native.model.test_batched_forward import _verify_rows
     prep = prepared(tiny_model, "float64")
     cache = _with_scratch(prep.cache)
@@ -210,12 +210,64 @@ def test_calls_outside_the_chunk_profile_run_eagerly(tiny_model):
                                 chunk_tokens=32, verify_tokens=4)
     runner.capture_all()
     assert runner.stats.chunk_buckets == [[b, 32] for b in (0, 1, 2, 4)]
-    long_chunk = prep.step(1, True)                  # 60 tokens, logits "all"
-    long_chunk[1].logits = "last"
-    every_row = prep.step(1, True)
-    every_row[1].token_ids = every_row[1].token_ids[:20]
-    with_verify = _verify_rows(prep, [1], 4) + [every_row[1]]
-    with_verify[1].logits = "last"
-    for rows in (long_chunk, every_row, with_verify):
+    assert runner.stats.verify_chunk_buckets == [[b, 32] for b in (1, 2, 4)]
+
+    def decode_and_chunk(n: int, logits: str):
+        rows = prep.step(1, True)
+        (chunk,) = [r for r in rows if len(r.token_ids) > 1]
+        chunk.token_ids, chunk.logits = chunk.token_ids[:n], logits
+        return rows, chunk
+    long_chunk, _ = decode_and_chunk(60, "last")
+    every_row, _ = decode_and_chunk(20, "all")
+    mixed, chunk = decode_and_chunk(20, "last")
+    mixed = _verify_rows(prep, [1], 4) + mixed
+    for rows in (long_chunk, every_row, mixed):
         runner.forward(ForwardBatch.build(rows), None, ())
     assert runner.stats.eager == 3 and runner.stats.replays == 0
+    runner.forward(ForwardBatch.build([r for r in mixed if r is not chunk]), None, ())   # verify + decode rows
+    assert runner.stats.eager == 4
+    runner.forward(ForwardBatch.build(decode_and_chunk(32, "last")[0]), None, ())
+    assert runner.stats.eager == 4 and runner.stats.chunk_replays == 1
+
+
+def test_replayed_verify_and_chunk_calls_equal_eager_calls(tiny_model):
+    """Verify rows beside a padded chunk (the chunked prefill of a new request while others
+    speculate): a replay equals the eager call in logits, hidden, pages and slots, and hands
+    the kept per-step states over by the call's own row index (the chunk sits among the verify
+    rows), so a roll-back gives the same state either way."""
+    from ninfer.native.model.forward import SeqInput
+    from tests.native.model.test_batched_forward import CHUNK_PREFIX, CONTEXTS, _verify_rows
+    prep = prepared(tiny_model, "float64")
+    model = prep.model
+    eager, replayed = _with_scratch(prep.cache), _with_scratch(prep.cache)
+    pages, slots = prep.cache.k.shape[1], prep.cache.conv.shape[1]
+    runner = graphs.GraphRunner(model, replayed, graphs.ReplayBackend(), max_rows=4, max_context=512,
+                                scratch_page=pages, scratch_slot=slots, verify_tokens=4, chunk_tokens=64)
+    runner.capture_all()
+    assert runner.stats.verify_chunk_buckets == [[1, 64], [2, 64], [4, 64]]
+    c, at = len(CONTEXTS), CHUNK_PREFIX
+    steps = {i: 0 for i in range(c)}
+    for call, n in (([1, 6, 2, 3], 50), ([0, 4, 5], 9), ([3], 33)):
+        rows = _verify_rows(prep, call, 4)
+        for r, i in zip(rows, call):
+            r.start += 4 * steps[i]
+            steps[i] += 1
+        chunk = [(13 * p) % 1800 + 4 for p in range(at, at + n)]
+        rows.insert(1, SeqInput(chunk, at, prep.tables[c], prep.slots[c]))
+        at += n
+        want_b, got_b = ForwardBatch.build(rows), ForwardBatch.build(rows)
+        want = model.forward(want_b, eager)
+        got = runner.forward(got_b, None, ())
+        assert rel_err(got.logits, want.logits) < 1e-12
+        assert rel_err(got.all_hidden, want.all_hidden) < 1e-12
+        assert len(got_b.spec_states) == len(want_b.spec_states) > 0
+        for g_layer, w_layer in zip(got_b.spec_states, want_b.spec_states):
+            assert sorted(g_layer) == sorted(w_layer) == want_b.verify_seqs
+            for s in w_layer:
+                for a, b in zip(g_layer[s], w_layer[s]):
+                    assert rel_err(a, b) < 1e-12
+        s = want_b.verify_seqs[-1]                 # the last verify row kept its input and one draft
+        model.roll_back(eager, want_b, s, rows[s].state_slot, 2)
+        model.roll_back(replayed, got_b, s, rows[s].state_slot, 2)
+        _assert_pools_equal(replayed, eager, pages, slots, 1e-12)
+    assert runner.stats.chunk_replays == 3 and runner.stats.verify_replays == 3 and runner.stats.eager == 0

@@ -77,9 +77,9 @@ def test_cuda_graphs_take_their_pool_and_scratch_from_the_budget(cfg):
     cpu = resolve_layout(cfg, EngineConfig(**ec), CPU)
     assert eager.graph_bytes == cpu.graph_bytes == 0
     keys = g.plan(4, 0, 256)
-    assert keys[0] == (g.CHUNK, 4, 256) and len(keys) == 3 + 4 * 3      # decode 1, 2, 4; chunks (0..4) x (64..256)
-    outputs = sum(((b + 1 if p == g.CHUNK else g.tokens((p, b, n))) + g.tokens((p, b, n))) * cfg.hidden_size * 4
-                  for p, b, n in keys)
+    assert keys[0] == (g.CHUNK, 4, 1, 256) and len(keys) == 3 + 4 * 3   # decode 1, 2, 4; chunks (0..4) x (64..256)
+    outputs = sum(((b + 1 if p == g.CHUNK else g.tokens(k)) + g.tokens(k)) * cfg.hidden_size * 4
+                  for k in keys for p, b in [k[:2]])
     assert graphs.graph_bytes == (workspace_bytes(cfg, 260, 4) + outputs + graphs.kv_page_bytes[MAIN]
                                   + graphs.state_image_bytes)
     longer = resolve_layout(cfg, EngineConfig(**{**ec, "memory_budget_bytes": 64 << 20}, prefill_chunk_tokens=512),

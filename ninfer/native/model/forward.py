@@ -78,9 +78,9 @@ class PaddedChunk:
     block_table  [1, W]    its pages, padded with its first page past its own; W * 64 >= start + L
                            (a padding row's queries may look past the real end: never a real row's)
 
-    Padding rows write their K/V into the scratch page and are masked out of the GDN (k, v, q,
-    beta and the decay zero: the state passes them unchanged, as the chunked form's own
-    block padding does); the conv state is taken at the real end."""
+    Padding rows write their K/V into the scratch page and are masked out of the GDN (their
+    rate beta and log decay zero: the state passes them unchanged); the conv state is taken at
+    the real end."""
 
     length: int
     rows: torch.Tensor
@@ -125,7 +125,9 @@ class ForwardBatch:
     # the chunk of ``chunk_seqs`` padded to a static length (a graph's "chunk" profile; see the
     # module docstring); None: the chunk's rows are ``cu`` / ``starts`` as usual
     chunk: PaddedChunk | None = None
-    logits_last: bool = False      # every sequence returns its last row's logits, and only it
+    # the logits rows Program.execute asks for: a verify row's every row, another sequence's
+    # last row (the graphs' static logits rows assume it)
+    usual_logits: bool = False
 
     @property
     def all_decode(self) -> bool:
@@ -214,7 +216,7 @@ class ForwardBatch:
             decode_block_table=block_table,
             decode_kv_slots=decode_kv_slots(block_table, kv_lens, max_len),
             rope_positions=rope,
-            logits_last=all(s.logits == "last" for s in seqs),
+            usual_logits=all(s.logits == ("all" if s.verify else "last") for s in seqs),
         )
 
 

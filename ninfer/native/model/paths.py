@@ -117,9 +117,9 @@ def _gdn_alone(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, spl
 def _gdn_padded(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split, ops=gdn) -> None:
     """The padded chunk of a graph's "chunk" profile (``ForwardBatch.chunk``): conv over all L
     rows (causal: a real row never sees a padding row), the new conv state gathered at the real
-    end, the padding rows' q, k, v, beta and decay set to zero (by selection, so nothing a
-    padding row computed reaches the state: it passes them unchanged), then the chunked form
-    over L rows from the slot's state."""
+    end, the padding rows' rate (beta) and log decay set to zero — the delta rule's write is
+    beta-weighted and exp(0) = 1, so the state passes them unchanged, and a real row's output
+    never reads a later row — then the chunked form over L rows from the slot's state."""
     c = batch.chunk
     x = mixed.index_select(0, c.rows)                                          # [L, C]
     conv0 = conv_states.index_select(0, c.slot)[0]                             # [C, K-1]
@@ -127,12 +127,10 @@ def _gdn_padded(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, sp
     k1 = conv0.shape[1]
     xs = torch.cat([conv0.to(x.dtype), x.t()], dim=1)                          # [C, K-1+L]
     new_conv = xs.index_select(1, c.end + torch.arange(k1, device=x.device))   # inputs n .. n+K-2 of xs
-    keep = c.valid
-    zero = lambda t: torch.where(keep.view(-1, *[1] * (t.dim() - 1)), t, torch.zeros((), dtype=t.dtype,  # noqa: E731
-                                                                                    device=t.device))
-    q, k, v = (zero(t) for t in split(y))
-    o, new_ssm = ops.chunk_gated_delta_rule(q, k, v, zero(g.index_select(0, c.rows)), zero(beta.index_select(0, c.rows)),
-                                            ssm_states.index_select(0, c.slot)[0])
+    keep = c.valid[:, None]
+    zero = lambda t: torch.where(keep, t.index_select(0, c.rows), torch.zeros((), dtype=t.dtype, device=t.device))  # noqa: E731
+    q, k, v = split(y)
+    o, new_ssm = ops.chunk_gated_delta_rule(q, k, v, zero(g), zero(beta), ssm_states.index_select(0, c.slot)[0])
     core.index_copy_(0, c.rows, o)
     conv_states.index_copy_(0, c.slot, new_conv[None].to(conv_states.dtype))
     ssm_states.index_copy_(0, c.slot, new_ssm[None].to(ssm_states.dtype))

@@ -79,9 +79,10 @@ def test_the_device_chooses_the_path():
 def test_graphs_on_the_kernel_path_equal_the_eager_torch_path(tiny_model):
     """The graphs a CUDA model replays run the kernel path on their static buffers (the verify
     profile's prefill launch over its prepared padded tables, its longest row given; the chunk
-    profile's launch over the chunk's real queries, its GDN through the kernel ops): with the
-    CPU stand-in backend, decode, verify and decode + chunk calls of changing membership equal
-    the eager batched torch path, pages and slots included."""
+    profile's launch over the chunk's real queries — beside verify rows one launch for both —
+    its GDN through the kernel ops): with the CPU stand-in backend, decode, verify, decode +
+    chunk and verify + chunk calls of changing membership equal the eager batched torch path,
+    pages and slots included."""
     from ninfer.native import graphs
     from ninfer.native.model.forward import ForwardBatch
     from tests.native.model.test_batched_forward import _verify_rows
@@ -101,7 +102,8 @@ def test_graphs_on_the_kernel_path_equal_the_eager_torch_path(tiny_model):
                                     scratch_page=pages, scratch_slot=slots, verify_tokens=3, chunk_tokens=40)
         runner.capture_all()
         for call, verify, chunk in (([1, 6, 2], True, None), ([0, 4], True, None), ([3, 5, 7], False, None),
-                                    ([3, 5], False, (CHUNK_PREFIX, 25)), ([], False, (CHUNK_PREFIX + 25, 40))):
+                                    ([3, 5], False, (CHUNK_PREFIX, 25)), ([], False, (CHUNK_PREFIX + 25, 40)),
+                                    ([1, 6], True, (CHUNK_PREFIX + 65, 20))):
             rows = _verify_rows(prep, call, 3) if verify else [
                 r for r in prep.step(8, False) if r.state_slot in {prep.slots[i] for i in call}]
             if chunk is not None:
@@ -113,6 +115,6 @@ def test_graphs_on_the_kernel_path_equal_the_eager_torch_path(tiny_model):
             assert rel_err(got.logits, want.logits) < REL["float32"]
             assert torch.equal(got.logits.argmax(-1), want.logits.argmax(-1))
             _assert_pools_equal(replayed, eager, pages, slots, REL["float32"])
-        assert runner.stats.verify_replays == 2 and runner.stats.chunk_replays == 2 and runner.stats.replays == 5
+        assert runner.stats.verify_replays == 3 and runner.stats.chunk_replays == 3 and runner.stats.replays == 6
     finally:
         model.path = before
