@@ -687,7 +687,7 @@ class SpecStats(msgspec.Struct, array_like=True, gc=False):
 
 
 class GraphStats(msgspec.Struct, array_like=True, gc=False):
-    """The Program's graphs of the decode forward (native/graphs.py)."""
+    """The Program's graphs of the forward (native/graphs.py)."""
 
     backend: str = "cuda"         # "cuda", or the tests' CPU stand-in "replay"
     buckets: list[int] = []       # member-count buckets captured (profile "decode")

@@ -370,7 +370,7 @@ MUTATIONS = [
      "        sock.settimeout(timeout_s)                        # a hung worker: TimeoutError in recv",
      "        sock.settimeout(None)",
      ["tests/actors/test_faults.py::test_a_hung_worker_is_replaced_after_step_timeout_s"]),
-    # ---- the GPU path (issue 15): the kernel path's wiring and the decode graphs ----
+    # ---- the GPU path (issue 15): the kernel path's wiring and the graphs ----
     ("kernel path: decode rows attend their own lengths", "ninfer/native/model/paths.py",
      "paged_decode_triton(q, k_cache, v_cache, table, batch.decode_kv_lens, scale, splits)",
      "paged_decode_triton(q, k_cache, v_cache, table, batch.decode_kv_lens - 1, scale, splits)",

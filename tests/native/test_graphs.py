@@ -1,6 +1,6 @@
-"""The Program's decode graphs (native/graphs.py) on the CPU stand-in backend: a sequence of
-decode calls of changing membership, lengths and page tables, each replayed on its bucket's
-static buffers, equals the same calls run eagerly — logits, every KV page and every state slot
+"""The Program's graphs (native/graphs.py) on the CPU stand-in backend: a sequence of decode,
+verify or chunk calls of changing membership, lengths, starts and page tables, each replayed on
+its graph's static buffers, equals the same calls run eagerly — logits, every KV page and every state slot
 of the pools (the scratch page and slot excepted) — so no replay read a previous call's inputs
 and no padding row wrote outside the scratch."""
 
@@ -34,6 +34,28 @@ def _assert_pools_equal(replayed: ModelCache, eager: ModelCache, pages: int, slo
         assert rel_err(torch.nan_to_num(a), torch.nan_to_num(b)) < bound
 
 
+def _runner(prep, max_rows: int, **kw) -> tuple[graphs.GraphRunner, ModelCache]:
+    """A captured runner on a scratch-extended copy of the prepared cache, and the eager copy
+    beside it."""
+    eager, replayed = _with_scratch(prep.cache), _with_scratch(prep.cache)
+    runner = graphs.GraphRunner(prep.model, replayed, graphs.ReplayBackend(), max_rows=max_rows, max_context=512,
+                                scratch_page=prep.cache.k.shape[1], scratch_slot=prep.cache.conv.shape[1], **kw)
+    runner.capture_all()
+    return runner, eager
+
+
+def _check_call(runner: graphs.GraphRunner, eager: ModelCache, rows, bound: float) -> None:
+    """One call replayed (``runner``) and run eagerly on ``eager``: logits (and their argmax),
+    every row's hidden, and every page and slot of the pools alike."""
+    batch = ForwardBatch.build(rows)
+    want = runner.model.forward(batch, eager)
+    got = runner.forward(batch, None, ())
+    assert rel_err(got.logits, want.logits) < bound
+    assert torch.equal(got.logits.argmax(-1), want.logits.argmax(-1))
+    assert rel_err(got.all_hidden, want.all_hidden) < bound
+    _assert_pools_equal(runner.cache, eager, eager.k.shape[1] - 1, eager.conv.shape[1] - 1, bound)
+
+
 CALLS = [[0, 1, 2], [3, 4, 5, 6, 7], [2, 3, 4, 1], [0, 7, 5], [1, 2], [6], [6, 5, 4, 3, 2, 1, 0, 7], [4, 1, 0], [4]]
 
 
@@ -48,13 +70,7 @@ def test_bucket_sizes():
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_replayed_decode_calls_equal_eager_calls(tiny_model, dtype):
     prep = prepared(tiny_model, dtype)
-    model = prep.model
-    eager = _with_scratch(prep.cache)
-    replayed = _with_scratch(prep.cache)
-    pages, slots = prep.cache.k.shape[1], prep.cache.conv.shape[1]
-    runner = graphs.GraphRunner(model, replayed, graphs.ReplayBackend(), max_rows=8, max_context=512,
-                                scratch_page=pages, scratch_slot=slots)
-    runner.capture_all()
+    runner, eager = _runner(prep, 8)
     assert runner.stats.buckets == [1, 2, 4, 8]
     lens = {i: 0 for i in range(len(ORDER))}        # decode steps taken by each sequence
     bound = 1e-12 if dtype == "float64" else 1e-5
@@ -66,22 +82,13 @@ def test_replayed_decode_calls_equal_eager_calls(tiny_model, dtype):
             row.token_ids = [(7 * i + lens[i]) % 2000 + 1]
             rows.append(row)
             lens[i] += 1
-        batch = ForwardBatch.build(rows)
-        want = model.forward(batch, eager)
-        got = runner.forward(batch, None, ())
-        assert rel_err(got.logits, want.logits) < bound
-        assert torch.equal(got.logits.argmax(-1), want.logits.argmax(-1))
-        assert rel_err(got.all_hidden, want.all_hidden) < bound
-        _assert_pools_equal(replayed, eager, pages, slots, bound)
+        _check_call(runner, eager, rows, bound)
     assert runner.stats.replays == len(CALLS) and runner.stats.padded > 0 and runner.stats.eager == 0
 
 
 def test_calls_without_a_graph_run_eagerly(tiny_model):
     prep = prepared(tiny_model, "float64")
-    cache = _with_scratch(prep.cache)
-    runner = graphs.GraphRunner(prep.model, cache, graphs.ReplayBackend(), max_rows=2, max_context=512,
-                                scratch_page=prep.cache.k.shape[1], scratch_slot=prep.cache.conv.shape[1])
-    runner.capture_all()
+    runner, _ = _runner(prep, 2)
     for rows in (prep.step(2, True), prep.step(3, False)):   # a chunk; more rows than any bucket
         batch = ForwardBatch.build(rows)
         out = runner.forward(batch, None, ())
@@ -118,11 +125,8 @@ def test_replayed_verify_calls_equal_eager_calls(tiny_model):
     from tests.native.model.test_batched_forward import CONTEXTS, _verify_rows
     prep = prepared(tiny_model, "float64")
     model = prep.model
-    eager, replayed = _with_scratch(prep.cache), _with_scratch(prep.cache)
-    pages, slots = prep.cache.k.shape[1], prep.cache.conv.shape[1]
-    runner = graphs.GraphRunner(model, replayed, graphs.ReplayBackend(), max_rows=4, max_context=512,
-                                scratch_page=pages, scratch_slot=slots, verify_tokens=4)
-    runner.capture_all()
+    runner, eager = _runner(prep, 4, verify_tokens=4)
+    replayed, pages, slots = runner.cache, prep.cache.k.shape[1], prep.cache.conv.shape[1]
     assert runner.stats.verify_buckets == [1, 2, 4]
     steps = {i: 0 for i in range(len(CONTEXTS))}
     for call in ([1, 6, 2, 3], [0, 4, 5], [3, 1], [6, 0, 2, 4]):
@@ -164,12 +168,7 @@ def test_replayed_chunk_calls_equal_eager_calls(tiny_model, dtype):
     from ninfer.native.model.forward import SeqInput
     from tests.native.model.test_batched_forward import CHUNK_PREFIX, CONTEXTS
     prep = prepared(tiny_model, dtype)
-    model = prep.model
-    eager, replayed = _with_scratch(prep.cache), _with_scratch(prep.cache)
-    pages, slots = prep.cache.k.shape[1], prep.cache.conv.shape[1]
-    runner = graphs.GraphRunner(model, replayed, graphs.ReplayBackend(), max_rows=4, max_context=512,
-                                scratch_page=pages, scratch_slot=slots, chunk_tokens=100)
-    runner.capture_all()
+    runner, eager = _runner(prep, 4, chunk_tokens=100)
     assert runner.stats.chunk_buckets == [[b, n] for b in (0, 1, 2, 4) for n in (64, 100)]
     c = len(CONTEXTS)
     assert CHUNK_PREFIX + sum(n for _, n, who in CHUNK_CALLS if who is None) <= len(prep.tables[c]) * PAGE_SIZE
@@ -188,13 +187,7 @@ def test_replayed_chunk_calls_equal_eager_calls(tiny_model, dtype):
         rows.insert(len(rows) // 2, SeqInput(chunk, start, prep.tables[seq], prep.slots[seq]))
         if who is None:
             at += n
-        batch = ForwardBatch.build(rows)
-        want = model.forward(batch, eager)
-        got = runner.forward(batch, None, ())
-        assert rel_err(got.logits, want.logits) < bound
-        assert torch.equal(got.logits.argmax(-1), want.logits.argmax(-1))
-        assert rel_err(got.all_hidden, want.all_hidden) < bound
-        _assert_pools_equal(replayed, eager, pages, slots, bound)
+        _check_call(runner, eager, rows, bound)
     assert runner.stats.chunk_replays == len(CHUNK_CALLS) and runner.stats.eager == 0
     assert runner.stats.padded == len(CHUNK_CALLS)
 
@@ -204,11 +197,7 @@ def test_calls_outside_the_chunk_profile_run_eagerly(tiny_model):
     beside a chunk and a decode row have no graph; the same chunk cut to the budget has."""
     from tests.native.model.test_batched_forward import _verify_rows
     prep = prepared(tiny_model, "float64")
-    cache = _with_scratch(prep.cache)
-    runner = graphs.GraphRunner(prep.model, cache, graphs.ReplayBackend(), max_rows=4, max_context=512,
-                                scratch_page=prep.cache.k.shape[1], scratch_slot=prep.cache.conv.shape[1],
-                                chunk_tokens=32, verify_tokens=4)
-    runner.capture_all()
+    runner, _ = _runner(prep, 4, chunk_tokens=32, verify_tokens=4)
     assert runner.stats.chunk_buckets == [[b, 32] for b in (0, 1, 2, 4)]
     assert runner.stats.verify_chunk_buckets == [[b, 32] for b in (1, 2, 4)]
 
@@ -239,11 +228,8 @@ def test_replayed_verify_and_chunk_calls_equal_eager_calls(tiny_model):
     from tests.native.model.test_batched_forward import CHUNK_PREFIX, CONTEXTS, _verify_rows
     prep = prepared(tiny_model, "float64")
     model = prep.model
-    eager, replayed = _with_scratch(prep.cache), _with_scratch(prep.cache)
-    pages, slots = prep.cache.k.shape[1], prep.cache.conv.shape[1]
-    runner = graphs.GraphRunner(model, replayed, graphs.ReplayBackend(), max_rows=4, max_context=512,
-                                scratch_page=pages, scratch_slot=slots, verify_tokens=4, chunk_tokens=64)
-    runner.capture_all()
+    runner, eager = _runner(prep, 4, verify_tokens=4, chunk_tokens=64)
+    replayed, pages, slots = runner.cache, prep.cache.k.shape[1], prep.cache.conv.shape[1]
     assert runner.stats.verify_chunk_buckets == [[1, 64], [2, 64], [4, 64]]
     c, at = len(CONTEXTS), CHUNK_PREFIX
     steps = {i: 0 for i in range(c)}
