@@ -5,15 +5,15 @@ A graph is keyed by (execution profile, member-count bucket, row length, chunk l
 profiles:
 
 * ``decode`` — every row of the call is one decode row;
-* ``verify`` (with a draft backend) — every row is a verify row of 1 + k inputs (the
-  speculating decode step);
+* ``verify`` (with a draft backend) — every row is a row of 1 + k inputs: the speculating
+  decode step. A verify row with fewer drafts (its budget near ``max_tokens`` or the context)
+  and a plain decode row beside verify rows are padded inside their rows (``_PaddedRows``);
 * ``chunk`` — one prefill/replay chunk of up to L tokens beside 0 .. B decode rows, or (with a
-  draft backend) beside 1 .. B verify rows: the chunked-prefill step. L runs over
+  draft backend) beside 1 .. B rows of the verify profile: the chunked-prefill step. L runs over
   ``chunk_sizes`` (64, 128, 256, … up to the prefill chunk budget), the chunk padded to it.
 
-Every other call — verify rows beside plain decode rows, rows with fewer drafts, a chunk longer
-than the budget, image embeddings or MRoPE rows — runs eagerly (the fallback, counted in
-``GraphStats.eager``).
+Every other call — a chunk longer than the budget, two chunks, image embeddings or MRoPE rows,
+unusual logits rows — runs eagerly (the fallback, counted in ``GraphStats.eager``).
 
 Buckets are vLLM's capture sizes cut at ``max_concurrency``: 1, 2, 4, 8, then every multiple
 of 8 (and 0 for a chunk alone). A call of n rows replays the smallest bucket >= n; rows n .. B-1
@@ -21,9 +21,10 @@ are padding rows: token 0 at position 0 (a verify padding row: positions 0 .. k)
 written into the scratch page, its state read and written in the scratch slot (``Memory``'s
 extra page and slot, outside every pool the policy sees), so a padding row never touches a page
 or slot of a sequence. Every row of a forward is independent of the others (attention, GDN,
-MoE and norms are per row), so padding changes no real row. A padded chunk's real rows come
-first: attention is causal and the GDN masks the padding rows out (``paths._gdn_padded``), so
-its state and outputs are the unpadded chunk's.
+MoE and norms are per row), so padding changes no real row. A padded chunk's or verify row's
+real inputs come first: attention is causal and the GDN masks the padding inputs out
+(``paths._gdn_padded``, ``paths._gdn_verify``), so its state and outputs are the unpadded
+ones.
 
 **Never stale:** every tensor the captured forward reads is a static buffer of its graph, and
 every replay rewrites all of it — the real rows from the call's ``ForwardBatch``, the padding
@@ -218,26 +219,107 @@ class _Static:
         _load_table(self.block_table, b.decode_block_table, n, self.scratch_page)
 
 
+class _PaddedRows:
+    """B rows of n inputs each over a graph's buffers (views): the call's verify rows first (in
+    its order), then its decode rows, then padding rows. A row with fewer than n real inputs —
+    fewer drafts, or a plain decode row — is padded after its real ones (``ends``: its real
+    count): the padding inputs are token 0 at positions 0 .. n-1 writing into the scratch page,
+    masked out of the GDN. A padding row is all padding, on the scratch page and slot."""
+
+    def __init__(self, rows: int, n: int, input_ids, positions, slot_mapping, pad_positions, pad_slot_mapping,
+                 state_slots, starts, ends, table, scratch_page: int, scratch_slot: int):
+        self.rows, self.n = rows, n
+        self.input_ids, self.positions, self.slot_mapping = input_ids, positions, slot_mapping
+        self.pad_positions, self.pad_slot_mapping = pad_positions, pad_slot_mapping
+        self.state_slots, self.starts, self.ends, self.table = state_slots, starts, ends, table
+        self.scratch_page, self.scratch_slot = scratch_page, scratch_slot
+
+    @staticmethod
+    def uniform(b: ForwardBatch, n: int) -> bool:
+        """The call's rows are verify rows of n inputs each (the usual speculating step)."""
+        return not b.decode_seqs and b.verify_len == n
+
+    def load(self, b: ForwardBatch) -> None:
+        """Every buffer rewritten: the call's rows, then padding."""
+        n, ver, dec = self.n, b.verify_seqs, b.decode_seqs
+        v, c = len(ver), len(ver) + len(dec)
+        t = c * n
+        if self.uniform(b, n):                   # no padding inside a row: slices of the call's rows
+            for buf, src in ((self.input_ids, b.input_ids), (self.positions, b.positions),
+                             (self.slot_mapping, b.slot_mapping)):
+                buf[:t].copy_(src.index_select(0, b.verify_rows) if b.chunk_seqs else src)
+            self.ends.fill_(n)
+        else:
+            src, ends = [], []
+            for i in ver + dec:
+                lo, e = b.cu[i], b.cu[i + 1] - b.cu[i]
+                src += [*range(lo, lo + e), *[-1] * (n - e)]
+                ends.append(e)
+            meta = torch.tensor(src + ends, dtype=torch.long).to(self.ends.device)
+            idx, pad = meta[:t].clamp_min(0), meta[:t] < 0
+            self.input_ids[:t].copy_(torch.where(pad, 0, b.input_ids[idx]))
+            self.positions[:t].copy_(torch.where(pad, self.pad_positions[:t], b.positions[idx]))
+            self.slot_mapping[:t].copy_(torch.where(pad, self.pad_slot_mapping[:t], b.slot_mapping[idx]))
+            self.ends[:c].copy_(meta[t:])
+            self.ends[c:].fill_(n)
+        self.input_ids[t:].zero_()
+        self.positions[t:].copy_(self.pad_positions[t:])
+        self.slot_mapping[t:].copy_(self.pad_slot_mapping[t:])
+        if v:
+            self.state_slots[:v].copy_(b.verify_slots)
+            self.starts[:v].copy_(b.verify_starts)
+            _load_table(self.table[:v], b.verify_block_table, v, self.scratch_page)
+        if dec:
+            self.state_slots[v:c].copy_(b.decode_slots)
+            self.starts[v:c].copy_(b.decode_kv_lens - 1)
+            _load_table(self.table[v:c], b.decode_block_table, len(dec), self.scratch_page)
+        self.state_slots[c:self.rows].fill_(self.scratch_slot)
+        self.starts[c:self.rows].zero_()
+        self.table[c:self.rows].fill_(self.scratch_page)
+
+    def order(self, b: ForwardBatch, chunk_row: int) -> tuple[list[int], list[int]]:
+        """The graph's token rows and logits rows in the call's order: the call's a-th verify
+        row is graph row a (all its real inputs), its q-th decode row graph row v + q (its one
+        input), its chunk the graph's rows from ``chunk_row`` on (logits: the chunk's last)."""
+        n, rank = self.n, {s: j for j, s in enumerate(b.verify_seqs + b.decode_seqs)}
+        rows, logits = [], []
+        for i in range(b.num_seqs):
+            e = b.cu[i + 1] - b.cu[i]
+            if i in rank:
+                own = range(rank[i] * n, rank[i] * n + e)
+                rows.extend(own)
+                logits.extend(own)
+            else:
+                rows.extend(range(chunk_row, chunk_row + e))
+                logits.append(chunk_row)
+        return rows, logits
+
+
 class _StaticVerify:
-    """The input buffers of one bucket's verify graph: ``rows`` verify rows of ``n`` inputs
-    (an input and n - 1 drafts each), packed row by row; padding rows decode positions 0..n-1
-    on the scratch page and slot. The kernel path's prefill launch reads a prepared
-    ``kernel_meta["multi"]`` over the same buffers (its longest row known: n)."""
+    """The input buffers of one bucket's verify graph: ``rows`` rows of ``n`` inputs (an input
+    and n - 1 drafts each), packed row by row (``_PaddedRows``: a call's verify rows with fewer
+    drafts and its plain decode rows padded inside their rows, then padding rows). The kernel
+    path's prefill launch reads a prepared ``kernel_meta["multi"]`` over the same buffers (its
+    longest row known: n; each row's real queries: ``ends``)."""
 
     def __init__(self, rows: int, n: int, width: int, device, scratch_page: int, scratch_slot: int):
         from ninfer.native.model.paths import _MultiRows
         lt = lambda k, v: torch.full((k,), v, dtype=torch.long, device=device)  # noqa: E731
         t = rows * n
-        self.rows, self.n, self.width, self.scratch_page, self.scratch_slot = rows, n, width, scratch_page, scratch_slot
+        self.rows, self.n, self.width = rows, n, width
         step = torch.arange(n, dtype=torch.long, device=device)
-        self.pad_positions = step.repeat(rows)
-        self.pad_slot_mapping = scratch_page * PAGE_SIZE + self.pad_positions
+        pad_positions = step.repeat(rows)
+        pad_slot_mapping = scratch_page * PAGE_SIZE + pad_positions
         self.input_ids = lt(t, 0)
-        self.positions = self.pad_positions.clone()
-        self.slot_mapping = self.pad_slot_mapping.clone()
+        self.positions = pad_positions.clone()
+        self.slot_mapping = pad_slot_mapping.clone()
         self.state_slots = lt(rows, scratch_slot)
         self.starts = lt(rows, 0)
+        self.ends = lt(rows, n)
         self.block_table = torch.full((rows, width), scratch_page, dtype=torch.long, device=device)
+        self.part = _PaddedRows(rows, n, self.input_ids, self.positions, self.slot_mapping, pad_positions,
+                                pad_slot_mapping, self.state_slots, self.starts, self.ends, self.block_table,
+                                scratch_page, scratch_slot)
         arange = torch.arange(t, dtype=torch.long, device=device)
         empty = lt(0, 0)
         self.batch = ForwardBatch(
@@ -245,34 +327,26 @@ class _StaticVerify:
             page_tables=[], state_slots=self.state_slots, slot_mapping=self.slot_mapping, logits_rows=arange,
             verify_seqs=list(range(rows)), decode_rows=empty, decode_slots=empty, decode_kv_lens=empty,
             decode_block_table=empty.view(0, 0), verify_len=n, verify_rows=arange, verify_slots=self.state_slots,
-            verify_starts=self.starts, verify_block_table=self.block_table)
+            verify_starts=self.starts, verify_block_table=self.block_table, verify_ends=self.ends)
         self.batch.kernel_meta["multi"] = _MultiRows(arange, torch.arange(0, t + 1, n, device=device), self.starts,
-                                                     self.block_table, contiguous=True, max_q=n)
+                                                     self.block_table, contiguous=True, max_q=n, lens=self.ends)
 
     def load(self, b: ForwardBatch) -> None:
-        v = len(b.verify_seqs)
-        t = v * self.n
-        for buf, src, pad in ((self.input_ids, b.input_ids, None), (self.positions, b.positions, self.pad_positions),
-                              (self.slot_mapping, b.slot_mapping, self.pad_slot_mapping)):
-            buf[:t].copy_(src)
-            if pad is None:
-                buf[t:].zero_()
-            else:
-                buf[t:].copy_(pad[t:])
-        self.state_slots[:v].copy_(b.verify_slots)
-        self.state_slots[v:].fill_(self.scratch_slot)
-        self.starts[:v].copy_(b.verify_starts)
-        self.starts[v:].zero_()
-        _load_table(self.block_table, b.verify_block_table, v, self.scratch_page)
+        self.part.load(b)
+
+    def order(self, b: ForwardBatch) -> tuple[list[int], list[int]] | None:
+        """The graph's rows in the call's order (None: they are the call's, as in a uniform call)."""
+        return None if self.part.uniform(b, self.n) else self.part.order(b, -1)
 
 
 class _StaticChunk:
     """The input buffers of one (rows bucket B, row length n, chunk length L) graph: B rows of n
     inputs first — decode rows (n = 1, as ``_Static``) or verify rows (n = 1 + k, as
-    ``_StaticVerify``) — then the chunk's L rows, real tokens first. Its padding rows write
-    their K/V into the scratch page; its state slot is the chunk's own (``PaddedChunk``). One
-    block table holds both parts (the rows', then the chunk's), so on the kernel path the verify
-    rows and the chunk are one prefill launch as in an eager call."""
+    ``_StaticVerify``: decode rows beside verify rows padded inside theirs) — then the chunk's L
+    rows, real tokens first. Its padding rows write their K/V into the scratch page; its state
+    slot is the chunk's own (``PaddedChunk``). One block table holds both parts (the rows', then
+    the chunk's), so on the kernel path the verify rows and the chunk are one prefill launch as
+    in an eager call."""
 
     def __init__(self, rows: int, n: int, length: int, width: int, device, scratch_page: int, scratch_slot: int):
         from ninfer.native.model.paths import _MultiRows
@@ -289,19 +363,17 @@ class _StaticChunk:
         self.positions = self.pad_positions.clone()
         self.slot_mapping = self.pad_slot_mapping.clone()
         self.state_slots = lt(rows + 1, scratch_slot)
-        self.starts = lt(rows + 1, 0)                # the verify rows' starts, then the chunk's
+        self.starts = lt(rows + 1, 0)                # the rows' starts, then the chunk's
+        self.lens = lt(rows + 1, n)                  # the rows' real inputs, then the chunk's
         self.kv_lens = lt(rows, 1)
         # a padding row of the chunk may look up to L - 1 positions past the real end
         self.tables = torch.full((rows + 1, width + -(-length // PAGE_SIZE)), scratch_page, dtype=torch.long,
                                  device=device)
         self.logits_rows = ar(0, m + 1)
         self.chunk = PaddedChunk(length=length, rows=ar(m, t), slot=self.state_slots[rows:], start=self.starts[rows:],
-                                 end=lt(1, 0), valid=torch.zeros(length, dtype=torch.bool, device=device),
+                                 end=self.lens[rows:], valid=torch.zeros(length, dtype=torch.bool, device=device),
                                  block_table=self.tables[rows:])
         verify = n > 1
-        # the kernel path's prefill launch: [0, n, 2n, .., m, m + real chunk] with verify rows,
-        # [0, real chunk] beside decode rows (they take the decode kernel); real queries only
-        self.cu = torch.cat([ar(0, m + 1).view(-1)[::n], lt(1, m)]) if verify else lt(2, 0)
         empty = lt(0, 0)
         part = ar(0, m)
         common = dict(input_ids=self.input_ids, positions=self.positions, cu=[*range(0, m + 1, n), t],
@@ -309,78 +381,84 @@ class _StaticChunk:
                       slot_mapping=self.slot_mapping, logits_rows=self.logits_rows, chunk_seqs=[rows],
                       chunk=self.chunk, usual_logits=True)
         if verify:
+            self.part = _PaddedRows(rows, n, self.input_ids, self.positions, self.slot_mapping, self.pad_positions,
+                                    self.pad_slot_mapping, self.state_slots, self.starts, self.lens[:rows],
+                                    self.tables[:rows], scratch_page, scratch_slot)
             self.batch = ForwardBatch(
                 **common, verify_seqs=list(range(rows)), decode_rows=empty, decode_slots=empty, decode_kv_lens=empty,
                 decode_block_table=empty.view(0, 0), verify_len=n, verify_rows=part,
                 verify_slots=self.state_slots[:rows], verify_starts=self.starts[:rows],
-                verify_block_table=self.tables[:rows])
-            multi = _MultiRows(ar(0, t), self.cu, self.starts, self.tables, contiguous=True, max_q=max(n, length))
+                verify_block_table=self.tables[:rows], verify_ends=self.lens[:rows])
+            # the kernel path's prefill launch: rows at [0, n, 2n, .., m], the chunk at m, with
+            # their real queries (``lens``)
+            cu = torch.cat([ar(0, m + 1)[::n], lt(1, t)])
+            multi = _MultiRows(ar(0, t), cu, self.starts, self.tables, contiguous=True, max_q=max(n, length),
+                               lens=self.lens)
         else:
+            self.part = None
             self.batch = ForwardBatch(
                 **common, decode_seqs=list(range(rows)), decode_rows=part, decode_slots=self.state_slots[:rows],
                 decode_kv_lens=self.kv_lens, decode_block_table=self.tables[:rows], decode_kv_slots=None)
-            multi = _MultiRows(self.chunk.rows, self.cu, self.chunk.start, self.chunk.block_table,
-                               contiguous=rows == 0, max_q=length)
+            # beside decode rows (they take the decode kernel): the chunk alone, its real queries
+            multi = _MultiRows(self.chunk.rows, torch.tensor([0, length], device=device), self.chunk.start,
+                               self.chunk.block_table, contiguous=rows == 0, max_q=length, lens=self.chunk.end)
         self.batch.kernel_meta["multi"] = multi
-
-    def _members(self, b: ForwardBatch):
-        """The call's decode or verify rows: (sequences, token rows, slots, block table)."""
-        if self.n > 1:
-            return b.verify_seqs, b.verify_rows, b.verify_slots, b.verify_block_table
-        return b.decode_seqs, b.decode_rows, b.decode_slots, b.decode_block_table
 
     def load(self, b: ForwardBatch) -> None:
         """Every buffer rewritten: the call's decode or verify rows, then padding; its chunk,
         then padding."""
-        seqs, part_rows, part_slots, part_table = self._members(b)
-        c, B, m = len(seqs), self.rows, self.m
-        cm = c * self.n
+        m = self.m
         (s,) = b.chunk_seqs
         lo, hi = b.cu[s], b.cu[s + 1]
         nr = hi - lo
-        for buf, src, pad in ((self.input_ids, b.input_ids, None), (self.positions, b.positions, self.pad_positions),
-                              (self.slot_mapping, b.slot_mapping, self.pad_slot_mapping)):
-            if c:
-                buf[:cm].copy_(src.index_select(0, part_rows))
-            buf[m:m + nr].copy_(src[lo:hi])
-            for a, z in ((cm, m), (m + nr, m + self.length)):
-                if pad is None:
-                    buf[a:z].zero_()
-                else:
-                    buf[a:z].copy_(pad[a:z])
-        self.state_slots[:c].copy_(part_slots)
-        self.state_slots[c:B].fill_(self.scratch_slot)
-        self.state_slots[B:].copy_(b.state_slots[s:s + 1])
-        if self.n > 1:
-            self.starts[:c].copy_(b.verify_starts)
-            self.starts[c:B].zero_()
+        if self.part is not None:
+            self.part.load(b)
         else:
+            c = len(b.decode_seqs)
+            for buf, src, pad in ((self.input_ids, b.input_ids, None), (self.positions, b.positions, self.pad_positions),
+                                  (self.slot_mapping, b.slot_mapping, self.pad_slot_mapping)):
+                if c:
+                    buf[:c].copy_(src.index_select(0, b.decode_rows))
+                if pad is None:
+                    buf[c:m].zero_()
+                else:
+                    buf[c:m].copy_(pad[c:m])
+            self.state_slots[:c].copy_(b.decode_slots)
+            self.state_slots[c:self.rows].fill_(self.scratch_slot)
             self.kv_lens[:c].copy_(b.decode_kv_lens)
             self.kv_lens[c:].fill_(1)
-        if c:
-            _load_table(self.tables[:B], part_table, c, self.scratch_page)
-        else:
-            self.tables[:B].fill_(self.scratch_page)
+            if c:
+                _load_table(self.tables[:self.rows], b.decode_block_table, c, self.scratch_page)
+            else:
+                self.tables[:self.rows].fill_(self.scratch_page)
+        for buf, src, pad in ((self.input_ids, b.input_ids, None), (self.positions, b.positions, self.pad_positions),
+                              (self.slot_mapping, b.slot_mapping, self.pad_slot_mapping)):
+            buf[m:m + nr].copy_(src[lo:hi])
+            if pad is None:
+                buf[m + nr:].zero_()
+            else:
+                buf[m + nr:].copy_(pad[m + nr:])
+        self.state_slots[self.rows:].copy_(b.state_slots[s:s + 1])
         _load_table(self.chunk.block_table, b.page_tables[s][None], 1, self.scratch_page)
         self.chunk.start.fill_(b.starts[s])
         self.chunk.end.fill_(nr)
-        self.cu[-1:].fill_((m if self.n > 1 else 0) + nr)
         self.chunk.valid[:nr].fill_(True)
         self.chunk.valid[nr:].fill_(False)
         self.logits_rows[m:].fill_(m + nr - 1)
 
     def order(self, b: ForwardBatch) -> tuple[list[int], list[int]]:
-        """The graph's rows and logits rows in the call's order (the call's j-th decode or
-        verify row is the graph's j-th, its chunk the graph's rows m ..)."""
+        """The graph's rows and logits rows in the call's order (the call's j-th decode row is
+        the graph's j-th, verify rows as ``_PaddedRows.order``, its chunk the graph's rows m ..)."""
+        if self.part is not None:
+            return self.part.order(b, self.m)
         rows, logits, j = [], [], 0
         for i in range(b.num_seqs):
             if i in b.chunk_seqs:
                 rows.extend(range(self.m, self.m + b.cu[i + 1] - b.cu[i]))
                 logits.append(self.m)
             else:
-                own = range(j * self.n, (j + 1) * self.n)
-                rows.extend(own)
-                logits.extend(own)
+                rows.append(j)
+                logits.append(j)
                 j += 1
         return rows, logits
 
@@ -451,22 +529,25 @@ class GraphRunner:
             c.ssm[:, self.scratch_slot].zero_()
 
     def _key(self, batch: ForwardBatch, embeds, taps) -> tuple[tuple[str, int, int, int], bool] | None:
-        """The graph that may run the call, and whether it pads (None: none may)."""
+        """The graph that may run the call, and whether it pads (None: none may). With verify
+        rows every decode and verify row of the call is a row of 1 + k inputs (fewer real ones
+        padded inside it)."""
         if (embeds is not None or batch.rope_positions is not None or tuple(taps) != tuple(self.taps)
                 or not batch.usual_logits):
             return None
         n_dec, n_ver = len(batch.decode_seqs), len(batch.verify_seqs)
-        if n_dec and n_ver:
-            return None
         if n_dec and batch.decode_block_table.shape[1] > self.width:
             return None
-        if n_ver and (batch.verify_len != self.verify_tokens or not self.verify_tokens
-                      or batch.verify_block_table.shape[1] > self.width):
-            return None
-        members, n = (n_ver, self.verify_tokens) if n_ver else (n_dec, 1)
+        ragged = False
+        if n_ver:
+            longest = batch.verify_len or max(batch.cu[s + 1] - batch.cu[s] for s in batch.verify_seqs)
+            if longest > self.verify_tokens or batch.verify_block_table.shape[1] > self.width:
+                return None
+            ragged = not _PaddedRows.uniform(batch, self.verify_tokens)
+        members, n = (n_dec + n_ver, self.verify_tokens) if n_ver else (n_dec, 1)
         if not batch.chunk_seqs:
             b = bucket_for(members, self.sizes)
-            return ((VERIFY if n_ver else DECODE, b, n, 0), members < b) if b else None
+            return ((VERIFY if n_ver else DECODE, b, n, 0), members < b or ragged) if b else None
         if len(batch.chunk_seqs) != 1:
             return None
         (s,) = batch.chunk_seqs
@@ -474,7 +555,7 @@ class GraphRunner:
         b, length = bucket_for(members, [0, *self.sizes]), bucket_for(real, self.chunk_sizes)
         if b is None or length is None or batch.page_tables[s].numel() > self.width:
             return None
-        return (CHUNK, b, n, length), members < b or real < length
+        return (CHUNK, b, n, length), members < b or ragged or real < length
 
     def forward(self, batch: ForwardBatch, embeds: torch.Tensor | None, taps: tuple[int, ...]) -> ForwardOutput:
         found = self._key(batch, embeds, taps)
@@ -483,11 +564,10 @@ class GraphRunner:
             self.stats.eager += 1
             return self.model.forward(batch, self.cache, embeds, taps)
         (profile, b, n, _), padded = found
-        order = None
-        if profile == CHUNK:                     # built before the replay: no host wait on it
-            rows, logits = g.static.order(batch)
+        order = g.static.order(batch) if profile != DECODE else None
+        if order is not None:                    # built before the replay: no host wait on it
             dev = g.out.hidden.device
-            order = (torch.tensor(rows, device=dev), torch.tensor(logits, device=dev))
+            order = tuple(torch.tensor(x, device=dev) for x in order)
         g.static.load(batch)
         self._clear_scratch()
         g.replay()
@@ -499,6 +579,7 @@ class GraphRunner:
             batch.spec_states = [{s: d[j] for j, s in enumerate(batch.verify_seqs)} for d in g.static.batch.spec_states]
         if profile == CHUNK:
             self.stats.chunk_replays += 1
+        if order is not None:
             rows, logits = order
             hidden, all_hidden, taps_out = o.hidden[logits], o.all_hidden[rows], o.taps[rows] if o.taps is not None else None
         else:

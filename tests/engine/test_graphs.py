@@ -48,7 +48,9 @@ def test_speculative_workloads_with_decode_graphs_match_the_oracle(tiny_model, t
     stats = run_workloads(tiny_model, [7100 + s for s in range(6)], overrides)
     _check_graphs(stats, padded=False)
     assert sum(x["graphs"]["verify_replays"] for x in stats) > 0
-    assert sum(x["graphs"]["eager"] for x in stats) > 0       # verify rows beside a chunk
+    # a row with fewer drafts (near max_tokens) or a plain decode row beside verify rows is
+    # padded inside its row: every call of these workloads replays a graph
+    assert sum(x["graphs"]["eager"] for x in stats) == 0
     assert all(x["graphs"]["verify_buckets"] for x in stats)
 
 

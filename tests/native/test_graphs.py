@@ -193,8 +193,8 @@ def test_replayed_chunk_calls_equal_eager_calls(tiny_model, dtype):
 
 
 def test_calls_outside_the_chunk_profile_run_eagerly(tiny_model):
-    """A chunk longer than the budget, a chunk returning every row's logits, and verify rows
-    beside a chunk and a decode row have no graph; the same chunk cut to the budget has."""
+    """A chunk longer than the budget and a chunk returning every row's logits have no graph;
+    the same chunk cut to the budget has, and so has one beside a verify row and a decode row."""
     from tests.native.model.test_batched_forward import _verify_rows
     prep = prepared(tiny_model, "float64")
     runner, _ = _runner(prep, 4, chunk_tokens=32, verify_tokens=4)
@@ -208,15 +208,68 @@ def test_calls_outside_the_chunk_profile_run_eagerly(tiny_model):
         return rows, chunk
     long_chunk, _ = decode_and_chunk(60, "last")
     every_row, _ = decode_and_chunk(20, "all")
-    mixed, chunk = decode_and_chunk(20, "last")
-    mixed = _verify_rows(prep, [1], 4) + mixed
-    for rows in (long_chunk, every_row, mixed):
+    for rows in (long_chunk, every_row):
         runner.forward(ForwardBatch.build(rows), None, ())
-    assert runner.stats.eager == 3 and runner.stats.replays == 0
-    runner.forward(ForwardBatch.build([r for r in mixed if r is not chunk]), None, ())   # verify + decode rows
-    assert runner.stats.eager == 4
+    assert runner.stats.eager == 2 and runner.stats.replays == 0
     runner.forward(ForwardBatch.build(decode_and_chunk(32, "last")[0]), None, ())
-    assert runner.stats.eager == 4 and runner.stats.chunk_replays == 1
+    assert runner.stats.eager == 2 and runner.stats.chunk_replays == 1
+    mixed = _verify_rows(prep, [1], 4) + decode_and_chunk(20, "last")[0]
+    runner.forward(ForwardBatch.build(mixed), None, ())
+    assert runner.stats.eager == 2 and runner.stats.chunk_replays == 2 and runner.stats.verify_replays == 1
+
+
+# (sequence, drafts) of each call's rows — 0 drafts: a plain decode row — and its chunk's length
+# (None: no chunk): rows of 2, 3 and 4 inputs and decode rows padded to 4 inside their rows,
+# a decode row first and among verify rows; buckets 4 (full), 4 (a padding row), chunk (2, 64),
+# chunk (4, 64) with a padding row
+MIXED_CALLS = [([(1, 3), (6, 0), (2, 1), (3, 2)], None), ([(0, 0), (4, 2), (5, 0)], None),
+               ([(3, 1), (1, 0)], 40), ([(6, 2), (2, 3), (0, 0)], 20)]
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_replayed_ragged_and_mixed_verify_calls_equal_eager_calls(tiny_model, dtype):
+    """Verify rows with fewer drafts than k (a budget near max_tokens) and plain decode rows
+    beside verify rows, with and without a chunk, replay the verify profile padded inside their
+    rows: equal to the eager call in logits, every row's hidden (in the call's order), every
+    page and slot — the padding inputs changed no state and wrote nothing of a sequence's — and
+    the kept per-step states, so a short row's roll-back gives the same state either way."""
+    from ninfer.native.model.forward import SeqInput
+    from tests.native.model.test_batched_forward import CHUNK_PREFIX, CONTEXTS
+    prep = prepared(tiny_model, dtype)
+    model = prep.model
+    runner, eager = _runner(prep, 4, verify_tokens=4, chunk_tokens=64)
+    replayed, pages, slots = runner.cache, prep.cache.k.shape[1], prep.cache.conv.shape[1]
+    bound = 1e-12 if dtype == "float64" else 1e-5
+    c, at = len(CONTEXTS), CHUNK_PREFIX
+    moved = {i: 0 for i in range(c)}
+    for call, n in MIXED_CALLS:
+        rows = []
+        for i, d in call:
+            start = CONTEXTS[i] - 1 + moved[i]
+            tokens = [(7 * i + start) % 2000 + 1, *[(13 * i + j) % 1000 + 5 for j in range(d)]]
+            rows.append(SeqInput(tokens, start, prep.tables[i], prep.slots[i], "all" if d else "last", verify=d > 0))
+            moved[i] += 1 + d
+        if n is not None:
+            rows.insert(1, SeqInput([(11 * p) % 1900 + 3 for p in range(at, at + n)], at, prep.tables[c], prep.slots[c]))
+            at += n
+        want_b, got_b = ForwardBatch.build(rows), ForwardBatch.build(rows)
+        want = model.forward(want_b, eager)
+        got = runner.forward(got_b, None, ())
+        assert rel_err(got.logits, want.logits) < bound
+        assert torch.equal(got.logits.argmax(-1), want.logits.argmax(-1))
+        assert rel_err(got.all_hidden, want.all_hidden) < bound
+        _assert_pools_equal(replayed, eager, pages, slots, bound)
+        for g_layer, w_layer in zip(got_b.spec_states, want_b.spec_states, strict=True):
+            assert sorted(g_layer) == sorted(w_layer) == want_b.verify_seqs
+            for s in w_layer:
+                for a, b in zip(g_layer[s], w_layer[s]):      # a padded row's: its real steps first
+                    assert rel_err(a[:b.shape[0]], b) < bound
+        s = min(want_b.verify_seqs, key=lambda j: len(rows[j].token_ids))   # the shortest verify row
+        model.roll_back(eager, want_b, s, rows[s].state_slot, 1)
+        model.roll_back(replayed, got_b, s, rows[s].state_slot, 1)
+        _assert_pools_equal(replayed, eager, pages, slots, bound)
+    st = runner.stats
+    assert st.verify_replays == 4 and st.chunk_replays == 2 and st.eager == 0 and st.padded == 4
 
 
 def test_replayed_verify_and_chunk_calls_equal_eager_calls(tiny_model):

@@ -50,14 +50,17 @@ def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def paged_prefill_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       page_tables: torch.Tensor, cu_seqlens: torch.Tensor, starts: torch.Tensor,
-                      scale: float) -> torch.Tensor:
+                      scale: float, q_lens: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, H, D] packed (rows cu_seqlens[i]..cu_seqlens[i+1]-1 are sequence i at positions
-    starts[i]..); page_tables: [N, max_pages]; cu_seqlens: [N+1]; starts: [N].
-    Returns [T, H, D] in q's dtype."""
-    out = torch.empty_like(q)
+    starts[i]..); page_tables: [N, max_pages]; cu_seqlens: [N+1]; starts: [N]. ``q_lens`` [N]:
+    sequence i's queries are only rows cu_seqlens[i] .. + q_lens[i] - 1 (a graph's padded verify
+    rows: the rest are padding, no sequence's). Returns [T, H, D] in q's dtype; rows no sequence
+    covers are zeros."""
+    out = torch.zeros_like(q)
     cu = cu_seqlens.tolist()
+    lens = q_lens.tolist() if q_lens is not None else None
     for i, s in enumerate(starts.tolist()):
-        lo, hi = cu[i], cu[i + 1]
+        lo, hi = cu[i], cu[i + 1] if lens is None else cu[i] + lens[i]
         if hi > lo:
             out[lo:hi] = paged_attention(q[lo:hi], k_cache, v_cache, page_tables[i].long(), s, scale)
     return out
@@ -184,9 +187,9 @@ def paged_decode(q, k_cache, v_cache, page_tables, seq_lens, scale, num_splits: 
 
 # ---- prefill / chunk --------------------------------------------------------------------
 @triton.jit
-def _prefill(q, k_cache, v_cache, page_tables, cu_seqlens, starts, out, scale, pt_stride,
+def _prefill(q, k_cache, v_cache, page_tables, cu_seqlens, starts, q_lens, out, scale, pt_stride,
              H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-             BM: tl.constexpr, PAGE: tl.constexpr, UPCAST: tl.constexpr):
+             BM: tl.constexpr, PAGE: tl.constexpr, UPCAST: tl.constexpr, HAS_LENS: tl.constexpr):
     """One (sequence, block of BM queries, head). Keys: pages 0 .. the one holding the block's
     last query; the mask kpos <= qpos is the prefix (all of it) plus causality in the chunk."""
     seq = tl.program_id(0).to(tl.int64)
@@ -194,7 +197,10 @@ def _prefill(q, k_cache, v_cache, page_tables, cu_seqlens, starts, out, scale, p
     head = tl.program_id(2)
     kvh = head // (H // HKV)
     lo = tl.load(cu_seqlens + seq)
-    q_len = tl.load(cu_seqlens + seq + 1) - lo
+    if HAS_LENS:
+        q_len = tl.load(q_lens + seq)
+    else:
+        q_len = tl.load(cu_seqlens + seq + 1) - lo
     start = tl.load(starts + seq)
 
     ms = blk * BM + tl.arange(0, BM)
@@ -240,24 +246,25 @@ def _prefill(q, k_cache, v_cache, page_tables, cu_seqlens, starts, out, scale, p
 
 
 def paged_prefill_triton(q, k_cache, v_cache, page_tables, cu_seqlens, starts, scale, block_m: int = 64,
-                         max_q: int | None = None):
+                         max_q: int | None = None, q_lens=None):
     """``max_q``: the longest sequence's queries when the caller knows it (a CUDA graph's
-    capture must not read it back from the device)."""
+    capture must not read it back from the device); ``q_lens``: as ``paged_prefill_ref``'s."""
     t, h, d = q.shape
     out = torch.zeros_like(q)          # rows no sequence covers (a graph's padded chunk) read as zeros
     n = starts.numel()
     if t == 0 or n == 0:
         return out
     if max_q is None:
-        max_q = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        max_q = int((cu_seqlens[1:] - cu_seqlens[:-1]).max() if q_lens is None else q_lens.max())
     q, page_tables = q.contiguous(), page_tables.contiguous()
     grid = (n, triton.cdiv(max_q, block_m), h)
-    _prefill[grid](q, k_cache, v_cache, page_tables, cu_seqlens.contiguous(), starts.contiguous(), out, scale,
+    lens = q_lens.contiguous() if q_lens is not None else starts
+    _prefill[grid](q, k_cache, v_cache, page_tables, cu_seqlens.contiguous(), starts.contiguous(), lens, out, scale,
                    page_tables.stride(0), H=h, HKV=k_cache.shape[2], D=d, BD=triton.next_power_of_2(d),
-                   BM=block_m, PAGE=PAGE_SIZE, **_dot_mode(q))
+                   BM=block_m, PAGE=PAGE_SIZE, HAS_LENS=q_lens is not None, **_dot_mode(q))
     return out
 
 
-def paged_prefill(q, k_cache, v_cache, page_tables, cu_seqlens, starts, scale):
+def paged_prefill(q, k_cache, v_cache, page_tables, cu_seqlens, starts, scale, q_lens=None):
     impl = paged_prefill_triton if on_cuda(q, k_cache) else paged_prefill_ref
-    return impl(q, k_cache, v_cache, page_tables, cu_seqlens, starts, scale)
+    return impl(q, k_cache, v_cache, page_tables, cu_seqlens, starts, scale, q_lens=q_lens)

@@ -34,6 +34,13 @@ same treatment, so their attention and GDN run as one op per step too::
     verify_starts       [V]        the position of each one's first input
     verify_block_table  [V, Pmax]  their pages up to start + n, padded with their first page
 
+(``verify_slots``, ``verify_starts`` and ``verify_block_table`` — each row's pages up to its own
+end — exist for verify rows of mixed lengths too; ``verify_len`` and ``verify_rows`` only for
+one length.) A CUDA graph's verify rows are all padded to n = 1 + k: ``verify_ends`` [V] holds
+each one's real inputs (a row with fewer drafts, or a plain decode row beside verify rows, has
+fewer than n); its padding inputs come after the real ones, write their K/V into the scratch
+page and are masked out of the GDN, so the row's outputs and states are the unpadded row's.
+
 A CUDA graph's "chunk" profile (native/graphs.py) runs the call's one prefill/replay chunk
 padded to a fixed length L, described by ``ForwardBatch.chunk`` (a ``PaddedChunk``): its real
 length and start live in tensors, not in ``cu`` / ``starts``, so one capture serves every
@@ -114,6 +121,7 @@ class ForwardBatch:
     verify_slots: torch.Tensor | None = None         # [V] long
     verify_starts: torch.Tensor | None = None        # [V] long
     verify_block_table: torch.Tensor | None = None   # [V, Pmax] long
+    verify_ends: torch.Tensor | None = None          # [V] long: real inputs per row (a graph's); None: all n
     # [3, T] long: MRoPE rotary rows (t, h, w), read only by a model with mrope_section, and only
     # set when some sequence gave SeqInput.rope_positions (text-only batches keep None: bit-identical)
     rope_positions: torch.Tensor | None = None
@@ -177,14 +185,16 @@ class ForwardBatch:
         verify = [i for i, s in enumerate(seqs) if len(s.token_ids) > 1 and s.verify]
         lens = {len(seqs[i].token_ids) for i in verify}
         vmeta = {}
-        if len(lens) == 1:
-            (n,) = lens
-            vt = [seqs[i].page_table[:(seqs[i].start + n + PAGE_SIZE - 1) // PAGE_SIZE] for i in verify]
+        if verify:
+            vt = [seqs[i].page_table[:(seqs[i].start + len(seqs[i].token_ids) + PAGE_SIZE - 1) // PAGE_SIZE]
+                  for i in verify]
             vw = max(len(t) for t in vt)
-            vmeta = dict(verify_len=n, verify_rows=lt([r for i in verify for r in range(cu[i], cu[i] + n)]),
-                         verify_slots=lt([seqs[i].state_slot for i in verify]),
+            vmeta = dict(verify_slots=lt([seqs[i].state_slot for i in verify]),
                          verify_starts=lt([seqs[i].start for i in verify]),
                          verify_block_table=lt([t + t[:1] * (vw - len(t)) for t in vt]).view(len(verify), vw))
+        if len(lens) == 1:
+            (n,) = lens
+            vmeta.update(verify_len=n, verify_rows=lt([r for i in verify for r in range(cu[i], cu[i] + n)]))
         rope = None
         if any(s.rope_positions is not None for s in seqs):
             rope_rows = []

@@ -148,7 +148,10 @@ def _gdn_verify(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, sp
     """The verify rows: conv over each row, the recurrent delta rule with every step's state kept
     in ``batch.spec_states`` (one dict per call = per linear layer); the final states are written
     like any row's (``HybridModel.roll_back`` replaces them when a draft is rejected). Rows of one
-    length run as one batch (usually all of them: every row carries k drafts)."""
+    length run as one batch (usually all of them: every row carries k drafts). A graph's padded
+    rows (``batch.verify_ends``): the padding inputs' rate and log decay are zero, so the state
+    passes them unchanged (the final state and the kept steps from the real end on are the real
+    end's), and the conv state is taken at each row's real end."""
     kept = {}
     if batch.verify_len:       # one length: the batch's own index tensors (no host-built index)
         groups = [(batch.verify_len, batch.verify_seqs, batch.verify_rows, batch.verify_slots)]
@@ -165,12 +168,20 @@ def _gdn_verify(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, sp
         y = F.silu(F.conv1d(xs, conv_w[:, None, :], groups=conv_w.shape[0])).transpose(1, 2)   # [N, T, C]
         q, k, v = split(y.reshape(len(seqs) * n, -1))
         shape = lambda t: t.view(len(seqs), n, *t.shape[1:])                      # noqa: E731
-        o, new_ssm, steps = gdn.recurrent_gated_delta_rule(
-            shape(q), shape(k), shape(v), g.index_select(0, rows).view(len(seqs), n, -1),
-            beta.index_select(0, rows).view(len(seqs), n, -1), ssm_states.index_select(0, slots), keep_steps=True)
-        core.index_copy_(0, rows, o.reshape(len(seqs) * n, *o.shape[2:]))
+        gv, bv = g.index_select(0, rows).view(len(seqs), n, -1), beta.index_select(0, rows).view(len(seqs), n, -1)
         k1 = conv0.shape[2]
-        conv_states.index_copy_(0, slots, xs[:, :, xs.shape[2] - k1:].to(conv_states.dtype))
+        ends = batch.verify_ends
+        if ends is not None:
+            real = (torch.arange(n, device=mixed.device)[None, :] < ends[:, None])[:, :, None]   # [N, T, 1]
+            gv, bv = (torch.where(real, t, torch.zeros((), dtype=t.dtype, device=t.device)) for t in (gv, bv))
+            at = (ends[:, None, None] + torch.arange(k1, device=mixed.device)).expand(-1, xs.shape[1], -1)
+            new_conv = xs.gather(2, at)                                           # inputs end .. end+K-2 of xs
+        else:
+            new_conv = xs[:, :, xs.shape[2] - k1:]
+        o, new_ssm, steps = gdn.recurrent_gated_delta_rule(
+            shape(q), shape(k), shape(v), gv, bv, ssm_states.index_select(0, slots), keep_steps=True)
+        core.index_copy_(0, rows, o.reshape(len(seqs) * n, *o.shape[2:]))
+        conv_states.index_copy_(0, slots, new_conv.to(conv_states.dtype))
         ssm_states.index_copy_(0, slots, new_ssm.to(ssm_states.dtype))
         for i, s in enumerate(seqs):
             kept[s] = (conv0[i], x[i], steps[i])
@@ -214,9 +225,10 @@ class BatchedPath(_TorchOps):
                                                       batch.decode_kv_slots))
         if batch.verify_len:                      # the verify rows in one op, the chunk alone
             rows = batch.verify_rows
+            ends = batch.verify_starts + batch.verify_ends if batch.verify_ends is not None else None
             out.index_copy_(0, rows, verify_attention(q.index_select(0, rows), k_cache, v_cache,
                                                       batch.verify_block_table, batch.verify_starts,
-                                                      batch.verify_len, scale))
+                                                      batch.verify_len, scale, ends))
         elif batch.verify_seqs:
             _attention_alone(out, q, k_cache, v_cache, batch, scale, batch.verify_seqs)
         if batch.chunk is not None:               # a graph's padded chunk: one row of L queries
@@ -275,11 +287,12 @@ class _MultiRows:
     """The chunk and verify rows of a call as one packed prefill launch: their token rows, the
     relative ``cu_seqlens``, absolute starts and a page table padded to the widest of them;
     ``contiguous``: they are all of the call's rows (q is the launch's own); ``max_q``: the
-    longest one's queries when known (else the kernel reads it from ``cu``)."""
+    longest one's queries when known (else the kernel reads it from ``cu``); ``lens``: each one's
+    real queries when fewer than its ``cu`` span (a graph's padded rows)."""
 
-    def __init__(self, rows, cu, starts, tables, contiguous: bool, max_q: int | None = None):
+    def __init__(self, rows, cu, starts, tables, contiguous: bool, max_q: int | None = None, lens=None):
         self.rows, self.cu, self.starts, self.tables = rows, cu, starts, tables
-        self.contiguous, self.max_q = contiguous, max_q
+        self.contiguous, self.max_q, self.lens = contiguous, max_q, lens
 
     @classmethod
     def of(cls, batch: ForwardBatch, device) -> "_MultiRows":
@@ -337,12 +350,13 @@ class KernelPath(BatchedPath):
         if m is None:
             m = batch.kernel_meta["multi"] = _MultiRows.of(batch, q.device)
         if m.contiguous:
-            return paged_prefill_triton(q, k_cache, v_cache, m.tables, m.cu, m.starts, scale, max_q=m.max_q)
+            return paged_prefill_triton(q, k_cache, v_cache, m.tables, m.cu, m.starts, scale, max_q=m.max_q,
+                                        q_lens=m.lens)
         out = torch.empty_like(q)
         rows = batch.decode_rows
         out.index_copy_(0, rows, self._decode(q.index_select(0, rows), k_cache, v_cache, batch, scale))
         out.index_copy_(0, m.rows, paged_prefill_triton(q.index_select(0, m.rows), k_cache, v_cache, m.tables,
-                                                        m.cu, m.starts, scale))
+                                                        m.cu, m.starts, scale, max_q=m.max_q, q_lens=m.lens))
         return out
 
 

@@ -81,8 +81,9 @@ def test_graphs_on_the_kernel_path_equal_the_eager_torch_path(tiny_model):
     profile's prefill launch over its prepared padded tables, its longest row given; the chunk
     profile's launch over the chunk's real queries — beside verify rows one launch for both —
     its GDN through the kernel ops): with the CPU stand-in backend, decode, verify, decode +
-    chunk and verify + chunk calls of changing membership equal the eager batched torch path,
-    pages and slots included."""
+    chunk and verify + chunk calls of changing membership — verify rows with fewer drafts and
+    decode rows beside verify rows too, padded inside their rows (the launch reads each row's
+    real queries) — equal the eager batched torch path, pages and slots included."""
     from ninfer.native import graphs
     from ninfer.native.model.forward import ForwardBatch
     from tests.native.model.test_batched_forward import _verify_rows
@@ -101,11 +102,18 @@ def test_graphs_on_the_kernel_path_equal_the_eager_torch_path(tiny_model):
         runner = graphs.GraphRunner(model, replayed, graphs.ReplayBackend(), max_rows=4, max_context=512,
                                     scratch_page=pages, scratch_slot=slots, verify_tokens=3, chunk_tokens=40)
         runner.capture_all()
-        for call, verify, chunk in (([1, 6, 2], True, None), ([0, 4], True, None), ([3, 5, 7], False, None),
-                                    ([3, 5], False, (CHUNK_PREFIX, 25)), ([], False, (CHUNK_PREFIX + 25, 40)),
-                                    ([1, 6], True, (CHUNK_PREFIX + 65, 20))):
-            rows = _verify_rows(prep, call, 3) if verify else [
-                r for r in prep.step(8, False) if r.state_slot in {prep.slots[i] for i in call}]
+        def rows_of(call, inputs):     # inputs: each row's (1: a decode row)
+            rows = []
+            for i, n in zip(call, inputs):
+                rows += _verify_rows(prep, [i], n) if n > 1 else [
+                    r for r in prep.step(8, False) if r.state_slot == prep.slots[i]]
+            return rows
+        for call, inputs, chunk in (([1, 6, 2], [3] * 3, None), ([0, 4], [3] * 2, None), ([3, 5, 7], [1] * 3, None),
+                                    ([3, 5], [1] * 2, (CHUNK_PREFIX, 25)), ([], [], (CHUNK_PREFIX + 25, 40)),
+                                    ([1, 6], [3] * 2, (CHUNK_PREFIX + 65, 20)),
+                                    # rows of fewer drafts, decode rows beside verify rows: padded rows
+                                    ([1, 6, 3], [3, 2, 1], None), ([5, 0], [1, 2], (CHUNK_PREFIX + 85, 30))):
+            rows = rows_of(call, inputs)
             if chunk is not None:
                 rows = with_chunk(rows, *chunk)
             model.path = paths.BATCHED
@@ -115,6 +123,6 @@ def test_graphs_on_the_kernel_path_equal_the_eager_torch_path(tiny_model):
             assert rel_err(got.logits, want.logits) < REL["float32"]
             assert torch.equal(got.logits.argmax(-1), want.logits.argmax(-1))
             _assert_pools_equal(replayed, eager, pages, slots, REL["float32"])
-        assert runner.stats.verify_replays == 3 and runner.stats.chunk_replays == 3 and runner.stats.replays == 6
+        assert runner.stats.verify_replays == 5 and runner.stats.chunk_replays == 4 and runner.stats.replays == 8
     finally:
         model.path = before

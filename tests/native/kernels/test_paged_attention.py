@@ -102,6 +102,28 @@ def test_paged_prefill(case, dtype):
     assert rel_err(out, ref) <= BOUND[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_paged_prefill_of_padded_rows(dtype):
+    """Rows of 4 query slots with 2, 4 and 1 real queries (``q_lens``: a graph's padded verify
+    rows): the real queries equal the same rows packed without padding, every padding row is
+    zero, and the reference agrees."""
+    starts, q_lens, h, hkv, d = [70, 3, 127], [2, 4, 1], 4, 2, 64
+    k, v, tables = _setup([s + 4 for s in starts], h, hkv, d, dtype, seed=4)
+    q = torch.randn(12, h, d, generator=torch.Generator().manual_seed(6)).to(dtype)
+    cu, st = torch.tensor([0, 4, 8, 12], dtype=torch.int32), torch.tensor(starts, dtype=torch.int32)
+    lens = torch.tensor(q_lens, dtype=torch.int32)
+    out = pa.paged_prefill_triton(q, k, v, tables, cu, st, d ** -0.5, block_m=16, q_lens=lens)
+    real = torch.tensor([0, 1, 4, 5, 6, 7, 8])
+    packed_cu = torch.tensor([0, 2, 6, 7], dtype=torch.int32)
+    packed = pa.paged_prefill_triton(q[real], k, v, tables, packed_cu, st, d ** -0.5, block_m=16)
+    assert torch.equal(out[real], packed)
+    pad = torch.tensor([2, 3, 9, 10, 11])
+    assert not out[pad].any()
+    ref = pa.paged_prefill_ref(q.float(), k.float(), v.float(), tables.clamp_min(0), cu, st, d ** -0.5, q_lens=lens)
+    assert not ref[pad].any()
+    assert rel_err(out[real], ref[real]) <= BOUND[dtype]
+
+
 def test_decode_equals_prefill_of_one_row():
     """A decode row is a one-query chunk: both kernels agree (fp32)."""
     lens = [77, 5]
