@@ -40,9 +40,12 @@ Backends: ``CudaBackend`` captures with ``torch.cuda.CUDAGraph`` into one shared
 their configs before capture). ``ReplayBackend`` is the CPU stand-in the tests use
 (``NINFER_GRAPHS=replay``): "capture" runs the function once, "replay" runs it again on the same
 static buffers and copies its results into the captured outputs — so a buffer that a replay did
-not refresh would feed the previous call's values, as it would on the GPU. What the stand-in
-cannot show is a Python decision frozen at capture; the captured forward makes none on values
-(shapes only: the bucket, the chunk length and the tables' widths).
+not refresh would feed the previous call's values, as it would on the GPU. Inside the function
+it forbids reading a tensor back to Python (``no_host_reads``): on CUDA that is a sync the
+capture refuses, and a decision on the value would be frozen into the graph — so the stand-in
+shows both. The captured forward decides on shapes only (the bucket, the row and chunk lengths,
+the tables' widths). What it cannot show is a Python value the loaders change between replays
+(they write only tensors).
 
 MoE layers need a form without data-dependent shapes. On the kernel path (CUDA) that is the
 fused MoE (``kernels/moe.py``: one program per token and chosen expert), for any expert count.
@@ -54,10 +57,12 @@ which reads every expert per step — so there graphs serve models of at most
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -163,14 +168,51 @@ class CudaBackend:
         return graph.replay, out
 
 
+# the ways a tensor's values reach Python (each a device-to-host sync on CUDA)
+_HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu", "__array__")
+
+
+class HostRead(RuntimeError):
+    """A captured forward read a tensor's value back to Python."""
+
+
+@contextlib.contextmanager
+def no_host_reads() -> Iterator[None]:
+    """In this thread, reading a tensor's values back to Python (``item``, ``int(t)``, ``if t``,
+    ``tolist``, ``t.cpu()`` …) raises ``HostRead``; other threads are unaffected."""
+    me = threading.get_ident()
+    own = {n: torch.Tensor.__dict__.get(n) for n in _HOST_READS}
+
+    def guard(name: str, orig):
+        def read(self, *args, **kwargs):
+            if threading.get_ident() == me:
+                raise HostRead(f"Tensor.{name} inside a captured forward: a CUDA graph capture cannot read a "
+                               "value back to the host, and a decision on it would be frozen into the graph")
+            return orig(self, *args, **kwargs)
+        return read
+    for n in _HOST_READS:
+        setattr(torch.Tensor, n, guard(n, getattr(torch.Tensor, n)))
+    try:
+        yield
+    finally:
+        for n, orig in own.items():
+            if orig is None:
+                delattr(torch.Tensor, n)
+            else:
+                setattr(torch.Tensor, n, orig)
+
+
 class ReplayBackend:
     name = "replay"
 
     def capture(self, fn: Callable[[], ForwardOutput]) -> tuple[Callable[[], None], ForwardOutput]:
-        out = fn()
+        def run() -> ForwardOutput:
+            with no_host_reads():
+                return fn()
+        out = run()
 
         def replay() -> None:
-            new = fn()
+            new = run()
             for dst, src in ((out.hidden, new.hidden), (out.logits, new.logits),
                              (out.all_hidden, new.all_hidden), (out.taps, new.taps)):
                 if dst is not None:

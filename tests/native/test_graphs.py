@@ -118,6 +118,35 @@ def test_the_backend_follows_the_device_and_enforce_eager(monkeypatch):
     assert graphs.backend_for(cpu, True) is None
 
 
+def test_the_stand_in_refuses_host_reads_inside_a_captured_forward():
+    """A read of a tensor's value back to Python inside the captured function — a sync a CUDA
+    capture refuses, a decision it would freeze — raises in the stand-in at capture and at
+    replay; outside it, and in other threads meanwhile, reads work."""
+    import threading
+    from ninfer.native.model.forward import ForwardOutput
+    x = torch.tensor([1.0, 5.0])
+    reads = {"replay": False}
+
+    def fn():
+        if reads["replay"]:
+            int(x.argmax())                       # a host read only on a replay
+        return ForwardOutput(hidden=x * 2, logits=None, all_hidden=x)
+    replay, out = graphs.ReplayBackend().capture(fn)
+    replay()
+    reads["replay"] = True
+    with pytest.raises(graphs.HostRead, match="Tensor.__int__"):
+        replay()
+    for read in (lambda: x.item(), lambda: bool(x[0]), lambda: x.tolist(), lambda: x.cpu(), lambda: [0, 1][x.long()[0]]):
+        with graphs.no_host_reads(), pytest.raises(graphs.HostRead):
+            read()
+    seen = []
+    with graphs.no_host_reads():
+        t = threading.Thread(target=lambda: seen.append(int(x[1])))
+        t.start()
+        t.join()
+    assert seen == [5] and int(x.argmax()) == 1 and x.tolist() == [1.0, 5.0]
+
+
 def test_replayed_verify_calls_equal_eager_calls(tiny_model):
     """The "verify" profile (rows of an input and 3 drafts): over changing membership in one
     bucket, a replay equals the eager call in logits, every page and slot, and the kept
@@ -193,8 +222,9 @@ def test_replayed_chunk_calls_equal_eager_calls(tiny_model, dtype):
 
 
 def test_calls_outside_the_chunk_profile_run_eagerly(tiny_model):
-    """A chunk longer than the budget and a chunk returning every row's logits have no graph;
-    the same chunk cut to the budget has, and so has one beside a verify row and a decode row."""
+    """A chunk longer than the budget, a chunk returning every row's logits and a verify row of
+    more inputs than the graphs' 1 + k have no graph; the same chunk cut to the budget has, and
+    so has one beside a verify row and a decode row."""
     from tests.native.model.test_batched_forward import _verify_rows
     prep = prepared(tiny_model, "float64")
     runner, _ = _runner(prep, 4, chunk_tokens=32, verify_tokens=4)
@@ -208,14 +238,14 @@ def test_calls_outside_the_chunk_profile_run_eagerly(tiny_model):
         return rows, chunk
     long_chunk, _ = decode_and_chunk(60, "last")
     every_row, _ = decode_and_chunk(20, "all")
-    for rows in (long_chunk, every_row):
+    for rows in (long_chunk, every_row, _verify_rows(prep, [1, 2], 5)):
         runner.forward(ForwardBatch.build(rows), None, ())
-    assert runner.stats.eager == 2 and runner.stats.replays == 0
+    assert runner.stats.eager == 3 and runner.stats.replays == 0
     runner.forward(ForwardBatch.build(decode_and_chunk(32, "last")[0]), None, ())
-    assert runner.stats.eager == 2 and runner.stats.chunk_replays == 1
+    assert runner.stats.eager == 3 and runner.stats.chunk_replays == 1
     mixed = _verify_rows(prep, [1], 4) + decode_and_chunk(20, "last")[0]
     runner.forward(ForwardBatch.build(mixed), None, ())
-    assert runner.stats.eager == 2 and runner.stats.chunk_replays == 2 and runner.stats.verify_replays == 1
+    assert runner.stats.eager == 3 and runner.stats.chunk_replays == 2 and runner.stats.verify_replays == 1
 
 
 # (sequence, drafts) of each call's rows — 0 drafts: a plain decode row — and its chunk's length
