@@ -176,30 +176,41 @@ class HostRead(RuntimeError):
     """A captured forward read a tensor's value back to Python."""
 
 
+_reads = threading.local()
+_guards_lock = threading.Lock()
+_guarded = False
+
+
+def _install_guards() -> None:
+    """Wrap each host read of ``torch.Tensor`` once per process; a wrapper raises only in a
+    thread inside ``no_host_reads`` (so concurrent users never undo each other's guards)."""
+    global _guarded
+    with _guards_lock:
+        if _guarded:
+            return
+
+        def guard(name: str, orig):
+            def read(self, *args, **kwargs):
+                if getattr(_reads, "on", False):
+                    raise HostRead(f"Tensor.{name} inside a captured forward: a CUDA graph capture cannot read a "
+                                   "value back to the host, and a decision on it would be frozen into the graph")
+                return orig(self, *args, **kwargs)
+            return read
+        for n in _HOST_READS:
+            setattr(torch.Tensor, n, guard(n, getattr(torch.Tensor, n)))
+        _guarded = True
+
+
 @contextlib.contextmanager
 def no_host_reads() -> Iterator[None]:
     """In this thread, reading a tensor's values back to Python (``item``, ``int(t)``, ``if t``,
     ``tolist``, ``t.cpu()`` …) raises ``HostRead``; other threads are unaffected."""
-    me = threading.get_ident()
-    own = {n: torch.Tensor.__dict__.get(n) for n in _HOST_READS}
-
-    def guard(name: str, orig):
-        def read(self, *args, **kwargs):
-            if threading.get_ident() == me:
-                raise HostRead(f"Tensor.{name} inside a captured forward: a CUDA graph capture cannot read a "
-                               "value back to the host, and a decision on it would be frozen into the graph")
-            return orig(self, *args, **kwargs)
-        return read
-    for n in _HOST_READS:
-        setattr(torch.Tensor, n, guard(n, getattr(torch.Tensor, n)))
+    _install_guards()
+    before, _reads.on = getattr(_reads, "on", False), True
     try:
         yield
     finally:
-        for n, orig in own.items():
-            if orig is None:
-                delattr(torch.Tensor, n)
-            else:
-                setattr(torch.Tensor, n, orig)
+        _reads.on = before
 
 
 class ReplayBackend:
