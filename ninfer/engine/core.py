@@ -173,6 +173,7 @@ class EngineCore:
         self.stats.cycle_s += time.perf_counter() - t0
         return self._guard_progress(progressed)
 
+    # rule: quote-trigger
     def _needs_quote(self, plan: Plan) -> bool:
         """Pressure needs facts: a take-back, a need that may not fit, a save without room."""
         if plan.take_back is not None or not self.pressure.fits(plan.needs(), self.pools):
@@ -234,6 +235,7 @@ class EngineCore:
             to_host, host_victims = self.pressure.pause_route(victim, planner, facts)
             cmds.append((P.Pause(victim.sid, to_host, host_victims),
                          lambda out, v=victim, d=host_victims: self.outcomes.paused(v, out, d, "lane_take_back")))
+        # rule: save-room-order
         # saves: a Device slot left after the intents, else Host room, else admitted room
         slots = facts.pools[P.STATE].available - sum(
             reply.demands.get(i.iid, i.need.demand or {}).get(P.STATE, 0) for i in plan.items)
@@ -286,6 +288,7 @@ class EngineCore:
             return True
         return False
 
+    # rule: progress-guard
     def _guard_progress(self, progressed: bool) -> bool:
         """No wait is unbounded: when nothing ran, nothing changed and nothing is in flight
         although requests remain, every waiter is woken once; if still nothing can move, the
@@ -316,6 +319,7 @@ class EngineCore:
         timeout = self.config.request_timeout_s
         now = time.monotonic()
         for req in list(self.requests.values()):
+            # rule: ingress-timeout
             if (timeout is not None and req.first_admitted is None and req.finish_reason is None
                     and now - req.arrival > timeout):
                 # ingress timeout: counted from the original arrival until first admission; a

@@ -149,10 +149,12 @@ class ResourceManager:
         return out
 
     @staticmethod
+    # rule: waiter-only-not-public
     def _public(info: CkptInfo, rid: str | None) -> bool:
         """Not a point that only waiters keep — unless ``rid`` is one of them (its own source)."""
         return not info.owners or not all(isinstance(o, WaiterOwner) and o.rid != rid for o in info.owners)
 
+    # rule: restorable
     def restorable(self, info: CkptInfo) -> bool:
         """Not a point the worker reported without the draft coverage its restore needs."""
         return self.uncovered.get(info.cid) != info.ref.generation
@@ -181,6 +183,7 @@ class ResourceManager:
                 info.ref = P.CkptRef(r.cid, r.generation, r.frontier, r.kind, on_device, r.host or not on_device)
             info.host_pages = host_pages
 
+    # rule: source-ranking
     def _rank_key(self, info: CkptInfo, req: Request, target: int):
         """Cost first; ties by bytes moved, deeper position, legal session hint, private use,
         newer publication order, stable sequence (seed order)."""
@@ -199,6 +202,7 @@ class ResourceManager:
         if not cands:
             return None
         best = min(cands, key=lambda c: self._rank_key(c, req, target))
+        # rule: source-worth
         return best if self._rank_key(best, req, target)[0] <= self.cost.source_cost(0, target) else None
 
     def plan_admission(self, req: Request, queued: list[Request] = ()) -> Admission:
@@ -216,6 +220,7 @@ class ResourceManager:
         own_wait = WaiterOwner(req.rid)
         if rec is not None:
             adm.record, adm.takeover = rec, True
+            # rule: move-or-fork
             if role is Role.E and src.owners - {own_wait} == {rec.owner(Role.E)} \
                     and not self._extended_by(src, req, queued):
                 adm.mode, adm.mover = P.BindMode.MOVE, rec.owner(Role.E)
@@ -224,6 +229,7 @@ class ResourceManager:
             adm.record = self._branch(req)
         return adm
 
+    # rule: supersede-at-admission
     def _superseded(self, rec: PrivateRecord, src: CkptInfo, req: Request) -> list[P.Retire]:
         """Taking a record over from a shallower point (an input point after a rewrite): its
         deeper E that this prompt no longer continues is retired once the bind is admitted
@@ -241,6 +247,7 @@ class ResourceManager:
         return any(r is not req and r.live and len(r.prompt) >= f and tuple(r.prompt[:f]) == src.tokens
                    for r in queued)
 
+    # rule: takeover-or-branch
     def _may_take_over(self, rec: PrivateRecord, req: Request) -> bool:
         """A non-active record that may be updated is taken over; an occupied relation or a
         cross-entry case (a different named session) branches instead."""
@@ -260,6 +267,7 @@ class ResourceManager:
         return Admission(source=src, record=self.book(req).record)
 
     # ==== waiting references ===========================================================
+    # rule: waiter-carries-points
     def wait_on(self, req: Request, adm: Admission) -> list[P.Command]:
         """A queued request keeps its valuable source: a waiting reference protects it without
         allocating, without a lane, without heat or hit counts."""
@@ -294,6 +302,7 @@ class ResourceManager:
         return self.end_wait(req)
 
     # ==== waiting for a pending point =================================================
+    # rule: pending-source
     def pending_source(self, req: Request, base: int, producers) -> tuple[str, int] | None:
         """A deeper restore point another request will publish for this prompt's exact prefix:
         (producer rid, frontier), or None. ``producers``: (request, its frontier now, its pending
@@ -321,6 +330,7 @@ class ResourceManager:
         self.book(req).pending = PendingWait(producer, frontier, base, time.monotonic())
         self.stats.pending_waits += 1
 
+    # rule: pending-holds
     def pending_holds(self, req: Request, producer: Request | None, resident: bool) -> bool:
         """Whether the wait still holds: the producer is bound, live, before the point and still
         plans to save it. When it ends with the point published the request adopts it through
@@ -400,6 +410,7 @@ class ResourceManager:
 
     # ==== save opportunities ===========================================================
     @staticmethod
+    # rule: input-point
     def input_point(req: Request) -> int:
         """The request's input-side restore position: the frontend's C or R, else — with no
         typed rewrite — P, the raw input end (seed: P 没有 typed rewrite 的 raw/token 输入终点)."""
@@ -422,6 +433,7 @@ class ResourceManager:
                 return info
         return None
 
+    # rule: save-points
     def save_plan(self, req: Request, start: int, rec: PrivateRecord) -> list[SavePoint]:
         """Input restore point, anchors and markers inside (start, P] — never chunk ends.
         Same frontiers merge into one capture with several owners."""
@@ -460,6 +472,7 @@ class ResourceManager:
                 return True
         return False
 
+    # rule: retire-before-save
     def retire_for(self, req: Request, sp: SavePoint, rec: PrivateRecord | None = None) -> list[P.Retire]:
         """A needed later input point retires the record's old one before its destination is
         requested (seed: 旧点可在申请新目的之前退休；新保存失败不恢复旧点)."""
@@ -471,6 +484,7 @@ class ResourceManager:
             return []
         return [P.Retire(info.cid, info.ref.generation, rec.owner(Role.INPUT))]
 
+    # rule: anchor-replacement
     def anchor_replace(self, req: Request, sp: SavePoint, rec: PrivateRecord | None = None) -> list[P.Retire] | None:
         """The anchor hold a new anchor at ``sp`` supersedes (seed: 锚点同位置更新，超限替换最旧
         发布点；无法安全替换则放弃本次保存): the record's anchor at the same position (its
@@ -506,6 +520,7 @@ class ResourceManager:
                 rec.anchors.remove(r.cid)
             self._drop_use(r.cid, r.owner)
 
+    # rule: capture-terms
     def capture_terms(self, req: Request, sp: SavePoint, rec: PrivateRecord | None = None
                       ) -> tuple[int, float | None, bool]:
         """(fixed new-coverage benefit, own repeat-demand time or None, owner is reuse) for the
@@ -521,6 +536,7 @@ class ResourceManager:
         return benefit, own, rec is not None and rec.level == Level.REUSE
 
     # ==== evidence =====================================================================
+    # rule: compute-demand
     def observe_prefill(self, req: Request, start: int, end: int) -> None:
         """A new prefill commit crossing a candidate position is a real computation demand
         (once per request per position). Two different requests computing the same position
@@ -536,6 +552,7 @@ class ResourceManager:
             if obs.repeated:
                 self._promote(req.prompt[:f], f, now)
 
+    # rule: repeat-demand-promotes
     def _promote(self, tokens: list[int], f: int, now: float) -> None:
         """Repeat demand lifts the owners of an existing point at that exact position to the
         reuse level; an input point proves its own position."""
@@ -553,6 +570,7 @@ class ResourceManager:
                 ent.evidence.demand_time = max(ent.evidence.demand_time or 0.0, now)
                 self.table.touch(ent)
 
+    # rule: adoption-evidence
     def _note_adoption(self, req: Request, src: CkptInfo, child: PrivateRecord, takeover: bool) -> None:
         """Real cross-request adoption. Consume (takeover) resets the owner's (time, proven
         frontier) from this source; a Fork child gets this adoption's time and position, while
@@ -600,6 +618,7 @@ class ResourceManager:
         own snapshot. Either way nothing is adopted from another request."""
         self.book(req).source_cid = None
 
+    # rule: hits-and-lost-hits
     def _count_query(self, req: Request, src: CkptInfo | None) -> None:
         s = self.stats
         s.queries += 1
@@ -643,6 +662,7 @@ class ResourceManager:
                 rec.anchors.append(ref.cid)
         obs = self.summary.get(digest(tokens), ref.frontier)
         if obs is not None and obs.repeated:
+            # rule: save-is-no-evidence
             # the candidate's own demand time: a pure save is no evidence (seed: 单纯保存不刷新证据)
             self._promote(list(tokens), ref.frontier, obs.last)
         return cmds
