@@ -82,7 +82,7 @@ class EngineCore:
         self.sink = sink
         self.chunk = self.info.prefill_chunk_tokens
         self.sched = Scheduler(self.info.max_concurrency)
-        self.rm = ResourceManager(self.info)
+        self.rm = ResourceManager(self.info, divergence_min=config.context_cache.divergence_min_tokens)
         if self.info.h2d_bytes_per_s or self.info.prefill_s_per_token:   # measured by the worker at start
             self.rm.cost.calibrate(self.info.h2d_bytes_per_s, self.info.prefill_s_per_token)
         self.pressure = Pressure(self.sched, self.rm, self.info)
@@ -129,6 +129,7 @@ class EngineCore:
             req.arrival = min(queued_at, req.arrival)
         req.usage.prompt_tokens = len(spec.prompt)
         self.requests[rid] = req
+        self.rm.on_enqueued(req, self.requests)
         self.life.publish(req, Life.QUEUED, req.arrival)
         self.life.publish(req, Life.GENERATION_START, ticket=req.ticket)
         self.sched.enqueue(req)
@@ -477,6 +478,7 @@ class EngineCore:
             diff = {cid: (real.get(cid), mirror.get(cid)) for cid in set(real) | set(mirror)
                     if real.get(cid) != mirror.get(cid)}
             raise IntegrityError(f"controller mirror and worker disagree on checkpoint owners: {diff}")
-        why = self.rm.host_order.check({cid: c.image_device for cid, c in facts.facts.checkpoints.items()})
+        why = self.rm.host_order.check({cid: c.image_device for cid, c in facts.facts.checkpoints.items()}) \
+            or self.rm.check(set(self.requests))
         if why:
             raise IntegrityError(why)

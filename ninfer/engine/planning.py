@@ -170,11 +170,11 @@ class CyclePlanner:
 
     def _resident(self, req: Request, kind: str, recovery: bool) -> Item:
         core, f = self.core, req.facts
-        book = core.rm.book(req)
-        unit = next_unit(req, f.frontier, f.ledger_len, core.chunk, book.save_points)
+        points = _cuts(core.rm.book(req).save_points, recovery)
+        unit = next_unit(req, f.frontier, f.ledger_len, core.chunk, points)
         if unit.kind is P.UnitKind.DECODE and f.spec:
             unit.kind = P.UnitKind.VERIFY    # the decode row also verifies f.spec drafts (seed: Decode/Verify)
-        cap, sp = self._capture(req, unit, book.save_points, recovery)
+        cap, sp = self._capture(req, unit, points, recovery)
         spec = P.UnitSpec(unit.n_tokens, unit.kind, hold=req.recovery_pending, capture=cap)
         iid = next(self._iids)
         # rule: verify-peak-demand
@@ -274,8 +274,9 @@ class CyclePlanner:
                                         or adm.mode is BindMode.MOVE):
                 plan.commands += [(c, None) for c in rm.end_wait(req)]     # reselected, or moved
             save_points = rm.save_plan(req, adm.frontier, adm.record)
-            unit = next_unit(req, adm.frontier, len(req.prompt), core.chunk, save_points)
-            cap, sp = self._capture(req, unit, save_points, recovery, adm.record)
+            points = _cuts(save_points, recovery)
+            unit = next_unit(req, adm.frontier, len(req.prompt), core.chunk, points)
+            cap, sp = self._capture(req, unit, points, recovery, adm.record)
             iid = next(self._iids)
             spec = P.UnitSpec(unit.n_tokens, unit.kind, capture=cap)
             source = adm.source.ref if adm.source else None
@@ -304,3 +305,10 @@ class CyclePlanner:
         plan.items += items
         plan.scanned = [r for r, _ in cands if not sched.st(r).pending]
 
+
+def _cuts(save_points: list[SavePoint], recovery: bool) -> list[SavePoint]:
+    """The save points a unit may end on: while a full recovery permit is active no optional save
+    is taken, and a divergence position — no input boundary of this request — then cuts nothing."""
+    if not recovery:
+        return save_points
+    return [sp for sp in save_points if set(sp.kinds) != {"d"}]

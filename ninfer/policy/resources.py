@@ -26,7 +26,7 @@ from ninfer.protocol import EntryOwner, Owner, RecordOwner, Role, WaiterOwner
 class SavePoint:
     frontier: int
     owners: list[Owner]               # the first captures, the rest are added as owners
-    kinds: list[str]                  # "in" | "a" | "m"
+    kinds: list[str]                  # "in" | "a" | "m" | "d" (a divergence position: a public entry)
     entries: dict[Owner, PublicEntry] = field(default_factory=dict)   # marker owner -> entry
 
 
@@ -46,6 +46,8 @@ class CacheBook:
     pending_base: int | None = None         # a wait ended with the point there: the source it had
     waited_s: float = 0.0                   # time spent in pending waits that ended
     lost: dict | None = None                # its admission missed a restore point: where, why
+    divergence: list[int] = field(default_factory=list)   # divergence positions it offers a save at
+    diverged_from: set[int] = field(default_factory=set)  # ... those another request computed across
 
 
 @dataclass
@@ -101,10 +103,15 @@ class CacheStats:
     pending_abandoned: int = 0        # waits whose point never came (producer gone, save skipped)
 
 
+MAX_DIVERGENCE = 4          # divergence positions one request offers at most (as MAX_MARKERS)
+HISTORY_OBSERVER = "<history>"   # the earlier request that computed across a divergence position
+
+
 class ResourceManager:
-    def __init__(self, info: P.WorkerInfo, cost: CostModel | None = None):
+    def __init__(self, info: P.WorkerInfo, cost: CostModel | None = None, divergence_min: int | None = 16):
         self.info = info
         self.cost = cost or CostModel()
+        self.divergence_min = divergence_min    # None: no divergence positions
         self.table = RecordTable()
         self.stats = CacheStats()
         self.summary = DemandSummary(256, info.exec_identity)
@@ -126,6 +133,7 @@ class ResourceManager:
 
     def forget(self, req: Request) -> None:
         self.books.pop(req.rid, None)
+        self.table.histories.remove(req.rid)
 
     def adopting(self) -> set[int]:
         """Sources being adopted right now (requests binding from them): never victims."""
@@ -408,6 +416,62 @@ class ResourceManager:
             cmds.append(P.ReleaseOwner(ref.cid, ref.generation, owner))
         return cmds
 
+    # ==== divergence positions ========================================================
+    # rule: divergence-points
+    def on_enqueued(self, req: Request, live: dict[str, Request]) -> None:
+        """A new prompt's divergence position (issue 30): the longest prefix X it shares with any
+        history held — cache points' tokens and live requests' prompts — when X lies at least
+        ``divergence_min`` tokens beyond every restore point below it and before the prompt's
+        end (its input point is there). Raw inputs carry no marker where conversations that share
+        a system prompt or a document part; X is that place, and a later request sharing [0, X)
+        needs a restore point there. This request offers a save at X (its prefill ends a unit on
+        it: a public entry), and so does each live request sharing [0, X) that has yet to compute
+        across it — this one then waits for that save (the pending-point rule) instead of
+        computing the prefix as well. At most MAX_DIVERGENCE positions per request. Only the
+        match is computed here: the saves go through the admission table like any capture."""
+        hist = self.table.histories
+        if self.divergence_min is not None and len(hist):
+            m = hist.match(req.prompt)
+            x = m.length
+            if x < len(req.prompt) and self._divergence_gain(req.prompt, x) >= max(1, self.divergence_min):
+                self._offer(req, x)
+                self.book(req).diverged_from.add(x)
+                for rid in sorted(m.live):
+                    q = live.get(rid)
+                    if q is not None and q is not req and q.live and q.ticket < req.ticket:
+                        self._offer(q, x)
+        hist.insert(req.rid, req.prompt, live=True)
+
+    def _divergence_gain(self, prompt: list[int], x: int) -> int:
+        """What a restore point at ``x`` adds over the deepest one below it."""
+        return x - max((c.frontier for c in self.candidates(prompt, x)), default=0)
+
+    def _offer(self, req: Request, x: int) -> None:
+        """``req`` offers a save at divergence position ``x``: at its admission (save_plan), or —
+        already bound and not yet past ``x`` in its prompt — from its next unit on."""
+        book = self.book(req)
+        if x in book.divergence or len(book.divergence) >= MAX_DIVERGENCE or x >= len(req.prompt):
+            return
+        book.divergence.append(x)
+        f = req.facts
+        if book.record is None or f is None or f.frontier >= x or req.outputs:
+            return
+        if any(sp.frontier == x for sp in book.save_points) or self._has_entry(req.prompt, x):
+            return
+        ent = self.table.new_entry(-1, x, insert=False)
+        book.save_points.append(SavePoint(x, [ent.owner], ["d"], {ent.owner: ent}))
+        book.save_points.sort(key=lambda sp: sp.frontier)
+
+    def check(self, live: set[str]) -> str | None:
+        """The history trie holds exactly the cache points' tokens and the live requests' prompts,
+        and its own invariants hold (integrity checks)."""
+        hist = self.table.histories
+        want = {("ck", cid) for cid in self.table.ckpts} | set(live)
+        have = hist.keys()
+        if have != want:
+            return f"history trie keys differ: extra {sorted(map(str, have - want))[:5]}, missing {sorted(map(str, want - have))[:5]}"
+        return hist.check()
+
     # ==== save opportunities ===========================================================
     @staticmethod
     # rule: input-point
@@ -418,9 +482,13 @@ class ResourceManager:
         return len(req.prompt) if r is None else r
 
     def candidate_positions(self, req: Request) -> list[int]:
-        """Positions where this request offers a save: its input restore point, anchors, markers."""
+        """Positions where this request offers a save: its input restore point, anchors, markers,
+        divergence positions."""
         pos = set(req.spec.anchors) | set(req.spec.markers)
         pos.add(self.input_point(req))
+        book = self.books.get(req.rid)
+        if book is not None:
+            pos.update(book.divergence)
         return sorted(pos)
 
     def existing_point(self, req: Request, f: int) -> CkptInfo | None:
@@ -458,6 +526,11 @@ class ResourceManager:
             if start < m <= P_len and not self._has_entry(req.prompt, m):
                 ent = self.table.new_entry(-1, m, insert=False)     # enters the table when captured
                 add(m, ent.owner, "m", ent)
+        book = self.books.get(req.rid)
+        for x in book.divergence if book is not None else ():
+            if start < x < P_len and x not in points and not self._has_entry(req.prompt, x):
+                ent = self.table.new_entry(-1, x, insert=False)
+                add(x, ent.owner, "d", ent)
         return [points[f] for f in sorted(points)]
 
     def _carried(self, cid: int | None, prompt: list[int], r: int) -> bool:
@@ -546,8 +619,13 @@ class ResourceManager:
         if not crossed:
             return
         now = time.monotonic()
+        earlier = self.book(req).diverged_from
         for f, d in prefix_digests(req.prompt, crossed).items():
             observed.add(f)
+            if f in earlier:
+                # another request really computed across this divergence position (the history it
+                # was found in): with this commit, two different requests computed it
+                self.summary.observe(d, f, HISTORY_OBSERVER, now)
             obs = self.summary.observe(d, f, req.rid, now)
             if obs.repeated:
                 self._promote(req.prompt[:f], f, now)
@@ -647,12 +725,12 @@ class ResourceManager:
         tokens = tuple(req.ledger[: ref.frontier])
         cmds: list[P.Command] = []
         for i, (owner, kind) in enumerate(zip(sp.owners, sp.kinds)):
-            if kind == "m" and shared and self._has_entry(req.prompt, ref.frontier):
+            if kind in ("m", "d") and shared and self._has_entry(req.prompt, ref.frontier):
                 continue                       # the public entry there already serves
             self.table.add_ckpt(ref, tokens, owner)
             if i > 0 or shared:
                 cmds.append(P.AddOwner(ref.cid, ref.generation, owner))
-            if kind == "m":
+            if kind in ("m", "d"):
                 ent = sp.entries[owner]
                 ent.cid = ref.cid
                 self.table.entries[ent.id] = ent
