@@ -273,8 +273,9 @@ def _trace(b: argparse.ArgumentParser) -> None:
     b.add_argument("--state-slots", type=_count, default=None, metavar="N",
                    help="context_cache.device_state_slots: Device StateImage slots beyond the lanes (default: C)")
     b.add_argument("--check", type=_count, default=4, metavar="N",
-                   help="outputs of N requests (spread over the slice) compared with reference_generate per run; "
-                        "exact in float64, float32 needs the reference's order of operations (bench/README.md)")
+                   help="outputs of N requests (spread over the slice) compared with reference_generate in the "
+                        "same dtype, per run (float64 is exact by construction; float32 matched in the committed "
+                        "runs, bench/README.md)")
     b.add_argument("--seed", type=int, default=0, help="seed of the hash id -> token block mapping")
     b.add_argument("--save-tokens", default=None, metavar="FILE.jsonl",
                    help="also write the converted prompts as a token trace (replayable with --format tokens)")

@@ -33,7 +33,7 @@ AMPLE = "ample"                  # the capacity entry: C full contexts of Main K
 AMPLE_HOST_MIB = 2048
 COLUMNS = ["run", "requests", "errors", "prompt", "cached", "computed", "ideal", "ends", "over_ideal", "over_ends",
            "hit", "ideal_hit", "ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "pauses", "h2d_MiB",
-           "d2h_MiB", "lost_hits", "checked", "exact", "integrity", "wall_s"]
+           "d2h_MiB", "hit_losses", "checked", "outputs_exact", "integrity", "wall_s"]
 
 
 @dataclass
@@ -209,8 +209,9 @@ def summarise(name: str, served: list[Served], fl: Floors, stats: dict | None, w
         c = stats["cache"]
         row.update(pauses=stats["pauses"]["snapshot"] + stats["pauses"]["replay"], pauses_by_route=stats["pauses"],
                    preemptions=stats["preemptions"], h2d_MiB=round(stats["bytes_h2d"] / 2**20, 1),
-                   d2h_MiB=round(stats["bytes_d2h"] / 2**20, 1), lost_hits=c["hit_losses"],
-                   lost_tokens=c["hit_loss_tokens"], lost_by_cause=c["hit_losses_by_cause"], hits=c["hits"],
+                   d2h_MiB=round(stats["bytes_d2h"] / 2**20, 1), bytes_h2d=stats["bytes_h2d"],
+                   bytes_d2h=stats["bytes_d2h"], hit_losses=c["hit_losses"], hit_loss_tokens=c["hit_loss_tokens"],
+                   hit_losses_by_cause=c["hit_losses_by_cause"], hits=c["hits"],
                    queries=c["queries"], pending_waits=c["pending_waits"], captures=c["captures"],
                    capacity_errors=stats["capacity_errors"])
     return row
@@ -302,11 +303,11 @@ def run(trace_file: str, model_dir: str = "models/tiny", out: str | None = None,
                 cfg = engine_config(lanes, chunk, max_context, cap, state_slots)
                 served, stats, integrity, wall = run_engine(model_dir, reqs, arrival, transport, cfg, dtype, timeout,
                                                             name)
-                row = summarise(name, served, fl, stats, wall)
+                row = {"transport": transport, **summarise(name, served, fl, stats, wall)}
                 bad = check(model_dir, reqs, served, idx, dtype, refs)
                 row.update(kv_pages=stats["occupancy"].get("main", {}).get("total"),
                            host_MiB=cfg["context_cache"]["host_capacity_bytes"] >> 20, checked=len(idx),
-                           exact=not bad, mismatched_lines=bad, integrity=integrity)
+                           outputs_exact=not bad, mismatched_lines=bad, integrity=integrity)
                 rows.append(row)
                 series[name] = served
     result = {"trace": info,
@@ -334,7 +335,7 @@ def failed(data: dict) -> list[str]:
     for row in data["rows"]:
         if row["errors"]:
             why.append(f"{row['run']}: {row['errors']} requests failed")
-        if row.get("exact") is False:
+        if row.get("outputs_exact") is False:
             why.append(f"{row['run']}: outputs differ from reference_generate on lines {row['mismatched_lines']}")
         if row.get("integrity", "ok") != "ok":
             why.append(f"{row['run']}: {row['integrity']}")

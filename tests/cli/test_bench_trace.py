@@ -68,11 +68,11 @@ def test_windows_at_an_ample_and_a_tight_capacity(tiny_model, trace_file, tmp_pa
     assert (ample["run"], tight["run"]) == ("inproc ample", "inproc 4:1")
     assert tight["kv_pages"] == 4 and tight["host_MiB"] == 1 and ample["kv_pages"] == 8    # 2 lanes x 256 tokens
     for row in (ample, tight):
-        assert row["errors"] == 0 and row["exact"] is True and row["checked"] == 3 and row["integrity"] == "ok"
+        assert row["errors"] == 0 and row["outputs_exact"] is True and row["checked"] == 3 and row["integrity"] == "ok"
         assert row["prompt"] == 384 and 160 <= row["computed"] <= 384 + row["replay"]     # 160: the ideal floor
         assert row["over_ideal"] == round(row["computed"] / 160, 4) and row["over_ends"] == round(row["computed"] / 192, 4)
         assert row["hit"] == round(row["cached"] / 384, 4) and row["ideal_hit"] == round(1 - 160 / 384, 4)
-        for key in ("ttft_p50_ms", "ttft_p99_ms", "e2e_p90_ms", "h2d_MiB", "d2h_MiB", "lost_by_cause", "pauses"):
+        for key in ("ttft_p50_ms", "ttft_p99_ms", "e2e_p90_ms", "h2d_MiB", "d2h_MiB", "hit_losses_by_cause", "pauses"):
             assert row[key] is not None, key
     # line 4 arrives in the second window, after line 2 finished: line 2's end is a restore point
     assert data["requests"]["inproc ample"][3]["cached"] >= 96
@@ -90,7 +90,7 @@ def test_recorded_times_scaled_and_the_saved_token_trace(tiny_model, trace_file,
     _floors_are_exact(data, "head")
     assert data["trace"]["arrival"] == "at the recorded times x 0.1" and data["config"]["window_s"] is None
     (row,) = data["rows"]
-    assert row["errors"] == 0 and row["exact"] is True and row["integrity"] == "ok"
+    assert row["errors"] == 0 and row["outputs_exact"] is True and row["integrity"] == "ok"
     # the saved token trace replays the same prompts: the same floors from explicit tokens
     r = _bench(str(saved), "--model", tiny_model, "--max-context", "256", "--check", "0", "--out", str(out))
     assert r.returncode == 0, r.stderr
