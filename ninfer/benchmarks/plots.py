@@ -189,12 +189,11 @@ def trace(data: dict, path: str | Path) -> None:
         over = lambda per: list(accumulate(a - b for a, b in zip(per, fl["ideal"])))   # noqa: E731
         cum.plot(xs, over(fl["prompt"]), color="0.6", linestyle=":", label="no reuse (every prompt token)")
         cum.plot(xs, over(fl["ends"]), color="k", linestyle="--", label="prompt-ends floor")
-        for k, (name, reqs) in enumerate(series.items()):
-            if all(r["computed"] is not None for r in reqs):
-                cum.plot(xs, over([r["computed"] for r in reqs]), color=f"C{k}", label=f"computed, {name}")
-    for k, (name, reqs) in enumerate(series.items()):
-        _cdf(lat, [1e3 * r["ttft_s"] for r in reqs if r["ttft_s"] is not None and r["error"] is None], name,
-             color=f"C{k}")
+        for k, (name, run) in enumerate(series.items()):
+            if all(c is not None for c in run["computed"]):
+                cum.plot(xs, over(run["computed"]), color=f"C{k}", label=f"computed, {name}")
+    for k, (name, run) in enumerate(series.items()):
+        _cdf(lat, [t for t in run["ttft_ms"] if t is not None], name, color=f"C{k}")
     cum.set(xlabel="requests (arrival order)", ylabel="prompt tokens above the ideal floor, cumulative")
     rows = [r for r in data["rows"] if r.get("over_ideal") is not None]
     xs = list(range(len(rows)))

@@ -24,7 +24,7 @@ from __future__ import annotations
 import sys
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from ninfer.benchmarks.trace_floor import Floors, floors
 from ninfer.benchmarks.trace_input import SOURCE, TraceRequest, load, ordinary_vocab, save_tokens, windows
@@ -213,7 +213,9 @@ def summarise(name: str, served: list[Served], fl: Floors, stats: dict | None, w
                    bytes_d2h=stats["bytes_d2h"], hit_losses=c["hit_losses"], hit_loss_tokens=c["hit_loss_tokens"],
                    hit_losses_by_cause=c["hit_losses_by_cause"], hits=c["hits"],
                    queries=c["queries"], pending_waits=c["pending_waits"], captures=c["captures"],
-                   capacity_errors=stats["capacity_errors"])
+                   capacity_errors=stats["capacity_errors"], stalls=stats["stalls"], cycles=stats["cycles"],
+                   revocations=stats["revocations"], take_backs=stats["take_backs"],
+                   copy_failures=stats["copy_failures"])
     return row
 
 
@@ -249,8 +251,8 @@ def run(trace_file: str, model_dir: str = "models/tiny", out: str | None = None,
         state_slots: int | None = None, check_n: int = 4, dtype: str = "float32", seed: int = 0,
         timeout: float = 600.0, save: str | None = None, last_block: str = "drop") -> dict:
     """Load and convert the trace, compute its floors, replay it once per (transport, capacity)
-    or once against ``base_url``; the table, the JSON (with every request's record when ``out``
-    is given) and the plot."""
+    or once against ``base_url``; the table, the JSON (with the floors and every request's
+    numbers per run, as columns, when ``out`` is given) and the plot."""
     import json
     from pathlib import Path
 
@@ -316,17 +318,21 @@ def run(trace_file: str, model_dir: str = "models/tiny", out: str | None = None,
                          "ample": {"kv_pages": "C full contexts (the layout's most)", "host_MiB": AMPLE_HOST_MIB},
                          "lanes": lanes, "prefill_chunk_tokens": chunk, "state_slots": state_slots, "check": check_n,
                          "dtype": dtype, "seed": seed, "limit": limit, "window_s": window_s, "time_scale": time_scale}}
-    every = {"floors": {"prompt": [len(r.prompt) for r in reqs], "ideal": fl.ideal, "ends": fl.ends},
-             "requests": {name: [_public(s) for s in ss] for name, ss in series.items()}}
+    every = {"floors": {"line": [r.line for r in reqs], "prompt": [len(r.prompt) for r in reqs], "ideal": fl.ideal,
+                        "ends": fl.ends},
+             "requests": {name: _columns(ss) for name, ss in series.items()}}
     if out:
         result.update(every)
     return report("trace", result, rows, COLUMNS, out, plot, plot_only=every)
 
 
-def _public(s: Served) -> dict:
-    d = asdict(s)
-    d.pop("tokens")
-    return d
+def _columns(served: list[Served]) -> dict:
+    """Every request of a run, one list per field in the order of ``floors`` (columns keep the
+    JSON small); ``errors``: [line, message] of the failed ones."""
+    from ninfer.benchmarks.serve import ms
+    return {"cached": [s.cached for s in served], "computed": [s.computed for s in served],
+            "ttft_ms": [ms(s.ttft_s) for s in served], "e2e_ms": [ms(s.e2e_s) for s in served],
+            "errors": [[s.line, s.error] for s in served if s.error is not None]}
 
 
 def failed(data: dict) -> list[str]:

@@ -75,8 +75,10 @@ def test_windows_at_an_ample_and_a_tight_capacity(tiny_model, trace_file, tmp_pa
         for key in ("ttft_p50_ms", "ttft_p99_ms", "e2e_p90_ms", "h2d_MiB", "d2h_MiB", "hit_losses_by_cause", "pauses"):
             assert row[key] is not None, key
     # line 4 arrives in the second window, after line 2 finished: line 2's end is a restore point
-    assert data["requests"]["inproc ample"][3]["cached"] >= 96
-    assert len(data["requests"]["inproc 4:1"]) == 6
+    assert data["requests"]["inproc ample"]["cached"][3] >= 96
+    tight_run = data["requests"]["inproc 4:1"]
+    assert sum(tight_run["computed"]) == tight["computed"] and len(tight_run["ttft_ms"]) == 6
+    assert data["floors"]["line"] == [1, 2, 3, 4, 5, 6]
     assert (tmp_path / "trace.png").read_bytes()[:8] == PNG
 
 
