@@ -90,7 +90,7 @@ async def stream_chat(http, body: dict, rec: Record, t_run: float, path: str = "
             if resp.status_code != 200:
                 rec.error = f"HTTP {resp.status_code}: {_message((await resp.aread()).decode(errors='replace'))}"
                 return
-            async for line in resp.aiter_lines():
+            async for line in _sse_lines(resp):
                 if not line.startswith("data:"):
                     continue                               # blank separators, comments, event: lines
                 data = line[5:].strip()
@@ -136,6 +136,20 @@ async def stream_chat(http, body: dict, rec: Record, t_run: float, path: str = "
         rec.error = "finish_reason error"
     elif not done:
         rec.error = "stream ended without data: [DONE]"
+
+
+async def _sse_lines(resp):
+    """The stream's lines, split at ``\n`` only: ``aiter_lines`` splits like ``str.splitlines``,
+    also at U+0085 / U+2028 / U+2029, which JSON leaves unescaped inside a string (the text of
+    arbitrary tokens can hold them), cutting a ``data:`` line in two."""
+    buf = b""
+    async for chunk in resp.aiter_bytes():
+        buf += chunk
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            yield line.rstrip(b"\r").decode("utf-8", errors="replace")
+    if buf:
+        yield buf.decode("utf-8", errors="replace")
 
 
 def _message(body: str) -> str:
