@@ -214,7 +214,7 @@ def summarise(name: str, served: list[Served], fl: Floors, stats: dict | None, w
                    hit_losses_by_cause=c["hit_losses_by_cause"], hits=c["hits"],
                    queries=c["queries"], pending_waits=c["pending_waits"], captures=c["captures"],
                    capacity_errors=stats["capacity_errors"], stalls=stats["stalls"], cycles=stats["cycles"],
-                   revocations=stats["revocations"], take_backs=stats["take_backs"],
+                   revocations=stats["revocations"], take_backs=stats["take_backs"], wide_quotes=stats["wide_quotes"],
                    copy_failures=stats["copy_failures"])
     return row
 
