@@ -27,7 +27,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ninfer.benchmarks.trace_floor import Floors, floors
-from ninfer.benchmarks.trace_input import SOURCE, TraceRequest, load, ordinary_vocab, save_tokens, windows
+from ninfer.benchmarks.trace_input import (SOURCE, TraceRequest, load, model_vocab, ordinary_vocab, save_tokens,
+                                          windows)
 
 AMPLE = "ample"                  # the capacity entry: C full contexts of Main KV, a 2 GiB Host
 AMPLE_HOST_MIB = 2048
@@ -257,61 +258,33 @@ def run(trace_file: str, model_dir: str = "models/tiny", out: str | None = None,
     from pathlib import Path
 
     from ninfer.benchmarks.common import ensure_model, report
-    from ninfer.config import kv_page_bounds
-    from ninfer.errors import ConfigError
     from ninfer.progress import note
     model_dir = ensure_model(model_dir)
     if max_context is None:
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
         max_context = cfg.get("max_position_embeddings") or (cfg.get("text_config") or {})["max_position_embeddings"]
+    if base_url is None:
+        _check_capacities(capacities, max_context, lanes)
     arrival = Arrival(window_s, time_scale)
     fmt, reqs = load(trace_file, ordinary_vocab(model_dir), fmt, block_tokens, offset, limit, max_context, seed,
-                     last_block)
+                     last_block, model_vocab(model_dir))
     if save:
         save_tokens(reqs, save)
     fl = floors([r.prompt for r in reqs])
-    if base_url is None:
-        lo, hi = kv_page_bounds(max_context, lanes)
-        bad = [c for c in capacities if c != AMPLE and not lo <= c[0] <= hi]
-        if bad:
-            raise ConfigError(f"--capacity pages must be {lo}..{hi} for max_context {max_context} and {lanes} lanes "
-                              f"(one full context .. one per lane), not {bad[0][0]}")
-    source = "tokens" if fmt == "tokens" else f"{SOURCE[fmt][0]}-token blocks"
-    info = {"file": str(trace_file), "format": fmt, "source": source, "block_tokens": block_tokens,
-            "last_block": None if fmt == "tokens" else last_block,
-            "offset": offset, "requests": len(reqs), "prompt_tokens": sum(len(r.prompt) for r in reqs),
-            "output_tokens": sum(r.max_tokens for r in reqs), "ideal_floor": fl.ideal_total,
-            "ends_floor": fl.ends_total, "repeats": fl.repeats, "max_context": max_context,
-            "truncated": sum(r.dropped > 0 for r in reqs), "dropped_tokens": sum(r.dropped for r in reqs),
-            "arrival": arrival.describe(), "windows": len(windows(reqs, window_s)) if time_scale is None else None}
-    note(f"bench trace: {len(reqs)} requests of {trace_file} ({fmt}, {source} -> {block_tokens}), "
+    info = _describe(str(trace_file), fmt, reqs, fl, arrival, block_tokens, last_block, offset, max_context)
+    note(f"bench trace: {len(reqs)} requests of {trace_file} ({fmt}, {info['source']} -> {block_tokens}), "
          f"{info['prompt_tokens']:,} prompt tokens, ideal floor {fl.ideal_total:,}, prompt-ends floor "
          f"{fl.ends_total:,}; {arrival.describe()}")
-    rows, series = [], {}
     if base_url is not None:
         from ninfer.benchmarks.http_load import first_model
         model = served_model or first_model(base_url.rstrip("/"), api_key)
         served, wall = replay_http(base_url, model, reqs, arrival, api_key, timeout)
-        rows.append(summarise(f"http {model}", served, fl, None, wall))
-        series[rows[-1]["run"]] = served
+        rows = [summarise(f"http {model}", served, fl, None, wall)]
+        series = {rows[0]["run"]: served}
     else:
-        import torch
-        torch.set_num_threads(1)         # the oracle on this thread: one, as the engine's own
-        refs: dict = {}
-        idx = sample(len(reqs), check_n)
-        for transport in transports:
-            for cap in capacities:
-                name = f"{transport} " + (AMPLE if cap == AMPLE else f"{cap[0]}:{cap[1]}")
-                cfg = engine_config(lanes, chunk, max_context, cap, state_slots)
-                served, stats, integrity, wall = run_engine(model_dir, reqs, arrival, transport, cfg, dtype, timeout,
-                                                            name)
-                row = {"transport": transport, **summarise(name, served, fl, stats, wall)}
-                bad = check(model_dir, reqs, served, idx, dtype, refs)
-                row.update(kv_pages=stats["occupancy"].get("main", {}).get("total"),
-                           host_MiB=cfg["context_cache"]["host_capacity_bytes"] >> 20, checked=len(idx),
-                           outputs_exact=not bad, mismatched_lines=bad, integrity=integrity)
-                rows.append(row)
-                series[name] = served
+        runs = [(t, c) for t in transports for c in capacities]
+        rows, series = engine_runs(model_dir, reqs, fl, arrival, runs, lanes, chunk, max_context, state_slots,
+                                   check_n, dtype, timeout)
     result = {"trace": info,
               "config": {"transports": list(transports) if base_url is None else [], "base_url": base_url,
                          "capacities": [c if c == AMPLE else list(c) for c in capacities],
@@ -324,6 +297,53 @@ def run(trace_file: str, model_dir: str = "models/tiny", out: str | None = None,
     if out:
         result.update(every)
     return report("trace", result, rows, COLUMNS, out, plot, plot_only=every)
+
+
+def _check_capacities(capacities, max_context: int, lanes: int) -> None:
+    """Every Main-KV budget within the layout's curve, before any run starts."""
+    from ninfer.config import kv_page_bounds
+    from ninfer.errors import ConfigError
+    lo, hi = kv_page_bounds(max_context, lanes)
+    bad = [c for c in capacities if c != AMPLE and not lo <= c[0] <= hi]
+    if bad:
+        raise ConfigError(f"--capacity pages must be {lo}..{hi} for max_context {max_context} and {lanes} lanes "
+                          f"(one full context .. one per lane), not {bad[0][0]}")
+
+
+def _describe(path: str, fmt: str, reqs: list[TraceRequest], fl: Floors, arrival: Arrival, block_tokens: int,
+              last_block: str, offset: int, max_context: int) -> dict:
+    """The replayed slice and its floors (the JSON's ``trace``)."""
+    return {"file": path, "format": fmt, "source": "tokens" if fmt == "tokens" else f"{SOURCE[fmt][0]}-token blocks",
+            "block_tokens": block_tokens, "last_block": None if fmt == "tokens" else last_block,
+            "offset": offset, "requests": len(reqs), "prompt_tokens": sum(len(r.prompt) for r in reqs),
+            "output_tokens": sum(r.max_tokens for r in reqs), "ideal_floor": fl.ideal_total,
+            "ends_floor": fl.ends_total, "repeats": fl.repeats, "max_context": max_context,
+            "truncated": sum(r.dropped > 0 for r in reqs), "dropped_tokens": sum(r.dropped for r in reqs),
+            "arrival": arrival.describe(),
+            "windows": len(windows(reqs, arrival.window_s)) if arrival.time_scale is None else None}
+
+
+def engine_runs(model_dir: str, reqs: list[TraceRequest], fl: Floors, arrival: Arrival, runs, lanes: int, chunk: int,
+                max_context: int, state_slots: int | None, check_n: int, dtype: str,
+                timeout: float) -> tuple[list[dict], dict]:
+    """One fresh engine per (transport, capacity) of ``runs``: its row (outputs of ``check_n``
+    requests compared with the reference, the integrity verdict) and its requests."""
+    import torch
+    torch.set_num_threads(1)         # the oracle on this thread: one, as the engine's own
+    refs: dict = {}
+    idx = sample(len(reqs), check_n)
+    rows, series = [], {}
+    for transport, cap in runs:
+        name = f"{transport} " + (AMPLE if cap == AMPLE else f"{cap[0]}:{cap[1]}")
+        cfg = engine_config(lanes, chunk, max_context, cap, state_slots)
+        served, stats, integrity, wall = run_engine(model_dir, reqs, arrival, transport, cfg, dtype, timeout, name)
+        bad = check(model_dir, reqs, served, idx, dtype, refs)
+        rows.append({"transport": transport, **summarise(name, served, fl, stats, wall),
+                     "kv_pages": stats["occupancy"].get("main", {}).get("total"),
+                     "host_MiB": cfg["context_cache"]["host_capacity_bytes"] >> 20, "checked": len(idx),
+                     "outputs_exact": not bad, "mismatched_lines": bad, "integrity": integrity})
+        series[name] = served
+    return rows, series
 
 
 def _columns(served: list[Served]) -> dict:

@@ -103,13 +103,17 @@ def read_rows(path: str | Path, offset: int = 0, limit: int | None = None) -> li
     return rows
 
 
+def model_vocab(model_dir: str | Path) -> int | None:
+    """config.json's vocab_size (a vision model's: its text_config's)."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    return cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+
+
 def ordinary_vocab(model_dir: str | Path) -> int:
     """Token ids below this are ordinary vocabulary: the first added token of tokenizer.json
     (every special and chat-markup token is an added one), else config.json's vocab_size."""
-    d = Path(model_dir)
-    cfg = json.loads((d / "config.json").read_text())
-    vocab = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
-    tok = d / "tokenizer.json"
+    vocab = model_vocab(model_dir)
+    tok = Path(model_dir) / "tokenizer.json"
     if tok.exists():
         added = [t["id"] for t in json.loads(tok.read_text()).get("added_tokens", [])]
         if added:
@@ -164,9 +168,11 @@ def _field(path, n: int, row: dict, name: str, kind=int):
 
 def load(path: str | Path, vocab: int, fmt: str = "auto", block_tokens: int = 16, offset: int = 0,
          limit: int | None = None, max_context: int | None = None, seed: int = 0,
-         last_block: str = "drop") -> tuple[str, list[TraceRequest]]:
+         last_block: str = "drop", model_vocab: int | None = None) -> tuple[str, list[TraceRequest]]:
     """The format read and the requests ``offset .. offset + limit`` of ``path`` as token
-    prompts (module docstring), arrivals relative to the first of them."""
+    prompts (module docstring), arrivals relative to the first of them. Blocks draw from the
+    ordinary ``vocab``; a token trace's ids may be any of the model's (``model_vocab``, default
+    ``vocab``): a converted chat keeps its template's special tokens."""
     rows = read_rows(path, offset, limit)
     if not rows:
         raise TraceError(f"{path}: no requests at offset {offset}")
@@ -178,9 +184,10 @@ def load(path: str | Path, vocab: int, fmt: str = "auto", block_tokens: int = 16
     for n, row in rows:
         if fmt == "tokens":
             prompt = list(_field(path, n, row, "prompt_token_ids", list))
-            bad = next((t for t in prompt if not 0 <= t < vocab), None)
+            top = model_vocab or vocab
+            bad = next((t for t in prompt if not 0 <= t < top), None)
             if bad is not None:
-                raise TraceError(f"{path}:{n}: prompt token id {bad} is outside the ordinary vocabulary 0..{vocab - 1}")
+                raise TraceError(f"{path}:{n}: prompt token id {bad} is outside the model's vocabulary 0..{top - 1}")
             max_tokens = max(1, int(_field(path, n, row, "output_length")))
             ts = float(row.get("timestamp", 0) or 0) * TOKEN_TS_UNIT
         else:

@@ -117,6 +117,8 @@ def test_the_three_formats_and_their_time_units(tmp_path):
     tok = _write(tmp_path / "t.jsonl", [{"prompt_token_ids": [5, 6, 7], "output_length": 3, "timestamp": 250}])
     fmt, reqs = load(tok, vocab=500)
     assert fmt == "tokens" and reqs[0].prompt == [5, 6, 7] and reqs[0].max_tokens == 3 and reqs[0].arrival_s == 0
+    special = _write(tmp_path / "s.jsonl", [{"prompt_token_ids": [5, 510], "output_length": 1}])
+    assert load(special, vocab=500, model_vocab=512)[1][0].prompt == [5, 510]   # a template's special token
 
 
 def test_offset_limit_and_the_context_cut(tmp_path):
@@ -134,7 +136,7 @@ def test_offset_limit_and_the_context_cut(tmp_path):
 @pytest.mark.parametrize("row,needle", [
     ({"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": []}, "'hash_ids' must be a non-empty"),
     ({"timestamp": 0, "output_length": 1, "hash_ids": [1]}, "'input_length' must be a number"),
-    ({"prompt_token_ids": [1, 999], "output_length": 1}, "token id 999 is outside the ordinary vocabulary 0..499"),
+    ({"prompt_token_ids": [1, 999], "output_length": 1}, "token id 999 is outside the model's vocabulary 0..499"),
     ({"foo": 1}, "cannot tell the trace format"),
 ], ids=["empty-ids", "no-length", "token-out-of-vocab", "unknown"])
 def test_a_bad_line_is_named(tmp_path, row, needle):

@@ -1,6 +1,6 @@
 """`ninfer bench trace FILE` as a user runs it, on a small fabricated Mooncake trace whose floors
 are worked out by hand: both arrival modes, an ample and a tight capacity (outputs checked
-against the reference, no leak), and `--base-url` against `ninfer serve`."""
+against the reference, no leak), both transports, and `--base-url` against `ninfer serve`."""
 
 from __future__ import annotations
 
@@ -98,6 +98,23 @@ def test_recorded_times_scaled_and_the_saved_token_trace(tiny_model, trace_file,
     assert r.returncode == 0, r.stderr
     again = json.loads(out.read_text())
     assert again["trace"]["format"] == "tokens" and again["floors"] == data["floors"]
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_both_transports_replay_the_same_trace(tiny_model, trace_file, tmp_path):
+    out = tmp_path / "both.json"
+    r = _bench(trace_file, "--model", tiny_model, "--transport", "inproc,ray", "--lanes", "2", "--max-context", "256",
+               "--check", "2", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    _floors_are_exact(data)
+    inproc, ray = data["rows"]
+    assert (inproc["transport"], ray["transport"]) == ("inproc", "ray")
+    for row in (inproc, ray):
+        assert row["errors"] == 0 and row["outputs_exact"] is True and row["integrity"] == "ok"
+        assert row["prompt"] == 384 and row["computed"] >= 160
+    assert data["requests"]["ray ample"]["cached"][3] >= 96       # line 4 reuses line 2's end over Ray too
 
 
 @pytest.mark.slow
