@@ -155,3 +155,21 @@ def test_a_capacity_below_one_context_is_refused_before_any_run(tiny_model, trac
 def test_capacity_with_base_url_is_refused(tiny_model, trace_file):
     r = _bench(trace_file, "--model", tiny_model, "--base-url", "http://127.0.0.1:9/v1", "--capacity", "ample")
     assert r.returncode == 2 and "with --base-url the server has its own memory" in r.stderr
+
+
+def test_defaults_are_the_committed_settings(monkeypatch):
+    """`ninfer bench trace FILE` calls run() with exactly run()'s own defaults (the committed
+    measurement: 600 requests, 2-second windows, 16-token blocks, ample memory, 4 lanes)."""
+    import inspect
+
+    from ninfer.benchmarks import trace
+    from ninfer.cli import build_parser
+    defaults = {k: p.default for k, p in inspect.signature(trace.run).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    seen = {}
+    monkeypatch.setattr(trace, "run", lambda file, model, **kw: seen.update(kw, file=file, model=model) or {"rows": []})
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    args = build_parser().parse_args(["bench", "trace", "t.jsonl"])
+    assert args.func(args) == 0
+    assert (seen.pop("file"), seen.pop("model")) == ("t.jsonl", "models/tiny")
+    assert seen == {k: v for k, v in defaults.items() if k != "model_dir"}
