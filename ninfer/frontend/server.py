@@ -348,8 +348,11 @@ class Server:
         ncalls = [0] * len(choices)
         calls: list[list[dict]] = [[] for _ in choices]
         fins: list[Finish | None] = [None] * len(choices)
-        for i in range(len(choices)):
-            yield _sse(oa.chunk(rid, self.model, created, {"role": "assistant", "content": ""}, index=i))
+        opened = [False] * len(choices)
+
+        def role(i: int) -> str:          # a choice opens with its first token, as vLLM's do
+            opened[i] = True
+            return _sse(oa.chunk(rid, self.model, created, {"role": "assistant", "content": ""}, index=i))
         try:
             async for i, item in self._drive(choices, request):
                 if isinstance(item, Finish):
@@ -359,6 +362,8 @@ class Server:
                         yield "data: [DONE]\n\n"
                         return
                     continue
+                if not opened[i]:
+                    yield role(i)
                 delta: dict = {}
                 if item.content and content_ok:
                     delta["content"] = item.content
@@ -379,6 +384,8 @@ class Server:
                 yield _sse(exc.body())
                 yield "data: [DONE]\n\n"
                 return
+            if not opened[i]:                                # it ended without a token
+                yield role(i)
             yield _sse(oa.chunk(rid, self.model, created, {}, fin.reason, index=i))
         if req.stream_options is not None and req.stream_options.include_usage:
             final = oa.chunk(rid, self.model, created, {})
@@ -453,11 +460,12 @@ class Server:
         def part(i: int, text: str, reason=None, lps=None) -> str:
             return _sse(oa.completion(rid, self.model, created, [{"index": i, "text": text, "logprobs": lps,
                                                                   "finish_reason": reason}], None))
-        for i, e in enumerate(echo):
-            if e:
-                yield part(i, e)
+        echoed = [not e for e in echo]            # the echo goes out with the first token, not before
         try:
             async for i, item in self._drive(choices, request):
+                if not echoed[i] and not (isinstance(item, Finish) and item.reason == "error"):
+                    echoed[i] = True
+                    yield part(i, echo[i])
                 if isinstance(item, Finish):
                     fins[i] = item
                     if item.reason == "error":

@@ -207,10 +207,14 @@ class ChoiceStream:
 
 
 async def run_choice(handle, stream: ChoiceStream) -> AsyncIterator[Piece | Finish]:
-    """Pieces as tokens commit, then the Finish; a matched stop string cancels the request."""
+    """Pieces as tokens commit, then the Finish; a matched stop string cancels the request.
+    The first token event always yields a piece (empty when its text is held back): a stream
+    opens the choice (the role chunk, an echo) on it, never before (vLLM's honest TTFT)."""
+    first = True
     async for ev in handle.aiter():
         piece = stream.feed(ev.token_ids, getattr(ev, "logprobs", None))
-        if piece.content or piece.calls or piece.logprobs:
+        if first or piece.content or piece.calls or piece.logprobs:
+            first = False
             yield piece
         if stream.stopped_at is not None:
             handle.cancel()

@@ -7,6 +7,7 @@ verification and disconnect cancellation are pinned exactly."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from types import SimpleNamespace
@@ -27,13 +28,20 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
          {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
 
 
+OPEN_GATE = threading.Event()
+OPEN_GATE.set()
+
+
 class ScriptedHandle:
     def __init__(self, rid: str, ids: list[int], delay: float, chunk: int = 1):
         self.rid, self.ids, self.delay, self.chunk = rid, ids, delay, chunk
         self.sent = 0
         self.cancelled = False
+        self.gate = OPEN_GATE
 
     async def aiter(self):
+        while not self.gate.is_set() and not self.cancelled:       # the prompt's prefill, as long as a test holds it
+            await asyncio.sleep(0.005)
         while self.sent < len(self.ids) and not self.cancelled:
             await asyncio.sleep(self.delay)
             first, self.sent = self.sent, min(len(self.ids), self.sent + self.chunk)
@@ -58,10 +66,17 @@ class ScriptedEngine:
         self.handles: list[ScriptedHandle] = []
         self.delay = 0.002
         self.chunk = 1
+        self.gate = OPEN_GATE
 
     def chat(self, messages, tools=None, **kw) -> ScriptedHandle:
-        script = messages[-1]["content"]
-        h = ScriptedHandle(f"s{len(self.handles)}", self._intake.tokenizer.encode(script), self.delay, self.chunk)
+        return self._handle(self._intake.tokenizer.encode(messages[-1]["content"]))
+
+    def generate(self, prompt_token_ids, **kw) -> ScriptedHandle:
+        return self._handle(list(prompt_token_ids))
+
+    def _handle(self, ids: list[int]) -> ScriptedHandle:
+        h = ScriptedHandle(f"s{len(self.handles)}", ids, self.delay, self.chunk)
+        h.gate = self.gate
         self.handles.append(h)
         return h
 
@@ -228,3 +243,42 @@ def test_responses_stream_a_function_call_as_its_own_item(scripted):
     r = c.responses.create(model="tiny", input="Let me check." + CALL, tools=tools)
     assert [o.type for o in r.output] == ["message", "function_call"]
     assert r.output[1].name == "get_weather" and r.output[0].content[0].text == "Let me check."
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": _say("hello there"), "stream": True, "n": 2}),
+    ("/v1/completions", {"prompt": "hello there", "stream": True, "echo": True, "max_tokens": 4}),
+], ids=["chat", "completions-echo"])
+def test_a_stream_opens_with_its_first_token_not_at_acceptance(scripted, path, body):
+    """The role chunk (chat) and the echo (completions) go out with the first token, as vLLM
+    sends them: a client timing its first chunk (`vllm bench serve`) then measures the real
+    TTFT, not the acceptance. Headers still come at once (the request was accepted)."""
+    gate = threading.Event()
+    scripted.engine.gate = gate
+    lines: list[tuple[float, str]] = []
+    try:
+        with httpx.Client(timeout=10) as h, h.stream("POST", f"{scripted.base}{path}", json=body) as r:
+            assert r.status_code == 200
+
+            def read():
+                for line in r.iter_lines():
+                    if line.startswith("data:"):
+                        lines.append((time.monotonic(), line))
+            reader = threading.Thread(target=read, daemon=True)
+            reader.start()
+            time.sleep(0.4)
+            assert lines == []                                  # nothing before the first token
+            opened = time.monotonic()
+            gate.set()
+            reader.join(timeout=10)
+    finally:
+        scripted.engine.gate = OPEN_GATE
+    chunks = [json.loads(line[5:]) for _, line in lines if line != "data: [DONE]"]
+    assert lines[0][0] >= opened and lines[-1][1] == "data: [DONE]"
+    if path == "/v1/chat/completions":
+        for i in (0, 1):
+            mine = [c["choices"][0]["delta"] for c in chunks if c["choices"][0]["index"] == i]
+            assert mine[0] == {"role": "assistant", "content": ""} and "role" not in str(mine[1:])
+            assert "".join(d.get("content") or "" for d in mine) == "hello there"
+    else:
+        assert chunks[0]["choices"][0]["text"] == "hello there"            # the echo, with the first token
