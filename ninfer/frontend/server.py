@@ -30,7 +30,7 @@ from functools import partial
 import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import (
     JSONResponse,
     PlainTextResponse,
@@ -44,6 +44,7 @@ from ninfer.errors import NInferError
 from ninfer.frontend import openai_api as oa
 from ninfer.frontend import responses as R
 from ninfer.frontend import schema as S
+from ninfer.frontend.http_guard import Limits, protocol_class
 from ninfer.frontend.metrics import CONTENT_TYPE as METRICS_TYPE
 from ninfer.frontend.metrics import prometheus
 from ninfer.frontend.streaming import ChoiceStream, Finish, Piece, run_choice
@@ -88,9 +89,12 @@ class Collected:
 class Server:
     def __init__(self, engine: Engine, model_name: str, api_key: str | None = None,
                  max_body_bytes: int = 16 << 20, store_bytes: int = 64 << 20, default_max_tokens: int = 256,
-                 max_messages: int = 4096, intake_threads: int = 4):
+                 max_messages: int = 4096, intake_threads: int = 4, aliases: list[str] | None = None,
+                 limits: Limits | None = None):
         self.engine = engine
+        self.limits = limits or Limits()
         self.model = model_name
+        self.names = [model_name, *(aliases or [])]     # --served-model-name: every name is accepted
         self.api_key = api_key
         self.max_body = max_body_bytes
         self.max_messages = max_messages
@@ -127,6 +131,9 @@ class Server:
                 return _error(exc)
             except NInferError as exc:
                 return _error(oa.request_error(exc))
+            except (Disconnected, ClientDisconnect):
+                _gone(request)
+                return Response(status_code=499)            # nobody reads it
             except Exception as exc:                       # a bug: say so, keep serving
                 log.exception("internal error on %s", request.url.path)
                 return _error(_internal(exc))
@@ -144,13 +151,20 @@ class Server:
         return _error(err)
 
     async def _internal_error(self, request: Request, exc: Exception) -> Response:
+        if isinstance(exc, (ClientDisconnect, Disconnected)):
+            _gone(request)
+            return Response(status_code=499)
         log.exception("internal error on %s", request.url.path)
         return _error(_internal(exc))
 
     def _authorize(self, request: Request) -> None:
-        if self.api_key is None or not request.url.path.startswith("/v1"):
+        """With an API key every route but the probes (``OPEN``) needs it: ``Authorization:
+        Bearer KEY`` (OpenAI's clients) or ``x-api-key: KEY`` (Anthropic's)."""
+        if self.api_key is None or request.url.path in OPEN:
             return
-        if request.headers.get("authorization", "") != f"Bearer {self.api_key}":
+        auth = request.headers.get("authorization", "")
+        given = auth[7:] if auth[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
+        if not secrets.compare_digest(given.encode(), self.api_key.encode()):
             raise oa.ApiError(401, "invalid or missing API key", kind="authentication_error",
                               code="invalid_api_key")
 
@@ -163,11 +177,18 @@ class Server:
         if declared is not None and declared.isdigit() and int(declared) > self.max_body:
             raise oa.ApiError(413, f"request body of {declared} bytes exceeds the limit of {self.max_body}")
         chunks, size = [], 0
-        async for part in request.stream():
-            size += len(part)
-            if size > self.max_body:
-                raise oa.ApiError(413, f"request body exceeds the limit of {self.max_body} bytes")
-            chunks.append(part)
+        wait = self.limits.read_timeout_s
+        try:
+            async with asyncio.timeout(wait):           # a body sent too slowly (or never) is a 408
+                async for part in request.stream():
+                    size += len(part)
+                    if size > self.max_body:
+                        raise oa.ApiError(413, f"request body exceeds the limit of {self.max_body} bytes")
+                    chunks.append(part)
+        except TimeoutError:
+            log.info("client %s did not send its request body within %g s: 408", _peer(request), wait)
+            raise oa.ApiError(408, f"the request body did not arrive within {wait:g} s ({size} bytes came)",
+                              code="request_timeout", headers={"connection": "close"}) from None
         raw = b"".join(chunks)
         try:
             body = msgspec.json.decode(raw)
@@ -182,7 +203,7 @@ class Server:
         return body
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model:
+        if model is not None and model not in self.names:
             raise oa.ApiError(404, f"The model `{model}` does not exist.", kind="not_found_error", param="model",
                               code="model_not_found")
 
@@ -277,6 +298,9 @@ class Server:
                     left -= 1
                 yield item
             done = True
+        except (Disconnected, asyncio.CancelledError):     # the client left (a stream is cancelled)
+            _gone(request)
+            raise
         finally:
             watcher.cancel()
             for t in tasks:
@@ -614,12 +638,12 @@ class Server:
                 "root": self.engine.model_dir, "parent": None, "max_model_len": self.engine.info.max_context}
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
+        return JSONResponse({"object": "list", "data": [{**self._model_card(), "id": name} for name in self.names]})
 
     async def model_get(self, request: Request) -> Response:
         model = request.path_params["model"]
         self._check_model(model)
-        return JSONResponse(self._model_card())
+        return JSONResponse({**self._model_card(), "id": model})
 
     async def version(self, request: Request) -> Response:
         from ninfer import __version__
@@ -648,6 +672,19 @@ class ChatCtx:
     created: int
     tool_choice: object
     req: S.ChatRequest
+
+
+OPEN = frozenset({"/health", "/ping", "/metrics", "/version", "/load"})    # probes: no API key
+
+
+def _peer(request: Request) -> str:
+    client = request.client
+    return f"{client.host}:{client.port}" if client else "?"
+
+
+def _gone(request: Request) -> None:
+    """A client that went away is a line, not a traceback: it is no server error."""
+    log.info("client %s went away during %s %s", _peer(request), request.method, request.url.path)
 
 
 def _internal(exc: Exception) -> oa.ApiError:
@@ -714,8 +751,15 @@ def _sse_response(gen) -> StreamingResponse:
 
 
 def serve(engine: Engine, model_name: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          max_body_bytes: int = 16 << 20, log_level: str = "warning", max_messages: int = 4096) -> None:
+          max_body_bytes: int = 16 << 20, log_level: str = "warning", max_messages: int = 4096,
+          sock=None, aliases: list[str] | None = None, limits: Limits | None = None) -> None:
+    """Serve until interrupted; on ``sock`` (bound by the caller, ``serve_flags.bind``) when
+    given, else on host:port."""
     import uvicorn
 
-    server = Server(engine, model_name, api_key=api_key, max_body_bytes=max_body_bytes, max_messages=max_messages)
-    uvicorn.run(server.app, host=host, port=port, loop="uvloop", log_level=log_level)
+    limits = limits or Limits()
+    server = Server(engine, model_name, api_key=api_key, max_body_bytes=max_body_bytes, max_messages=max_messages,
+                    aliases=aliases, limits=limits)
+    config = uvicorn.Config(server.app, host=host, port=port, loop="uvloop", log_level=log_level,
+                            http=protocol_class(limits))
+    uvicorn.Server(config).run(sockets=[sock] if sock is not None else None)

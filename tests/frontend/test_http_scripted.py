@@ -6,7 +6,6 @@ verification and disconnect cancellation are pinned exactly."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
 import time
@@ -14,13 +13,11 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-import uvicorn
 
-from ninfer.api import Output, StreamEvent, TimingsView, UsageView
 from ninfer.frontend.render import ChatTokenizer
 from ninfer.frontend.server import Server
 from ninfer.frontend.streaming import ChoiceStream, partial_suffix
-from tests.serving import free_port
+from tests.frontend.scripted import OPEN_GATE, ScriptedEngine, running
 
 openai = pytest.importorskip("openai")
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -28,75 +25,12 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
          {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
 
 
-OPEN_GATE = threading.Event()
-OPEN_GATE.set()
-
-
-class ScriptedHandle:
-    def __init__(self, rid: str, ids: list[int], delay: float, chunk: int = 1):
-        self.rid, self.ids, self.delay, self.chunk = rid, ids, delay, chunk
-        self.sent = 0
-        self.cancelled = False
-        self.gate = OPEN_GATE
-
-    async def aiter(self):
-        while not self.gate.is_set() and not self.cancelled:       # the prompt's prefill, as long as a test holds it
-            await asyncio.sleep(0.005)
-        while self.sent < len(self.ids) and not self.cancelled:
-            await asyncio.sleep(self.delay)
-            first, self.sent = self.sent, min(len(self.ids), self.sent + self.chunk)
-            yield StreamEvent(self.rid, first, self.ids[first:self.sent])    # several tokens per event
-
-    async def result_async(self) -> Output:
-        while self.sent < len(self.ids) and not self.cancelled:
-            await asyncio.sleep(0.005)
-        return Output(self.rid, self.ids[:self.sent], "", "cancelled" if self.cancelled else "stop", None,
-                      UsageView(prompt_tokens=5, completion_tokens=self.sent), TimingsView())
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-
-class ScriptedEngine:
-    model_dir = "scripted"
-
-    def __init__(self, tok: ChatTokenizer):
-        self._intake = SimpleNamespace(tokenizer=tok)
-        self.info = SimpleNamespace(max_context=4096, vocab_size=tok.tokenizer.get_vocab_size(), vision_merge=0)
-        self.handles: list[ScriptedHandle] = []
-        self.delay = 0.002
-        self.chunk = 1
-        self.gate = OPEN_GATE
-
-    def chat(self, messages, tools=None, **kw) -> ScriptedHandle:
-        return self._handle(self._intake.tokenizer.encode(messages[-1]["content"]))
-
-    def generate(self, prompt_token_ids, **kw) -> ScriptedHandle:
-        return self._handle(list(prompt_token_ids))
-
-    def _handle(self, ids: list[int]) -> ScriptedHandle:
-        h = ScriptedHandle(f"s{len(self.handles)}", ids, self.delay, self.chunk)
-        h.gate = self.gate
-        self.handles.append(h)
-        return h
-
-    def alive(self) -> bool:
-        return True
-
-
 @pytest.fixture(scope="module")
 def scripted(tiny_model):
     engine = ScriptedEngine(ChatTokenizer(tiny_model))
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(Server(engine, "tiny").app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    while not srv.started:
-        time.sleep(0.02)
-    yield SimpleNamespace(engine=engine, base=f"http://127.0.0.1:{port}",
-                          client=openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0))
-    srv.should_exit = True
-    thread.join(timeout=10)
+    with running(Server(engine, "tiny")) as base:
+        yield SimpleNamespace(engine=engine, base=base,
+                              client=openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0))
 
 
 def _say(text: str) -> list[dict]:
