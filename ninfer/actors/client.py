@@ -187,6 +187,13 @@ class RayClientRuntime:
     def cancel(self, rid: str) -> None:
         self.frontend.cancel.remote(rid)
 
+    def alive(self) -> bool:
+        """The frontend answers and its controller answered lately (what /health reports)."""
+        try:
+            return bool(ray.get(self.frontend.health.remote(), timeout=5))
+        except Exception:
+            return False
+
     def call(self, what: str):
         return ray.get(self.frontend.call.remote(what))
 

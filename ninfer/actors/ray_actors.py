@@ -26,6 +26,7 @@ import threading
 import time
 import uuid
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 import ray
@@ -343,6 +344,8 @@ class FrontendActor:
         self._events_server = None
         self._clients_server = None
         self._touched: set[str] = set()
+        self._intake_threads = ThreadPoolExecutor(4, thread_name_prefix="ninfer-intake")
+        self._controller_seen = time.monotonic()
 
     async def ready(self) -> bytes:
         if self.info_bytes is None:
@@ -352,6 +355,8 @@ class FrontendActor:
             self.intake = self._intake_cls(self._model_dir, P.decode_info(self.info_bytes),
                                            decode_config(self._config).media_budget_bytes)
             self._watch = asyncio.get_running_loop().create_task(self._watchdog())
+            from ninfer.frontend import offload
+            offload.shared().warm()            # large chat inputs are planned there (frontend/offload.py)
         return self.info_bytes
 
     # ---- clients --------------------------------------------------------------------------
@@ -371,12 +376,16 @@ class FrontendActor:
         return await self._forward(cid, req)
 
     async def submit_chat(self, cid: str, chat: bytes) -> tuple[str | None, list[int]]:
+        """Rendering and tokenising run on the intake threads (a large input in the helper
+        process, ``frontend/offload.py``), never on this loop: it delivers every client's events."""
         try:
-            req = self.intake.chat(P.decode_chat(chat))
-            self.intake.validate(req)
+            req = await asyncio.get_running_loop().run_in_executor(self._intake_threads, self._chat, chat)
         except NInferError as exc:
             return str(exc), []
         return await self._forward(cid, req), req.prompt
+
+    def _chat(self, chat: bytes) -> RequestSpec:
+        return self.intake.validate(self.intake.chat(P.decode_chat(chat)))
 
     async def _forward(self, cid: str, req: RequestSpec) -> str | None:
         state = self.clients.get(cid)
@@ -519,6 +528,7 @@ class FrontendActor:
             except (RayActorError, asyncio.TimeoutError):
                 await self._controller_lost("the engine controller stopped responding")
                 continue
+            self._controller_seen = time.monotonic()
             if epoch != self.controller_epoch:
                 self.controller_epoch = epoch
                 await self._controller_lost("the engine controller was restarted")
@@ -535,6 +545,11 @@ class FrontendActor:
                 name=self.names["controller"], namespace=NAMESPACE).remote(
                 self._model_dir, self._config, self._deployment)
             self.controller_epoch = await self.controller.ping.remote()
+
+    async def health(self) -> bool:
+        """Cheap liveness for /health: the controller answered the watchdog's last pings (no
+        round trip through a busy control cycle, as ``call("stats")`` would be)."""
+        return self.info_bytes is not None and time.monotonic() - self._controller_seen < 10.0
 
     async def model_dir(self) -> str:
         return self._model_dir

@@ -12,7 +12,9 @@ from ninfer import protocol as P
 from ninfer.protocol import RequestSpec
 from ninfer.frontend.validate import validate_spec
 from ninfer.errors import ModelLoadError, RequestError
+from ninfer.frontend import offload
 from ninfer.frontend.chat_plan import OutputMemory, plan_chat
+from ninfer.frontend.offload import INLINE_TEXT_CHARS
 from ninfer.frontend.render import ChatTokenizer
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -25,6 +27,7 @@ class Intake:
     def __init__(self, model_dir: str, info: P.WorkerInfo, media_budget_bytes: int = MEDIA_BUDGET,
                  media_limits=None):
         self.info = info
+        self.model_dir = str(model_dir)
         self.memory = OutputMemory()
         try:
             self.tokenizer: ChatTokenizer | None = ChatTokenizer(model_dir)
@@ -47,7 +50,7 @@ class Intake:
             raise RequestError("this model directory has no tokenizer; send prompt_token_ids instead")
         check_messages(chat.messages)
         images = self._images(chat.messages)
-        plan = plan_chat(self.tokenizer, chat.messages, chat.tools, self.memory)
+        plan = self._plan(chat.messages, chat.tools)
         media: list[P.MediaItem] = []
         if images:
             plan, media = self._expand(plan, images)
@@ -65,6 +68,37 @@ class Intake:
                            markers=markers, recovery_frontier=plan.recovery_frontier,
                            response_replay=plan.response_replay, turn_closure=plan.turn_closure,
                            split_points=plan.split_points, rid=chat.rid, media=media)
+
+    def _plan(self, messages: list[dict], tools: list[dict] | None):
+        """The chat plan: here for a small input, in the helper process for a large one (its
+        rendering and tokenising would hold this interpreter for seconds: ``offload``)."""
+        try:
+            size = len(msgspec.json.encode([messages, tools]))
+        except (TypeError, ValueError, msgspec.EncodeError):
+            size = 0                                  # what the template makes of it is said here
+        if size <= INLINE_TEXT_CHARS:
+            return plan_chat(self.tokenizer, messages, tools, self.memory)
+        value = offload.shared().run(offload.plan_chat_job, self.model_dir, messages, tools,
+                                     self._remembered(messages), self.info.max_context)
+        if isinstance(value, offload.Refusal):
+            raise RequestError(value.message)
+        return value
+
+    def _remembered(self, messages: list[dict]) -> dict[str, tuple[int, ...]]:
+        """The remembered outputs a plan of these messages can use (the helper has no memory of
+        its own): looked up by every assistant text, as sent and stripped."""
+        found = {}
+        for m in messages:
+            if m.get("role") != "assistant":
+                continue
+            c = m.get("content")
+            texts = [c] if isinstance(c, str) else [p.get("text") for p in c or () if isinstance(p, dict)]
+            for t in texts:
+                for key in {t, t.strip()} if isinstance(t, str) else ():
+                    ids = self.memory.get(key)
+                    if ids is not None:
+                        found[key] = ids
+        return found
 
     def _images(self, messages: list[dict]) -> list:
         """Every image part, prepared, in template order (message by message, part by part)."""

@@ -8,11 +8,14 @@
          /metrics (Prometheus)
 
 Nothing CPU-heavy runs on the event loop: rendering, tokenising and every engine call run on a
-bounded thread pool, cheap limits (body size while it streams in, JSON depth, message count,
-a lower bound on prompt tokens from the characters) come before any rendering. One error layer:
-every failure is OpenAI's error JSON with its status and the connection stays usable. A client
-that disconnects cancels its requests in both modes. Bound to 127.0.0.1 by default; with an API
-key every ``/v1`` route needs it, ``/health`` and ``/metrics`` stay open (as in vLLM).
+bounded thread pool, and work that grows with one request's input (decoding a body over 1 MiB,
+rendering and tokenising a large chat or prompt) in a helper process (``offload``). Cheap
+limits come first: the body size while it streams in and its read timeout, then right after
+decoding the bounds of ``bounds`` (JSON values, names, every free-text field against the
+context), the message count. The connection layer's guards are ``http_guard``'s. One error
+layer: every failure is OpenAI's error JSON with its status and the connection stays usable. A
+client that disconnects cancels its requests in both modes and is one log line. Bound to
+127.0.0.1 by default; with an API key every route but the probes (``OPEN``) needs it.
 ``usage.prompt_tokens_details.cached_tokens`` counts real reuse only.
 """
 
@@ -41,10 +44,13 @@ from starlette.routing import Route
 
 from ninfer.api import Engine
 from ninfer.errors import NInferError
+from ninfer.frontend import offload
 from ninfer.frontend import openai_api as oa
 from ninfer.frontend import responses as R
 from ninfer.frontend import schema as S
+from ninfer.frontend.bounds import BodyBounds, decode_checked
 from ninfer.frontend.http_guard import Limits, protocol_class
+from ninfer.frontend.offload import INLINE_BODY_BYTES, INLINE_TEXT_CHARS, HelperLost, Refusal
 from ninfer.frontend.metrics import CONTENT_TYPE as METRICS_TYPE
 from ninfer.frontend.metrics import prometheus
 from ninfer.frontend.streaming import ChoiceStream, Finish, Piece, run_choice
@@ -102,8 +108,14 @@ class Server:
         self.default_max = default_max_tokens
         self.started = oa.now()
         self.pool = ThreadPoolExecutor(intake_threads, thread_name_prefix="ninfer-intake")
+        # the probes never wait behind the intake threads (each may wait on a large input)
+        self.probes = ThreadPoolExecutor(2, thread_name_prefix="ninfer-probe")
+        self.offload = offload.shared()
         self.tok = engine._intake.tokenizer if engine._intake is not None else None
         self.max_token_chars = _max_token_chars(self.tok)
+        max_context = engine.info.max_context
+        self.bounds = BodyBounds(max_text_chars=max_context * min(self.max_token_chars, 1 << 20),
+                                 max_context=max_context)
         self._token_strs: dict[int, str] = {}
         self.app = Starlette(routes=[
             Route("/v1/chat/completions", self._endpoint(self.chat), methods=["POST"]),
@@ -190,17 +202,29 @@ class Server:
             raise oa.ApiError(408, f"the request body did not arrive within {wait:g} s ({size} bytes came)",
                               code="request_timeout", headers={"connection": "close"}) from None
         raw = b"".join(chunks)
-        try:
-            body = msgspec.json.decode(raw)
-        except msgspec.DecodeError as exc:
-            hint = " (a lone UTF-16 surrogate escape such as \\ud800 is not valid text)" \
-                if b"\\ud" in raw.lower() else ""
-            raise oa.bad(f"malformed JSON: {exc}{hint}") from None
-        except RecursionError:
-            raise oa.bad("malformed JSON: nested too deeply") from None
+        del chunks
+        if len(raw) > INLINE_BODY_BYTES:          # decoding many values holds the GIL: the helper's work
+            body, refusal = await self._offloaded(decode_checked, raw, self.bounds)
+        else:
+            body, refusal = decode_checked(raw, self.bounds, trim=False)[1]
+        if refusal is not None and refusal.message.startswith("malformed JSON") and b"\\ud" in raw.lower():
+            refusal = refusal._replace(message=refusal.message + " (a lone UTF-16 surrogate escape such as \\ud800 "
+                                                                 "is not valid text)")
+        if len(raw) > INLINE_BODY_BYTES:          # the bytes go, and the heap they took with them
+            del raw
+            offload.trim()
+        if refusal is not None:
+            raise oa.ApiError(refusal.status, refusal.message, param=refusal.param, code=refusal.code)
         if not isinstance(body, dict):
             raise oa.bad("the request body must be a JSON object")
         return body
+
+    async def _offloaded(self, fn, *args):
+        """``fn(*args)`` in the helper process: its value or its Refusal; a lost helper is a 503."""
+        try:
+            return await self.offload.run_async(fn, *args)
+        except HelperLost as exc:
+            raise oa.ApiError(503, str(exc), kind="service_unavailable") from None
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model not in self.names:
@@ -209,6 +233,25 @@ class Server:
 
     async def _off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.pool, partial(fn, *args))
+
+    async def _probe(self, fn):
+        return await asyncio.get_running_loop().run_in_executor(self.probes, fn)
+
+    async def _tokens(self, text: str | None, messages: list[dict] | None = None, tools: list[dict] | None = None,
+                      add_generation_prompt: bool = True, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text or of rendered messages, at most max_context of them (vLLM refuses
+        more, as the engine would): a small input on the intake threads (the encoding releases
+        the GIL), a large one in the helper process."""
+        args = (text, messages, tools, add_generation_prompt, add_special_tokens, self.engine.info.max_context)
+        size = len(text) if text is not None else len(msgspec.json.encode([messages, tools]))
+        if size <= INLINE_TEXT_CHARS:
+            value = await self._off_loop(offload.tokenize_with, self.tok, *args)
+            value = value[1]
+        else:
+            value = await self._offloaded(offload.tokenize_job, self.engine.model_dir, *args)
+        if isinstance(value, Refusal):
+            raise oa.ApiError(value.status, value.message, param=value.param, code=value.code)
+        return value
 
     # ---- shared request parts -------------------------------------------------------------------
     def _sampling(self, req: S.Sampling, max_tokens: int | None, default_max: int, n: int | None) -> dict:
@@ -419,8 +462,8 @@ class Server:
         yield "data: [DONE]\n\n"
 
     # ---- legacy completions ----------------------------------------------------------------------
-    def _prompts(self, prompt) -> list[list[int]]:
-        """Text or token prompts -> token ids (tokenising runs on the intake pool)."""
+    async def _prompts(self, prompt) -> list[list[int]]:
+        """Text or token prompts -> token ids (``_tokens``), each at most max_context."""
         if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
             prompt = [prompt]
         if not prompt:
@@ -433,10 +476,7 @@ class Server:
             if isinstance(p, str):
                 if self.tok is None:
                     raise oa.bad("this model has no tokenizer; send token ids as the prompt", "prompt")
-                if len(p) // self.max_token_chars > self.engine.info.max_context:
-                    raise oa.bad(f"this engine's max_context is {self.engine.info.max_context} tokens, but the "
-                                 f"prompt has {len(p)} characters", "prompt")
-                p = self.tok.tokenizer.encode(p, add_special_tokens=True).ids
+                p = await self._tokens(p)
             if not p:
                 raise oa.bad("prompt must not be empty", "prompt")
             out.append(list(p))
@@ -457,7 +497,7 @@ class Server:
         if req.logprobs is not None:
             sampling["logprobs"] = req.logprobs
         stop, n = self._stop(req), req.n or 1
-        prompts = await self._off_loop(self._prompts, req.prompt)
+        prompts = await self._prompts(req.prompt)
         if len(prompts) * n > MAX_CHOICES:
             raise oa.bad(f"at most {MAX_CHOICES} choices (prompts x n) are allowed", "prompt")
         choices = [Choice(partial(self.engine.generate, p, session_id=req.user, **_nth_seed(sampling, i)), stop, False)
@@ -615,11 +655,9 @@ class Server:
         if req.messages is not None:
             S.check_media(req.messages)
             self._bound_prompt(req.messages)
-            render = partial(self.tok.render, body["messages"], body.get("tools"), req.add_generation_prompt)
-            ids = await self._off_loop(lambda: self.tok.encode(render()))
+            ids = await self._tokens(None, body["messages"], body.get("tools"), req.add_generation_prompt)
         else:
-            ids = await self._off_loop(lambda: self.tok.tokenizer.encode(
-                req.prompt, add_special_tokens=req.add_special_tokens).ids)
+            ids = await self._tokens(req.prompt, add_special_tokens=req.add_special_tokens)
         return JSONResponse({"count": len(ids), "max_model_len": self.engine.info.max_context, "tokens": list(ids),
                              "token_strs": [self._token_str(t) for t in ids] if req.return_token_strs else None})
 
@@ -651,16 +689,18 @@ class Server:
 
     async def health(self, request: Request) -> Response:
         try:
-            ok = await asyncio.wait_for(self._off_loop(self.engine.alive), timeout=5.0)
+            ok = await asyncio.wait_for(self._probe(self.engine.alive), timeout=5.0)
         except Exception as exc:
             return JSONResponse({"status": "unavailable", "detail": f"{type(exc).__name__}: {exc}"}, status_code=503)
         if not ok:
-            return JSONResponse({"status": "unavailable", "detail": "the engine has shut down"}, status_code=503)
+            return JSONResponse({"status": "unavailable",
+                                 "detail": "the engine is not answering (shut down, or its controller is restarting)"},
+                                status_code=503)
         return JSONResponse({"status": "ok"})
 
     async def metrics(self, request: Request) -> Response:
         try:
-            stats = await self._off_loop(self.engine.stats)
+            stats = await self._probe(self.engine.stats)
         except Exception as exc:
             return PlainTextResponse(f"# engine unavailable: {exc}\n", status_code=503)
         return Response(prometheus(stats, len(self.store), self.model), media_type=METRICS_TYPE)
@@ -760,6 +800,7 @@ def serve(engine: Engine, model_name: str, host: str = "127.0.0.1", port: int = 
     limits = limits or Limits()
     server = Server(engine, model_name, api_key=api_key, max_body_bytes=max_body_bytes, max_messages=max_messages,
                     aliases=aliases, limits=limits)
+    server.offload.warm()                      # the helper for large inputs is up before the first one
     config = uvicorn.Config(server.app, host=host, port=port, loop="uvloop", log_level=log_level,
                             http=protocol_class(limits))
     uvicorn.Server(config).run(sockets=[sock] if sock is not None else None)

@@ -1,0 +1,225 @@
+"""Work whose cost grows with one request's input, done in a helper process instead of the
+interpreter that serves every other request.
+
+Measured on the tiny model's tokenizer (2 busy cores): ``Tokenizer.encode`` of 1 MB of text
+held the GIL for 0.59 s (``encode_batch`` releases it: 39 ms), and a plan's Python work over
+its offsets another ~0.3 s per 2 M tokens; decoding a 12-24 MB JSON body of many small values
+took 0.2-0.6 s in msgspec, also under the GIL. A native call that releases the GIL covers the
+first only, so such inputs go to a spawned helper process ("a process pool, or a bounded native
+call — measure"): the server's event loop, the control thread of an in-process engine and the
+frontend actor's loop keep running, and the memory the work takes is the helper's (returned to
+the system after a large input, ``malloc_trim``).
+
+    small input  ──► inline (bounded: a few ms)
+    large input  ──► Offload.run(fn, ...) ──► helper process: decode + bounds / render + count
+                                               + plan / tokenize ──► a bounded result or an error
+
+Child functions return ``(True, value)`` or ``(False, Refusal)``: an exception of ours would
+not survive pickling with its fields. A helper that dies (killed, out of memory) fails that
+request with a 503 and the pool is built again for the next.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import multiprocessing
+import os
+import threading
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import NamedTuple
+
+from ninfer.errors import NInferError
+
+log = logging.getLogger("ninfer.server")
+
+INLINE_BODY_BYTES = 1 << 20       # JSON bodies up to this are decoded where they arrive
+INLINE_TEXT_CHARS = 64 << 10      # chat inputs / prompts with less text are planned where they arrive
+
+
+class Refusal(NamedTuple):
+    """A request error found in the helper: what the server answers (status, message, param, code)."""
+
+    status: int
+    message: str
+    param: str | None = None
+    code: str | None = None
+
+
+class HelperLost(NInferError):
+    """The helper process died while working on this request (the request fails alone: 503)."""
+
+
+class Offload:
+    """A lazily started pool of ``workers`` spawned helper processes (one process-wide instance:
+    ``shared()``)."""
+
+    def __init__(self, workers: int = 1):
+        self.workers = workers
+        self._pool: ProcessPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def _executor(self) -> ProcessPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
+                                                 initializer=_child_init, initargs=(os.getpid(),))
+            return self._pool
+
+    def submit(self, fn, *args) -> Future:
+        try:
+            return self._executor().submit(fn, *args)
+        except BrokenProcessPool:
+            self._reset()
+            return self._executor().submit(fn, *args)
+
+    def result(self, fut: Future):
+        """The child's value; a Refusal is returned as is; a lost helper raises HelperLost."""
+        try:
+            ok, value = fut.result()
+        except BrokenProcessPool:
+            self._reset()
+            raise HelperLost("the helper process preparing this request was lost (killed or out of memory)") from None
+        return value
+
+    def run(self, fn, *args):
+        return self.result(self.submit(fn, *args))
+
+    async def run_async(self, fn, *args):
+        fut = self.submit(fn, *args)
+        try:
+            await asyncio.wrap_future(fut)
+        except BrokenProcessPool:
+            pass                                    # result() says so
+        return self.result(fut)
+
+    def warm(self) -> None:
+        """Start the helper now (a spawn takes a moment), so the first large request does not wait."""
+        self.submit(_ping)
+
+    def _reset(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def shutdown(self) -> None:
+        self._reset()
+
+
+_SHARED: Offload | None = None
+_SHARED_LOCK = threading.Lock()
+
+
+def shared() -> Offload:
+    """The process's one helper pool (the server, the in-process intake and the frontend actor
+    each use the one of their process)."""
+    global _SHARED
+    with _SHARED_LOCK:
+        if _SHARED is None:
+            _SHARED = Offload()
+        return _SHARED
+
+
+# ---- in the helper process --------------------------------------------------------------------
+
+def _child_init(parent: int) -> None:
+    """A helper runs at a lower priority than the processes serving tokens (on a busy machine
+    its seconds of work must not take their CPU), and dies with the process that started it (an
+    actor killed by Ray takes no pool shutdown with it)."""
+    try:
+        os.nice(10)
+    except OSError:
+        pass
+    def watch() -> None:
+        import time
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+    threading.Thread(target=watch, daemon=True, name="ninfer-offload-parent").start()
+
+
+def _ping() -> tuple[bool, None]:
+    return True, None
+
+
+def trim() -> None:
+    """Give the heap a large input freed back to the system (glibc keeps it otherwise)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+_TOKENIZERS: dict[str, object] = {}
+
+
+def tokenizer(model_dir: str):
+    """The helper's ChatTokenizer of ``model_dir`` (loaded once per helper)."""
+    from ninfer.frontend.render import ChatTokenizer
+    tok = _TOKENIZERS.get(model_dir)
+    if tok is None:
+        tok = _TOKENIZERS[model_dir] = ChatTokenizer(model_dir)
+    return tok
+
+
+def _refused(exc: Exception) -> tuple[bool, Refusal]:
+    return False, Refusal(400, str(exc))
+
+
+def plan_chat_job(model_dir: str, messages: list[dict], tools: list[dict] | None,
+                  remembered: dict[str, list[int]], max_context: int):
+    """A chat input's plan (``chat_plan.plan_chat``). A prompt that cannot fit is refused after
+    one render and a count, before the plan's per-token work: the rendered text's tokens less
+    every byte of the assistant texts the plan may replace by remembered outputs (each token
+    spans at least one byte) is a lower bound on the prompt."""
+    from ninfer.errors import RequestError
+    from ninfer.frontend.chat_plan import OutputMemory, plan_chat
+    tok = tokenizer(model_dir)
+    try:
+        text = tok.render(messages, tools, True)
+        count = len(tok.tokenizer.encode_batch([text], add_special_tokens=False)[0])
+        least = count - sum(len(t.encode("utf-8", "surrogatepass")) for t in remembered)
+        if least > max_context:
+            del text
+            trim()
+            return False, Refusal(400, f"this engine's max_context is {max_context} tokens, but the prompt alone "
+                                       f"has at least {least}", "messages", "context_length_exceeded")
+        memory = OutputMemory()
+        for t, ids in remembered.items():
+            memory.remember(t, list(ids))
+        plan = plan_chat(tok, messages, tools, memory)
+    except RequestError as exc:
+        return _refused(exc)
+    trim()
+    return True, plan
+
+
+def tokenize_job(model_dir: str, *args):
+    """``tokenize_with`` in the helper."""
+    return tokenize_with(tokenizer(model_dir), *args)
+
+
+def tokenize_with(tok, text: str | None, messages: list[dict] | None, tools: list[dict] | None,
+                  add_generation_prompt: bool, add_special_tokens: bool, max_context: int):
+    """The token ids of a text (``add_special_tokens`` as the tokenizer adds them) or of chat
+    messages as the template renders them; more than ``max_context`` is refused before the ids
+    are built. The encoding is ``encode_batch``'s, which releases the GIL."""
+    from ninfer.errors import RequestError
+    from ninfer.frontend.render import check_text
+    try:
+        if messages is not None:
+            text, add_special_tokens = tok.render(messages, tools, add_generation_prompt), False
+        check_text(text, "the prompt")
+        enc = tok.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+    except RequestError as exc:
+        return _refused(exc)
+    if len(enc) > max_context:
+        n = len(enc)
+        del enc
+        trim()
+        return False, Refusal(400, f"this engine's max_context is {max_context} tokens, but the prompt has {n}",
+                              "messages" if messages is not None else "prompt", "context_length_exceeded")
+    return True, list(enc.ids)
