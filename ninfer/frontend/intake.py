@@ -16,6 +16,7 @@ from ninfer.frontend import offload
 from ninfer.frontend.chat_plan import OutputMemory, plan_chat
 from ninfer.frontend.offload import INLINE_TEXT_CHARS
 from ninfer.frontend.render import ChatTokenizer
+from ninfer.frontend.request_stats import RequestStats
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -29,6 +30,7 @@ class Intake:
         self.info = info
         self.model_dir = str(model_dir)
         self.memory = OutputMemory()
+        self.stats = RequestStats(info.max_context)
         try:
             self.tokenizer: ChatTokenizer | None = ChatTokenizer(model_dir)
         except ModelLoadError:
@@ -43,6 +45,7 @@ class Intake:
         if not spec.rid:
             spec.rid = uuid.uuid4().hex
         validate_spec(spec, self.info)
+        self.stats.submitted(spec)
         return spec
 
     def chat(self, chat: P.ChatSpec) -> RequestSpec:
@@ -141,7 +144,10 @@ class Intake:
         return plan, media
 
     def observe(self, ev: P.Event) -> None:
-        """Remember the exact tokens of each finished output under the text the client sees."""
+        """Remember the exact tokens of each finished output under the text the client sees;
+        count the request (``RequestStats``)."""
+        if isinstance(ev, P.FinalEvent):
+            self.stats.finished(ev)
         if isinstance(ev, P.FinalEvent) and ev.token_ids and self.tokenizer is not None:
             ids = list(ev.token_ids)
             while ids and ids[-1] in self.info.eos_ids:

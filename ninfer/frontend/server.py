@@ -51,6 +51,7 @@ from ninfer.frontend import schema as S
 from ninfer.frontend.bounds import BodyBounds, decode_checked
 from ninfer.frontend.http_guard import Limits, protocol_class
 from ninfer.frontend.offload import INLINE_BODY_BYTES, INLINE_TEXT_CHARS, HelperLost, Refusal
+from ninfer.frontend.request_stats import Histogram
 from ninfer.frontend.metrics import CONTENT_TYPE as METRICS_TYPE
 from ninfer.frontend.metrics import prometheus
 from ninfer.frontend.streaming import ChoiceStream, Finish, Piece, run_choice
@@ -111,6 +112,7 @@ class Server:
         # the probes never wait behind the intake threads (each may wait on a large input)
         self.probes = ThreadPoolExecutor(2, thread_name_prefix="ninfer-probe")
         self.offload = offload.shared()
+        self.params_n = Histogram((1, 2, 5, 10, 20))      # vllm:request_params_n
         self.tok = engine._intake.tokenizer if engine._intake is not None else None
         self.max_token_chars = _max_token_chars(self.tok)
         max_context = engine.info.max_context
@@ -384,6 +386,7 @@ class Server:
         choice = _tool_choice(req.tool_choice, req.tools)
         tools = body.get("tools") if choice != "none" else None
         sampling = self._sampling(req, req.max_completion_tokens or req.max_tokens, self.default_max, req.n)
+        self.params_n.observe(req.n or 1)
         if req.logprobs:
             sampling["logprobs"] = req.top_logprobs or 0
         stop = self._stop(req)
@@ -494,6 +497,7 @@ class Server:
             raise oa.bad("best_of must equal n (NInfer returns every sample)", "best_of")
         sampling = self._sampling(req, req.max_tokens, 16, req.n)
         sampling.pop("fill_max_tokens")
+        self.params_n.observe(req.n or 1)
         if req.logprobs is not None:
             sampling["logprobs"] = req.logprobs
         stop, n = self._stop(req), req.n or 1
@@ -703,7 +707,8 @@ class Server:
             stats = await self._probe(self.engine.stats)
         except Exception as exc:
             return PlainTextResponse(f"# engine unavailable: {exc}\n", status_code=503)
-        return Response(prometheus(stats, len(self.store), self.model), media_type=METRICS_TYPE)
+        return Response(prometheus(stats, len(self.store), self.model, self.engine.info,
+                                   {"params_n": self.params_n.snapshot()}), media_type=METRICS_TYPE)
 
 
 @dataclass

@@ -28,6 +28,7 @@ class ScriptedHandle:
         self.sent = 0
         self.cancelled = False
         self.gate = OPEN_GATE
+        self.error: dict | None = None          # the engine ends it with this error after its tokens
 
     async def aiter(self):
         while not self.gate.is_set() and not self.cancelled:       # the prompt's prefill, as long as a test holds it
@@ -40,7 +41,8 @@ class ScriptedHandle:
     async def result_async(self) -> Output:
         while self.sent < len(self.ids) and not self.cancelled:
             await asyncio.sleep(0.005)
-        return Output(self.rid, self.ids[:self.sent], "", "cancelled" if self.cancelled else "stop", None,
+        reason = "error" if self.error else "cancelled" if self.cancelled else "stop"
+        return Output(self.rid, self.ids[:self.sent], "", reason, self.error,
                       UsageView(prompt_tokens=5, completion_tokens=self.sent), TimingsView())
 
     def cancel(self) -> None:
@@ -57,6 +59,7 @@ class ScriptedEngine:
         self.delay = 0.002
         self.chunk = 1
         self.gate = OPEN_GATE
+        self.error: dict | None = None
 
     def chat(self, messages, tools=None, **kw) -> ScriptedHandle:
         return self._handle(self._intake.tokenizer.encode(messages[-1]["content"]))
@@ -66,7 +69,7 @@ class ScriptedEngine:
 
     def _handle(self, ids: list[int]) -> ScriptedHandle:
         h = ScriptedHandle(f"s{len(self.handles)}", ids, self.delay, self.chunk)
-        h.gate = self.gate
+        h.gate, h.error = self.gate, self.error
         self.handles.append(h)
         return h
 

@@ -216,3 +216,24 @@ def test_a_stream_opens_with_its_first_token_not_at_acceptance(scripted, path, b
             assert "".join(d.get("content") or "" for d in mine) == "hello there"
     else:
         assert chunks[0]["choices"][0]["text"] == "hello there"            # the echo, with the first token
+
+
+@pytest.mark.parametrize("kind", ["worker_lost", "controller_lost", "device_error"])
+def test_an_engine_loss_is_a_503_with_its_kind_and_a_retry_hint(scripted, kind):
+    """A request a lost worker or controller (or a device error) ended mid-generation: a 503
+    carrying the kind, ``code: retryable`` and ``Retry-After`` (non-stream), the same error
+    object as the stream's last event; never a 500."""
+    from ninfer.errors import lost_error
+    scripted.engine.error = lost_error(kind, "it went")
+    try:
+        r = httpx.post(f"{scripted.base}/v1/chat/completions", json={"messages": _say("some words")}, timeout=30)
+        err = r.json()["error"]
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert err["type"] == kind and err["code"] == "retryable" and "retry the request" in err["message"]
+        with httpx.stream("POST", f"{scripted.base}/v1/chat/completions", timeout=30,
+                          json={"messages": _say("some words"), "stream": True}) as s:
+            events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+        assert events[-1]["error"] == err | {"message": events[-1]["error"]["message"]}
+        assert any(e.get("choices") and e["choices"][0]["delta"].get("content") for e in events)
+    finally:
+        scripted.engine.error = None
