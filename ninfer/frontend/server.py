@@ -35,6 +35,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import (
+    HTMLResponse,
     JSONResponse,
     PlainTextResponse,
     Response,
@@ -45,6 +46,7 @@ from starlette.routing import Route
 from ninfer.api import Engine
 from ninfer.errors import NInferError
 from ninfer.frontend import offload
+from ninfer.frontend import anthropic as A
 from ninfer.frontend import openai_api as oa
 from ninfer.frontend import responses as R
 from ninfer.frontend import schema as S
@@ -74,6 +76,7 @@ class Choice:
     stop: list[str]
     parse_tools: bool
     handle: object = None
+    cancelled: bool = False              # cancelled by its client (Responses cancel)
 
 
 @dataclass
@@ -126,32 +129,58 @@ class Server:
             Route("/v1/responses/{rid}", self._endpoint(self.response_get), methods=["GET"]),
             Route("/v1/responses/{rid}", self._endpoint(self.response_delete), methods=["DELETE"]),
             Route("/v1/responses/{rid}/input_items", self._endpoint(self.response_items), methods=["GET"]),
+            Route("/v1/responses/{rid}/cancel", self._endpoint(self.response_cancel), methods=["POST"]),
+            Route("/v1/messages", self._endpoint(self.messages, _anthropic_error), methods=["POST"]),
             Route("/v1/models", self._endpoint(self.models), methods=["GET"]),
             Route("/v1/models/{model:path}", self._endpoint(self.model_get), methods=["GET"]),
             Route("/tokenize", self._endpoint(self.tokenize), methods=["POST"]),
             Route("/detokenize", self._endpoint(self.detokenize), methods=["POST"]),
             Route("/version", self._endpoint(self.version), methods=["GET"]),
             Route("/health", self._endpoint(self.health), methods=["GET"]),
+            Route("/ping", self._endpoint(self.health), methods=["GET", "POST"]),
+            Route("/load", self._endpoint(self.server_load), methods=["GET"]),
             Route("/metrics", self._endpoint(self.metrics), methods=["GET"]),
+            Route("/openapi.json", self._endpoint(self.openapi), methods=["GET"]),
+            Route("/docs", self._endpoint(self.docs), methods=["GET"]),
         ], exception_handlers={HTTPException: self._http_error, Exception: self._internal_error})
+        self.load = 0                                  # generation requests being answered (/load)
+        self.app = self._counting(self.app)
+        self.background: dict[str, tuple[Choice, asyncio.Task]] = {}   # Responses with background=true
 
     # ---- the error layer ----------------------------------------------------------------------
-    def _endpoint(self, fn):
+    def _endpoint(self, fn, render=None):
+        """``fn`` behind the key, every failure one error response (``render``: its shape,
+        OpenAI's by default)."""
+        render = render or _error
+
         async def run(request: Request) -> Response:
             try:
                 self._authorize(request)
                 return await fn(request)
             except oa.ApiError as exc:
-                return _error(exc)
+                return render(exc)
             except NInferError as exc:
-                return _error(oa.request_error(exc))
+                return render(oa.request_error(exc))
             except (Disconnected, ClientDisconnect):
                 _gone(request)
                 return Response(status_code=499)            # nobody reads it
             except Exception as exc:                       # a bug: say so, keep serving
                 log.exception("internal error on %s", request.url.path)
-                return _error(_internal(exc))
+                return render(_internal(exc))
         return run
+
+    def _counting(self, app):
+        """The ASGI app that counts the generation requests being answered (a stream until its
+        last byte), vLLM's ``/load``."""
+        async def counted(scope, receive, send):
+            if scope["type"] != "http" or scope["path"] not in GENERATION:
+                return await app(scope, receive, send)
+            self.load += 1
+            try:
+                await app(scope, receive, send)
+            finally:
+                self.load -= 1
+        return counted
 
     async def _http_error(self, request: Request, exc: HTTPException) -> Response:
         """Unknown routes and wrong methods, in the OpenAI shape."""
@@ -330,7 +359,7 @@ class Server:
             queue.put_nowait(gone)
 
         tasks = [asyncio.create_task(pump(i, c)) for i, c in enumerate(choices)]
-        watcher = asyncio.create_task(watch())
+        watcher = asyncio.create_task(watch()) if request is not None else None    # None: no client (background)
         left, done = len(choices), False
         try:
             while left:
@@ -344,10 +373,12 @@ class Server:
                 yield item
             done = True
         except (Disconnected, asyncio.CancelledError):     # the client left (a stream is cancelled)
-            _gone(request)
+            if request is not None:
+                _gone(request)
             raise
         finally:
-            watcher.cancel()
+            if watcher is not None:
+                watcher.cancel()
             for t in tasks:
                 t.cancel()
             if not done:
@@ -567,20 +598,133 @@ class Server:
         sampling = self._sampling(req, req.max_output_tokens, self.default_max, None)
         choice = Choice(partial(self.engine.chat, call.messages, tools=call.tools,
                                 session_id=req.prompt_cache_key or req.user, **sampling), [], bool(call.tools))
+        background = body.get("background") is True
+        if background and (req.stream or not call.store):
+            raise oa.bad("background requires store (not false) and no stream", "background")
         await self._off_loop(self._submit_all, [choice])
         rid, created = f"resp_{uuid.uuid4().hex}", oa.now()
         if req.stream:
             return _sse_response(self._responses_stream(choice, call, rid, created, request))
+        if background:                    # answered now; GET /v1/responses/{id} shows its progress
+            obj = R.response_object(rid, self.model, created, call, [], "in_progress", None, 0)
+            obj["background"] = True
+            self.store.put(rid, obj, list(call.history), call.input_items)
+            task = asyncio.create_task(self._finish_background(choice, call, rid, created))
+            self.background[rid] = (choice, task)
+            return JSONResponse(obj)
         got = await self._collect([choice], request)
         if got is None:
             return Response(status_code=499)
-        g = got[0]
-        _verify_tool_choice(call.tool_choice, g.calls)
-        status = "incomplete" if g.fin.reason == "length" else "completed"
-        obj = R.response_object(rid, self.model, created, call, R.output_items(g.text, g.calls, status), status,
-                                g.fin.out.usage, g.fin.completion_tokens, "max_output_tokens")
+        return JSONResponse(self._response_done(got[0], call, rid, created))
+
+    def _response_done(self, g: Collected, call: R.ResponsesCall, rid: str, created: int,
+                       cancelled: bool = False) -> dict:
+        if not cancelled:
+            _verify_tool_choice(call.tool_choice, g.calls)
+        status = "cancelled" if cancelled else "incomplete" if g.fin.reason == "length" else "completed"
+        items = R.output_items(g.text, g.calls, "incomplete" if cancelled else status)
+        obj = R.response_object(rid, self.model, created, call, items, status, g.fin.out.usage,
+                                g.fin.completion_tokens, "max_output_tokens")
         self._keep(rid, call, obj, g.text, g.calls)
-        return JSONResponse(obj)
+        return obj
+
+    async def _finish_background(self, choice: Choice, call: R.ResponsesCall, rid: str, created: int) -> None:
+        """A background response runs without its client; its end replaces the stored object."""
+        try:
+            got = await self._collect([choice], None)
+            obj = self._response_done(got[0], call, rid, created, cancelled=choice.cancelled)
+        except oa.ApiError as exc:
+            obj = {**self.store.response(rid), "status": "failed",
+                   "error": {"code": exc.code or exc.kind, "message": str(exc)}}
+            self.store.put(rid, obj, list(call.history), call.input_items)
+        except Exception:
+            log.exception("background response %s failed", rid)
+            obj = {**self.store.response(rid), "status": "failed", "error": {"code": "internal_error",
+                                                                             "message": "internal error"}}
+            self.store.put(rid, obj, list(call.history), call.input_items)
+        finally:
+            self.background.pop(rid, None)
+        obj["background"] = True
+
+    async def response_cancel(self, request: Request) -> Response:
+        """Cancel a background response in progress (as OpenAI and vLLM: only those can be)."""
+        rid = request.path_params["rid"]
+        running = self.background.get(rid)
+        if running is None:
+            obj = self.store.response(rid)              # 404 when unknown
+            raise oa.bad(f"response {rid!r} is {obj['status']}: only a background response in progress can be "
+                         "cancelled", "response_id")
+        choice, task = running
+        choice.cancelled = True
+        choice.handle.cancel()
+        await asyncio.wait_for(asyncio.shield(task), 60.0)
+        return JSONResponse(self.store.response(rid))
+
+    # ---- Anthropic messages ----------------------------------------------------------------------------
+    async def messages(self, request: Request) -> Response:
+        """``POST /v1/messages`` (``frontend/anthropic.py``): the chat path under Anthropic's shapes."""
+        body = await self._json(request)
+        req = A.convert(body)
+        self._check_model(req.model)
+        messages, tools, choice = A.chat_input(req)
+        if len(messages) > self.max_messages:
+            raise oa.bad(f"messages: at most {self.max_messages} messages are allowed, got {len(messages)}",
+                         "messages")
+        if choice != "none":
+            choice = _tool_choice(choice, tools)
+        stop = list(req.stop_sequences or [])
+        if len(stop) > 16:
+            raise oa.bad(f"stop_sequences: at most 16 are allowed, got {len(stop)}", "stop_sequences")
+        user = (req.metadata or {}).get("user_id")
+        sampling = {**A.sampling(req), "seed": secrets.randbelow(MAX_SEED)}
+        used = tools if choice != "none" else None
+        c = Choice(partial(self.engine.chat, messages, tools=used, session_id=user if isinstance(user, str) else None,
+                           **sampling), stop, bool(used))
+        self.params_n.observe(1)
+        await self._off_loop(self._submit_all, [c])
+        mid = A.new_id()
+        if req.stream:
+            return _sse_response(self._messages_stream(c, choice, mid, request))
+        got = await self._collect([c], request)
+        if got is None:
+            return Response(status_code=499)
+        g = got[0]
+        _verify_tool_choice(choice, g.calls)
+        text = "" if choice not in ("auto", "none") and g.calls else g.text
+        return JSONResponse(A.message(mid, self.model, text, g.calls, g.fin.reason, g.fin.stop, g.fin.out.usage,
+                                      g.fin.completion_tokens))
+
+    async def _messages_stream(self, c: Choice, choice, mid: str, request: Request):
+        ev = A.EventStream(mid, self.model)
+        started, calls, fin = False, [], None
+        content_ok = choice in ("auto", "none")
+        try:
+            async for _, item in self._drive([c], request):
+                if not started and not (isinstance(item, Finish) and item.reason == "error"):
+                    started = True                       # message_start with the first token (honest TTFT)
+                    for e in ev.start():
+                        yield e
+                if isinstance(item, Finish):
+                    fin = item
+                    continue
+                for e in ev.text(item.content if content_ok else ""):
+                    yield e
+                for call in item.calls:
+                    calls.append(call)
+                    for e in ev.tool(call):
+                        yield e
+        except Disconnected:
+            return
+        if fin.reason == "error":
+            yield ev.error(oa.engine_error(fin.out))
+            return
+        try:
+            _verify_tool_choice(choice, calls)
+        except oa.ApiError as exc:
+            yield ev.error(exc)
+            return
+        for e in ev.end(fin.reason, fin.stop, A.usage(fin.out.usage, fin.completion_tokens)):
+            yield e
 
     def _keep(self, rid: str, call: R.ResponsesCall, obj: dict, text: str, calls: list[dict]) -> None:
         if call.store:
@@ -702,6 +846,17 @@ class Server:
                                 status_code=503)
         return JSONResponse({"status": "ok"})
 
+    async def server_load(self, request: Request) -> Response:
+        return JSONResponse({"server_load": self.load})
+
+    async def openapi(self, request: Request) -> Response:
+        from ninfer.frontend.openapi import spec
+        return JSONResponse(spec(self.model))
+
+    async def docs(self, request: Request) -> Response:
+        from ninfer.frontend.openapi import DOCS_HTML
+        return HTMLResponse(DOCS_HTML)
+
     async def metrics(self, request: Request) -> Response:
         try:
             stats = await self._probe(self.engine.stats)
@@ -719,7 +874,12 @@ class ChatCtx:
     req: S.ChatRequest
 
 
-OPEN = frozenset({"/health", "/ping", "/metrics", "/version", "/load"})    # probes: no API key
+OPEN = frozenset({"/health", "/ping", "/metrics", "/version", "/load", "/docs", "/openapi.json"})  # no API key
+GENERATION = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"})
+
+
+def _anthropic_error(exc: oa.ApiError) -> JSONResponse:
+    return JSONResponse(A.error_body(exc), status_code=exc.status, headers=exc.headers)
 
 
 def _peer(request: Request) -> str:

@@ -232,7 +232,7 @@ def test_killing_the_controller_then_the_worker_under_load_over_http(tiny_model,
     token end with a typed error event (``controller_lost`` / ``worker_lost``, ``code:
     retryable``); streams that had none were resubmitted and complete; a 400-digit max_tokens
     is a 400 (an OverflowError in the encoder before); /metrics counts both restarts, the
-    resubmissions and the failures by kind."""
+    resubmissions and the failures by kind; no actor log mentions ActorAlreadyExistsError."""
     import json
     import threading
 
@@ -287,5 +287,8 @@ def test_killing_the_controller_then_the_worker_under_load_over_http(tiny_model,
             failures = {s.labels["kind"]: s.value for s in fams["ninfer_request_failures"].samples}
             assert failures.get("controller_lost", 0) >= 1 and failures.get("worker_lost", 0) >= 1
             assert fams["ninfer_requests_resubmitted"].samples[0].value >= 2
+        logs = ray._private.worker._global_node.get_logs_dir_path()
+        files = [os.path.join(logs, f) for f in os.listdir(logs) if os.path.isfile(os.path.join(logs, f))]
+        assert not [f for f in files if "ActorAlreadyExistsError" in open(f, errors="replace").read()]
     finally:
         eng.shutdown()
