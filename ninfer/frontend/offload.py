@@ -5,10 +5,10 @@ Measured on the tiny model's tokenizer (2 busy cores): ``Tokenizer.encode`` of 1
 held the GIL for 0.59 s (``encode_batch`` releases it: 39 ms), and a plan's Python work over
 its offsets another ~0.3 s per 2 M tokens; decoding a 12-24 MB JSON body of many small values
 took 0.2-0.6 s in msgspec, also under the GIL. A native call that releases the GIL covers the
-first only, so such inputs go to a spawned helper process ("a process pool, or a bounded native
-call — measure"): the server's event loop, the control thread of an in-process engine and the
-frontend actor's loop keep running, and the memory the work takes is the helper's (returned to
-the system after a large input, ``malloc_trim``).
+first only, so such inputs go to a helper process ("a process pool, or a bounded native call —
+measure"): the server's event loop, the control thread of an in-process engine and the frontend
+actor's loop keep running, and the memory the work takes is the helper's (returned to the
+system after a large input, ``malloc_trim``).
 
     small input  ──► inline (bounded: a few ms)
     large input  ──► Offload.run(fn, ...) ──► helper process: decode + bounds / render + count
@@ -23,12 +23,16 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import itertools
 import logging
-import multiprocessing
 import os
+import pickle
+import queue
+import struct
+import subprocess
+import sys
 import threading
-from concurrent.futures import Future, ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures import Future
 from typing import NamedTuple
 
 from ninfer.errors import NInferError
@@ -53,60 +57,101 @@ class HelperLost(NInferError):
 
 
 class Offload:
-    """A lazily started pool of ``workers`` spawned helper processes (one process-wide instance:
-    ``shared()``)."""
+    """One helper process (a plain subprocess speaking length-prefixed pickles over its stdin
+    and stdout: multiprocessing's pools bring a resource tracker that prints tracebacks when a
+    Ray actor is killed), started lazily, started again after it dies. Jobs run one at a time
+    in the order submitted; ``shared()`` is the process's one instance."""
 
-    def __init__(self, workers: int = 1):
-        self.workers = workers
-        self._pool: ProcessPoolExecutor | None = None
+    def __init__(self):
+        self._proc: subprocess.Popen | None = None
+        self._jobs: queue.Queue | None = None
         self._lock = threading.Lock()
+        self._pending: dict[int, tuple[subprocess.Popen, Future]] = {}
+        self._ids = itertools.count()
 
-    def _executor(self) -> ProcessPoolExecutor:
+    def _started(self) -> tuple[subprocess.Popen, queue.Queue]:
         with self._lock:
-            if self._pool is None:
-                self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
-                                                 initializer=_child_init, initargs=(os.getpid(),))
-            return self._pool
+            if self._proc is None or self._proc.poll() is not None:
+                env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+                proc = subprocess.Popen([sys.executable, "-c", "from ninfer.frontend.offload import _child; _child()"],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+                self._proc, self._jobs = proc, queue.Queue()
+                threading.Thread(target=self._write, args=(proc, self._jobs), daemon=True,
+                                 name="ninfer-offload-in").start()
+                threading.Thread(target=self._read, args=(proc,), daemon=True, name="ninfer-offload-out").start()
+            return self._proc, self._jobs
 
     def submit(self, fn, *args) -> Future:
+        fut: Future = Future()
+        data = pickle.dumps((None, fn, args), protocol=pickle.HIGHEST_PROTOCOL)
+        proc, jobs = self._started()
+        with self._lock:
+            jid = next(self._ids)
+            self._pending[jid] = (proc, fut)
+        jobs.put(_HEAD.pack(jid) + data)
+        return fut
+
+    @staticmethod
+    def _write(proc: subprocess.Popen, jobs: queue.Queue) -> None:
+        """Jobs go out on this thread: a large one fills the pipe until the helper reads it, and
+        no caller (an event loop) may wait for that."""
+        while True:
+            data = jobs.get()
+            try:
+                proc.stdin.write(_HEAD.pack(len(data)) + data)
+                proc.stdin.flush()
+            except (OSError, ValueError):
+                return                                 # it died: its reader fails what it had
+
+    def _read(self, proc: subprocess.Popen) -> None:
         try:
-            return self._executor().submit(fn, *args)
-        except BrokenProcessPool:
-            self._reset()
-            return self._executor().submit(fn, *args)
+            while True:
+                head = proc.stdout.read(_HEAD.size)
+                if len(head) < _HEAD.size:
+                    break
+                jid, ok, value = pickle.loads(proc.stdout.read(_HEAD.unpack(head)[0]))
+                with self._lock:
+                    _, fut = self._pending.pop(jid, (None, None))
+                if fut is not None:
+                    fut.set_result(value) if ok else fut.set_exception(value)
+        except (OSError, EOFError, pickle.UnpicklingError):
+            pass
+        with self._lock:                               # it died: what it had fails, alone
+            lost = [jid for jid, (p, _) in self._pending.items() if p is proc]
+            futs = [self._pending.pop(jid)[1] for jid in lost]
+        for fut in futs:
+            if not fut.done():
+                fut.set_exception(HelperLost("the helper process preparing this request was lost (killed or out "
+                                             "of memory)"))
 
     def result(self, fut: Future):
-        """The child's value; a Refusal is returned as is; a lost helper raises HelperLost."""
-        try:
-            ok, value = fut.result()
-        except BrokenProcessPool:
-            self._reset()
-            raise HelperLost("the helper process preparing this request was lost (killed or out of memory)") from None
+        """The child's value (a Refusal is returned as is); a lost helper raises HelperLost."""
+        ok, value = fut.result()
         return value
 
     def run(self, fn, *args):
         return self.result(self.submit(fn, *args))
 
     async def run_async(self, fn, *args):
-        fut = self.submit(fn, *args)
-        try:
-            await asyncio.wrap_future(fut)
-        except BrokenProcessPool:
-            pass                                    # result() says so
-        return self.result(fut)
+        ok, value = await asyncio.wrap_future(self.submit(fn, *args))
+        return value
+
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
 
     def warm(self) -> None:
-        """Start the helper now (a spawn takes a moment), so the first large request does not wait."""
+        """Start the helper now (a start takes a moment), so the first large request does not wait."""
         self.submit(_ping)
 
-    def _reset(self) -> None:
-        with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
-
     def shutdown(self) -> None:
-        self._reset()
+        with self._lock:
+            proc, self._proc = self._proc, None
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+
+
+_HEAD = struct.Struct("<Q")
 
 
 _SHARED: Offload | None = None
@@ -125,20 +170,33 @@ def shared() -> Offload:
 
 # ---- in the helper process --------------------------------------------------------------------
 
-def _child_init(parent: int) -> None:
-    """A helper runs at a lower priority than the processes serving tokens (on a busy machine
-    its seconds of work must not take their CPU), and dies with the process that started it (an
-    actor killed by Ray takes no pool shutdown with it)."""
+def _child() -> None:
+    """The helper's loop: a job in, its value (or exception) out; the parent closing stdin (it
+    exited, or was killed) ends it. It runs at a lower priority than the processes serving
+    tokens: on a busy machine its seconds of work must not take their CPU."""
     try:
         os.nice(10)
     except OSError:
         pass
-    def watch() -> None:
-        import time
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(0)
-    threading.Thread(target=watch, daemon=True, name="ninfer-offload-parent").start()
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr                         # a stray print must not corrupt the replies
+    while True:
+        head = stdin.read(_HEAD.size)
+        if len(head) < _HEAD.size:
+            return
+        frame = stdin.read(_HEAD.unpack(head)[0])
+        jid = _HEAD.unpack(frame[:_HEAD.size])[0]
+        _, fn, args = pickle.loads(frame[_HEAD.size:])
+        try:
+            reply = (jid, True, fn(*args))
+        except Exception as exc:                    # noqa: BLE001 — the parent raises it for that request
+            reply = (jid, False, exc)
+        try:
+            data = pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:                    # noqa: BLE001
+            data = pickle.dumps((jid, False, RuntimeError(f"{type(exc).__name__}: {exc}")))
+        stdout.write(_HEAD.pack(len(data)) + data)
+        stdout.flush()
 
 
 def _ping() -> tuple[bool, None]:
