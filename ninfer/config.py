@@ -57,8 +57,15 @@ class ContextCacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     device_state_slots: int | None = None
     host_capacity_bytes: int | None = None
     encoder_cache_bytes: int = 256 * 2 ** 20    # vision-tower outputs kept by media digest (0: none)
+    # a prompt's divergence position (the longest prefix it shares with any known history) is
+    # offered as a save when it lies at least this many tokens beyond the restore point below it
+    # (docs/api.md "Where restore points are"); None: no divergence positions
+    divergence_min_tokens: int | None = 16
 
     def __post_init__(self) -> None:
+        if self.divergence_min_tokens is not None and self.divergence_min_tokens < 1:
+            raise _range_error("context_cache.divergence_min_tokens", self.divergence_min_tokens,
+                               ">= 1, or null for none")
         if self.device_state_slots is not None and self.device_state_slots < 0:
             raise _range_error("context_cache.device_state_slots", self.device_state_slots, ">= 0 (default C)")
         if self.host_capacity_bytes is not None and self.host_capacity_bytes < 0:

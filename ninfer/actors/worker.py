@@ -329,6 +329,7 @@ class _StepRun:
         if not remedies:
             return P.Outcome.SHORT
         skipped: set[int] = set()
+        # rule: remedy-prefix
         freed = reclaim.simulate(self.prog, remedies, skipped)
         for wait in (False, True):
             for k, f in enumerate(freed):

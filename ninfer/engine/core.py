@@ -82,7 +82,7 @@ class EngineCore:
         self.sink = sink
         self.chunk = self.info.prefill_chunk_tokens
         self.sched = Scheduler(self.info.max_concurrency)
-        self.rm = ResourceManager(self.info)
+        self.rm = ResourceManager(self.info, divergence_min=config.context_cache.divergence_min_tokens)
         if self.info.h2d_bytes_per_s or self.info.prefill_s_per_token:   # measured by the worker at start
             self.rm.cost.calibrate(self.info.h2d_bytes_per_s, self.info.prefill_s_per_token)
         self.pressure = Pressure(self.sched, self.rm, self.info)
@@ -129,6 +129,7 @@ class EngineCore:
             req.arrival = min(queued_at, req.arrival)
         req.usage.prompt_tokens = len(spec.prompt)
         self.requests[rid] = req
+        self.rm.on_enqueued(req, self.requests)
         self.life.publish(req, Life.QUEUED, req.arrival)
         self.life.publish(req, Life.GENERATION_START, ticket=req.ticket)
         self.sched.enqueue(req)
@@ -173,6 +174,7 @@ class EngineCore:
         self.stats.cycle_s += time.perf_counter() - t0
         return self._guard_progress(progressed)
 
+    # rule: quote-trigger
     def _needs_quote(self, plan: Plan) -> bool:
         """Pressure needs facts: a take-back, a need that may not fit, a save without room."""
         if plan.take_back is not None or not self.pressure.fits(plan.needs(), self.pools):
@@ -234,6 +236,7 @@ class EngineCore:
             to_host, host_victims = self.pressure.pause_route(victim, planner, facts)
             cmds.append((P.Pause(victim.sid, to_host, host_victims),
                          lambda out, v=victim, d=host_victims: self.outcomes.paused(v, out, d, "lane_take_back")))
+        # rule: save-room-order
         # saves: a Device slot left after the intents, else Host room, else admitted room
         slots = facts.pools[P.STATE].available - sum(
             reply.demands.get(i.iid, i.need.demand or {}).get(P.STATE, 0) for i in plan.items)
@@ -286,6 +289,7 @@ class EngineCore:
             return True
         return False
 
+    # rule: progress-guard
     def _guard_progress(self, progressed: bool) -> bool:
         """No wait is unbounded: when nothing ran, nothing changed and nothing is in flight
         although requests remain, every waiter is woken once; if still nothing can move, the
@@ -316,6 +320,7 @@ class EngineCore:
         timeout = self.config.request_timeout_s
         now = time.monotonic()
         for req in list(self.requests.values()):
+            # rule: ingress-timeout
             if (timeout is not None and req.first_admitted is None and req.finish_reason is None
                     and now - req.arrival > timeout):
                 # ingress timeout: counted from the original arrival until first admission; a
@@ -473,6 +478,7 @@ class EngineCore:
             diff = {cid: (real.get(cid), mirror.get(cid)) for cid in set(real) | set(mirror)
                     if real.get(cid) != mirror.get(cid)}
             raise IntegrityError(f"controller mirror and worker disagree on checkpoint owners: {diff}")
-        why = self.rm.host_order.check({cid: c.image_device for cid, c in facts.facts.checkpoints.items()})
+        why = self.rm.host_order.check({cid: c.image_device for cid, c in facts.facts.checkpoints.items()}) \
+            or self.rm.check(set(self.requests))
         if why:
             raise IntegrityError(why)

@@ -182,6 +182,7 @@ class Outcomes:
         if item.contract is not None and out.outcome is Outcome.SHORT and out.paused is None:
             # the sole request that holds or needs capacity, short after all legal reclaim (the
             # worker's exact check agrees)
+            # rule: unfit-source-reselect
             if item.need is not None and item.need.source is not None:
                 for cmd in self.core.rm.unfit_source(req, item.need.source):
                     self.core.queue(cmd)           # reselect without it: computing from a
@@ -194,6 +195,7 @@ class Outcomes:
         if item.kind in ("row", "chunk"):
             if out.facts is not None and req.phase is Phase.RUNNING:
                 req.facts = out.facts
+            # rule: chunk-short-gives-turn
             if item.kind == "chunk" and out.outcome is Outcome.SHORT and req.phase is Phase.RUNNING:
                 self.core.sched.rotate(req)        # a chunk that cannot run gives up its turn
             return bool(out.applied) or out.paused is not None
@@ -304,10 +306,12 @@ class Outcomes:
                 core.life.publish(req, Life.FIRST_TOKEN, now)
             core.sink(P.TokensEvent(req.rid, index, list(u.committed),
                                     list(u.logprobs) if req.params.logprobs is not None else None))
+        # rule: recovery-ends-on-progress
         if req.recovery_pending and (u.committed or unit.kind is UnitKind.PREFILL):
             self._recovered(req)                   # only new progress ends the recovery permit
         if u.finish is not None:
             req.finish_reason = u.finish
+        # rule: chunk-rotation
         if unit.n_tokens > 1:
             core.sched.rotate(req)
         return True

@@ -100,6 +100,7 @@ class CyclePlanner:
         lanes = sched.lanes_free
         resume = sched.resume_candidate()
         recovery = sched.recovery is not None or resume is not None
+        # rule: lane-take-back
         if resume is not None and lanes <= 0 and sched.may_take_back(resume):
             victims = sched.victims_for(resume)
             if victims:
@@ -112,16 +113,19 @@ class CyclePlanner:
             if item.intent.source is not None:
                 plan.sources.add(item.intent.source.cid)
             chunk_taken = item.spec.n_tokens > 1
+            # rule: resume-fallback-chunk
             if chunk_taken and sched.older_resident_than(resume):
                 # with an older resident the resume only tries free and optional space, and a
                 # paused request's wait constrains only itself: if it does not bind, the
                 # cycle's prefill turn goes to a resident (skipped when the resume bound)
                 fallback = P.Guard((), (item.iid,), 1)
             lanes -= 1
+        # rule: fresh-after-residents
         skip = plan.take_back
         for req in sched.rows():
             if req is not skip:
                 plan.items.append(self._resident(req, ROW, recovery))
+        # rule: one-chunk-per-cycle
         if not chunk_taken or fallback is not None:
             for req in sched.chunk_order():
                 if req is not skip:
@@ -140,6 +144,7 @@ class CyclePlanner:
         if unit.save_index is None:
             return None, None
         sp = save_points[unit.save_index]
+        # rule: recovery-skips-captures
         if recovery:
             unit.declined = True             # a full recovery permit is active: no optional save
             return None, sp
@@ -153,6 +158,7 @@ class CyclePlanner:
                 return None, sp
             replace = got
         unit.retire, unit.replace = list(retire), list(replace)
+        # rule: one-physical-point
         existing = rm.existing_point(req, sp.frontier)
         if existing is not None:
             # the same position and identity is already kept: one physical point, several
@@ -164,13 +170,14 @@ class CyclePlanner:
 
     def _resident(self, req: Request, kind: str, recovery: bool) -> Item:
         core, f = self.core, req.facts
-        book = core.rm.book(req)
-        unit = next_unit(req, f.frontier, f.ledger_len, core.chunk, book.save_points)
+        points = _cuts(core.rm.book(req).save_points, recovery)
+        unit = next_unit(req, f.frontier, f.ledger_len, core.chunk, points)
         if unit.kind is P.UnitKind.DECODE and f.spec:
             unit.kind = P.UnitKind.VERIFY    # the decode row also verifies f.spec drafts (seed: Decode/Verify)
-        cap, sp = self._capture(req, unit, book.save_points, recovery)
+        cap, sp = self._capture(req, unit, points, recovery)
         spec = P.UnitSpec(unit.n_tokens, unit.kind, hold=req.recovery_pending, capture=cap)
         iid = next(self._iids)
+        # rule: verify-peak-demand
         n = unit.n_tokens + (f.spec if unit.kind is P.UnitKind.VERIFY else 0)   # the speculative peak
         demand = {P.MAIN: max(0, unit_pages(f.frontier, n, f.blocks, f.tail_ok) - f.reserved)}
         return Item(iid, req, kind, P.RowIntent(iid, req.sid, spec), unit, Need(iid, req, kind, demand), sp=sp)
@@ -183,6 +190,7 @@ class CyclePlanner:
         target = req.replay_target or 0
         ledger_len = len(req.ledger)
         adm = None
+        # rule: resume-route
         if req.snapshot is not None:
             route, source, mode = "snapshot", req.snapshot, BindMode.MOVE
             mover, start = SnapshotOwner(req.sid), req.snapshot.frontier
@@ -197,6 +205,7 @@ class CyclePlanner:
         else:
             first = unit.n_tokens
         iid = next(self._iids)
+        # rule: recovery-permit-held
         spec = P.UnitSpec(unit.n_tokens, unit.kind, hold=True)
         intent = P.BindIntent(iid, sid=req.sid, source=source, mode=mode, first_tokens=first, mover=mover, unit=spec)
         need = Need(iid, req, RESUME, self._bind_demand(source, mode, start, first),
@@ -238,6 +247,7 @@ class CyclePlanner:
         cands = sched.fresh_candidates()
         if not cands:
             return
+        # rule: no-lane-keeps-sources
         if lanes <= 0:
             # no free lane: the scanned still keep their chosen valuable sources (seed: 没有空
             # lane 时仍可保留选中的恢复来源)
@@ -252,6 +262,7 @@ class CyclePlanner:
         for req, budget in cands:
             adm = rm.plan_admission(req, sched.fresh)
             pending = rm.pending_source(req, adm.frontier, producers)
+            # rule: pending-wait
             if pending is not None:
                 # another request will publish a deeper point for this prefix: wait for it,
                 # holding nothing (seed: 等待引用; the point is no source until complete)
@@ -263,8 +274,9 @@ class CyclePlanner:
                                         or adm.mode is BindMode.MOVE):
                 plan.commands += [(c, None) for c in rm.end_wait(req)]     # reselected, or moved
             save_points = rm.save_plan(req, adm.frontier, adm.record)
-            unit = next_unit(req, adm.frontier, len(req.prompt), core.chunk, save_points)
-            cap, sp = self._capture(req, unit, save_points, recovery, adm.record)
+            points = _cuts(save_points, recovery)
+            unit = next_unit(req, adm.frontier, len(req.prompt), core.chunk, points)
+            cap, sp = self._capture(req, unit, points, recovery, adm.record)
             iid = next(self._iids)
             spec = P.UnitSpec(unit.n_tokens, unit.kind, capture=cap)
             source = adm.source.ref if adm.source else None
@@ -283,6 +295,7 @@ class CyclePlanner:
         chunks: list[int] = []
         for item, g in zip(items, guards):
             item.intent.guards = g
+            # rule: fresh-chunk-turn
             if item.unit.n_tokens > 1:
                 if chunk_taken:
                     item.intent.unit = None            # bound now; its chunk waits for its turn
@@ -292,3 +305,10 @@ class CyclePlanner:
         plan.items += items
         plan.scanned = [r for r, _ in cands if not sched.st(r).pending]
 
+
+def _cuts(save_points: list[SavePoint], recovery: bool) -> list[SavePoint]:
+    """The save points a unit may end on: while a full recovery permit is active no optional save
+    is taken, and a divergence position — no input boundary of this request — then cuts nothing."""
+    if not recovery:
+        return save_points
+    return [sp for sp in save_points if set(sp.kinds) != {"d"}]

@@ -38,6 +38,7 @@ def next_unit(req: Request, frontier: int, ledger_len: int, chunk: int, save_poi
         return Unit(0, UnitKind.CONTROL, None)
     if frontier == ledger_len - 1 and req.outputs:
         return Unit(1, UnitKind.DECODE, None)
+    # rule: unit-cuts
     end = min(frontier + chunk, ledger_len)
     for x in req.spec.split_points:          # rewrite execution frontiers: the math splits here
         if frontier < x < end:

@@ -94,6 +94,7 @@ class Pressure:
         return True
 
     # ---- rights -----------------------------------------------------------------------
+    # rule: preemption-rights
     def rights(self, n: Need) -> Rights:
         if n.kind == FRESH:
             return Rights(waiters="younger")
@@ -107,6 +108,7 @@ class Pressure:
     def _older_exists(self, req: Request) -> bool:
         return any(r.ticket < req.ticket and r.live for r in (*self.sched.resident.values(), *self.sched.paused))
 
+    # rule: revocation-rights
     def _revoker(self, req: Request, rights: Rights):
         """Which revocable holds the requester may take (seed: fresh 接纳只能撤销较年轻等待者的
         保护，不能撤销 paused 快照; 必要推进 … 再考虑票号更晚的暂停快照)."""
@@ -126,6 +128,7 @@ class Pressure:
 
     def protected(self, req: Request) -> set[int]:
         """Sources being adopted right now and the requester's own snapshot are never victims."""
+        # rule: protected-sources
         out = set(self.rm.adopting())
         if req.snapshot is not None:
             out.add(req.snapshot.cid)
@@ -176,6 +179,7 @@ class Pressure:
                           window_short=self.short_window)
         before = {k: planner.freed_so_far(k) for k in short}
         actions, covered = planner.plan(short)
+        # rule: deletions-only-alternative
         if not covered:
             # the candidate list stays: deletions alone may cover what a demotion first did not
             alt = Planner(facts, self.rm.table, self.protected(n.req) | protect, may, snaps, prior, demote=False,
@@ -203,6 +207,7 @@ class Pressure:
                 if all(freed.get(k, 0) >= v for k, v in short.items()):
                     covered = True
                     break
+            # rule: take-back-second-pass
             if not covered and victims:
                 # what the victims shared with optional cache is reclaimable once they let go
                 # (and what this need already deletes may free more then)
@@ -224,6 +229,7 @@ class Pressure:
             if rights.pause_self and n.req.sid is not None:
                 to_host, host_victims = self.pause_route(n.req, planner, facts)
                 verdict.on_short = P.Pause(n.req.sid, to_host, host_victims)
+            # rule: capacity-contract
             elif self.alone(n, taken, tx_busy) and not any(isinstance(r, P.TakeBack) for r in verdict.remedies):
                 # (a take-back releases what it frees only as its snapshot publishes: the
                 # contract is judged again once nobody is about to release anything)
@@ -231,6 +237,7 @@ class Pressure:
         return verdict, planner, freed
 
     # ---- pauses -----------------------------------------------------------------------
+    # rule: pause-route
     def pause_route(self, victim: Request, planner: Planner, facts: P.Facts) -> tuple[bool, list[P.Delete]]:
         """Snapshot to the Host when its unique Device content can be placed there (admitted
         over optional cache, then pause snapshots of later tickets), else destructive."""

@@ -50,6 +50,7 @@ def _owner_record(owner: Owner, table: RecordTable):
     return None
 
 
+# rule: reclaim-classes
 def _classify(owners: tuple[Owner, ...], table: RecordTable, may_revoke: Callable[[Owner], bool]) -> int | None:
     """0 normal / 1 reuse optional cache, 2 a revocable waiting reference, 3 a revocable pause
     snapshot; None when some holder is necessary (never a reclaim candidate)."""
@@ -106,6 +107,7 @@ class Planner:
             cls = _classify(c.owners, table, may_revoke)
             if cls is not None:
                 hot = _demand_time(c.owners, table)
+                # rule: revocation-order
                 if cls >= 2:     # revocable holds: the youngest holder's first (seed: 优先考虑较年轻等待者)
                     hot = -max((self.tickets.get(o, -1) for o in c.owners
                                 if isinstance(o, (WaiterOwner, SnapshotOwner))), default=-1)
@@ -113,6 +115,7 @@ class Planner:
         self._hot_protection_covers_proven_only()
         self._apply_soft_target()
 
+    # rule: hot-protection
     def _hot_protection_covers_proven_only(self) -> None:
         """Private hot protection is per record and covers its proven position only: a deeper,
         not yet proven point of a reuse record is normal content for that record when another
@@ -120,6 +123,13 @@ class Planner:
         私有热保护对应其已证明的采用位置; 同一 owner 真正幸存的较早、精确兼容恢复点仍覆盖这个位置) —
         another history's point does not count, nor an input point shallower than the proven
         position. A shared hot owner (a public entry) protects on its own."""
+        def protects(rec, cand: Candidate) -> bool:
+            proven = rec.evidence.proven_frontier
+            if cand.frontier <= proven or proven <= 0:
+                return True
+            own = {c for _, c in rec.points()}
+            return not any(other in own and pf >= proven for pf, other in self._prefixes(cand.cid))
+
         for cand in self.cands.values():
             if cand.cls != 1:
                 continue
@@ -129,15 +139,8 @@ class Planner:
                 continue
             recs = [r for o in owners if isinstance(o, RecordOwner)
                     and (r := _owner_record(o, self.table)) is not None and r.level == Level.REUSE]
-            if recs and not any(self._protects(r, cand) for r in recs):
+            if recs and not any(protects(r, cand) for r in recs):
                 cand.cls = 0
-
-    def _protects(self, rec, cand: Candidate) -> bool:
-        proven = rec.evidence.proven_frontier
-        if cand.frontier <= proven or proven <= 0:
-            return True
-        own = {c for _, c in rec.points()}
-        return not any(other in own and pf >= proven for pf, other in self._prefixes(cand.cid))
 
     # ==== retention ======================================================================
     def _footprint(self, cid: int) -> tuple[set, set, set]:
@@ -150,6 +153,7 @@ class Planner:
             self.f.blocks[b].host_at for b in c.blocks if self.f.blocks[b].host_at}
         return pages, slots, host
 
+    # rule: soft-target
     def _apply_soft_target(self) -> None:
         """The reuse segment is kept per record (private records and public entries), newest
         real demand first, to 3/4 of each physical pool counted by unique footprint (all of
@@ -208,6 +212,7 @@ class Planner:
         """Deepest surviving exact-prefix point of ``cid`` (0 = root)."""
         return next((f for f, other in self._prefixes(cid) if other not in gone), 0)
 
+    # rule: nested-loss
     def loss(self, group: frozenset[int] | set[int]) -> int:
         """Restore-token loss of deleting ``group`` (with the victims already chosen), counted
         per history: each member loses down to its surviving fallback, less what a co-deleted
@@ -235,6 +240,7 @@ class Planner:
                     out.add(bid)
         return out
 
+    # rule: useful-release
     def freed_by_delete(self, group: frozenset[int], pool: str) -> int:
         """Device units of ``pool`` that deleting ``group`` (with the victims already chosen)
         frees in addition — shared references are counted once."""
@@ -305,6 +311,7 @@ class Planner:
         placed = place_first_fit(free, [s for _, s in self.host_used])
         return placed[1] if placed else []
 
+    # rule: host-gain-cap
     def host_gain_cap(self, holes: list[tuple[int, int]], sizes: list[int]) -> int:
         """What a Host victim's freed bytes count for when ranking (seed: 排序收益以字节缺口为
         上限): the byte shortfall, or — when the free bytes suffice but do not fit — the
@@ -313,6 +320,7 @@ class Planner:
         need = sum(sizes)
         return need - free if free < need else max(sizes)
 
+    # rule: host-fit-first
     def _host_rank(self, c: Candidate, chosen: set[int], sizes: list[int], cap: int, base: int,
                    dups: set[int] = frozenset()):
         """Reclaim order for the next Host victim: normal before reuse content; an action that
@@ -339,6 +347,7 @@ class Planner:
             return [], 0
         migrating = self._migrating()
         spare: list[int] = []
+        # rule: host-dups-first
         if dups:
             spare = sorted((cid for cid in self.f.checkpoints
                             if cid not in self.victims and cid not in migrating and cid not in self.dup_dropped
@@ -365,6 +374,7 @@ class Planner:
             cap = self.host_gain_cap(holes, sizes)
             base = sum(s for _, s in self._host_freed_by(set(chosen)))
             chosen.append(min(rest, key=lambda c: self._host_rank(c, set(chosen), sizes, cap, base, set(taken))).cid)
+        # rule: host-prune
         for cid in list(chosen):                     # drop actions no longer needed
             rest = [x for x in chosen if x != cid]
             if place_first_fit(self._holes(set(rest), set(taken)), sizes) is not None:
@@ -407,6 +417,7 @@ class Planner:
         """Actions for the gap (beyond what earlier passes freed) and whether they cover it."""
         actions: list[P.Action] = []
         base = {pool: self.freed_so_far(pool) for pool in (P.STATE, P.MAIN)}
+        # rule: state-before-kv
         for pool in (P.STATE, P.MAIN):          # seed: Device State first, then Main KV
             short = need.get(pool, 0) + base[pool] - self.freed_so_far(pool)
             while short > 0:
@@ -444,6 +455,7 @@ class Planner:
         return min((self.tickets[o] for o in self.f.checkpoints[cid].owners
                     if isinstance(o, SnapshotOwner) and o in self.tickets), default=None)
 
+    # rule: host-admission
     def host_admission(self, cand: Candidate):
         """Which Host content a demotion of ``cand`` may replace, and the loss budget
         (seed admission table): a pause snapshot may replace optional cache, then pause
@@ -477,6 +489,7 @@ class Planner:
                     options.append((cand.cls, cand.demand_time, host[1], 1, ("demote_state", cid), sizes, host[0]))
             if pool == P.MAIN and self.demote:
                 blocks = self.movable_blocks(cid)[-short:]
+                # rule: page-groups
                 while blocks:                 # page groups that do not fit are halved and retried
                     sizes = [self.f.page_bytes for b in blocks if not self._page_on_host(b)]
                     host = self.place_host(sizes, admissible, budget, keep=frozenset(blocks))
@@ -493,6 +506,7 @@ class Planner:
                 options.append((cls, hot, self.loss(group), freed, ("delete", group), [], []))
         return options
 
+    # rule: reclaim-ranking
     def _best(self, pool: str, short: int):
         options = self._options(pool, short)
         if not options:
@@ -531,6 +545,7 @@ class Planner:
         With own repeat demand: normal content, or reuse content whose demand is older than
         the candidate's own, may be replaced, without a coverage budget.
         Returns the actions, or None to skip the save (it never blocks necessary work)."""
+        # rule: capture-admission
         if own_demand is not None:
             admissible = lambda c: c.cls == 0 or (c.cls == 1 and c.demand_time < own_demand)  # noqa: E731
             budget = None

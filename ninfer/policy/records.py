@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from ninfer.policy.history import HistoryTrie
 from ninfer.policy.index import PrefixIndex
 from ninfer.protocol import MAX_ANCHORS, MAX_MARKERS, CkptKind, CkptRef, EntryOwner, Owner, RecordOwner, Role  # noqa: F401
 
@@ -102,6 +103,7 @@ class RecordTable:
         self.entries: dict[int, PublicEntry] = {}
         self.sessions: dict[str, int] = {}          # session -> record id (newest publication)
         self.index = PrefixIndex()                  # live cache points by exact prefix digest
+        self.histories = HistoryTrie()              # their token content (and live prompts): divergence positions
         self._adds = 0                              # cache points indexed so far (an epoch)
         self._prefixes: dict[int, tuple[int, list[tuple[int, int]]]] = {}   # cid -> (epoch, list)
         self.dirty: set[int] = set()                # cids whose owners, evidence or placement changed
@@ -121,6 +123,7 @@ class RecordTable:
             info = self.ckpts[ref.cid] = CkptInfo(ref, tokens)
             if ref.kind is CkptKind.CACHE:
                 self.index.add(ref.cid, tokens)
+                self.histories.insert(("ck", ref.cid), tokens)
                 self._adds += 1
         info.owners.add(owner)
         return info
@@ -135,6 +138,7 @@ class RecordTable:
         if not info.owners:
             del self.ckpts[cid]
             self.index.remove(cid)
+            self.histories.remove(("ck", cid))
             self._prefixes.pop(cid, None)
             return True
         return False
@@ -145,6 +149,7 @@ class RecordTable:
         self.dirty.add(cid)
         info = self.ckpts.pop(cid, None)
         self.index.remove(cid)
+        self.histories.remove(("ck", cid))
         self._prefixes.pop(cid, None)
         owners = list(info.owners) if info else []
         for rec, _ in uses:

@@ -26,7 +26,7 @@ from ninfer.protocol import EntryOwner, Owner, RecordOwner, Role, WaiterOwner
 class SavePoint:
     frontier: int
     owners: list[Owner]               # the first captures, the rest are added as owners
-    kinds: list[str]                  # "in" | "a" | "m"
+    kinds: list[str]                  # "in" | "a" | "m" | "d" (a divergence position: a public entry)
     entries: dict[Owner, PublicEntry] = field(default_factory=dict)   # marker owner -> entry
 
 
@@ -46,6 +46,8 @@ class CacheBook:
     pending_base: int | None = None         # a wait ended with the point there: the source it had
     waited_s: float = 0.0                   # time spent in pending waits that ended
     lost: dict | None = None                # its admission missed a restore point: where, why
+    divergence: list[int] = field(default_factory=list)   # divergence positions it offers a save at
+    diverged_from: set[int] = field(default_factory=set)  # ... those another request computed across
 
 
 @dataclass
@@ -101,10 +103,15 @@ class CacheStats:
     pending_abandoned: int = 0        # waits whose point never came (producer gone, save skipped)
 
 
+MAX_DIVERGENCE = 4          # divergence positions one request offers at most (as MAX_MARKERS)
+HISTORY_OBSERVER = "<history>"   # the earlier request that computed across a divergence position
+
+
 class ResourceManager:
-    def __init__(self, info: P.WorkerInfo, cost: CostModel | None = None):
+    def __init__(self, info: P.WorkerInfo, cost: CostModel | None = None, divergence_min: int | None = 16):
         self.info = info
         self.cost = cost or CostModel()
+        self.divergence_min = divergence_min    # None: no divergence positions
         self.table = RecordTable()
         self.stats = CacheStats()
         self.summary = DemandSummary(256, info.exec_identity)
@@ -126,6 +133,7 @@ class ResourceManager:
 
     def forget(self, req: Request) -> None:
         self.books.pop(req.rid, None)
+        self.table.histories.remove(req.rid)
 
     def adopting(self) -> set[int]:
         """Sources being adopted right now (requests binding from them): never victims."""
@@ -149,10 +157,12 @@ class ResourceManager:
         return out
 
     @staticmethod
+    # rule: waiter-only-not-public
     def _public(info: CkptInfo, rid: str | None) -> bool:
         """Not a point that only waiters keep — unless ``rid`` is one of them (its own source)."""
         return not info.owners or not all(isinstance(o, WaiterOwner) and o.rid != rid for o in info.owners)
 
+    # rule: restorable
     def restorable(self, info: CkptInfo) -> bool:
         """Not a point the worker reported without the draft coverage its restore needs."""
         return self.uncovered.get(info.cid) != info.ref.generation
@@ -181,6 +191,7 @@ class ResourceManager:
                 info.ref = P.CkptRef(r.cid, r.generation, r.frontier, r.kind, on_device, r.host or not on_device)
             info.host_pages = host_pages
 
+    # rule: source-ranking
     def _rank_key(self, info: CkptInfo, req: Request, target: int):
         """Cost first; ties by bytes moved, deeper position, legal session hint, private use,
         newer publication order, stable sequence (seed order)."""
@@ -199,6 +210,7 @@ class ResourceManager:
         if not cands:
             return None
         best = min(cands, key=lambda c: self._rank_key(c, req, target))
+        # rule: source-worth
         return best if self._rank_key(best, req, target)[0] <= self.cost.source_cost(0, target) else None
 
     def plan_admission(self, req: Request, queued: list[Request] = ()) -> Admission:
@@ -216,6 +228,7 @@ class ResourceManager:
         own_wait = WaiterOwner(req.rid)
         if rec is not None:
             adm.record, adm.takeover = rec, True
+            # rule: move-or-fork
             if role is Role.E and src.owners - {own_wait} == {rec.owner(Role.E)} \
                     and not self._extended_by(src, req, queued):
                 adm.mode, adm.mover = P.BindMode.MOVE, rec.owner(Role.E)
@@ -224,6 +237,7 @@ class ResourceManager:
             adm.record = self._branch(req)
         return adm
 
+    # rule: supersede-at-admission
     def _superseded(self, rec: PrivateRecord, src: CkptInfo, req: Request) -> list[P.Retire]:
         """Taking a record over from a shallower point (an input point after a rewrite): its
         deeper E that this prompt no longer continues is retired once the bind is admitted
@@ -241,6 +255,7 @@ class ResourceManager:
         return any(r is not req and r.live and len(r.prompt) >= f and tuple(r.prompt[:f]) == src.tokens
                    for r in queued)
 
+    # rule: takeover-or-branch
     def _may_take_over(self, rec: PrivateRecord, req: Request) -> bool:
         """A non-active record that may be updated is taken over; an occupied relation or a
         cross-entry case (a different named session) branches instead."""
@@ -260,6 +275,7 @@ class ResourceManager:
         return Admission(source=src, record=self.book(req).record)
 
     # ==== waiting references ===========================================================
+    # rule: waiter-carries-points
     def wait_on(self, req: Request, adm: Admission) -> list[P.Command]:
         """A queued request keeps its valuable source: a waiting reference protects it without
         allocating, without a lane, without heat or hit counts."""
@@ -294,6 +310,7 @@ class ResourceManager:
         return self.end_wait(req)
 
     # ==== waiting for a pending point =================================================
+    # rule: pending-source
     def pending_source(self, req: Request, base: int, producers) -> tuple[str, int] | None:
         """A deeper restore point another request will publish for this prompt's exact prefix:
         (producer rid, frontier), or None. ``producers``: (request, its frontier now, its pending
@@ -321,6 +338,7 @@ class ResourceManager:
         self.book(req).pending = PendingWait(producer, frontier, base, time.monotonic())
         self.stats.pending_waits += 1
 
+    # rule: pending-holds
     def pending_holds(self, req: Request, producer: Request | None, resident: bool) -> bool:
         """Whether the wait still holds: the producer is bound, live, before the point and still
         plans to save it. When it ends with the point published the request adopts it through
@@ -398,8 +416,65 @@ class ResourceManager:
             cmds.append(P.ReleaseOwner(ref.cid, ref.generation, owner))
         return cmds
 
+    # ==== divergence positions ========================================================
+    # rule: divergence-points
+    def on_enqueued(self, req: Request, live: dict[str, Request]) -> None:
+        """A new prompt's divergence position (issue 30): the longest prefix X it shares with any
+        history held — cache points' tokens and live requests' prompts — when X lies at least
+        ``divergence_min`` tokens beyond every restore point below it and before the prompt's
+        end (its input point is there). Raw inputs carry no marker where conversations that share
+        a system prompt or a document part; X is that place, and a later request sharing [0, X)
+        needs a restore point there. This request offers a save at X (its prefill ends a unit on
+        it: a public entry), and so does each live request sharing [0, X) that has yet to compute
+        across it — this one then waits for that save (the pending-point rule) instead of
+        computing the prefix as well. At most MAX_DIVERGENCE positions per request. Only the
+        match is computed here: the saves go through the admission table like any capture."""
+        hist = self.table.histories
+        if self.divergence_min is not None and len(hist):
+            m = hist.match(req.prompt)
+            x = m.length
+            if x < len(req.prompt) and self._divergence_gain(req.prompt, x) >= max(1, self.divergence_min):
+                self._offer(req, x)
+                self.book(req).diverged_from.add(x)
+                for rid in sorted(m.live):
+                    q = live.get(rid)
+                    if q is not None and q is not req and q.live and q.ticket < req.ticket:
+                        self._offer(q, x)
+        hist.insert(req.rid, req.prompt, live=True)
+
+    def _divergence_gain(self, prompt: list[int], x: int) -> int:
+        """What a restore point at ``x`` adds over the deepest one below it."""
+        return x - max((c.frontier for c in self.candidates(prompt, x)), default=0)
+
+    def _offer(self, req: Request, x: int) -> None:
+        """``req`` offers a save at divergence position ``x``: at its admission (save_plan), or —
+        already bound and not yet past ``x`` in its prompt — from its next unit on."""
+        book = self.book(req)
+        if x in book.divergence or len(book.divergence) >= MAX_DIVERGENCE or x >= len(req.prompt):
+            return
+        book.divergence.append(x)
+        f = req.facts
+        if book.record is None or f is None or f.frontier >= x or req.outputs:
+            return
+        if any(sp.frontier == x for sp in book.save_points) or self._has_entry(req.prompt, x):
+            return
+        ent = self.table.new_entry(-1, x, insert=False)
+        book.save_points.append(SavePoint(x, [ent.owner], ["d"], {ent.owner: ent}))
+        book.save_points.sort(key=lambda sp: sp.frontier)
+
+    def check(self, live: set[str]) -> str | None:
+        """The history trie holds exactly the cache points' tokens and the live requests' prompts,
+        and its own invariants hold (integrity checks)."""
+        hist = self.table.histories
+        want = {("ck", cid) for cid in self.table.ckpts} | set(live)
+        have = hist.keys()
+        if have != want:
+            return f"history trie keys differ: extra {sorted(map(str, have - want))[:5]}, missing {sorted(map(str, want - have))[:5]}"
+        return hist.check()
+
     # ==== save opportunities ===========================================================
     @staticmethod
+    # rule: input-point
     def input_point(req: Request) -> int:
         """The request's input-side restore position: the frontend's C or R, else — with no
         typed rewrite — P, the raw input end (seed: P 没有 typed rewrite 的 raw/token 输入终点)."""
@@ -407,9 +482,13 @@ class ResourceManager:
         return len(req.prompt) if r is None else r
 
     def candidate_positions(self, req: Request) -> list[int]:
-        """Positions where this request offers a save: its input restore point, anchors, markers."""
+        """Positions where this request offers a save: its input restore point, anchors, markers,
+        divergence positions."""
         pos = set(req.spec.anchors) | set(req.spec.markers)
         pos.add(self.input_point(req))
+        book = self.books.get(req.rid)
+        if book is not None:
+            pos.update(book.divergence)
         return sorted(pos)
 
     def existing_point(self, req: Request, f: int) -> CkptInfo | None:
@@ -422,6 +501,7 @@ class ResourceManager:
                 return info
         return None
 
+    # rule: save-points
     def save_plan(self, req: Request, start: int, rec: PrivateRecord) -> list[SavePoint]:
         """Input restore point, anchors and markers inside (start, P] — never chunk ends.
         Same frontiers merge into one capture with several owners."""
@@ -446,6 +526,11 @@ class ResourceManager:
             if start < m <= P_len and not self._has_entry(req.prompt, m):
                 ent = self.table.new_entry(-1, m, insert=False)     # enters the table when captured
                 add(m, ent.owner, "m", ent)
+        book = self.books.get(req.rid)
+        for x in book.divergence if book is not None else ():
+            if start < x < P_len and x not in points and not self._has_entry(req.prompt, x):
+                ent = self.table.new_entry(-1, x, insert=False)
+                add(x, ent.owner, "d", ent)
         return [points[f] for f in sorted(points)]
 
     def _carried(self, cid: int | None, prompt: list[int], r: int) -> bool:
@@ -460,6 +545,7 @@ class ResourceManager:
                 return True
         return False
 
+    # rule: retire-before-save
     def retire_for(self, req: Request, sp: SavePoint, rec: PrivateRecord | None = None) -> list[P.Retire]:
         """A needed later input point retires the record's old one before its destination is
         requested (seed: 旧点可在申请新目的之前退休；新保存失败不恢复旧点)."""
@@ -471,6 +557,7 @@ class ResourceManager:
             return []
         return [P.Retire(info.cid, info.ref.generation, rec.owner(Role.INPUT))]
 
+    # rule: anchor-replacement
     def anchor_replace(self, req: Request, sp: SavePoint, rec: PrivateRecord | None = None) -> list[P.Retire] | None:
         """The anchor hold a new anchor at ``sp`` supersedes (seed: 锚点同位置更新，超限替换最旧
         发布点；无法安全替换则放弃本次保存): the record's anchor at the same position (its
@@ -506,6 +593,7 @@ class ResourceManager:
                 rec.anchors.remove(r.cid)
             self._drop_use(r.cid, r.owner)
 
+    # rule: capture-terms
     def capture_terms(self, req: Request, sp: SavePoint, rec: PrivateRecord | None = None
                       ) -> tuple[int, float | None, bool]:
         """(fixed new-coverage benefit, own repeat-demand time or None, owner is reuse) for the
@@ -521,6 +609,7 @@ class ResourceManager:
         return benefit, own, rec is not None and rec.level == Level.REUSE
 
     # ==== evidence =====================================================================
+    # rule: compute-demand
     def observe_prefill(self, req: Request, start: int, end: int) -> None:
         """A new prefill commit crossing a candidate position is a real computation demand
         (once per request per position). Two different requests computing the same position
@@ -530,12 +619,18 @@ class ResourceManager:
         if not crossed:
             return
         now = time.monotonic()
+        earlier = self.book(req).diverged_from
         for f, d in prefix_digests(req.prompt, crossed).items():
             observed.add(f)
+            if f in earlier:
+                # another request really computed across this divergence position (the history it
+                # was found in): with this commit, two different requests computed it
+                self.summary.observe(d, f, HISTORY_OBSERVER, now)
             obs = self.summary.observe(d, f, req.rid, now)
             if obs.repeated:
                 self._promote(req.prompt[:f], f, now)
 
+    # rule: repeat-demand-promotes
     def _promote(self, tokens: list[int], f: int, now: float) -> None:
         """Repeat demand lifts the owners of an existing point at that exact position to the
         reuse level; an input point proves its own position."""
@@ -553,6 +648,7 @@ class ResourceManager:
                 ent.evidence.demand_time = max(ent.evidence.demand_time or 0.0, now)
                 self.table.touch(ent)
 
+    # rule: adoption-evidence
     def _note_adoption(self, req: Request, src: CkptInfo, child: PrivateRecord, takeover: bool) -> None:
         """Real cross-request adoption. Consume (takeover) resets the owner's (time, proven
         frontier) from this source; a Fork child gets this adoption's time and position, while
@@ -600,6 +696,7 @@ class ResourceManager:
         own snapshot. Either way nothing is adopted from another request."""
         self.book(req).source_cid = None
 
+    # rule: hits-and-lost-hits
     def _count_query(self, req: Request, src: CkptInfo | None) -> None:
         s = self.stats
         s.queries += 1
@@ -628,12 +725,12 @@ class ResourceManager:
         tokens = tuple(req.ledger[: ref.frontier])
         cmds: list[P.Command] = []
         for i, (owner, kind) in enumerate(zip(sp.owners, sp.kinds)):
-            if kind == "m" and shared and self._has_entry(req.prompt, ref.frontier):
+            if kind in ("m", "d") and shared and self._has_entry(req.prompt, ref.frontier):
                 continue                       # the public entry there already serves
             self.table.add_ckpt(ref, tokens, owner)
             if i > 0 or shared:
                 cmds.append(P.AddOwner(ref.cid, ref.generation, owner))
-            if kind == "m":
+            if kind in ("m", "d"):
                 ent = sp.entries[owner]
                 ent.cid = ref.cid
                 self.table.entries[ent.id] = ent
@@ -643,6 +740,7 @@ class ResourceManager:
                 rec.anchors.append(ref.cid)
         obs = self.summary.get(digest(tokens), ref.frontier)
         if obs is not None and obs.repeated:
+            # rule: save-is-no-evidence
             # the candidate's own demand time: a pure save is no evidence (seed: 单纯保存不刷新证据)
             self._promote(list(tokens), ref.frontier, obs.last)
         return cmds

@@ -64,6 +64,7 @@ class Scheduler:
         opportunity (seed: 刚暂停的请求不因自身释放立刻恢复)."""
         self.epoch += 1
         for req in self.paused:
+            # rule: own-release-no-wake
             if req.rid not in causes:
                 self.st(req).wake = True
 
@@ -124,11 +125,13 @@ class Scheduler:
     def rows(self) -> list[Request]:
         """Running residents whose next unit is a Decode/Control row, in permit order."""
         out = [r for r in self.resident.values() if r.phase is Phase.RUNNING and r.live and not _in_prefill(r)]
+        # rule: permit-order
         return sorted(out, key=lambda r: (r is not self.recovery, r.ticket))
 
     def chunk_order(self) -> list[Request]:
         """Residents needing a prefill/replay chunk: recovery first, then the rotation."""
         need = {rid for rid, r in self.resident.items() if r.phase is Phase.RUNNING and r.live and _in_prefill(r)}
+        # rule: chunk-order
         order = [self.resident[rid] for rid in self.turn if rid in need]
         if self.recovery is not None and self.recovery in order:
             order.remove(self.recovery)
@@ -159,10 +162,12 @@ class Scheduler:
         if not self.fresh:
             return []
         out = []
+        # rule: fresh-scan
         for req in itertools.islice((r for r in self.fresh if not self.st(r).pending), 1 + self.C):
             if not req.live:
                 continue
             budget = max(0, self.C - self.st(req).overtaken)
+            # rule: no-requote-same-event
             if self.st(req).failed_epoch != self.epoch:
                 out.append((req, budget))
             if budget == 0:
@@ -175,9 +180,11 @@ class Scheduler:
         and a blocked candidate j is overtaken by at most its budget of younger successes."""
         out = []
         for k in range(len(iids)):
+            # rule: lane-bound
             guards = [Guard((), tuple(iids[:k]), lanes)]
             for j in range(k):
                 between = tuple(iids[j + 1:k])
+                # rule: overtaking-bound
                 guards.append(Guard((iids[j],), between, budgets[j]))
             out.append(guards)
         return out
@@ -190,6 +197,7 @@ class Scheduler:
                 continue
             st = self.st(req)
             st.failed_epoch = self.epoch
+            # rule: overtaking-count
             st.overtaken += sum(1 for later in tried[i + 1:] if later.rid in admitted)
 
     def older_resident_than(self, req: Request) -> bool:
@@ -198,6 +206,7 @@ class Scheduler:
     def resume_candidate(self) -> Request | None:
         """The oldest paused request, when it saw a real capacity event not caused by itself
         and nobody holds the full recovery permit."""
+        # rule: resume-candidate
         if not self.paused or self.recovery is not None:
             return None
         req = self.paused[0]
@@ -207,11 +216,13 @@ class Scheduler:
         """The oldest paused request with no older resident takes back lanes and capacity from
         younger residents; with an older resident present it only uses free and optional space
         (it never pauses young borrowers just to probe)."""
+        # rule: take-back-gate
         return bool(self.paused) and self.paused[0] is req and not self.older_resident_than(req)
 
     def victims_for(self, req: Request) -> list[Request]:
         """Residents that may be paused for ``req``'s necessary work: younger, running (not
         materializing), not terminal, not the recovery holder — youngest first."""
+        # rule: victims
         out = [r for r in self.resident.values()
                if r.ticket > req.ticket and r.phase is Phase.RUNNING and r is not self.recovery and r.live]
         return sorted(out, key=lambda r: -r.ticket)

@@ -41,8 +41,10 @@ def test_takeover_respects_publication_order(make_harness, tiny_model):
     """Finding 4: an older request admitted after a newer one published a record does not take
     that record over (seed: 重新查询也不能接管 publication order 晚于本请求的记录); it branches,
     and the newer conversation keeps its generation end."""
+    # no divergence positions: the scenario needs the older request's first unit to need 3 pages
+    # (a save offered where the two prompts part, at 60, would cut it to one page)
     h = make_harness(max_concurrency=3, max_context=512, kv_capacity=8 * 64, prefill_chunk_tokens=256,
-                     context_cache={"device_state_slots": 4, "host_capacity_bytes": 0})
+                     context_cache={"device_state_slots": 4, "host_capacity_bytes": 0, "divergence_min_tokens": None})
     base = random_prompt(60, seed=2)
     blocker_p = random_prompt(20, seed=3)
     blocker = h.submit(blocker_p, max_tokens=150)              # a resident: at most 3 pages

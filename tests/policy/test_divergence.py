@@ -1,0 +1,218 @@
+"""Divergence positions, model-free (issue 30): the history trie against a brute-force longest
+common prefix, and the ResourceManager's choice of positions on fabricated requests and cache
+points (milliseconds, no model, no worker)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ninfer import protocol as P
+from ninfer.policy.history import BLOCK, HistoryTrie
+from ninfer.policy.resources import HISTORY_OBSERVER, MAX_DIVERGENCE, ResourceManager
+from ninfer.protocol import RequestSpec
+
+
+def _lcp(a, b) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+histories = st.lists(st.tuples(st.integers(0, 70), st.lists(st.integers(0, 2), max_size=40), st.booleans()),
+                     min_size=1, max_size=10)
+
+
+@settings(max_examples=200, deadline=None)
+@given(histories, st.lists(st.integers(0, 9), max_size=4), st.integers(0, 70),
+       st.lists(st.integers(0, 2), max_size=40), st.integers(0, 2 ** 31))
+def test_the_trie_finds_the_longest_shared_prefix_and_who_shares_it(hist, drop, cut, tail, seed):
+    import random
+    base = [random.Random(seed).randrange(3) for _ in range(70)]
+    trie, held = HistoryTrie(), {}
+    for i, (c, t, live) in enumerate(hist):
+        key = f"r{i}" if live else ("ck", i)
+        toks = tuple(base[:c] + t)
+        trie.insert(key, toks, live)
+        held[key] = (toks, live)
+    for i in drop:
+        key = next((k for k in held if k in (f"r{i}", ("ck", i))), None)
+        if key is not None:
+            trie.remove(key)
+            del held[key]
+    assert trie.check() is None
+    q = base[:cut] + tail
+    m = trie.match(q)
+    best = max((_lcp(t, q) for t, _ in held.values()), default=0)
+    sharing = [(k, live) for k, (t, live) in held.items() if best and _lcp(t, q) >= best]
+    assert m.length == best
+    assert set(m.live) == {k for k, live in sharing if live}
+    assert m.cached == any(not live for _, live in sharing)
+    for k in list(held):
+        trie.remove(k)
+    assert len(trie) == 0 and trie.root.refs == 0 and not trie.root.children and not trie.root.tails
+
+
+def test_a_query_walks_only_its_own_blocks():
+    """Cost per query does not grow with the number of histories: 5,000 histories under one
+    shared prefix, and a query touches one node per block of its own plus the fan-out where it
+    parts."""
+    trie = HistoryTrie()
+    shared = list(range(1000, 1000 + 10 * BLOCK))
+    for i in range(5000):
+        trie.insert(("ck", i), shared + [i % 97] * BLOCK + [i])
+    m = trie.match(shared + [5000] * 3)
+    assert m.length == 10 * BLOCK and m.cached and not m.live
+    assert m.steps == 10 + 97                  # its 10 blocks, then the 97 branches where it parts
+    deep = trie.match(shared + [5] * BLOCK + [5])
+    assert deep.length == 11 * BLOCK + 1 and deep.steps <= 11 + 5000 // 97 + 1
+
+
+@dataclass(eq=False)
+class _Req:
+    rid: str
+    ticket: int
+    prompt: list[int]
+    outputs: list = field(default_factory=list)
+    facts: object = None
+    live: bool = True
+
+    def __post_init__(self):
+        self.spec = RequestSpec(prompt=self.prompt)
+
+    @property
+    def ledger(self) -> list[int]:
+        return self.prompt + self.outputs
+
+
+@dataclass
+class _Facts:
+    frontier: int
+
+
+def _rm(**kw) -> ResourceManager:
+    info = P.WorkerInfo(protocol=1, model_type="t", vocab_size=100, max_context=4096, eos_ids=[], max_concurrency=4,
+                        kv_pages=64, state_slots=8, page_bytes=1, image_bytes=1, host_capacity=0,
+                        prefill_chunk_tokens=64, exec_identity=b"x", dtype="float32")
+    return ResourceManager(info, **kw)
+
+
+def _point(rm: ResourceManager, cid: int, tokens: list[int]) -> None:
+    rec = rm.table.new_record(None)
+    rm.table.add_ckpt(P.CkptRef(cid, 1, len(tokens), P.CkptKind.CACHE, True, False), tuple(tokens), rec.owner(P.Role.E))
+    rec.e = cid
+
+
+S = list(range(1, 201))
+
+
+def _enqueue(rm, live, req):
+    live[req.rid] = req
+    rm.on_enqueued(req, live)
+
+
+def test_the_position_where_a_prompt_parts_from_a_cached_history_is_offered():
+    rm, live = _rm(), {}
+    _point(rm, 1, S[:150] + [7] * 30)
+    r = _Req("r", 1, S)
+    _enqueue(rm, live, r)
+    assert rm.book(r).divergence == [150] and 150 in rm.book(r).diverged_from
+    assert 150 in rm.candidate_positions(r)
+    [sp] = [sp for sp in rm.save_plan(r, 0, rm.table.new_record(None, insert=False)) if sp.frontier == 150]
+    assert sp.kinds == ["d"] and len(sp.entries) == 1
+    assert rm.save_plan(r, 150, rm.table.new_record(None, insert=False))[0].frontier == 200  # past it: none
+
+
+def test_no_position_at_the_prompt_end_or_close_to_the_point_below():
+    rm, live = _rm(divergence_min=16), {}
+    _point(rm, 1, S[:100])                                   # a restore point at 100
+    _point(rm, 2, S[:110] + [7] * 30)                        # a history parting at 110
+    r = _Req("r", 1, S)
+    _enqueue(rm, live, r)
+    assert rm.book(r).divergence == []                       # 110 - 100 < 16
+    _point(rm, 3, S + [9] * 10)                              # a history extending the whole prompt
+    r2 = _Req("r2", 2, S)
+    _enqueue(rm, live, r2)
+    assert rm.book(r2).divergence == []                      # X = P: the input point is there
+    off = _rm(divergence_min=None)
+    _point(off, 2, S[:150] + [7] * 30)
+    r3 = _Req("r3", 3, S)
+    _enqueue(off, {}, r3)
+    assert off.book(r3).divergence == []
+
+
+def test_an_earlier_live_request_still_to_compute_the_position_is_offered_it_too():
+    """Q (queued, earlier) shares [0, 150) with R: both offer the save; a bound Q before 150 gets
+    the save point in its books at once; a later request is never the producer, nor one past X."""
+    rm, live = _rm(), {}
+    q = _Req("q", 1, S[:150] + [7] * 60)
+    _enqueue(rm, live, q)
+    r = _Req("r", 2, S)
+    _enqueue(rm, live, r)
+    assert rm.book(q).divergence == [150] and rm.book(r).divergence == [150]
+    # bound and before the position: its pending save points get it (the pending-point rule sees it)
+    rm2, live2 = _rm(), {}
+    qb = _Req("q", 1, S[:150] + [7] * 60, facts=_Facts(64))
+    _enqueue(rm2, live2, qb)
+    rm2.book(qb).record = rm2.table.new_record(None)
+    late = _Req("r", 2, S)
+    _enqueue(rm2, live2, late)
+    assert [sp.frontier for sp in rm2.book(qb).save_points] == [150]
+    assert rm2.pending_source(late, 0, [(qb, 64, rm2.book(qb).save_points)]) == ("q", 150)
+    # past the position: nothing offered to it
+    rm3, live3 = _rm(), {}
+    qp = _Req("q", 1, S[:150] + [7] * 60, facts=_Facts(160))
+    _enqueue(rm3, live3, qp)
+    rm3.book(qp).record = rm3.table.new_record(None)
+    _enqueue(rm3, live3, _Req("r", 2, S))
+    assert rm3.book(qp).save_points == []
+    # a younger live request is no producer
+    rm4, live4 = _rm(), {}
+    young = _Req("y", 9, S[:150] + [7] * 60)
+    _enqueue(rm4, live4, young)
+    _enqueue(rm4, live4, _Req("r", 2, S))
+    assert rm4.book(young).divergence == []
+
+
+def test_a_request_offers_at_most_max_divergence_positions():
+    rm, live = _rm(), {}
+    q = _Req("q", 0, S)
+    _enqueue(rm, live, q)
+    for i in range(MAX_DIVERGENCE + 2):
+        x = 40 + 20 * i
+        _enqueue(rm, live, _Req(f"r{i}", i + 1, S[:x] + [7] * 20))
+    assert rm.book(q).divergence == [40 + 20 * i for i in range(MAX_DIVERGENCE)]
+
+
+def test_crossing_a_divergence_position_is_two_requests_computing_it():
+    """The history's earlier computation and this commit: repeat demand (seed: 两个不同请求的真实
+    计算也能证明重复需求), observed once per request and position; a position from no history is
+    this request's observation alone."""
+    rm, live = _rm(), {}
+    _point(rm, 1, S[:150] + [7] * 30)
+    r = _Req("r", 1, S)
+    _enqueue(rm, live, r)
+    from ninfer.policy.index import digest
+    rm.observe_prefill(r, 0, 149)
+    assert rm.summary.get(digest(S[:150]), 150) is None
+    rm.observe_prefill(r, 149, 200)
+    obs = rm.summary.get(digest(S[:150]), 150)
+    assert obs.repeated and obs.requests == [HISTORY_OBSERVER, "r"]
+    solo = _Req("s", 2, [5] * 200)
+    _enqueue(rm, live, solo)
+    rm.observe_prefill(solo, 0, 200)
+    assert not rm.summary.get(digest([5] * 200), 200).repeated
+
+
+def test_the_trie_follows_the_cache_and_the_queue():
+    rm, live = _rm(), {}
+    _point(rm, 1, S[:150])
+    r = _Req("r", 1, S)
+    _enqueue(rm, live, r)
+    assert rm.check({"r"}) is None
+    rm.forget(r)
+    rm.table.forget_ckpt(1)
+    assert rm.check(set()) is None and len(rm.table.histories) == 0
