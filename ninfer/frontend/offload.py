@@ -71,10 +71,11 @@ class Offload:
 
     def _started(self) -> tuple[subprocess.Popen, queue.Queue]:
         with self._lock:
-            if self._proc is None or self._proc.poll() is not None:
+            if self._proc is None or self._proc.lost or self._proc.poll() is not None:
                 env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
                 proc = subprocess.Popen([sys.executable, "-c", "from ninfer.frontend.offload import _child; _child()"],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+                proc.lost = False                          # its output ended (it may not be reaped yet)
                 self._proc, self._jobs = proc, queue.Queue()
                 threading.Thread(target=self._write, args=(proc, self._jobs), daemon=True,
                                  name="ninfer-offload-in").start()
@@ -84,12 +85,15 @@ class Offload:
     def submit(self, fn, *args) -> Future:
         fut: Future = Future()
         data = pickle.dumps((None, fn, args), protocol=pickle.HIGHEST_PROTOCOL)
-        proc, jobs = self._started()
-        with self._lock:
-            jid = next(self._ids)
-            self._pending[jid] = (proc, fut)
-        jobs.put(_HEAD.pack(jid) + data)
-        return fut
+        while True:
+            proc, jobs = self._started()
+            with self._lock:
+                if proc.lost:                             # it died between the two: the next one
+                    continue
+                jid = next(self._ids)
+                self._pending[jid] = (proc, fut)
+            jobs.put(_HEAD.pack(jid) + data)
+            return fut
 
     @staticmethod
     def _write(proc: subprocess.Popen, jobs: queue.Queue) -> None:
@@ -102,6 +106,17 @@ class Offload:
                 proc.stdin.flush()
             except (OSError, ValueError):
                 return                                 # it died: its reader fails what it had
+
+    def _lost(self, proc: subprocess.Popen) -> None:
+        """The helper's output ended: it is never used again, and what it had fails, alone."""
+        with self._lock:
+            proc.lost = True
+            lost = [jid for jid, (p, _) in self._pending.items() if p is proc]
+            futs = [self._pending.pop(jid)[1] for jid in lost]
+        for fut in futs:
+            if not fut.done():
+                fut.set_exception(HelperLost("the helper process preparing this request was lost (killed or out "
+                                             "of memory)"))
 
     def _read(self, proc: subprocess.Popen) -> None:
         try:
@@ -116,13 +131,7 @@ class Offload:
                     fut.set_result(value) if ok else fut.set_exception(value)
         except (OSError, EOFError, pickle.UnpicklingError):
             pass
-        with self._lock:                               # it died: what it had fails, alone
-            lost = [jid for jid, (p, _) in self._pending.items() if p is proc]
-            futs = [self._pending.pop(jid)[1] for jid in lost]
-        for fut in futs:
-            if not fut.done():
-                fut.set_exception(HelperLost("the helper process preparing this request was lost (killed or out "
-                                             "of memory)"))
+        self._lost(proc)
 
     def result(self, fut: Future):
         """The child's value (a Refusal is returned as is); a lost helper raises HelperLost."""
