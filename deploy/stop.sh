@@ -1,15 +1,27 @@
 #!/usr/bin/env bash
-# Remove the NInfer deployment's actors from the running Ray cluster, then stop Ray.
+# Remove one NInfer deployment's actors (default name: ninfer) from the running Ray cluster.
+# Ray itself and every other job on it keep running: `ray stop` would end every Ray process on
+# this machine, so it is never run here (run it yourself once nothing else uses that Ray).
 set -uo pipefail
 DEPLOYMENT=${1:-ninfer}
-python3 - "$DEPLOYMENT" <<'PY'
+exec python3 - "$DEPLOYMENT" <<'PY'
+import os
 import sys
+
 import ray
-ray.init(address="auto", namespace="ninfer", logging_level="ERROR")
+
+from ninfer.actors.deployment import find_named, init_ray, remove_deployment
+from ninfer.errors import NInferError
+
+name = sys.argv[1]
 try:
-    ray.kill(ray.get_actor(f"{sys.argv[1]}-frontend"))   # the controller and worker go with it
-    print(f"deployment {sys.argv[1]!r} removed")
-except ValueError:
-    print(f"no deployment named {sys.argv[1]!r}")
+    init_ray(os.environ.get("RAY_ADDRESS") or "auto")      # never a private Ray: there is nothing to stop there
+    if not find_named(name):
+        print(f"no deployment named {name!r} on this Ray cluster")
+        sys.exit(0)
+    remove_deployment(name)
+except NInferError as exc:
+    print(f"deploy/stop.sh: {exc}", file=sys.stderr)
+    sys.exit(1)
+print(f"deployment {name!r} removed (its frontend, controller and worker); Ray keeps running")
 PY
-ray stop

@@ -22,7 +22,7 @@ from ninfer import protocol as P
 from ninfer.config import EngineConfig
 from ninfer.lifecycle import as_dict
 from ninfer.protocol import RequestSpec, TokenLogprob
-from ninfer.errors import RequestError
+from ninfer.errors import RequestError, lost_error
 from ninfer.sampling_params import SamplingParams
 
 log = logging.getLogger("ninfer.api")
@@ -313,7 +313,7 @@ class Engine:
         """The connection to the deployment was lost: no client waits forever."""
         for rid in list(self._handles):
             self._on_event(P.FinalEvent(rid, P.FinishReason.ERROR, [], {}, {}, [],
-                                        {"type": "connection_lost", "message": message}))
+                                        lost_error("connection_lost", message)))
 
     # ---- engine-wide ----------------------------------------------------------------------
     def alive(self) -> bool:

@@ -3,7 +3,7 @@
     ninfer make-tiny-model DIR [--seed N] [--arch qwen3_next|qwen3|qwen3_5_vision] [--no-fit-mtp]
     ninfer make-tiny-dflash TARGET DIR [--kind dflash|dflash2] [--seed N] [--window W] [--no-fit]
     ninfer demo [--model DIR]
-    ninfer serve --model DIR [--config FILE] [--host 127.0.0.1] [--port 8000] [--address auto]
+    ninfer serve MODEL [--config FILE] [--host 127.0.0.1] [--port 8000] [--address auto] [vLLM's flags]
     ninfer bench controller|agent|actors|cache-scale|serve|trace [options] [--out FILE.json] [--plot FILE.png]
     ninfer bench NAME --help             (each bench's options: ninfer/benchmarks/options.py)
     ninfer report FILE [--stall-s S]    the seed's evaluation order over a JSON log or bench JSON
@@ -23,6 +23,7 @@ from pathlib import Path
 
 from ninfer.benchmarks.options import add_parsers
 from ninfer.errors import NInferError
+from ninfer.frontend.serve_flags import add_vllm_flags, port, unknown_flags
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:
@@ -47,43 +48,38 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args.model, dtype=args.dtype, transport=args.transport)
 
 
-def _json_arg(text: str, flag: str):
-    import json
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise NInferError(f"{flag}: not JSON ({exc})") from None
-
-
 def _serve(args: argparse.Namespace) -> int:
-    import os
-    from pathlib import Path
-
-    import msgspec
-
     from ninfer.api import Engine, connect
-    from ninfer.config import EngineConfig
+    from ninfer.frontend.serve_flags import bind, engine_config, http_limits
     from ninfer.frontend.server import serve
 
-    if args.connect:
-        engine = connect(address=args.address or "auto", deployment=args.deployment, model_dir=args.model)
-    else:                                      # with --address: attaches to the same deployment if it runs
-        config = args.config
-        if args.speculative_config is not None:      # vLLM's flag: JSON over the config file's [speculative]
-            raw = msgspec.to_builtins(EngineConfig.coerce(config))
-            config = EngineConfig.from_dict({**raw, "speculative": _json_arg(args.speculative_config,
-                                                                            "--speculative-config")})
-        engine = Engine.start(args.model, config=config, transport=args.transport, address=args.address,
-                              deployment=args.deployment, detached=bool(args.address))
-    name = args.served_model_name or Path(args.model).name
-    print(f"serving {name} on http://{args.host}:{args.port}/v1 (transport={engine.transport})", flush=True)
+    if args.model and args.model_path and args.model != args.model_path:
+        raise NInferError(f"serve: two models given ({args.model_path} and --model {args.model}): give one")
+    model = args.model or args.model_path
+    if model is None and not args.connect:
+        raise NInferError("serve: give the model directory: ninfer serve MODEL (or --model MODEL)")
+    config = None if args.connect else engine_config(args)    # flag errors before anything loads
+    limits = http_limits(args)
+    sock = bind(args.host, args.port)                          # a port in use before the model loads
     try:
-        serve(engine, name, host=args.host, port=args.port, api_key=args.api_key or os.environ.get("NINFER_API_KEY"),
-              max_body_bytes=args.max_body_bytes, max_messages=args.max_messages)
+        if args.connect:
+            engine = connect(address=args.address or "auto", deployment=args.deployment, model_dir=model)
+        else:                                  # with --address: attaches to the same deployment if it runs
+            engine = Engine.start(model, config=config, transport=args.transport, address=args.address,
+                                  deployment=args.deployment, detached=bool(args.address))
+        try:
+            names = args.served_model_name or [Path(model or engine.model_dir).name]
+            print(f"serving {names[0]} on http://{args.host}:{args.port}/v1 (transport={engine.transport})",
+                  flush=True)
+            serve(engine, names[0], sock=sock, aliases=names[1:], limits=limits,
+                  api_key=args.api_key or os.environ.get("NINFER_API_KEY"),
+                  max_body_bytes=args.max_body_bytes, max_messages=args.max_messages)
+        finally:
+            # A deployment started without --address goes with the server; from a detached or an
+            # attached one only this client leaves.
+            engine.shutdown()
     finally:
-        # A deployment started without --address goes with the server; from a detached or an
-        # attached one only this client leaves.
-        engine.shutdown()
+        sock.close()
     return 0
 
 
@@ -129,27 +125,41 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ray: the three actors on a local Ray (default); inproc: one process")
     p.set_defaults(func=_demo)
 
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat completions, responses, metrics)")
-    p.add_argument("--model", required=True, help="model directory (Hugging Face layout)")
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat completions, responses, metrics)",
+                       description="Serve MODEL over OpenAI's HTTP API. vLLM's common flags are taken as vLLM "
+                                   "spells them; a vLLM flag NInfer has no use for is refused in one line "
+                                   "saying why.")
+    p.add_argument("model_path", nargs="?", metavar="MODEL", help="model directory (Hugging Face layout)")
+    p.add_argument("--model", default=None, help="the model directory, as a flag (vLLM accepts both)")
     p.add_argument("--config", default=None, help="engine config TOML (see deploy/engine.toml)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port, default=8000,
+                   help="1..65535 (default 8000); bound before the model loads, so a port in use is one line")
     p.add_argument("--address", default=None,
                    help="Ray cluster address (e.g. auto after `ray start --head`): the deployment stays up after "
                         "the server exits, and a later serve with the same model and config attaches to it; "
                         "without it a deployment is started (on the cluster this machine runs, else on a "
-                        "private Ray) and stopped on exit")
+                        "private Ray) and stopped on exit. An address where no cluster answers is one line")
     p.add_argument("--transport", choices=["ray", "inproc"], default="ray")
     p.add_argument("--deployment", default="ninfer", help="deployment name on the Ray cluster")
     p.add_argument("--connect", action="store_true", help="attach to a deployment that is already running")
-    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (or set NINFER_API_KEY)")
+    p.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on /v1 and /tokenize (or set NINFER_API_KEY)")
     p.add_argument("--max-body-bytes", type=int, default=16 << 20,
                    help="request body limit, checked while the body streams in (default 16 MiB)")
     p.add_argument("--max-messages", type=int, default=4096,
                    help="messages per chat request, checked before any rendering (default 4096)")
-    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--read-timeout-s", type=float, default=30.0, metavar="S",
+                   help="a request's headers, then its body, must arrive within S seconds each (else 408, "
+                        "connection closed); a connection silent that long is closed (default 30)")
+    p.add_argument("--max-connections-per-client", type=int, default=256, metavar="N",
+                   help="open connections one client address may hold; more are answered 429 (default 256)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model's name in requests and /v1/models (default: the directory's name); "
+                        "more names are accepted as aliases")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "mtp", "num_tokens": 3}\' (over the config file\'s)')
+    add_vllm_flags(p)
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("bench", help="benchmarks: a table, JSON and a PNG plot (see bench/README.md)",
@@ -193,9 +203,14 @@ def _log_to_stderr() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "serve":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     _log_to_stderr()
     try:
+        if extra:                      # serve: one line, and why for a vLLM flag NInfer does not take
+            raise unknown_flags(extra)
         if args.log_format or os.environ.get("NINFER_LOG_FORMAT"):   # asked for: else logging stays quiet
             from ninfer.logs import configure
             configure(args.log_format)

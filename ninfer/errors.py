@@ -53,3 +53,14 @@ class MediaError(RequestError):
     images. The message names the part (``messages[1].content[0].image_url: ...``) or the prompt
     position. A RequestError, so it is that request's 400.
     """
+
+
+RETRY_HINT = "; nothing else was lost and the engine serves on: retry the request"
+LOST_KINDS = ("worker_lost", "controller_lost", "connection_lost")
+
+
+def lost_error(kind: str, message: str) -> dict:
+    """``Output.error`` of a request that a lost worker or controller took down mid-generation
+    (one that had produced no token yet is resubmitted instead): its kind (``LOST_KINDS``), what
+    happened, and that a retry is served (``retryable``; HTTP: 503 with ``Retry-After``)."""
+    return {"type": kind, "message": message + RETRY_HINT, "retryable": True}

@@ -178,14 +178,21 @@ class RayClientRuntime:
             raise RequestError(err)
 
     def submit(self, spec: RequestSpec) -> None:
-        self._check(ray.get(self.frontend.submit.remote(self.client_id, P.encode(spec))))
+        self._check(ray.get(self.frontend.submit.remote(self.client_id, _encode(spec))))
 
     def submit_chat(self, chat: P.ChatSpec) -> None:
-        err, _ = ray.get(self.frontend.submit_chat.remote(self.client_id, P.encode(chat)))
+        err, _ = ray.get(self.frontend.submit_chat.remote(self.client_id, _encode(chat)))
         self._check(err)
 
     def cancel(self, rid: str) -> None:
         self.frontend.cancel.remote(rid)
+
+    def alive(self) -> bool:
+        """The frontend answers and its controller answered lately (what /health reports)."""
+        try:
+            return bool(ray.get(self.frontend.health.remote(), timeout=5))
+        except Exception:
+            return False
 
     def call(self, what: str):
         return ray.get(self.frontend.call.remote(what))
@@ -205,3 +212,22 @@ class RayClientRuntime:
                 ray.kill(self.frontend)          # the controller and worker go with their owner
             except Exception:
                 pass
+
+
+INT64 = (-(2 ** 63), 2 ** 63 - 1)
+
+
+def _encode(msg) -> bytes:
+    """The request's bytes for the frontend; a value msgpack cannot carry (an integer beyond 64
+    bits: ``max_tokens`` with 400 digits) is this request's RequestError naming the field, as
+    in-process, never an OverflowError from the encoder."""
+    params = getattr(msg, "params", None)
+    for name in getattr(type(params), "__struct_fields__", ()):
+        value = getattr(params, name)
+        if isinstance(value, int) and not INT64[0] <= value <= INT64[1]:
+            shown = str(value) if len(str(value)) <= 24 else f"{str(value)[:12]}...({len(str(value))} digits)"
+            raise RequestError(f"{name}={shown} is out of range: at most {INT64[1]}")
+    try:
+        return P.encode(msg)
+    except (OverflowError, msgspec.EncodeError, TypeError, ValueError) as exc:
+        raise RequestError(f"the request cannot be sent to the engine: {exc}") from None

@@ -2,9 +2,10 @@
 actor: one thread owns the EngineCore; everything else hands it work through a queue.
 
 Supervision of the worker lives here: when a worker call fails because the worker is gone,
-every in-flight request ends with a clear error naming the cause, the worker is recreated with
-a fresh Program (and the injected faults still left), the now-invalid cache records are
-dropped, requests that were only queued are kept, and new requests succeed.
+every request that had produced tokens ends with a typed error naming the cause and saying
+that a retry is served (``lost_error``), the worker is recreated with a fresh Program (and the
+injected faults still left), the now-invalid cache records are dropped, every request that had
+produced no token yet is kept and starts again, and new requests succeed.
 
 The ``controller_restart`` fault fires here, once per configured count: ``on_restart`` decides
 what a restart is (the Ray actor exits and Ray restarts it; in process, the loop fails every
@@ -24,13 +25,17 @@ from ninfer import protocol as P
 from ninfer.actors.transport import WorkerLost, WorkerTimeout
 from ninfer.config import EngineConfig
 from ninfer.engine.core import EngineCore
-from ninfer.errors import RequestError
+from ninfer.errors import RequestError, lost_error
 from ninfer.faults import FaultPlan
-from ninfer.protocol import FinishReason, Phase, RequestSpec
+from ninfer.frontend.request_stats import Histogram
+from ninfer.protocol import FinishReason, RequestSpec
 
 log = logging.getLogger("ninfer.control")
 
 __all__ = ["ControlLoop", "WorkerLost"]
+
+
+ITERATION_BUCKETS = tuple(2 ** k for k in range(15))     # 1 .. 16384 tokens per step
 
 
 class ControlLoop:
@@ -53,6 +58,9 @@ class ControlLoop:
         self.info = self.core.info
         self.recoveries = 0
         self.restarts = 0
+        self.resubmitted = 0             # requests without a token kept across a loss
+        self.iteration_tokens = Histogram(ITERATION_BUCKETS)
+        self._iteration_core, self._iteration_base = None, (0, 0)
         self._thread = threading.Thread(target=self._loop, name="ninfer-control", daemon=True)
         self._thread.start()
 
@@ -91,6 +99,8 @@ class ControlLoop:
                     self._on_restart()
                     continue
                 worked = self.core.busy() and self.core.cycle()
+                if worked:
+                    self._count_iteration()
             except WorkerLost as exc:
                 self._recover(str(exc), isinstance(exc, WorkerTimeout))
                 worked = True
@@ -109,6 +119,9 @@ class ControlLoop:
             except queue.Empty:
                 return
             if kind == "submit":
+                if arg.rid and arg.rid in self.core.requests:
+                    log.info("request %s was submitted again (a resubmission after a loss): kept once", arg.rid)
+                    continue
                 try:
                     self.core.add(arg, queued_at=fut)
                 except RequestError as exc:
@@ -119,12 +132,23 @@ class ControlLoop:
             else:
                 self._run_call(arg, fut)
 
+    def _count_iteration(self) -> None:
+        """Tokens the cycle's step computed (prefill, Replay and decode): vLLM's
+        ``iteration_tokens_total`` histogram."""
+        s = self.core.stats
+        now = (s.steps, s.tokens_prefilled + s.tokens_replayed + s.tokens_generated)
+        last = self._iteration_base if self._iteration_core is self.core else (0, 0)
+        if now[0] > last[0] and now[1] > last[1]:
+            self.iteration_tokens.observe(now[1] - last[1])
+        self._iteration_core, self._iteration_base = self.core, now
+
     def _run_call(self, what: str, fut: Future) -> None:
         core = self.core
         try:
             if what == "stats":
                 fut.set_result({**core.stats_dict(), "worker_recoveries": self.recoveries,
-                                "controller_restarts": self.restarts,
+                                "controller_restarts": self.restarts, "requests_resubmitted": self.resubmitted,
+                                "iteration_tokens": self.iteration_tokens.snapshot(),
                                 "step_channel": getattr(self.client, "channel_kind", "inproc")})
             elif what == "check_integrity":
                 self._settle_idle()
@@ -158,37 +182,45 @@ class ControlLoop:
 
     # ---- supervision ------------------------------------------------------------------------
     def _recover(self, cause: str, hung: bool = False) -> None:
-        """The worker is gone: in-flight requests fail clearly, a fresh worker (fresh Program,
-        the faults still left) replaces it, cache records die with the old Program, queued
-        requests are kept."""
+        """The worker is gone: requests that had produced tokens fail with ``worker_lost`` (a
+        retry hint in the error), a fresh worker (fresh Program, the faults still left) replaces
+        it, cache records die with the old Program, and every request that had produced no token
+        yet — queued, waiting, or mid-prefill — is kept and starts again on the fresh worker: its
+        client has seen nothing, so nothing it saw changes."""
         self.recoveries += 1
         log.warning("GPU worker lost (%s); recreating it", cause)
-        message = f"the GPU worker failed and was restarted ({cause}); this request was in flight"
-        keep = self._end_all("worker_lost", message, keep_queued=True)
+        message = f"the GPU worker failed and was restarted ({cause}) while this request was generating"
+        keep = self._end_all("worker_lost", message, keep_unstarted=True)
         consumed = dict(self.core.faults_fired)
         kind = "worker_hang" if hung else "worker_death"
         if any(f.kind == kind for f in self._worker_faults.faults):
             consumed[kind] = consumed.get(kind, 0) + 1   # it fired and never reported it
         self._renew(self._worker_faults.remaining(consumed))
-        for req in keep:                 # its arrival and published moments carry over
-            self.core.add(req.spec, carry=req)
+        self._carry(keep)
 
     def _restart_in_process(self) -> None:
-        """The in-process twin of a restarted controller actor: every request fails with
-        ``controller_lost`` (as the frontend reports them over Ray), then a fresh worker and
-        core serve new requests."""
+        """The in-process twin of a restarted controller actor: requests that had produced
+        tokens fail with ``controller_lost`` (as the frontend reports them over Ray), the ones
+        that had not start again on a fresh worker and core (as the frontend resubmits them)."""
         self.restarts += 1
-        self._end_all("controller_lost", "the engine controller was restarted", keep_queued=False)
+        keep = self._end_all("controller_lost", "the engine controller was restarted while this request was "
+                                                "generating", keep_unstarted=True)
         self._renew(self._worker_faults.remaining(self.core.faults_fired))
+        self._carry(keep)
 
-    def _end_all(self, kind: str, message: str, keep_queued: bool) -> list:
+    def _carry(self, keep: list) -> None:
+        for req in keep:                 # its arrival and published moments carry over
+            self.core.add(req.spec, carry=req)
+        self.resubmitted += len(keep)
+
+    def _end_all(self, kind: str, message: str, keep_unstarted: bool) -> list:
         old, keep = self.core, []
         for req in list(old.requests.values()):
-            if keep_queued and req.phase is Phase.QUEUED and req.live:
+            if keep_unstarted and req.live and not req.outputs:
                 keep.append(req)
                 continue
             if req.finish_reason is None:
-                req.error = {"type": kind, "message": message}
+                req.error = lost_error(kind, message)
                 req.finish_reason = FinishReason.ERROR
             if req.finished_at is None:
                 old._finish(req)

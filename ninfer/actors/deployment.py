@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from typing import Any, NamedTuple
 
@@ -44,6 +45,8 @@ def init_ray(address: str | None) -> None:
     kw = dict(namespace=NAMESPACE, include_dashboard=False, logging_level=logging.WARNING,
               ignore_reinit_error=True)
     private = address == "local" or (address is None and not _cluster_running())
+    if not private:
+        _check_reachable(address)
     try:
         if private:
             import torch
@@ -58,6 +61,38 @@ def init_ray(address: str | None) -> None:
         found = last_error_line(str(exc))
         detail = f"{found[0]}: {found[1]}" if found else str(exc).splitlines()[0]
         raise DeploymentError(f"cannot join the Ray cluster at {address or 'RAY_ADDRESS'!r}: {detail}") from None
+
+
+def _check_reachable(address: str | None, timeout_s: float = 15.0) -> None:
+    """A cluster address where nothing answers is one DeploymentError within ``timeout_s``:
+    ray.init itself retries such an address for minutes (measured: > 8 min for ``auto`` with
+    the address file of a stopped cluster; 80 s and counting for a closed port). Only the GCS
+    port's TCP answer is checked here; joining is still ray.init's. Ray Client addresses
+    (``ray://``) are left to Ray."""
+    if address is not None and address.startswith("ray://"):
+        return
+    try:
+        from ray._private import services
+        resolved = services.canonicalize_bootstrap_address(address)
+    except Exception as exc:                    # no address file, a malformed address: ray.init says so
+        log.debug("cannot resolve the Ray address %r before joining: %s", address, exc)
+        return
+    if resolved is None:
+        return
+    host, _, port = resolved.rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=min(5.0, timeout_s)).close()
+            return
+        except OSError as exc:
+            if time.monotonic() + 1.0 > deadline:
+                named = f" (address {address!r})" if address not in (None, resolved) else ""
+                raise DeploymentError(
+                    f"no Ray cluster answers at {resolved}{named}: {exc.strerror or type(exc).__name__}; start "
+                    "one with `ray start --head` (or deploy/start.sh), or leave the address out for a private "
+                    "Ray") from None
+            time.sleep(1.0)
 
 
 def _cluster_running() -> bool:
@@ -162,6 +197,11 @@ def remove_deployment(deployment: str, timeout: float = 10.0) -> None:
             raise DeploymentError(f"the actors of deployment {deployment!r} were killed but still hold their "
                                   f"names after {timeout:g} s; try again, or stop Ray (deploy/stop.sh)")
         time.sleep(0.05)
+
+
+def find_named(deployment: str) -> bool:
+    """Whether any of the deployment's three named actors exists (even one a failed start left)."""
+    return any(_exists(name) for name in names(deployment).values())
 
 
 def wait_for_free_gpu(timeout: float = 10.0) -> None:

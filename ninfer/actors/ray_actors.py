@@ -26,6 +26,8 @@ import threading
 import time
 import uuid
 import warnings
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 import ray
@@ -34,7 +36,7 @@ from ray.exceptions import RayActorError, RayError
 from ninfer import protocol as P
 from ninfer.config import decode_config
 from ninfer.actors.startup import last_error_line, startup_error
-from ninfer.errors import NInferError, RequestError
+from ninfer.errors import NInferError, RequestError, lost_error
 from ninfer.faults import Fault
 from ninfer.logs import configure as configure_logging
 from ninfer.protocol import FinishReason, RequestSpec
@@ -343,6 +345,12 @@ class FrontendActor:
         self._events_server = None
         self._clients_server = None
         self._touched: set[str] = set()
+        self._intake_threads = ThreadPoolExecutor(4, thread_name_prefix="ninfer-intake")
+        self._controller_seen = time.monotonic()
+        self.unstarted: dict[str, bytes] = {}      # rid -> its encoded spec, until its first token
+        self._recovering: asyncio.Task | None = None
+        self._resubmitted: set[str] = set()
+        self.counters: Counter = Counter()           # controller restarts, resubmissions, failures
 
     async def ready(self) -> bytes:
         if self.info_bytes is None:
@@ -352,6 +360,8 @@ class FrontendActor:
             self.intake = self._intake_cls(self._model_dir, P.decode_info(self.info_bytes),
                                            decode_config(self._config).media_budget_bytes)
             self._watch = asyncio.get_running_loop().create_task(self._watchdog())
+            from ninfer.frontend import offload
+            offload.shared().warm()            # large chat inputs are planned there (frontend/offload.py)
         return self.info_bytes
 
     # ---- clients --------------------------------------------------------------------------
@@ -371,24 +381,33 @@ class FrontendActor:
         return await self._forward(cid, req)
 
     async def submit_chat(self, cid: str, chat: bytes) -> tuple[str | None, list[int]]:
+        """Rendering and tokenising run on the intake threads (a large input in the helper
+        process, ``frontend/offload.py``), never on this loop: it delivers every client's events."""
         try:
-            req = self.intake.chat(P.decode_chat(chat))
-            self.intake.validate(req)
+            req = await asyncio.get_running_loop().run_in_executor(self._intake_threads, self._chat, chat)
         except NInferError as exc:
             return str(exc), []
         return await self._forward(cid, req), req.prompt
 
+    def _chat(self, chat: bytes) -> RequestSpec:
+        return self.intake.validate(self.intake.chat(P.decode_chat(chat)))
+
     async def _forward(self, cid: str, req: RequestSpec) -> str | None:
+        """Hand the request to the controller; the frontend keeps its spec until its first token,
+        so a controller lost before then costs it nothing (``_controller_lost`` resubmits it)."""
         state = self.clients.get(cid)
         if state is None:
             return f"unknown client {cid!r}"
         self.owner[req.rid] = cid
         state.live.add(req.rid)
+        data = P.encode(req)
+        self.unstarted[req.rid] = data
+        if self._recovering is not None:           # the controller is being replaced: it goes after
+            return None
         try:
-            await self.controller.submit.remote(P.encode(req))
-        except RayActorError:
-            await self._controller_lost("the engine controller is unavailable")
-            return "the engine controller was restarted; resubmit"
+            await self.controller.submit.remote(data)
+        except RayActorError:                       # it goes with the recovery's resubmissions
+            self._start_recovery("the engine controller is unavailable")
         return None
 
     async def poll(self, cid: str, timeout: float = 2.0) -> list[bytes]:
@@ -409,10 +428,13 @@ class FrontendActor:
         return out
 
     async def cancel(self, rid: str) -> None:
+        if self._recovering is not None and self.unstarted.pop(rid, None) is not None:
+            self._fail(rid, "cancelled", None)       # never resubmitted: it ends here
+            return
         try:
             await self.controller.cancel.remote(rid)
         except RayActorError:
-            await self._controller_lost("the engine controller is unavailable")
+            self._start_recovery("the engine controller is unavailable")
 
     async def close_client(self, cid: str) -> None:
         state = self.clients.pop(cid, None)
@@ -421,7 +443,24 @@ class FrontendActor:
                 await self.cancel(rid)
 
     async def call(self, what: str):
-        return await self.controller.call.remote(what)
+        """``stats`` and friends, with this frontend's own counters in ``stats``; while the
+        controller is being replaced the call waits for the new one (up to a minute)."""
+        for attempt in range(2):
+            if self._recovering is not None:
+                await asyncio.wait_for(asyncio.shield(self._recovering), 60.0)
+            try:
+                out = await self.controller.call.remote(what)
+                break
+            except RayActorError:
+                if attempt:
+                    raise
+                self._start_recovery("the engine controller is unavailable")
+        if what == "stats":
+            out["requests"] = self.intake.stats.snapshot()
+            out["frontend"] = dict(self.counters)
+            out["controller_restarts"] = self.counters.get("controller_restarts", 0)
+            out["requests_resubmitted"] = out.get("requests_resubmitted", 0) + self.counters.get("resubmitted", 0)
+        return out
 
     # ---- from the controller ----------------------------------------------------------------
     async def event_address(self) -> tuple[str | None, str]:
@@ -445,6 +484,8 @@ class FrontendActor:
     def _route(self, ev: P.Event) -> None:
         cid = self.owner.get(ev.rid)
         state = self.clients.get(cid) if cid else None
+        if isinstance(ev, (P.TokensEvent, P.FinalEvent)):
+            self.unstarted.pop(ev.rid, None)         # started (or ended): no resubmission any more
         if isinstance(ev, P.FinalEvent):
             self.owner.pop(ev.rid, None)
             if state is not None:
@@ -514,27 +555,92 @@ class FrontendActor:
                 if state.live and state.writer is None and now - state.last_seen > self.client_timeout:
                     log.info("client %s disconnected: cancelling %d requests", cid, len(state.live))
                     await self.close_client(cid)
+            if self._recovering is not None:
+                continue
             try:
                 epoch = await asyncio.wait_for(self.controller.ping.remote(), 5.0)
             except (RayActorError, asyncio.TimeoutError):
-                await self._controller_lost("the engine controller stopped responding")
+                self._start_recovery("the engine controller stopped responding")
                 continue
+            self._controller_seen = time.monotonic()
             if epoch != self.controller_epoch:
-                self.controller_epoch = epoch
-                await self._controller_lost("the engine controller was restarted")
+                self._start_recovery("the engine controller was restarted", epoch)
 
-    async def _controller_lost(self, message: str) -> None:
-        for rid, cid in list(self.owner.items()):
-            self._route(P.FinalEvent(rid, FinishReason.ERROR, [], {}, {}, [],
-                                     {"type": "controller_lost", "message": message}))
-        self._push()
+    # ---- a lost controller ---------------------------------------------------------------------
+    def _start_recovery(self, message: str, epoch: float | None = None) -> None:
+        if self._recovering is None:
+            self._recovering = asyncio.get_running_loop().create_task(self._controller_lost(message, epoch))
+
+    async def _controller_lost(self, message: str, epoch: float | None = None) -> None:
+        """The controller was lost (its process died; Ray restarts it with an empty engine).
+        Requests that had produced tokens fail with ``controller_lost`` and a retry hint; the
+        ones that had not are resubmitted to the new controller once it answers, and complete."""
+        self.counters["controller_restarts"] += 1
+        log.warning("%s: failing the requests that had produced tokens, resubmitting the others", message)
         try:
-            self.controller_epoch = await asyncio.wait_for(self.controller.ping.remote(), 60.0)
-        except Exception:
-            self.controller = EngineControllerActor.options(
-                name=self.names["controller"], namespace=NAMESPACE).remote(
-                self._model_dir, self._config, self._deployment)
-            self.controller_epoch = await self.controller.ping.remote()
+            for rid in [r for r in self.owner if r not in self.unstarted]:
+                self._fail(rid, "controller_lost", f"{message} while this request was generating")
+            self._push()
+            await self._await_controller(epoch)
+            while True:                              # new arrivals while it came back go too
+                pending = [(rid, data) for rid, data in self.unstarted.items() if rid not in self._resubmitted]
+                if not pending:
+                    break
+                for rid, data in pending:
+                    self._resubmitted.add(rid)
+                    await self.controller.submit.remote(data)
+                    self.counters["resubmitted"] += 1
+        except Exception as exc:                     # it failed again: the next watchdog tick retries
+            log.warning("the engine controller is not back yet (%s: %s)", type(exc).__name__, exc)
+        finally:
+            self._resubmitted.clear()
+            self._recovering = None
+
+    async def _await_controller(self, epoch: float | None) -> None:
+        """The restarted controller's epoch once it answers; one that does not come back within
+        a minute (Ray's restarts used up) is replaced under the same name, once that is free."""
+        if epoch is None:
+            deadline = time.monotonic() + 60.0
+            while True:
+                try:
+                    epoch = await asyncio.wait_for(self.controller.ping.remote(), 10.0)
+                    break
+                except (RayActorError, asyncio.TimeoutError):
+                    if time.monotonic() > deadline:
+                        epoch = await self._new_controller()
+                        break
+                    await asyncio.sleep(0.2)
+        self.controller_epoch = epoch
+        self._controller_seen = time.monotonic()
+
+    async def _new_controller(self) -> float:
+        name = self.names["controller"]
+        try:
+            ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+        except ValueError:
+            pass
+        for _ in range(200):                         # the dead one's name is released a moment later
+            try:
+                self.controller = EngineControllerActor.options(name=name, namespace=NAMESPACE).remote(
+                    self._model_dir, self._config, self._deployment)
+                break
+            except ValueError:
+                await asyncio.sleep(0.1)
+        return await self.controller.ping.remote()
+
+    def _fail(self, rid: str, kind: str, message: str | None) -> None:
+        """End one request here (the controller that had it is gone)."""
+        if message is None:
+            ev = P.FinalEvent(rid, FinishReason.CANCELLED, [], {}, {}, [], None)
+        else:
+            ev = P.FinalEvent(rid, FinishReason.ERROR, [], {}, {}, [], lost_error(kind, message))
+        self.intake.observe(ev)                      # counted with the engine's own failures
+        self._route(ev)
+
+    async def health(self) -> bool:
+        """Cheap liveness for /health: the controller answered the watchdog's last pings (no
+        round trip through a busy control cycle, as ``call("stats")`` would be)."""
+        return self.info_bytes is not None and time.monotonic() - self._controller_seen < 10.0
 
     async def model_dir(self) -> str:
         return self._model_dir

@@ -57,7 +57,10 @@ class InprocRuntime:
         return not self.loop._stop and self.loop._thread.is_alive()
 
     def call(self, what: str, timeout: float = 300.0):
-        return self.loop.call(what, timeout)
+        out = self.loop.call(what, timeout)
+        if what == "stats":
+            out["requests"] = self.intake.stats.snapshot()
+        return out
 
     def shutdown(self) -> None:
         if self.loop._stop:

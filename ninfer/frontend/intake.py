@@ -12,8 +12,11 @@ from ninfer import protocol as P
 from ninfer.protocol import RequestSpec
 from ninfer.frontend.validate import validate_spec
 from ninfer.errors import ModelLoadError, RequestError
+from ninfer.frontend import offload
 from ninfer.frontend.chat_plan import OutputMemory, plan_chat
+from ninfer.frontend.offload import INLINE_TEXT_CHARS
 from ninfer.frontend.render import ChatTokenizer
+from ninfer.frontend.request_stats import RequestStats
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -25,7 +28,9 @@ class Intake:
     def __init__(self, model_dir: str, info: P.WorkerInfo, media_budget_bytes: int = MEDIA_BUDGET,
                  media_limits=None):
         self.info = info
+        self.model_dir = str(model_dir)
         self.memory = OutputMemory()
+        self.stats = RequestStats(info.max_context)
         try:
             self.tokenizer: ChatTokenizer | None = ChatTokenizer(model_dir)
         except ModelLoadError:
@@ -40,6 +45,7 @@ class Intake:
         if not spec.rid:
             spec.rid = uuid.uuid4().hex
         validate_spec(spec, self.info)
+        self.stats.submitted(spec)
         return spec
 
     def chat(self, chat: P.ChatSpec) -> RequestSpec:
@@ -47,7 +53,7 @@ class Intake:
             raise RequestError("this model directory has no tokenizer; send prompt_token_ids instead")
         check_messages(chat.messages)
         images = self._images(chat.messages)
-        plan = plan_chat(self.tokenizer, chat.messages, chat.tools, self.memory)
+        plan = self._plan(chat.messages, chat.tools)
         media: list[P.MediaItem] = []
         if images:
             plan, media = self._expand(plan, images)
@@ -65,6 +71,37 @@ class Intake:
                            markers=markers, recovery_frontier=plan.recovery_frontier,
                            response_replay=plan.response_replay, turn_closure=plan.turn_closure,
                            split_points=plan.split_points, rid=chat.rid, media=media)
+
+    def _plan(self, messages: list[dict], tools: list[dict] | None):
+        """The chat plan: here for a small input, in the helper process for a large one (its
+        rendering and tokenising would hold this interpreter for seconds: ``offload``)."""
+        try:
+            size = len(msgspec.json.encode([messages, tools]))
+        except (TypeError, ValueError, msgspec.EncodeError):
+            size = 0                                  # what the template makes of it is said here
+        if size <= INLINE_TEXT_CHARS:
+            return plan_chat(self.tokenizer, messages, tools, self.memory)
+        value = offload.shared().run(offload.plan_chat_job, self.model_dir, messages, tools,
+                                     self._remembered(messages), self.info.max_context)
+        if isinstance(value, offload.Refusal):
+            raise RequestError(value.message)
+        return value
+
+    def _remembered(self, messages: list[dict]) -> dict[str, tuple[int, ...]]:
+        """The remembered outputs a plan of these messages can use (the helper has no memory of
+        its own): looked up by every assistant text, as sent and stripped."""
+        found = {}
+        for m in messages:
+            if m.get("role") != "assistant":
+                continue
+            c = m.get("content")
+            texts = [c] if isinstance(c, str) else [p.get("text") for p in c or () if isinstance(p, dict)]
+            for t in texts:
+                for key in {t, t.strip()} if isinstance(t, str) else ():
+                    ids = self.memory.get(key)
+                    if ids is not None:
+                        found[key] = ids
+        return found
 
     def _images(self, messages: list[dict]) -> list:
         """Every image part, prepared, in template order (message by message, part by part)."""
@@ -107,7 +144,10 @@ class Intake:
         return plan, media
 
     def observe(self, ev: P.Event) -> None:
-        """Remember the exact tokens of each finished output under the text the client sees."""
+        """Remember the exact tokens of each finished output under the text the client sees;
+        count the request (``RequestStats``)."""
+        if isinstance(ev, P.FinalEvent):
+            self.stats.finished(ev)
         if isinstance(ev, P.FinalEvent) and ev.token_ids and self.tokenizer is not None:
             ids = list(ev.token_ids)
             while ids and ids[-1] in self.info.eos_ids:

@@ -24,9 +24,70 @@ HISTOGRAMS = {   # stats()["telemetry"]["histograms"] key -> (vLLM name, help)
 }
 
 
+REQUEST_HISTOGRAMS = {   # stats()["requests"]["histograms"] key (frontend/request_stats.py) -> (name, help)
+    "prompt_tokens": ("vllm:request_prompt_tokens", "Prompt tokens of finished requests"),
+    "generation_tokens": ("vllm:request_generation_tokens", "Output tokens of finished requests"),
+    "params_max_tokens": ("vllm:request_params_max_tokens", "max_tokens of submitted requests"),
+    "time_per_output_token_s": ("vllm:request_time_per_output_token_seconds",
+                                "Per request: (end - first token) / (output tokens - 1)"),
+    "prefill_s": ("vllm:request_prefill_time_seconds", "Per request: first admission to first token"),
+    "decode_s": ("vllm:request_decode_time_seconds", "Per request: first token to the end"),
+    "inference_s": ("vllm:request_inference_time_seconds", "Per request: first admission to the end"),
+}
+
+
 class _StatsCollector:
-    def __init__(self, stats: dict, model: str, stored_responses: int):
+    def __init__(self, stats: dict, model: str, stored_responses: int, info=None, server: dict | None = None):
         self.s, self.model, self.stored = stats, model, stored_responses
+        self.info, self.server = info, server or {}
+
+    def _histogram(self, name: str, help_: str, h: dict) -> HistogramMetricFamily:
+        fam = HistogramMetricFamily(name, help_, labels=["model_name"])
+        cum, buckets = 0, []
+        for bound, n in zip([*h["bounds"], float("inf")], h["counts"]):
+            cum += n
+            buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cum))
+        fam.add_metric([self.model], buckets, h["sum"])
+        return fam
+
+    def _faults(self):
+        """Restarts of the actors, requests resubmitted across them, failures by kind."""
+        s, req = self.s, self.s.get("requests") or {}
+        yield self._labelled(CounterMetricFamily, "ninfer_actor_restarts",
+                             "Actors replaced after a loss (worker: since the controller started)", "actor",
+                             {"worker": s.get("worker_recoveries", 0), "controller": s.get("controller_restarts", 0)})
+        yield self._one(CounterMetricFamily, "ninfer_requests_resubmitted",
+                        "Requests without a token yet, started again after a worker or controller loss",
+                        s.get("requests_resubmitted", 0))
+        yield self._labelled(CounterMetricFamily, "ninfer_request_failures", "Requests that ended in an error, "
+                             "by its kind (worker_lost, controller_lost, device_error, ...)", "kind",
+                             req.get("failures_by_kind", {}))
+
+    def _vllm_requests(self):
+        """vLLM's per-request families, the iteration histogram and the cache config."""
+        req = self.s.get("requests") or {}
+        for key, (name, help_) in REQUEST_HISTOGRAMS.items():
+            h = (req.get("histograms") or {}).get(key)
+            if h is not None:
+                yield self._histogram(name, help_, h)
+        if "prompt_tokens_cached" in req:
+            yield self._one(CounterMetricFamily, "vllm:prompt_tokens_cached",
+                            "Prompt tokens served from the prefix cache, of finished requests",
+                            req["prompt_tokens_cached"])
+        if self.s.get("iteration_tokens"):
+            yield self._histogram("vllm:iteration_tokens_total", "Tokens computed per engine step",
+                                  self.s["iteration_tokens"])
+        if self.server.get("params_n"):
+            yield self._histogram("vllm:request_params_n", "n of HTTP requests", self.server["params_n"])
+        if self.info is not None and hasattr(self.info, "kv_pages"):
+            i = self.info
+            fam = GaugeMetricFamily("vllm:cache_config_info", "The KV cache's configuration",
+                                    labels=["model_name", "block_size", "num_gpu_blocks", "cache_dtype",
+                                            "enable_prefix_caching", "max_num_seqs", "max_model_len",
+                                            "state_slots", "host_capacity_bytes"])
+            fam.add_metric([self.model, "64", str(i.kv_pages), i.dtype, "True", str(i.max_concurrency),
+                            str(i.max_context), str(i.state_slots), str(i.host_capacity)], 1.0)
+            yield fam
 
     def _one(self, kind, name: str, help_: str, value, labels: dict | None = None):
         fam = kind(name, help_, labels=["model_name", *(labels or {})])
@@ -117,18 +178,16 @@ class _StatsCollector:
                                  {str(i): n for i, n in enumerate(spec["accepted_by_position"])})
         for key, (name, help_) in HISTOGRAMS.items():
             h = t.get("histograms", {}).get(key)
-            if h is None:
-                continue
-            fam = HistogramMetricFamily(name, help_, labels=["model_name"])
-            cum, buckets = 0, []
-            for bound, n in zip([*h["bounds"], float("inf")], h["counts"]):
-                cum += n
-                buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cum))
-            fam.add_metric([self.model], buckets, h["sum"])
-            yield fam
+            if h is not None:
+                yield self._histogram(name, help_, h)
+        yield from self._faults()
+        yield from self._vllm_requests()
 
 
-def prometheus(stats: dict, stored_responses: int = 0, model: str = "ninfer") -> bytes:
+def prometheus(stats: dict, stored_responses: int = 0, model: str = "ninfer", info=None,
+               server: dict | None = None) -> bytes:
+    """``stats``: ``engine.stats()``; ``info``: the engine's ``WorkerInfo`` (cache config);
+    ``server``: what only the HTTP server counts (``params_n``: a histogram snapshot)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_StatsCollector(stats, model, stored_responses))
+    registry.register(_StatsCollector(stats, model, stored_responses, info, server))
     return generate_latest(registry)

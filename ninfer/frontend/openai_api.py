@@ -32,23 +32,33 @@ def not_found(message: str, param: str | None = None, code: str | None = None) -
     return ApiError(404, message, kind="not_found_error", param=param, code=code)
 
 
+# An engine that lost a worker, a controller or its connection, or a device or copy that
+# failed, serves on: the request that met it is a 503 with its kind, and a retry is served.
+RETRYABLE = ("worker_lost", "controller_lost", "connection_lost", "device_error", "copy_failed")
+RETRY_AFTER = {"retry-after": "1"}
+
+
 def request_error(exc: Exception) -> ApiError:
     """An engine-side failure of one request."""
     msg = str(exc)
-    if "shut down" in msg or "unavailable" in msg or "was lost" in msg:
+    if "shut down" in msg:
         return ApiError(503, msg, kind="service_unavailable")
+    if "unavailable" in msg or "was lost" in msg:
+        return ApiError(503, msg, kind="service_unavailable", code="retryable", headers=RETRY_AFTER)
     if isinstance(exc, RequestError):
         return bad(msg)
     return ApiError(500, msg, kind="internal_error")
 
 
 def engine_error(out) -> ApiError:
-    """The error of a request that ended with finish_reason "error"."""
+    """The error of a request that ended with finish_reason "error": a 503 with ``Retry-After``
+    and ``code: retryable`` for the kinds in RETRYABLE, a 400 for bad input, else a 500."""
     err = out.error or {}
     kind = err.get("type", "error")
-    status = 503 if kind in ("worker_lost", "controller_lost", "connection_lost") else \
-        400 if kind == "RequestError" else 500
-    return ApiError(status, err.get("message", "the request failed"), kind=kind)
+    message = err.get("message", "the request failed")
+    if kind in RETRYABLE:
+        return ApiError(503, message, kind=kind, code="retryable", headers=RETRY_AFTER)
+    return ApiError(400 if kind == "RequestError" else 500, message, kind=kind)
 
 
 # ---- usage ----------------------------------------------------------------------------------

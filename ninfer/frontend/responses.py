@@ -35,6 +35,9 @@ class ResponseStore:
 
     def put(self, rid: str, response: dict, history: list[dict], input_items: list[dict]) -> None:
         size = len(json.dumps([response, history, input_items]))
+        old = self._items.pop(rid, None)          # a background response replaces its in-progress object
+        if old is not None:
+            self.used -= old.size
         self._items[rid] = Stored(response, history, input_items, size)
         self.used += size
         while self.used > self.budget and len(self._items) > 1:

@@ -136,6 +136,7 @@ class Finish:
     completion_tokens: int
     out: object                      # the engine's Output
     calls: int = 0
+    stop: str | None = None          # the stop string that ended it
 
 
 class ChoiceStream:
@@ -149,6 +150,7 @@ class ChoiceStream:
         self.lens: list[int] = []            # decoded text length after each token
         self.sent = 0                        # characters released past the stop scan
         self.stopped_at: int | None = None   # tokens counted when a stop string matched
+        self.stop_hit: str | None = None     # ... and which one
         self.ncalls = 0
 
     def _release(self, text: str, logprobs: list) -> Piece:
@@ -168,9 +170,9 @@ class ChoiceStream:
         text = self.text.text
         if self.stop:
             start = max(0, self.sent - self.longest + 1)
-            hits = [(i, len(s)) for s in self.stop if (i := text.find(s, start)) >= 0]
+            hits = [(i, len(s), s) for s in self.stop if (i := text.find(s, start)) >= 0]
             if hits:
-                i, n = min(hits)
+                i, n, self.stop_hit = min(hits)
                 end = i + n
                 k = next(j for j in range(first, len(self.lens)) if self.lens[j] >= end) + 1
                 self.stopped_at = k
@@ -203,14 +205,18 @@ class ChoiceStream:
             reason = {"stop": "stop", "length": "length", "cancelled": "stop"}.get(out.finish_reason,
                                                                                  out.finish_reason)
         count = self.stopped_at if self.stopped_at is not None else len(out.token_ids)
-        return tail, Finish(reason, count, out, self.ncalls)
+        return tail, Finish(reason, count, out, self.ncalls, self.stop_hit)
 
 
 async def run_choice(handle, stream: ChoiceStream) -> AsyncIterator[Piece | Finish]:
-    """Pieces as tokens commit, then the Finish; a matched stop string cancels the request."""
+    """Pieces as tokens commit, then the Finish; a matched stop string cancels the request.
+    The first token event always yields a piece (empty when its text is held back): a stream
+    opens the choice (the role chunk, an echo) on it, never before (vLLM's honest TTFT)."""
+    first = True
     async for ev in handle.aiter():
         piece = stream.feed(ev.token_ids, getattr(ev, "logprobs", None))
-        if piece.content or piece.calls or piece.logprobs:
+        if first or piece.content or piece.calls or piece.logprobs:
+            first = False
             yield piece
         if stream.stopped_at is not None:
             handle.cancel()

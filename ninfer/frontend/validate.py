@@ -12,6 +12,9 @@ def validate_spec(spec: RequestSpec, info: P.WorkerInfo) -> None:
     p = spec.prompt
     if not isinstance(p, list) or not p:
         raise RequestError("prompt_token_ids must be a non-empty list of token ids")
+    if len(p) > info.max_context:                  # before any per-token work
+        raise RequestError(f"this engine's max_context is {info.max_context} tokens, but the prompt alone has "
+                           f"{len(p)}")
     spans = _check_media(spec, info)
     bad = next((t for k, t in enumerate(p) if not isinstance(t, int) or isinstance(t, bool)
                 or not (0 <= t < info.vocab_size or (t >= info.vocab_size and k in spans))), None)

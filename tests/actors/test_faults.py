@@ -52,18 +52,31 @@ def _serves_after_restart(eng, model) -> None:
     eng.check_integrity()
 
 
+def _lost_only_after_tokens(outs, prompts, model, kind: str, n: int) -> int:
+    """Requests a loss failed had produced tokens, and their error is typed with a retry hint;
+    every other one completed exactly. Returns how many failed."""
+    lost = 0
+    for o, p in zip(outs, prompts):
+        if o.finish_reason == "error":
+            assert o.error["type"] == kind and o.error["retryable"] and "retry the request" in o.error["message"]
+            lost += 1
+        else:
+            assert o.finish_reason == "length" and o.token_ids == oracle(model, p, max_tokens=n)
+    return lost
+
+
 def test_worker_killed_mid_cycle(tiny_model, deployment):
     eng = _start(tiny_model, deployment)
     try:
-        hs = [eng.generate(random_prompt(60, seed=i), max_tokens=150, ignore_eos=True) for i in range(3)]
+        prompts = [random_prompt(60, seed=i) for i in range(3)]
+        hs = [eng.generate(p, max_tokens=150, ignore_eos=True) for p in prompts]
         for ev in hs[0]:                       # something is really running
             break
         ray.kill(_actor(deployment, "worker"))
         outs = [h.result(120) for h in hs]
-        assert all(o.finish_reason == "error" for o in outs[:2])
-        assert all(o.error["type"] == "worker_lost" and "GPU worker" in o.error["message"] for o in outs[:2])
-        # a request that was only queued survives the restart
-        assert outs[2].finish_reason in ("error", "length")
+        assert outs[0].finish_reason == "error" and "GPU worker" in outs[0].error["message"]
+        assert _lost_only_after_tokens(outs, prompts, tiny_model, "worker_lost", 150) >= 1
+        assert outs[2].finish_reason == "length"          # only queued: kept across the restart
         p = random_prompt(40, seed=9)
         out = eng.generate(p, max_tokens=6, ignore_eos=True).result(120)
         assert out.token_ids == oracle(tiny_model, p, max_tokens=6)
@@ -149,13 +162,14 @@ def test_injected_worker_death_over_ray(tiny_model, deployment):
     controller recreates it (without that fault), in-flight requests fail clearly, it serves on."""
     eng = _start(tiny_model, deployment, [{"kind": "worker_death", "point": "mid_transaction"}])
     try:
-        outs = [eng.generate(random_prompt(60, seed=60 + i), max_tokens=10, ignore_eos=True,
-                             recovery_frontier=50).result(120) for i in range(3)]
-        assert any(o.finish_reason == "error" and o.error["type"] == "worker_lost" for o in outs)
+        prompts = [random_prompt(60, seed=60 + i) for i in range(3)]
+        outs = [eng.generate(p, max_tokens=10, ignore_eos=True, recovery_frontier=50).result(120) for p in prompts]
+        lost = _lost_only_after_tokens(outs, prompts, tiny_model, "worker_lost", 10)
         p = random_prompt(40, seed=70)
         out = eng.generate(p, max_tokens=6, ignore_eos=True).result(120)
         assert out.token_ids == oracle(tiny_model, p, max_tokens=6)
-        assert eng.stats()["worker_recoveries"] == 1
+        s = eng.stats()
+        assert s["worker_recoveries"] == 1 and lost + s["requests_resubmitted"] >= 1
         eng.drop_caches()
         eng.check_integrity()
     finally:
@@ -203,8 +217,78 @@ def test_injected_controller_restart_over_ray(tiny_model, deployment):
     does not fire again), the frontend fails what was in flight and serves through the new one."""
     eng = _start(tiny_model, deployment, [{"kind": "controller_restart", "skip": 5}])
     try:
-        out = eng.generate(random_prompt(50, seed=71), max_tokens=100, ignore_eos=True).result(120)
-        assert out.finish_reason == "error" and out.error["type"] == "controller_lost"
+        p = random_prompt(50, seed=71)
+        out = eng.generate(p, max_tokens=100, ignore_eos=True).result(120)
+        _lost_only_after_tokens([out], [p], tiny_model, "controller_lost", 100)
         _serves_after_restart(eng, tiny_model)
+        assert eng.stats()["controller_restarts"] == 1
+    finally:
+        eng.shutdown()
+
+
+def test_killing_the_controller_then_the_worker_under_load_over_http(tiny_model, deployment):
+    """The issue's fault test, through ``ninfer serve``'s server over the Ray transport: under
+    load (C = 2, six streams), the controller is killed, then the worker. Streams that had a
+    token end with a typed error event (``controller_lost`` / ``worker_lost``, ``code:
+    retryable``); streams that had none were resubmitted and complete; a 400-digit max_tokens
+    is a 400 (an OverflowError in the encoder before); /metrics counts both restarts, the
+    resubmissions and the failures by kind; no actor log mentions ActorAlreadyExistsError."""
+    import json
+    import threading
+
+    import httpx
+
+    from ninfer.frontend.server import Server
+    from tests.frontend.conftest import scrape
+    from tests.frontend.scripted import running
+
+    eng = _start(tiny_model, deployment)
+    try:
+        with running(Server(eng, "tiny")) as base:
+            for victim, kind in (("controller", "controller_lost"), ("worker", "worker_lost")):
+                results: list[dict] = [{} for _ in range(6)]
+
+                def stream(i: int) -> None:
+                    body = {"messages": [{"role": "user", "content": f"story {i} " * 5}], "max_tokens": 120,
+                            "ignore_eos": True, "stream": True, "temperature": 0}
+                    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=180) as r:
+                        for line in r.iter_lines():
+                            if not line.startswith("data: {"):
+                                continue
+                            chunk = json.loads(line[6:])
+                            if "error" in chunk:
+                                results[i]["error"] = chunk["error"]
+                            for ch in chunk.get("choices", []):
+                                if ch["delta"].get("content"):
+                                    results[i]["tokens"] = results[i].get("tokens", 0) + 1
+                                if ch.get("finish_reason"):
+                                    results[i]["finish"] = ch["finish_reason"]
+                threads = [threading.Thread(target=stream, args=(i,)) for i in range(6)]
+                for t in threads:
+                    t.start()
+                deadline = time.time() + 120
+                while not any(r.get("tokens") for r in results):
+                    assert time.time() < deadline
+                    time.sleep(0.05)
+                ray.kill(_actor(deployment, victim), no_restart=False)
+                for t in threads:
+                    t.join(timeout=240)
+                failed = [r for r in results if "error" in r]
+                assert failed and all(r["error"]["type"] == kind and r["error"]["code"] == "retryable"
+                                      and r.get("tokens") for r in failed), results
+                done = [r for r in results if "error" not in r]
+                assert done and all(r["finish"] == "length" for r in done), results
+            r = httpx.post(f"{base}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                                "max_tokens": int("9" * 400)}, timeout=60)
+            assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
+            fams = scrape(base)
+            restarts = {s.labels["actor"]: s.value for s in fams["ninfer_actor_restarts"].samples}
+            assert restarts == {"controller": 1.0, "worker": 1.0}
+            failures = {s.labels["kind"]: s.value for s in fams["ninfer_request_failures"].samples}
+            assert failures.get("controller_lost", 0) >= 1 and failures.get("worker_lost", 0) >= 1
+            assert fams["ninfer_requests_resubmitted"].samples[0].value >= 2
+        logs = ray._private.worker._global_node.get_logs_dir_path()
+        files = [os.path.join(logs, f) for f in os.listdir(logs) if os.path.isfile(os.path.join(logs, f))]
+        assert not [f for f in files if "ActorAlreadyExistsError" in open(f, errors="replace").read()]
     finally:
         eng.shutdown()

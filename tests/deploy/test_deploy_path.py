@@ -261,3 +261,50 @@ def test_start_sh_serves_the_tiny_model_after_failed_starts(head, tiny):
         assert "attached to the running deployment 'ninfer' (same model and engine config)" in again.err()
     finally:
         _stop(again)
+
+
+BYSTANDER = """
+import sys, time
+import ray
+ray.init(address=sys.argv[1], namespace="elsewhere", logging_level="ERROR")
+
+@ray.remote(num_cpus=0)
+class Bystander:
+    def ping(self):
+        return "still here"
+
+if sys.argv[2] == "start":
+    a = Bystander.options(name="bystander", lifetime="detached").remote()
+    print(ray.get(a.ping.remote()))
+else:
+    if sys.argv[2] == "check":
+        print(ray.get(ray.get_actor("bystander").ping.remote()))
+    try:
+        ray.get_actor("ninfer-frontend", namespace="ninfer")
+        print("deployment still there")
+    except ValueError:
+        print("deployment gone")
+    if sys.argv[2] == "check":
+        ray.kill(ray.get_actor("bystander"))
+"""
+
+
+def test_stop_sh_removes_only_this_deployment(head, tiny):
+    """deploy/stop.sh removes the named deployment's actors; another job's actor on the same
+    Ray survives (no `ray stop`); a second run finds nothing to stop."""
+    if "deployment gone" in _python(head, BYSTANDER, head.address, "probe").stdout:
+        server = _start_sh(head, tiny, name="for-stop")     # run alone: a deployment to stop first
+        try:
+            _wait_healthy(server)
+        finally:
+            _stop(server)
+    r = _python(head, BYSTANDER, head.address, "start")
+    assert "still here" in r.stdout, r.stderr
+    stop = subprocess.run([str(ROOT / "deploy" / "stop.sh")], env=head.env(), capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert stop.returncode == 0 and "deployment 'ninfer' removed" in stop.stdout, stop.stdout + stop.stderr
+    r = _python(head, BYSTANDER, head.address, "check")
+    assert "still here" in r.stdout and "deployment gone" in r.stdout, r.stdout + r.stderr
+    again = subprocess.run([str(ROOT / "deploy" / "stop.sh")], env=head.env(), capture_output=True, text=True,
+                           timeout=120, cwd=ROOT)
+    assert again.returncode == 0 and "no deployment named 'ninfer'" in again.stdout, again.stdout + again.stderr

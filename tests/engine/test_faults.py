@@ -34,10 +34,21 @@ def _serves(eng, model) -> None:
     assert all(v["available"] == v["total"] for v in s["occupancy"].values())
 
 
+def _lost_only_after_tokens(outs, kind: str) -> list:
+    """A request a loss fails had produced tokens (its output so far), and its error is typed
+    and says a retry is served; every other request is kept."""
+    lost = [o for o in outs if o.finish_reason == "error"]
+    for o in lost:
+        assert o.error["type"] == kind and o.error["retryable"] and "retry the request" in o.error["message"]
+        assert o.token_ids, "a request without a token is resubmitted, never failed"
+    return lost
+
+
 @pytest.mark.parametrize("point", ["before_execute", "mid_transaction", "after_execute"])
 def test_worker_death_at_a_named_point(tiny_model, point):
-    """In-flight requests fail with worker_lost; requests that were only queued survive; the
-    worker is recreated once (the fault does not fire again in the new one)."""
+    """Requests that had produced tokens fail with worker_lost (a retry hint); every other one
+    — queued or mid-prefill — is kept and completes exactly; the worker is recreated once (the
+    fault does not fire again in the new one)."""
     skip = 1 if point == "mid_transaction" else 3          # steps that end with a save in flight are rarer
     # inline copies: which steps end with a transaction in flight does not depend on a thread
     eng = _start(tiny_model, {"kind": "worker_death", "point": point, "skip": skip}, max_concurrency=1,
@@ -46,12 +57,34 @@ def test_worker_death_at_a_named_point(tiny_model, point):
         prompts = [random_prompt(60, seed=i) for i in range(3)]
         hs = [eng.generate(p, max_tokens=20, ignore_eos=True, recovery_frontier=50) for p in prompts]
         outs = [h.result(120) for h in hs]
-        lost = [o for o in outs if o.finish_reason == "error"]
-        assert lost and all(o.error["type"] == "worker_lost" and "worker" in o.error["message"] for o in lost)
+        lost = _lost_only_after_tokens(outs, "worker_lost")
         for o, p in zip(outs, prompts):
             if o.finish_reason != "error":
                 assert o.token_ids == _ref(tiny_model, p, 20)
-        assert eng.stats()["worker_recoveries"] == 1
+        s = eng.stats()
+        assert s["worker_recoveries"] == 1 and len(lost) + s["requests_resubmitted"] >= 1
+        _serves(eng, tiny_model)
+    finally:
+        eng.shutdown()
+
+
+def test_a_worker_loss_keeps_every_request_without_a_token(tiny_model):
+    """At the loss one request is generating, one is mid-prefill (admitted, no token yet), one
+    is queued: the first fails with worker_lost and its tokens so far; the other two start again
+    on the fresh worker and equal the oracle."""
+    eng = _start(tiny_model, {"kind": "worker_death", "point": "before_execute", "skip": 8},
+                 prefill_chunk_tokens=16, max_context=512, kv_capacity=8 * 64)
+    try:
+        short = random_prompt(16, seed=60)
+        long = random_prompt(300, seed=61)
+        queued = random_prompt(20, seed=62)
+        hs = [eng.generate(p, max_tokens=n, ignore_eos=True) for p, n in ((short, 60), (long, 6), (queued, 6))]
+        outs = [h.result(120) for h in hs]
+        assert outs[0].finish_reason == "error" and _lost_only_after_tokens(outs, "worker_lost") == [outs[0]]
+        assert outs[0].token_ids == _ref(tiny_model, short, 60)[:len(outs[0].token_ids)]
+        assert outs[1].token_ids == _ref(tiny_model, long, 6) and outs[2].token_ids == _ref(tiny_model, queued, 6)
+        s = eng.stats()
+        assert s["worker_recoveries"] == 1 and s["requests_resubmitted"] == 2
         _serves(eng, tiny_model)
     finally:
         eng.shutdown()
@@ -111,12 +144,15 @@ def test_completion_faults_keep_outputs_exact(tiny_model, kind):
 
 
 def test_controller_restart_in_process(tiny_model):
-    """Every request in flight ends with controller_lost (as over Ray); then it serves anew."""
+    """Requests that had produced tokens end with controller_lost (as over Ray), a queued one
+    starts again and completes; then it serves anew."""
     eng = _start(tiny_model, {"kind": "controller_restart", "skip": 10})
     try:
-        hs = [eng.generate(random_prompt(40, seed=50 + i), max_tokens=40, ignore_eos=True) for i in range(2)]
+        prompts = [random_prompt(40, seed=50 + i) for i in range(3)]
+        hs = [eng.generate(p, max_tokens=40, ignore_eos=True) for p in prompts]
         outs = [h.result(120) for h in hs]
-        assert all(o.finish_reason == "error" and o.error["type"] == "controller_lost" for o in outs)
+        assert len(_lost_only_after_tokens(outs, "controller_lost")) == 2
+        assert outs[2].token_ids == _ref(tiny_model, prompts[2], 40)
         assert eng.stats()["controller_restarts"] == 1
         _serves(eng, tiny_model)
     finally:

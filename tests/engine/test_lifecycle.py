@@ -202,18 +202,23 @@ def test_events_through_the_api(tiny_model):
         eng.shutdown()
 
 
-def test_a_request_kept_across_a_worker_loss_publishes_nothing_twice(tiny_model):
-    """A worker death: the running request fails; the queued one is kept by the new core with
-    its arrival and published moments (one queued, one generation_start), then runs."""
+@pytest.mark.parametrize("first_len,first_fails", [(40, True), (120, False)], ids=["generating", "mid-prefill"])
+def test_a_request_kept_across_a_worker_loss_publishes_nothing_twice(tiny_model, first_len, first_fails):
+    """A worker death: the running request fails if it had produced tokens, else it is kept
+    (mid-prefill: admitted once, never twice); the queued one is kept by the new core with its
+    arrival and published moments (one queued, one generation_start), then runs."""
     cfg = {"max_concurrency": 1, "max_context": 256, "kv_capacity": 4 * 64, "prefill_chunk_tokens": 16,
            "faults": [{"kind": "worker_death", "point": "before_execute", "skip": 4}]}
     eng = ninfer.Engine.start(tiny_model, config=cfg, dtype="float64", transport="inproc")
     try:
-        first = eng.generate(random_prompt(120, seed=31), max_tokens=4, ignore_eos=True)
+        first = eng.generate(random_prompt(first_len, seed=31), max_tokens=4, ignore_eos=True)
         kept = eng.generate(random_prompt(20, seed=32), max_tokens=3, ignore_eos=True)
         f, k = first.result(120), kept.result(120)
         assert eng.stats()["worker_recoveries"] == 1
-        assert f.finish_reason == "error" and f.error["type"] == "worker_lost"
+        if first_fails:
+            assert f.finish_reason == "error" and f.error["type"] == "worker_lost" and f.token_ids
+        else:
+            assert f.finish_reason == "length", f.error
         assert k.finish_reason == "length", k.error
         for h, out in ((first, f), (kept, k)):
             check_lifecycle(h.events(), out.pauses, out.finish_reason)

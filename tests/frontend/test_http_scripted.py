@@ -6,20 +6,18 @@ verification and disconnect cancellation are pinned exactly."""
 
 from __future__ import annotations
 
-import asyncio
+import json
 import threading
 import time
 from types import SimpleNamespace
 
 import httpx
 import pytest
-import uvicorn
 
-from ninfer.api import Output, StreamEvent, TimingsView, UsageView
 from ninfer.frontend.render import ChatTokenizer
 from ninfer.frontend.server import Server
 from ninfer.frontend.streaming import ChoiceStream, partial_suffix
-from tests.serving import free_port
+from tests.frontend.scripted import OPEN_GATE, ScriptedEngine, running
 
 openai = pytest.importorskip("openai")
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -27,61 +25,12 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
          {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
 
 
-class ScriptedHandle:
-    def __init__(self, rid: str, ids: list[int], delay: float, chunk: int = 1):
-        self.rid, self.ids, self.delay, self.chunk = rid, ids, delay, chunk
-        self.sent = 0
-        self.cancelled = False
-
-    async def aiter(self):
-        while self.sent < len(self.ids) and not self.cancelled:
-            await asyncio.sleep(self.delay)
-            first, self.sent = self.sent, min(len(self.ids), self.sent + self.chunk)
-            yield StreamEvent(self.rid, first, self.ids[first:self.sent])    # several tokens per event
-
-    async def result_async(self) -> Output:
-        while self.sent < len(self.ids) and not self.cancelled:
-            await asyncio.sleep(0.005)
-        return Output(self.rid, self.ids[:self.sent], "", "cancelled" if self.cancelled else "stop", None,
-                      UsageView(prompt_tokens=5, completion_tokens=self.sent), TimingsView())
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-
-class ScriptedEngine:
-    model_dir = "scripted"
-
-    def __init__(self, tok: ChatTokenizer):
-        self._intake = SimpleNamespace(tokenizer=tok)
-        self.info = SimpleNamespace(max_context=4096, vocab_size=tok.tokenizer.get_vocab_size(), vision_merge=0)
-        self.handles: list[ScriptedHandle] = []
-        self.delay = 0.002
-        self.chunk = 1
-
-    def chat(self, messages, tools=None, **kw) -> ScriptedHandle:
-        script = messages[-1]["content"]
-        h = ScriptedHandle(f"s{len(self.handles)}", self._intake.tokenizer.encode(script), self.delay, self.chunk)
-        self.handles.append(h)
-        return h
-
-    def alive(self) -> bool:
-        return True
-
-
 @pytest.fixture(scope="module")
 def scripted(tiny_model):
     engine = ScriptedEngine(ChatTokenizer(tiny_model))
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(Server(engine, "tiny").app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    while not srv.started:
-        time.sleep(0.02)
-    yield SimpleNamespace(engine=engine, base=f"http://127.0.0.1:{port}",
-                          client=openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0))
-    srv.should_exit = True
-    thread.join(timeout=10)
+    with running(Server(engine, "tiny")) as base:
+        yield SimpleNamespace(engine=engine, base=base,
+                              client=openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0))
 
 
 def _say(text: str) -> list[dict]:
@@ -228,3 +177,63 @@ def test_responses_stream_a_function_call_as_its_own_item(scripted):
     r = c.responses.create(model="tiny", input="Let me check." + CALL, tools=tools)
     assert [o.type for o in r.output] == ["message", "function_call"]
     assert r.output[1].name == "get_weather" and r.output[0].content[0].text == "Let me check."
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": _say("hello there"), "stream": True, "n": 2}),
+    ("/v1/completions", {"prompt": "hello there", "stream": True, "echo": True, "max_tokens": 4}),
+], ids=["chat", "completions-echo"])
+def test_a_stream_opens_with_its_first_token_not_at_acceptance(scripted, path, body):
+    """The role chunk (chat) and the echo (completions) go out with the first token, as vLLM
+    sends them: a client timing its first chunk (`vllm bench serve`) then measures the real
+    TTFT, not the acceptance. Headers still come at once (the request was accepted)."""
+    gate = threading.Event()
+    scripted.engine.gate = gate
+    lines: list[tuple[float, str]] = []
+    try:
+        with httpx.Client(timeout=10) as h, h.stream("POST", f"{scripted.base}{path}", json=body) as r:
+            assert r.status_code == 200
+
+            def read():
+                for line in r.iter_lines():
+                    if line.startswith("data:"):
+                        lines.append((time.monotonic(), line))
+            reader = threading.Thread(target=read, daemon=True)
+            reader.start()
+            time.sleep(0.4)
+            assert lines == []                                  # nothing before the first token
+            opened = time.monotonic()
+            gate.set()
+            reader.join(timeout=10)
+    finally:
+        scripted.engine.gate = OPEN_GATE
+    chunks = [json.loads(line[5:]) for _, line in lines if line != "data: [DONE]"]
+    assert lines[0][0] >= opened and lines[-1][1] == "data: [DONE]"
+    if path == "/v1/chat/completions":
+        for i in (0, 1):
+            mine = [c["choices"][0]["delta"] for c in chunks if c["choices"][0]["index"] == i]
+            assert mine[0] == {"role": "assistant", "content": ""} and "role" not in str(mine[1:])
+            assert "".join(d.get("content") or "" for d in mine) == "hello there"
+    else:
+        assert chunks[0]["choices"][0]["text"] == "hello there"            # the echo, with the first token
+
+
+@pytest.mark.parametrize("kind", ["worker_lost", "controller_lost", "device_error"])
+def test_an_engine_loss_is_a_503_with_its_kind_and_a_retry_hint(scripted, kind):
+    """A request a lost worker or controller (or a device error) ended mid-generation: a 503
+    carrying the kind, ``code: retryable`` and ``Retry-After`` (non-stream), the same error
+    object as the stream's last event; never a 500."""
+    from ninfer.errors import lost_error
+    scripted.engine.error = lost_error(kind, "it went")
+    try:
+        r = httpx.post(f"{scripted.base}/v1/chat/completions", json={"messages": _say("some words")}, timeout=30)
+        err = r.json()["error"]
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert err["type"] == kind and err["code"] == "retryable" and "retry the request" in err["message"]
+        with httpx.stream("POST", f"{scripted.base}/v1/chat/completions", timeout=30,
+                          json={"messages": _say("some words"), "stream": True}) as s:
+            events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+        assert events[-1]["error"] == err | {"message": events[-1]["error"]["message"]}
+        assert any(e.get("choices") and e["choices"][0]["delta"].get("content") for e in events)
+    finally:
+        scripted.engine.error = None
