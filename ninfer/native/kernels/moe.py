@@ -101,7 +101,10 @@ def fused_moe_triton(x: torch.Tensor, w: MoeWeights) -> torch.Tensor:
         act = torch.empty(rows, inter, dtype=torch.float32, device=x.device)
         y = torch.empty(rows, h, dtype=torch.float32, device=x.device)
         ti, tw = top_i.reshape(-1).contiguous(), top_w.reshape(-1).contiguous()
-        bi, bh = min(64, triton.next_power_of_2(inter)), min(128, triton.next_power_of_2(h))
+        # fp32 weights take twice the registers: a [64, 128] fp32 tile pair sat at 250 of 255
+        # registers on sm_90 (kernels/compile_check.py); half the width leaves room
+        bi, bh = min(64, triton.next_power_of_2(inter)), min(128 if w.gate_up.element_size() < 4 else 64,
+                                                             triton.next_power_of_2(h))
         _moe_up[(rows, triton.cdiv(inter, bi))](xc, w.gate_up.contiguous(), ti, act, h, inter, K=k, BI=bi, BH=bh)
         _moe_down[(rows, triton.cdiv(h, bh))](act, w.down.contiguous(), ti, tw, y, h, inter, BH=bh, BI=bi)
         out = y.view(t, k, h).sum(1).to(x.dtype)
