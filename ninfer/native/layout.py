@@ -130,6 +130,9 @@ def resolve_layout(cfg: ModelConfig, ec: EngineConfig, device: torch.device,
     if budget_bytes is None:
         budget_bytes = ec.memory_budget_bytes
     if budget_bytes is None and device.type == "cuda":
+        # what the caching allocator holds but no tensor uses (the model's load temporaries)
+        # is free for the pools: mem_get_info counts it as used until it is given back
+        torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info(device)
         budget_bytes = int(free * ec.gpu_memory_utilization)
     explicit = ec.checked_kv_pages(max_ctx)

@@ -89,3 +89,15 @@ def test_cuda_graphs_take_their_pool_and_scratch_from_the_budget(cfg):
     used = graphs.main_pages * graphs.kv_page_bytes[MAIN] + graphs.state_slots * graphs.state_image_bytes \
         + graphs.workspace_bytes + graphs.graph_bytes
     assert used <= 28 << 20
+
+
+def test_free_memory_is_measured_after_the_cache_is_given_back(cfg, monkeypatch):
+    """Without a budget on CUDA the solve reads the free memory — after ``empty_cache()``, so
+    what the caching allocator keeps from loading (freed, not returned) counts as free."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (calls.append("mem_get_info"),
+                                                                          (64 << 20, 80 << 30))[1])
+    lay = resolve_layout(cfg, EngineConfig(max_concurrency=2, max_context=1024, enforce_eager=True),
+                         torch.device("cuda"))
+    assert calls == ["empty_cache", "mem_get_info"] and lay.main_pages > 0

@@ -9,7 +9,7 @@ The K/V of the new tokens are written before attention runs (``copies.write_kv``
 kernels read every key from the pages, the new ones included.
 
 * ``paged_decode``: one query per row at position ``seq_lens[i] - 1``. Split-K: the pages of a
-  row are cut into ``num_splits`` ranges, each program keeps an online softmax over its range
+  row (its own length, not the table's width) are cut into ``num_splits`` ranges, each program keeps an online softmax over its range
   and writes (o, lse); a second kernel merges the splits (log-sum-exp weights).
 * ``paged_prefill``: a chunk of queries per sequence (packed, ``cu_seqlens``) at positions
   ``starts[i] .. starts[i] + q_len - 1``: full attention over the cached prefix, causal within
@@ -103,21 +103,23 @@ def launch_config(kind: str, dtype: torch.dtype, bd: int) -> dict:
 # Runtime integers that change with the batch (the table's width, pages per split, the split
 # count) are not specialised: one compiled variant serves every batch, so a graph's capture or
 # a new batch size never recompiles mid-run.
-@triton.jit(do_not_specialize=["pt_stride", "pages_per_split", "S"])
+@triton.jit(do_not_specialize=["pt_stride", "S"])
 def _decode_split(q, k_cache, v_cache, page_tables, seq_lens, o_part, lse_part, scale,
-                  pt_stride, pages_per_split, S,
+                  pt_stride, S,
                   H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, REP: tl.constexpr,
                   BH: tl.constexpr, BD: tl.constexpr, PAGE: tl.constexpr, BN: tl.constexpr,
                   UPCAST: tl.constexpr, PREC: tl.constexpr):
     """One (row, kv head, split): the REP query heads sharing a kv head (padded to BH >= 16
-    rows, tl.dot's minimum), over pages [split * pages_per_split, ...), BN keys of a page at a
-    time. Writes o (normalised) and lse per (row, head, split); a split without keys writes
-    lse = -inf."""
+    rows, tl.dot's minimum), over the split's share of the row's own pages (its length cut in
+    S, not the table's width: a 2k row in a 32k table keeps every split busy), BN keys of a
+    page at a time. Writes o (normalised) and lse per (row, head, split); a split without keys
+    (a row of fewer pages than splits) writes lse = -inf."""
     row = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     n = tl.load(seq_lens + row)
     KB: tl.constexpr = PAGE // BN                        # key blocks per page
+    pages_per_split = tl.cdiv(tl.cdiv(n, PAGE), S)
     b_lo = split * pages_per_split * KB
     b_hi = tl.minimum(b_lo + pages_per_split * KB, tl.cdiv(n, BN))
 
@@ -199,7 +201,6 @@ def paged_decode_triton(q, k_cache, v_cache, page_tables, seq_lens, scale, num_s
     rep = h // hkv
     max_pages = page_tables.shape[1]
     splits = max(1, min(num_splits, max_pages))
-    pages_per_split = triton.cdiv(max_pages, splits)
     o_part = torch.empty((n, h, splits, d), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((n, h, splits), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
@@ -208,7 +209,7 @@ def paged_decode_triton(q, k_cache, v_cache, page_tables, seq_lens, scale, num_s
     q, page_tables, seq_lens = q.contiguous(), page_tables.contiguous(), seq_lens.contiguous()
     bd = triton.next_power_of_2(d)
     _decode_split[(n, hkv, splits)](q, k_cache, v_cache, page_tables, seq_lens, o_part, lse_part, scale,
-                                    page_tables.stride(0), pages_per_split, splits,
+                                    page_tables.stride(0), splits,
                                     H=h, HKV=hkv, D=d, REP=rep, BH=max(16, triton.next_power_of_2(rep)), BD=bd,
                                     PAGE=PAGE_SIZE, **_dot_mode(q), **launch_config("decode", q.dtype, bd))
     _decode_merge[(n * h,)](o_part, lse_part, out, splits, D=d, BD=bd,
