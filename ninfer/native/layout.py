@@ -64,11 +64,13 @@ def graph_bytes(cfg: ModelConfig, ec: EngineConfig, device: torch.device, itemsi
     first), plus every graph's own outputs (the hidden of its logits rows and of every row live
     on; the LM head runs outside the graphs) — and the padding rows' scratch KV page and state
     slot. Nothing for a model whose forward cannot be captured (``graphs.not_capturable``)."""
-    from ninfer.native.graphs import CHUNK, not_capturable, plan, tokens
+    from ninfer.native.graphs import CHUNK, chunk_cap, not_capturable, plan, tokens
     from ninfer.native.model.paths import KERNEL_DTYPES
-    if device.type != "cuda" or ec.enforce_eager or not_capturable(cfg, getattr(torch, ec.dtype) in KERNEL_DTYPES):
+    fused = getattr(torch, ec.dtype) in KERNEL_DTYPES            # CUDA in these dtypes: the kernel path
+    if device.type != "cuda" or ec.enforce_eager or not_capturable(cfg, fused):
         return 0
-    keys = plan(ec.max_concurrency, spec_tokens + 1 if spec_tokens else 0, ec.prefill_chunk_tokens)
+    keys = plan(ec.max_concurrency, spec_tokens + 1 if spec_tokens else 0, ec.prefill_chunk_tokens,
+                chunk_cap(cfg, fused))
     largest = max(tokens(key) for key in keys)
     rows = sum((key[1] * key[2] + 1 if key[0] == CHUNK else tokens(key)) + tokens(key) for key in keys)
     return workspace_bytes(cfg, largest, itemsize) + rows * cfg.hidden_size * itemsize + page_bytes + image_bytes

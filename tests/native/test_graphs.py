@@ -340,3 +340,20 @@ def test_replayed_verify_and_chunk_calls_equal_eager_calls(tiny_model):
         model.roll_back(replayed, got_b, s, rows[s].state_slot, 2)
         _assert_pools_equal(replayed, eager, pages, slots, 1e-12)
     assert runner.stats.chunk_replays == 3 and runner.stats.verify_replays == 3 and runner.stats.eager == 0
+
+
+def test_a_moe_model_on_the_kernel_path_graphs_chunks_up_to_the_fused_kernels_reach(tiny_model):
+    """The runner's plan and chunk lengths follow ``chunk_cap``: on the kernel path the tiny MoE
+    model's chunk graphs stop at 256 tokens (a 300-token chunk runs eagerly), on the torch path
+    they reach the budget."""
+    import types
+
+    from ninfer.native.model.model import HybridModel
+    from ninfer.native.model.paths import BATCHED, KERNELS
+    cfg = HybridModel.load(tiny_model, "float32").cfg
+    for path, sizes in ((KERNELS, [64, 128, 256]), (BATCHED, [64, 128, 256, 512])):
+        model = types.SimpleNamespace(cfg=cfg, path=path)
+        r = graphs.GraphRunner(model, None, graphs.ReplayBackend(), max_rows=4, max_context=1024, scratch_page=0,
+                               scratch_slot=0, chunk_tokens=512)
+        assert r.chunk_sizes == sizes and max(k[3] for k in r.plan) == sizes[-1]
+        assert graphs.bucket_for(300, r.chunk_sizes) == (512 if path is BATCHED else None)

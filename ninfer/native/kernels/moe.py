@@ -27,13 +27,12 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ninfer.native.model.moe import MoeWeights, _with_shared
+from ninfer.native.model.moe import FUSED_MAX_ROWS, MoeWeights, _with_shared
 from ninfer.native.model.moe import sparse_moe as sparse_moe_ref
 from ninfer.native.model.ops import acc_dtype
 
 __all__ = ["FUSED_MAX_ROWS", "fused_moe_triton", "sparse_moe_ref", "use_fused"]
 
-FUSED_MAX_ROWS = 256          # token rows up to which the per-row kernels beat grouping by expert
 
 
 def use_fused(tokens: int, static: bool) -> bool:

@@ -9,6 +9,11 @@ import torch.nn.functional as F
 
 from ninfer.native.model.ops import acc_dtype, silu_mlp
 
+# Token rows up to which the per-(token, expert) fused kernel (kernels/moe.py) beats grouping by
+# expert: past it each chosen expert's weights are read once per token instead of once. Here,
+# beside the torch form, so that graphs.py can bound its chunk graphs without importing triton.
+FUSED_MAX_ROWS = 256
+
 
 @dataclass
 class MoeWeights:
