@@ -556,6 +556,13 @@ class GraphRunner:
         self.plan = plan(max_rows, self.verify_tokens, chunk_tokens, cap)
         self.graphs: dict[tuple[str, int, int, int], _Graph] = {}
         self.stats = GraphStats(backend=backend.name)
+        # the verify rows' per-step states: one buffer for every graph (ForwardBatch.spec_steps),
+        # allocated outside the graphs' pool; the layout's workspace reserves C x (1 + k) images for it
+        self.spec_steps = None
+        if self.verify_tokens and cache is not None and cache.ssm.numel():
+            ll, _, hv, dk, dv = cache.ssm.shape
+            self.spec_steps = torch.empty(ll, max_rows, self.verify_tokens, hv, dk, dv, dtype=cache.ssm.dtype,
+                                          device=cache.ssm.device)
 
     @staticmethod
     def usable(model) -> str:
@@ -582,6 +589,8 @@ class GraphRunner:
         static = (_Static(rows, self.width, dev, *args) if profile == DECODE else
                   _StaticVerify(rows, n, self.width, dev, *args) if profile == VERIFY else
                   _StaticChunk(rows, n, length, self.width, dev, *args))
+
+        static.batch.spec_steps = self.spec_steps
 
         def fn() -> ForwardOutput:
             static.batch.spec_states.clear()     # the verify rows' kept states: this run's

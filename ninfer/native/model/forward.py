@@ -128,6 +128,11 @@ class ForwardBatch:
     # filled by the GDN layers for the verify rows, one dict per linear layer (cache order):
     # verify index s -> (conv state before [C, K-1], pre-conv inputs [T, C], states after each step [T, Hv, Dk, Dv])
     spec_states: list[dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = field(default_factory=list)
+    # [Ll, R, n, Hv, Dk, Dv] (state dtype): where the verify rows' per-step states go instead of a
+    # new tensor per call — the one buffer every graph of a Program shares (graphs.GraphRunner),
+    # so each captured graph does not keep its own (13.8 GiB over 21 graphs for Qwen3-Next at
+    # k = 3). Valid until the next forward, as the kept states are (the roll-back reads them first).
+    spec_steps: torch.Tensor | None = None
     # per-call metadata a forward path builds once and every layer reuses (paths.KernelPath)
     kernel_meta: dict = field(default_factory=dict)
     # the chunk of ``chunk_seqs`` padded to a static length (a graph's "chunk" profile; see the

@@ -153,6 +153,7 @@ def _gdn_verify(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, sp
     passes them unchanged (the final state and the kept steps from the real end on are the real
     end's), and the conv state is taken at each row's real end."""
     kept = {}
+    buf, layer, off = batch.spec_steps, len(batch.spec_states), 0
     if batch.verify_len:       # one length: the batch's own index tensors (no host-built index)
         groups = [(batch.verify_len, batch.verify_seqs, batch.verify_rows, batch.verify_slots)]
     else:
@@ -180,6 +181,10 @@ def _gdn_verify(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, sp
             new_conv = xs[:, :, xs.shape[2] - k1:]
         o, new_ssm, steps = gdn.recurrent_gated_delta_rule(
             shape(q), shape(k), shape(v), gv, bv, ssm_states.index_select(0, slots), keep_steps=True)
+        if buf is not None and off + len(seqs) <= buf.shape[1] and n <= buf.shape[2]:
+            view = buf[layer, off:off + len(seqs), :n]           # the shared buffer, not a new tensor
+            view.copy_(steps)
+            steps, off = view, off + len(seqs)
         core.index_copy_(0, rows, o.reshape(len(seqs) * n, *o.shape[2:]))
         conv_states.index_copy_(0, slots, new_conv.to(conv_states.dtype))
         ssm_states.index_copy_(0, slots, new_ssm.to(ssm_states.dtype))
