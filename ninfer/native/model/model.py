@@ -6,6 +6,7 @@ described by an explicit ``ForwardBatch`` (no globals read deep in the layers).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,6 +104,18 @@ def _mlp_weights(t: dict[str, torch.Tensor], p: str, c: ModelConfig, moe: bool):
     return w
 
 
+def _to_device(w, device: torch.device):
+    """A layer's weights (dataclasses, tuples, tensors) moved to ``device`` in place."""
+    if isinstance(w, torch.Tensor):
+        return w.to(device)
+    if isinstance(w, tuple):
+        return tuple(_to_device(x, device) for x in w)
+    if dataclasses.is_dataclass(w):
+        for f in dataclasses.fields(w):
+            setattr(w, f.name, _to_device(getattr(w, f.name), device))
+    return w
+
+
 def _layer_weights(t: dict[str, torch.Tensor], p: str, c: ModelConfig, kind: str, moe: bool) -> LayerWeights:
     if kind == LINEAR:
         a = f"{p}.linear_attn"
@@ -146,19 +159,31 @@ class HybridModel:
     path: ForwardPath = BATCHED
 
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", consume: bool = False):
+        """``tensors`` stay where they are while each layer's weights are formed (experts stacked,
+        GDN rows permuted): on the host for a loaded checkpoint, so the device never holds an
+        expert twice (the per-expert tensors and their stack: non-expert + 2 x experts at the
+        peak); each layer moves to ``device`` once formed. ``consume``: ``tensors`` is the
+        caller's to give up — each layer's entries are dropped once moved (the loader's host
+        copy shrinks as the device fills)."""
         self.cfg = cfg
         self.dtype = dtype
         self.acc = acc_dtype(dtype)
         self.device = torch.device(device)
         self.path = for_device(self.device, dtype)
-        t = {k: v.to(self.device) for k, v in tensors.items()}
+        t = tensors if consume else dict(tensors)
         p = cfg.text_prefix
+        self.layers = []
+        for i, kind in enumerate(cfg.layer_types):
+            prefix = f"{p}layers.{i}"
+            layer = _layer_weights(t, prefix, cfg, kind, cfg.is_moe_layer(i))
+            for name in [n for n in t if n.startswith(prefix + ".")]:
+                del t[name]
+            self.layers.append(_to_device(layer, self.device))
+        t = {k: v.to(self.device) for k, v in t.items()}
         self.embed = t[f"{p}embed_tokens.weight"]
         self.final_norm = t[f"{p}norm.weight"]
         self.lm_head = self.embed if cfg.tie_word_embeddings else t["lm_head.weight"]
-        self.layers = [_layer_weights(t, f"{p}layers.{i}", cfg, kind, cfg.is_moe_layer(i))
-                       for i, kind in enumerate(cfg.layer_types)]
         # The MTP head's weights (native/model/mtp.py builds it); never used by the main forward.
         self.mtp_tensors = {k: v for k, v in t.items() if k.startswith("mtp.")}
         self.rope = Rope(cfg.rotary_dim, cfg.rope_theta, dtype, self.device, cfg.mrope_section)
@@ -178,7 +203,7 @@ class HybridModel:
         if not cfg.mtp_num_hidden_layers:
             # Qwen3-Next checkpoints ship mtp.* weights without a config key.
             cfg = msgspec.structs.replace(cfg, mtp_num_hidden_layers=count_mtp_layers(files))
-        return HybridModel(cfg, load_tensors(path, cfg, tdtype, files), tdtype, device)
+        return HybridModel(cfg, load_tensors(path, cfg, tdtype, files), tdtype, device, consume=True)
 
     def new_cache(self, num_pages: int, num_slots: int) -> ModelCache:
         return ModelCache.allocate(self.cfg, num_pages, num_slots, self.dtype, self.device)
