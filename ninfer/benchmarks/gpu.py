@@ -243,8 +243,43 @@ def moe_cases(size: dict, dtype, device) -> list[Case]:
     return [Case("fused_moe", dtype, lambda: moe.fused_moe_triton(x, w), lambda o: _rel(o, want), MOE_BOUND[dtype])]
 
 
+FP8_BOUND = {torch.float32: 6e-2, torch.float16: 6e-2, torch.bfloat16: 6e-2}   # e4m3 activations (CUDA)
+
+
+def fp8_cases(size: dict, dtype, device) -> list[Case]:
+    """FP8 block-scaled weights (Qwen's -FP8 releases): a Linear through ``fp8.linear`` —
+    ``torch._scaled_mm`` with per-token activation scales on CUDA where blockwise scaling is
+    supported, the dequantised product elsewhere — against the dequantised weight in fp32, and
+    the fused MoE over FP8 experts against the grouped reference."""
+    from ninfer.native.kernels import moe
+    from ninfer.native.model import fp8
+    from ninfer.native.model.moe import MoeWeights
+    h, rows = size["hidden"], size["rows"]
+    g = torch.Generator(device=device).manual_seed(13)
+    r = lambda *s, std=0.05: torch.randn(*s, generator=g, device=device) * std  # noqa: E731
+    w = fp8.quantize(r(2 * h, h))
+    x = r(rows, h, std=1.0).to(dtype)
+    want = torch.nn.functional.linear(x.float(), w.dequantize(torch.float32))
+    cuda = torch.device(device).type == "cuda"
+
+    def lin():
+        out = fp8.linear(x, w)
+        return out
+    e, k, inter = size["experts"], size["topk"], size["inter"]
+    gu = fp8.stack([fp8.cat_rows([fp8.quantize(r(inter, h)), fp8.quantize(r(inter, h))], dtype) for _ in range(e)],
+                   dtype)
+    dn = fp8.stack([fp8.quantize(r(h, inter)) for _ in range(e)], dtype)
+    mw = MoeWeights(router=r(e, h, std=0.5).to(dtype), gate_up=gu, down=dn, top_k=k, norm_topk_prob=True)
+    xm = r(rows, h, std=1.0).to(dtype)
+    mwant = moe.sparse_moe_ref(xm, mw)
+    return [Case("fp8 linear" + (" (_scaled_mm if supported)" if cuda else " (dequantised)"), dtype, lin,
+                 lambda o: _rel(o, want), FP8_BOUND[dtype] if cuda else 8e-3),
+            Case("fused_moe fp8 experts", dtype, lambda: moe.fused_moe_triton(xm, mw), lambda o: _rel(o, mwant),
+                 MOE_BOUND[dtype])]
+
+
 KERNEL_GROUPS = {"paged_attention": lambda *a: attention_cases(*a), "copies": lambda *a: copy_cases(*a),
-                 "norms": lambda *a: norm_cases(*a), "moe": lambda *a: moe_cases(*a)}
+                 "norms": lambda *a: norm_cases(*a), "moe": lambda *a: moe_cases(*a), "fp8": lambda *a: fp8_cases(*a)}
 
 
 def _time_ms(fn: Callable[[], object], device: str, reps: int) -> float | None:

@@ -16,6 +16,8 @@ it moves to the device) or a Host arena larger than the host.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -74,36 +76,77 @@ class WeightBytes:
     vision: int = 0               # of the total: the vision tower
     mtp: int = 0                  # of the total: the MTP head
 
-    def add(self, name: str, shape: tuple[int, ...], itemsize: int, scheme: Fp8Scheme | None) -> None:
-        n = math.prod(shape)
-        if scheme is not None and scheme.quantized(name, shape):
-            s = math.prod(scheme.scale_shape(shape)) * 4
-            self.fp8, self.scales, size = self.fp8 + n, self.scales + s, n + s
-        else:
-            size = n * itemsize
-            self.plain += size
-        self.total += size
-        if ".experts." in name:
-            self.experts += size
-        if name.startswith("mtp."):
-            self.mtp += size
-
 
 def weight_bytes(cfg: ModelConfig, raw: dict, dtype: torch.dtype) -> WeightBytes:
-    """The bytes the engine holds on the device for this model's weights (stacked experts and
-    permuted GDN projections take what their parts took)."""
+    """The bytes the engine holds on the device for this model's weights: the checkpoint's
+    tensors as "meta" tensors (FP8 with their scales where the scheme says so) formed into a
+    ``HybridModel`` on the "meta" device — the loader's own forming (experts stacked, GDN rows
+    permuted, an FP8 weight dequantised where its rows leave their 128-row blocks) — then
+    every tensor it holds counted."""
+    return _weight_bytes(json.dumps(raw, sort_keys=True), cfg.mtp_num_hidden_layers, str(dtype))
+
+
+@functools.lru_cache(maxsize=16)
+def _weight_bytes(raw_text: str, mtp: int, dtype_name: str) -> WeightBytes:
+    from ninfer.native.model.fp8 import SCALE_SUFFIX, Fp8Weight, scale_shape
+    from ninfer.native.model.model import HybridModel
+    from ninfer.native.model.moe import MoeWeights
     from ninfer.native.model.weights import expected_tensors
-    scheme, item = fp8_scheme(raw), torch.empty((), dtype=dtype).element_size()
-    w = WeightBytes()
+    raw = json.loads(raw_text)
+    cfg = _parse(raw, mtp)
+    dtype = getattr(torch, dtype_name.removeprefix("torch."))
+    scheme = fp8_scheme(raw)
+    tensors: dict[str, torch.Tensor] = {}
     for name, shape in expected_tensors(cfg).items():
-        w.add(name, shape, item, scheme)
+        if scheme is not None and scheme.quantized(name, shape):
+            tensors[name] = torch.empty(shape, dtype=torch.float8_e4m3fn, device="meta")
+            tensors[name + SCALE_SUFFIX] = torch.empty(scale_shape(shape), dtype=torch.float32, device="meta")
+        else:
+            tensors[name] = torch.empty(shape, dtype=dtype, device="meta")
+    model = HybridModel(cfg, tensors, dtype, device="meta", consume=True)
+    w = WeightBytes()
+
+    def count(x, parts: tuple[str, ...] = ()) -> None:
+        if isinstance(x, Fp8Weight):
+            w.fp8 += x.weight.numel()
+            w.scales += x.scale_inv.numel() * 4
+            n = x.weight.numel() + x.scale_inv.numel() * 4
+        elif isinstance(x, torch.Tensor):
+            n = x.numel() * x.element_size()
+            w.plain += n
+        elif isinstance(x, (list, tuple)):
+            for y in x:
+                count(y, parts)
+            return
+        elif dataclasses.is_dataclass(x):
+            for f in dataclasses.fields(x):
+                expert = isinstance(x, MoeWeights) and f.name in ("gate_up", "down")
+                count(getattr(x, f.name), parts + ("experts",) if expert else parts)
+            return
+        else:
+            return
+        w.total += n
+        w.experts += n if "experts" in parts else 0
+        w.mtp += n if "mtp" in parts else 0
+    count([model.layers, model.embed, model.final_norm])
+    if not cfg.tie_word_embeddings:
+        count(model.lm_head)
+    for name, x in model.mtp_tensors.items():
+        count(x, ("mtp", "experts") if ".experts." in name else ("mtp",))
     if isinstance(raw.get("vision_config"), dict):
         from ninfer.native.model.vision import expected_vision_tensors, parse_vision_config
-        before = w.total
-        for name, shape in expected_vision_tensors(parse_vision_config(raw)).items():
-            w.add("model.visual." + name, shape, item, None)
-        w.vision = w.total - before
+        item = torch.empty((), dtype=dtype).element_size()
+        w.vision = sum(math.prod(s) for s in expected_vision_tensors(parse_vision_config(raw)).values()) * item
+        w.total += w.vision
+        w.plain += w.vision
     return w
+
+
+def _parse(raw: dict, mtp: int) -> ModelConfig:
+    parsed = dict(raw)
+    if parsed.get("model_type") == "qwen3_5_moe":
+        parsed["model_type"] = "qwen3_5"
+    return parse_config(parsed, mtp_layers=mtp)
 
 
 def read_config(path: str | Path) -> tuple[dict, ModelConfig, str]:
@@ -117,16 +160,13 @@ def read_config(path: str | Path) -> tuple[dict, ModelConfig, str]:
         raw = json.loads(file.read_text())
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{file}: cannot read a config.json ({exc})") from None
-    parsed = dict(raw)
-    if parsed.get("model_type") == "qwen3_5_moe":
-        parsed["model_type"] = "qwen3_5"
     mtp = 0
-    if parsed.get("model_type") == "qwen3_next":
+    if raw.get("model_type") == "qwen3_next":
         mtp = 1
         if p.is_dir() and any(p.glob("*.safetensors")):
             from ninfer.native.model.weights import count_mtp_layers, weight_files
             mtp = count_mtp_layers(weight_files(p))
-    cfg = parse_config(parsed, mtp_layers=mtp)
+    cfg = _parse(raw, mtp)
     name = raw.get("_name_or_path") or (p.name if p.is_dir() else p.stem)
     return raw, cfg, str(name)
 

@@ -224,6 +224,11 @@ def _calls(shape: Shape, dtype):
                        shared_up_proj=e(inter, shape.hidden).zero_(), shared_down_proj=e(shape.hidden, inter).zero_(),
                        shared_gate=e(1, shape.hidden).zero_())
         out.append((f"fused_moe E={shape.experts} k={shape.top_k}", lambda: moe.fused_moe_triton(x, w)))
+        from ninfer.native.model.fp8 import FP8, Fp8Weight, scale_shape
+        q = lambda *s: Fp8Weight(torch.empty(*s, dtype=FP8), torch.empty(scale_shape(s)))  # noqa: E731
+        wq = MoeWeights(router=w.router, gate_up=q(shape.experts, 2 * inter, shape.hidden),
+                        down=q(shape.experts, shape.hidden, inter), top_k=shape.top_k, norm_topk_prob=True)
+        out.append((f"fused_moe FP8 experts E={shape.experts}", lambda: moe.fused_moe_triton(x, wq)))
     return out
 
 
