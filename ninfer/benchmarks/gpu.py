@@ -243,6 +243,39 @@ def moe_cases(size: dict, dtype, device) -> list[Case]:
     return [Case("fused_moe", dtype, lambda: moe.fused_moe_triton(x, w), lambda o: _rel(o, want), MOE_BOUND[dtype])]
 
 
+def gdn_decode_cases(size: dict, dtype, device) -> list[Case]:
+    """The GDN decode rows in place (``kernels/gdn_decode.py``: conv step and delta-rule step
+    reading and writing the rows' state slots) against gather / torch step / scatter."""
+    from ninfer.native.kernels import gdn_decode as gd
+    hk, hv, d, n = size["hk"], size["hv"], size["dk"], size["rows"]
+    g0 = torch.Generator(device=device).manual_seed(17)
+    r = lambda *s: torch.randn(*s, generator=g0, device=device)  # noqa: E731
+    q, k, v = r(n, hk, d).to(dtype), r(n, hk, d).to(dtype), r(n, hv, d).to(dtype)
+    g, beta = -torch.rand(n, hv, generator=g0, device=device) * 0.5, torch.rand(n, hv, generator=g0, device=device)
+    slots = torch.arange(n, 0, -1, device=device)                       # slot 0 untouched
+    ssm = r(n + 1, hv, d, d) * 0.1
+    want_ssm = ssm.clone()
+    want = gd.delta_rule_step_ref(q, k, v, g, beta.to(dtype), want_ssm, slots)
+    c = 2 * hk * d + hv * d
+    x, w = r(n, c).to(dtype), (r(c, 4) * 0.3).to(dtype)
+    conv = r(n + 1, c, 3).to(dtype)
+    want_conv = conv.clone()
+    want_y = gd.conv_step_ref(x, want_conv, slots, w)
+    bound = GDN_BOUND[dtype]
+
+    def step():
+        s = ssm.clone()
+        return gd.delta_rule_step_triton(q, k, v, g, beta.to(dtype), s, slots), s
+
+    def conv_step():
+        s = conv.clone()
+        return gd.conv_step_triton(x, s, slots, w), s
+    return [Case("gdn delta-rule step in place", dtype, step,
+                 lambda o: max(_rel(o[0], want), _rel(o[1], want_ssm)), bound),
+            Case("gdn conv step in place", dtype, conv_step,
+                 lambda o: max(_rel(o[0], want_y), _rel(o[1], want_conv)), CONV_BOUND[dtype])]
+
+
 FP8_BOUND = {torch.float32: 6e-2, torch.float16: 6e-2, torch.bfloat16: 6e-2}   # e4m3 activations (CUDA)
 
 
@@ -279,7 +312,8 @@ def fp8_cases(size: dict, dtype, device) -> list[Case]:
 
 
 KERNEL_GROUPS = {"paged_attention": lambda *a: attention_cases(*a), "copies": lambda *a: copy_cases(*a),
-                 "norms": lambda *a: norm_cases(*a), "moe": lambda *a: moe_cases(*a), "fp8": lambda *a: fp8_cases(*a)}
+                 "norms": lambda *a: norm_cases(*a), "moe": lambda *a: moe_cases(*a), "fp8": lambda *a: fp8_cases(*a),
+                 "gdn_decode": lambda *a: gdn_decode_cases(*a)}
 
 
 def _time_ms(fn: Callable[[], object], device: str, reps: int) -> float | None:

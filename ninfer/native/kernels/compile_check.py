@@ -210,6 +210,15 @@ def _calls(shape: Shape, dtype):
     out.append(("copy_slots conv", lambda: copies.copy_slots_triton(conv, lt(1), lt(1) + 1)))
     kl = e(4, pages, 64, hkv, d)
     out.append(("copy_page_prefix", lambda: copies.copy_page_prefix_triton(kl, kl, lt(2), lt(2) + 1, lt(2) + 37)))
+    # GDN decode rows in place (conv step, delta-rule step) over the layer's slots
+    from ninfer.native.kernels import gdn_decode
+    hk, hv, dg = shape.gdn_k_heads, shape.gdn_v_heads, shape.gdn_dim
+    conv_dim = 2 * hk * dg + hv * dg
+    conv1 = e(9, conv_dim, 3)
+    ssm1 = e(9, hv, dg, dg, dt=torch.float32)
+    out.append(("gdn conv step", lambda: gdn_decode.conv_step_triton(e(8, conv_dim), conv1, lt(8), e(conv_dim, 4))))
+    out.append(("gdn delta-rule step", lambda: gdn_decode.delta_rule_step_triton(
+        e(8, hk, dg), e(8, hk, dg), e(8, hv, dg), e(8, hv, dt=torch.float32), e(8, hv), ssm1, lt(8))))
     # norms: the hidden width (zero-centred), a q/k head (plain), the GDN output (gated)
     out.append((f"rms_norm hidden={shape.hidden}", lambda: norms.rms_norm_triton(
         e(64, shape.hidden), e(shape.hidden), 1e-6, True)))

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
-KERNELS = {"_decode_split", "_decode_merge", "_prefill", "_copy_rows", "_rms_norm", "_moe_up", "_moe_down"}
+KERNELS = {"_decode_split", "_decode_merge", "_prefill", "_copy_rows", "_rms_norm", "_moe_up", "_moe_down",
+           "_conv_step", "_delta_rule_step"}
 
 
 def _env() -> dict:

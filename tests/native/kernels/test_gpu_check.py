@@ -31,7 +31,7 @@ def test_tiny_kernel_checks_pass_on_cpu():
     names = {r["kernel"].split(" x")[0] for r in rows}
     assert {"paged_decode", "paged_prefill", "write_kv", "copy_page_prefix", "gather_slots (ssm state)",
             "rms_norm (plain)", "rms_norm (zero-centred)", "gated_rms_norm", "fused_moe", "fp8 linear (dequantised)",
-            "fused_moe fp8 experts"} <= names
+            "fused_moe fp8 experts", "gdn delta-rule step in place", "gdn conv step in place"} <= names
     assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
     assert all(r["ms"] is None for r in rows)          # no timings without CUDA
 
@@ -100,8 +100,9 @@ def test_the_graph_stage_replays_every_capturable_kernel_bit_exact(tmp_path):
     assert rc == 0 and all(r["ok"] and r["bit_exact"] for r in rows), rows
     names = {r["kernel"].split(" x")[0] for r in rows}
     assert {"paged_decode", "paged_prefill", "write_kv", "gather_slots (ssm state)", "rms_norm (plain)",
-            "gated_rms_norm", "fused_moe", "fp8 linear (dequantised)", "fused_moe fp8 experts"} <= names
-    assert "copy_page_prefix" not in names and len(rows) == 2 * 9 + 1
+            "gated_rms_norm", "fused_moe", "fp8 linear (dequantised)", "fused_moe fp8 experts",
+            "gdn delta-rule step in place", "gdn conv step in place"} <= names
+    assert "copy_page_prefix" not in names and len(rows) == 2 * 11 + 1
 
 
 def test_a_host_read_inside_a_captured_call_fails_its_graph_row():
