@@ -1,13 +1,27 @@
 #!/usr/bin/env bash
-# The prepared GPU check (issue 15): every kernel against its torch reference on CUDA, kernel
-# times, pinned H2D/D2H GB/s, the engine on CUDA against reference_generate. Bounded at 8
-# minutes. Without CUDA it runs the same comparisons at a tiny size under TRITON_INTERPRET=1.
-# Usage: bench/gpu_check.sh [model_dir] [out.json]     (has not yet run on a GPU)
-set -euo pipefail
+# The staged GPU check (issue 33), for the device image as it is: python3 with its own torch and
+# triton, no registry. Wheels from bench/fetch_wheels.sh (bench/wheels/, carried along) go into
+# /tmp/ninfer-site with --no-index --no-deps --target and come first on PYTHONPATH after this
+# checkout; nothing is pip-installed into the image. Then one process per stage, each with its
+# own cap, inside a 540 s budget; a JSON line per stage appended to $OUT/gpu_check.jsonl as it
+# ends, every stage's output in $OUT/gpu_check.log (ninfer/benchmarks/gpu_runner.py).
+# Usage: bench/gpu_check.sh [--stages a,b] [--budget S]      ($OUT defaults to bench/results)
+set -uo pipefail
 cd "$(dirname "$0")/.."
-model="${1:-models/tiny}"
-out="${2:-bench/results/gpu.json}"
-mkdir -p "$(dirname "$out")"
-python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available())"
-python -c "import fla; print('fla-core', fla.__version__)" 2>/dev/null || echo "fla-core not installed: GDN kernels not checked (pip install -e '.[gpu]')"
-exec timeout 480 python -m ninfer.cli bench gpu --model "$model" --out "$out"
+out="${OUT:-bench/results}"
+mkdir -p "$out"
+py=${PYTHON:-python3}
+if ls bench/wheels/*.whl >/dev/null 2>&1; then
+    $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/ninfer-site bench/wheels/*.whl || echo "[gpu-check] wheel install failed" >&2
+    export PYTHONPATH="$PWD:/tmp/ninfer-site${PYTHONPATH:+:$PYTHONPATH}"
+else
+    echo "[gpu-check] no bench/wheels (bench/fetch_wheels.sh): using what the image has" >&2
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=${TRITON_DEFAULT_FP_FUSION:-1}
+# a carried tiny model (models/tiny, `ninfer make-tiny-model models/tiny`) saves building it there
+model=()
+[ -f models/tiny/config.json ] && model=(--model models/tiny)
+# the runner enforces the budget; the outer timeout only guards the runner itself
+exec timeout 570 $py ninfer/benchmarks/gpu_runner.py --out "$out/gpu_check.jsonl" "${model[@]}" "$@"

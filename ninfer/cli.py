@@ -7,6 +7,7 @@
     ninfer bench controller|agent|actors|cache-scale|serve|trace [options] [--out FILE.json] [--plot FILE.png]
     ninfer bench NAME --help             (each bench's options: ninfer/benchmarks/options.py)
     ninfer report FILE [--stall-s S]    the seed's evaluation order over a JSON log or bench JSON
+    ninfer plan MODEL_DIR_OR_CONFIG --gpu-memory GIB --host-memory GIB [--speculative mtp:K] ...
     ninfer --log-format text|json ...   the engine's log lines (also NINFER_LOG_FORMAT)
 
 Errors a user can cause (bad directory, bad config, a deployment that cannot start) print one
@@ -92,6 +93,31 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    import json
+
+    from ninfer.config import EngineConfig
+    from ninfer.native.plan import GIB, make_plan, render
+
+    fields = {"max_concurrency": args.lanes, "dtype": args.dtype, "prefill_chunk_tokens": args.chunk,
+              "gpu_memory_utilization": args.gpu_memory_utilization, "enforce_eager": args.enforce_eager}
+    if args.max_context is not None:
+        fields["max_context"] = args.max_context
+    if args.host_arena is not None:
+        fields["context_cache"] = {"host_capacity_bytes": int(args.host_arena * GIB)}
+    if args.speculative:
+        method, _, rest = args.speculative.partition(":")
+        if method == "mtp":
+            fields["speculative"] = {"method": "mtp", "num_tokens": int(rest or 3)}
+        else:
+            draft, _, k = rest.partition(":")
+            fields["speculative"] = {"method": method, "draft": draft, **({"num_tokens": int(k)} if k else {})}
+    plan = make_plan(args.model, args.gpu_memory, args.host_memory, EngineConfig(**fields),
+                     reserve_bytes=int(args.reserve * GIB))
+    print(json.dumps(plan.as_dict(), indent=2, default=str) if args.json else render(plan))
+    return 0 if plan.fits else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ninfer", description=__doc__.split("\n")[0])
     parser.add_argument("--log-format", choices=["text", "json"], default=None,
@@ -166,6 +192,31 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Benchmarks: a table and JSON on stdout (or --out), a PNG plot, progress on "
                                    "stderr; `ninfer bench NAME --help` lists each one's options.")
     add_parsers(p.add_subparsers(dest="name", required=True, metavar="NAME"))
+
+    p = sub.add_parser("plan", help="the Device / Host layout the engine would solve for a model on a GPU of a "
+                                    "given size (from config.json alone: no weights, no GPU); exit 1 if it does "
+                                    "not fit", description="Reads config.json (a model directory's or the file), "
+                                    "counts the weights the loader would hold (FP8 128x128 blocks where the "
+                                    "checkpoint's quantization_config says so), and solves the engine's own layout "
+                                    "on what the GPU would have free after them: Main and draft KV, StateImages, "
+                                    "workspace, CUDA graphs, the Host arena.")
+    p.add_argument("model", metavar="MODEL_DIR_OR_CONFIG", help="a model directory or its config.json")
+    p.add_argument("--gpu-memory", type=float, required=True, metavar="GIB", help="the GPU's memory (e.g. 139)")
+    p.add_argument("--host-memory", type=float, required=True, metavar="GIB", help="the host's memory (e.g. 128)")
+    p.add_argument("--lanes", type=int, default=8, help="max_concurrency C (default 8)")
+    p.add_argument("--max-context", type=int, default=None, help="max_context (default: the model's)")
+    p.add_argument("--chunk", type=int, default=2048, help="prefill_chunk_tokens (default 2048)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="the engine's dtype")
+    p.add_argument("--speculative", default=None, metavar="mtp:K|dflash:DIR[:K]|dflash2:DIR[:K]",
+                   help="a draft backend (its KV pool, the verify rows' kept states and graphs count)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--reserve", type=float, default=1.0, metavar="GIB",
+                   help="GPU memory the runtime takes before the engine (CUDA context, cuBLAS; default 1)")
+    p.add_argument("--host-arena", type=float, default=None, metavar="GIB",
+                   help="context_cache.host_capacity_bytes (default 8 GiB + 8 StateImages)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--json", action="store_true", help="the plan as JSON")
+    p.set_defaults(func=_plan)
 
     p = sub.add_parser("report", help="verdicts in the seed's evaluation order, then a table, from a JSON log "
                                       "(NINFER_LOG_FORMAT=json) or a bench JSON")

@@ -1,13 +1,13 @@
-"""`ninfer bench gpu` (issue 15, the GPU path): the prepared check for a CUDA machine.
+"""The GPU check's cases (issue 15, staged by issue 33: ``gpu_runner.py`` / ``gpu_stages.py``).
 
-On CUDA, at Qwen3-Next-like sizes: every kernel of ``ninfer/native/kernels`` against its torch
-reference on the same device (relative error within the bound the CPU tests state, copies bit
-for bit), each kernel's time, pinned H2D / D2H bandwidth, and the engine on ``device="cuda"``
-(``engine_check``: the tiny model and a mid-size synthetic one, ``make_mid_model``, each with
-CUDA graphs on and off) against ``reference_generate`` and each other, with decode tok/s at
-C = 1..8, prefill tok/s and the graphs' capture time (recorded, not fatal). Without CUDA the same kernel comparisons run at a tiny size under
-TRITON_INTERPRET=1, which is what the CPU tests exercise. Exits non-zero (via the JSON's
-``ok``) when any kernel misses its bound. It has not yet run on a GPU.
+Every kernel of ``ninfer/native/kernels`` against its torch reference on the same device
+(``kernel_cases`` at the ``SIZES`` tiny / small / full: relative error within the bound the CPU
+tests state, copies bit for bit), fla's GDN kernels against ours (``gdn_cases``), pinned
+H2D / D2H bandwidth, and the engine (``engine_check``: the tiny model and a mid-size synthetic
+one, ``make_mid_model``, each with CUDA graphs on and off) against ``reference_generate`` and
+each other, with decode tok/s at C = 1..8, prefill tok/s and the graphs' capture time. Without
+CUDA the same comparisons run at the tiny size under TRITON_INTERPRET=1 (what the tests run).
+It has not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -24,11 +24,18 @@ import torch
 # the looser GPU column.
 ATTN_BOUND = {"cpu": {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3},
               "cuda": {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}}
-GDN_BOUND = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2e-2}
+# fla computes the delta rule's products in TF32 on CUDA (its own tests accept 5e-3 in fp32);
+# 16-bit inputs add their own rounding of q, k, v and of the output.
+GDN_BOUND = {torch.float32: 5e-3, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+CONV_BOUND = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 SIZES = {
     # decode rows, context, heads, kv heads, head dim | prefill prefix, chunk | GDN heads k/v, dims, chunk
     "tiny": {"rows": 2, "ctx": 130, "h": 4, "hkv": 2, "d": 64, "prefix": 70, "chunk": 20,
              "hk": 1, "hv": 2, "dk": 32, "t": 9, "layers": 2, "experts": 8, "topk": 2, "hidden": 128, "inter": 64},
+    # real head dims and widths (Qwen3-Next's), few rows: what compiles at real sizes, quickly
+    "small": {"rows": 4, "ctx": 300, "h": 16, "hkv": 2, "d": 256, "prefix": 100, "chunk": 90,
+              "hk": 16, "hv": 32, "dk": 128, "t": 200, "layers": 2, "experts": 64, "topk": 10, "hidden": 2048,
+              "inter": 512},
     "full": {"rows": 64, "ctx": 4096, "h": 16, "hkv": 2, "d": 256, "prefix": 2048, "chunk": 2048,
              "hk": 16, "hv": 32, "dk": 128, "t": 2048, "layers": 36, "experts": 512, "topk": 10, "hidden": 2048,
              "inter": 512},
@@ -42,6 +49,7 @@ class Case:
     run: Callable[[], object]          # the kernel (timed)
     check: Callable[[object], float]   # its output -> error against the reference
     bound: float
+    graph: bool = True                 # capturable: no host read (the forward's own call form)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -76,11 +84,12 @@ def attention_cases(size: dict, dtype, device) -> list[Case]:
     st = torch.tensor([size["prefix"]], dtype=torch.int32, device=device)
     pre_ref = pa.paged_prefill_ref(qp.float(), k2.float(), v2.float(), t2, cu, st, scale)
     bound = ATTN_BOUND[dev][dtype]
-    block_m = 64 if dev == "cuda" else 16
+    block_m = None if dev == "cuda" else 16          # CUDA: the kernel's own launch config
     return [
         Case(f"paged_decode x{splits} splits", dtype,
              lambda: pa.paged_decode_triton(q, k, v, tables, lens, scale, splits), lambda o: _rel(o, dec_ref), bound),
-        Case("paged_prefill", dtype, lambda: pa.paged_prefill_triton(qp, k2, v2, t2, cu, st, scale, block_m),
+        Case("paged_prefill", dtype, lambda: pa.paged_prefill_triton(qp, k2, v2, t2, cu, st, scale, block_m,
+                                                                     max_q=size["chunk"]),
              lambda o: _rel(o, pre_ref), bound),
     ]
 
@@ -105,7 +114,7 @@ def copy_cases(size: dict, dtype, device) -> list[Case]:
         Case("write_kv", dtype, lambda: (copies.write_kv_triton(k, v, slots, nk, nv), (k, v))[1],
              lambda o: max(same(o[0], kr), same(o[1], vr)), 0.0),
         Case("copy_page_prefix", dtype, lambda: (copies.copy_page_prefix_triton(kl, vl, src, dst, n), kl)[1],
-             lambda o: same(o[:, dst.long(), :37], kc[:, dst.long(), :37]), 0.0),
+             lambda o: same(o[:, dst.long(), :37], kc[:, dst.long(), :37]), 0.0, graph=False),
     ]
     if dtype != torch.float32:
         return cases
@@ -117,28 +126,78 @@ def copy_cases(size: dict, dtype, device) -> list[Case]:
                          lambda o: same(o, gathered), 0.0)]
 
 
-def gdn_cases(size: dict, dtype, device) -> list[Case]:
+def gdn_cases(size: dict, dtype, device, ops=None, prefix: str = "fla") -> list[Case]:
+    """The gated delta rule (chunked prefill over one sequence, recurrent decode rows, verify
+    rows of 1 + 3 inputs) and the causal conv (a chunk, a decode step) through ``ops`` — the
+    fla adapters of ``kernels.gdn`` on CUDA — against the torch references in fp32 on the same
+    device. Without fla on CUDA there is nothing to check (``[]``); the CPU stand-in passes the
+    reference module as ``ops`` (the stage's harness, not fla, is what it checks there)."""
     from ninfer.native.kernels import gdn
-    if torch.device(device).type != "cuda" or not gdn.fla_available():
-        return []                       # fla on the CPU is covered by tests/native/kernels/test_gdn.py
+    if ops is None:
+        if torch.device(device).type != "cuda" or not gdn.fla_available():
+            return []
+        ops = FlaOps
     hk, hv, dk, t, n = size["hk"], size["hv"], size["dk"], size["t"], size["rows"]
-    r = lambda *s: torch.randn(*s, device=device)
+    g0 = torch.Generator(device=device).manual_seed(3)
+    r = lambda *s: torch.randn(*s, generator=g0, device=device)  # noqa: E731
     q, k, v = r(t, hk, dk).to(dtype), r(t, hk, dk).to(dtype), r(t, hv, dk).to(dtype)
-    g, beta, s0 = -torch.rand(t, hv, device=device) * 0.5, torch.rand(t, hv, device=device).to(dtype), r(hv, dk, dk) * 0.1
+    g = -torch.rand(t, hv, generator=g0, device=device) * 0.5
+    beta, s0 = torch.rand(t, hv, generator=g0, device=device).to(dtype), r(hv, dk, dk) * 0.1
     ref = gdn.chunk_gated_delta_rule_ref(q.float(), k.float(), v.float(), g, beta.float(), s0)
     qd, kd, vd = q[:n, None], k[:n, None], v[:n, None]
     gd, bd, sd = g[:n, None], beta[:n, None], s0[None].expand(n, -1, -1, -1).contiguous()
     ref_d = gdn.recurrent_gated_delta_rule_ref(qd.float(), kd.float(), vd.float(), gd, bd.float(), sd)
-    bound = GDN_BOUND[dtype]
+    nv, steps = max(1, n // 4), 4                       # verify rows: 1 + 3 drafts
+    shape = lambda x: x[:nv * steps].reshape(nv, steps, *x.shape[1:])  # noqa: E731
+    qv, kv, vv, gv, bv = shape(q), shape(k), shape(v), shape(g), shape(beta)
+    sv = s0[None].expand(nv, -1, -1, -1).contiguous()
+    ref_v = gdn.recurrent_gated_delta_rule_ref(qv.float(), kv.float(), vv.float(), gv, bv.float(), sv)
+    channels = 2 * hk * dk + hv * dk
+    x, w = r(t, channels).to(dtype), (r(channels, 4) * 0.3).to(dtype)
+    cs = r(channels, 3).to(dtype)
+    ref_c = gdn.causal_conv1d_ref(x.float(), cs.float(), w.float())
+    xs, css = x[:n], cs[None].expand(n, -1, -1).contiguous()
+    ref_cs = gdn.causal_conv1d_step_ref(xs.float(), css.float(), w.float())
+    bound, cbound = GDN_BOUND[dtype], CONV_BOUND[dtype]
 
     def err(out, want) -> float:
         return max(_rel(out[0], want[0]), _rel(out[1], want[1]))
     return [
-        Case("fla chunk_gated_delta_rule", dtype, lambda: gdn.chunk_gated_delta_rule_fla(q, k, v, g, beta, s0),
+        Case(f"{prefix} chunk_gated_delta_rule T={t}", dtype, lambda: ops.chunk_gated_delta_rule(q, k, v, g, beta, s0),
              lambda o: err(o, ref), bound),
-        Case("fla fused_recurrent (decode)", dtype,
-             lambda: gdn.recurrent_gated_delta_rule_fla(qd, kd, vd, gd, bd, sd), lambda o: err(o, ref_d), bound),
+        Case(f"{prefix} recurrent (decode) N={n}", dtype,
+             lambda: ops.recurrent_gated_delta_rule(qd, kd, vd, gd, bd, sd), lambda o: err(o, ref_d), bound),
+        Case(f"{prefix} recurrent (verify) N={nv}x{steps}", dtype,
+             lambda: ops.recurrent_gated_delta_rule(qv, kv, vv, gv, bv, sv), lambda o: err(o, ref_v), bound),
+        Case(f"{prefix} causal_conv1d T={t}", dtype, lambda: ops.causal_conv1d(x, cs, w), lambda o: err(o, ref_c),
+             cbound),
+        Case(f"{prefix} causal_conv1d_step N={n}", dtype, lambda: ops.causal_conv1d_step(xs, css, w),
+             lambda o: err(o, ref_cs), cbound),
     ]
+
+
+class FlaOps:
+    """fla's kernels behind our signatures (``kernels.gdn``'s adapters)."""
+
+    @staticmethod
+    def chunk_gated_delta_rule(*a):
+        from ninfer.native.kernels import gdn
+        return gdn.chunk_gated_delta_rule_fla(*a)
+
+    @staticmethod
+    def recurrent_gated_delta_rule(*a):
+        from ninfer.native.kernels import gdn
+        return gdn.recurrent_gated_delta_rule_fla(*a)
+
+    @staticmethod
+    def causal_conv1d(*a):
+        from ninfer.native.kernels import gdn
+        return gdn.causal_conv1d_fla(*a)
+
+    @staticmethod
+    def causal_conv1d_step(*a):
+        from ninfer.native.kernels import gdn
+        return gdn.causal_conv1d_step_fla(*a)
 
 
 NORM_BOUND = {"cpu": {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 2.4e-2},   # interpreter: bf16
@@ -184,6 +243,79 @@ def moe_cases(size: dict, dtype, device) -> list[Case]:
     return [Case("fused_moe", dtype, lambda: moe.fused_moe_triton(x, w), lambda o: _rel(o, want), MOE_BOUND[dtype])]
 
 
+def gdn_decode_cases(size: dict, dtype, device) -> list[Case]:
+    """The GDN decode rows in place (``kernels/gdn_decode.py``: conv step and delta-rule step
+    reading and writing the rows' state slots) against gather / torch step / scatter."""
+    from ninfer.native.kernels import gdn_decode as gd
+    hk, hv, d, n = size["hk"], size["hv"], size["dk"], size["rows"]
+    g0 = torch.Generator(device=device).manual_seed(17)
+    r = lambda *s: torch.randn(*s, generator=g0, device=device)  # noqa: E731
+    q, k, v = r(n, hk, d).to(dtype), r(n, hk, d).to(dtype), r(n, hv, d).to(dtype)
+    g, beta = -torch.rand(n, hv, generator=g0, device=device) * 0.5, torch.rand(n, hv, generator=g0, device=device)
+    slots = torch.arange(n, 0, -1, device=device)                       # slot 0 untouched
+    ssm = r(n + 1, hv, d, d) * 0.1
+    want_ssm = ssm.clone()
+    want = gd.delta_rule_step_ref(q, k, v, g, beta.to(dtype), want_ssm, slots)
+    c = 2 * hk * d + hv * d
+    x, w = r(n, c).to(dtype), (r(c, 4) * 0.3).to(dtype)
+    conv = r(n + 1, c, 3).to(dtype)
+    want_conv = conv.clone()
+    want_y = gd.conv_step_ref(x, want_conv, slots, w)
+    bound = GDN_BOUND[dtype]
+
+    def step():
+        s = ssm.clone()
+        return gd.delta_rule_step_triton(q, k, v, g, beta.to(dtype), s, slots), s
+
+    def conv_step():
+        s = conv.clone()
+        return gd.conv_step_triton(x, s, slots, w), s
+    return [Case("gdn delta-rule step in place", dtype, step,
+                 lambda o: max(_rel(o[0], want), _rel(o[1], want_ssm)), bound),
+            Case("gdn conv step in place", dtype, conv_step,
+                 lambda o: max(_rel(o[0], want_y), _rel(o[1], want_conv)), CONV_BOUND[dtype])]
+
+
+FP8_BOUND = {torch.float32: 6e-2, torch.float16: 6e-2, torch.bfloat16: 6e-2}   # e4m3 activations (CUDA)
+
+
+def fp8_cases(size: dict, dtype, device) -> list[Case]:
+    """FP8 block-scaled weights (Qwen's -FP8 releases): a Linear through ``fp8.linear`` —
+    ``torch._scaled_mm`` with per-token activation scales on CUDA where blockwise scaling is
+    supported, the dequantised product elsewhere — against the dequantised weight in fp32, and
+    the fused MoE over FP8 experts against the grouped reference."""
+    from ninfer.native.kernels import moe
+    from ninfer.native.model import fp8
+    from ninfer.native.model.moe import MoeWeights
+    h, rows = size["hidden"], size["rows"]
+    g = torch.Generator(device=device).manual_seed(13)
+    r = lambda *s, std=0.05: torch.randn(*s, generator=g, device=device) * std  # noqa: E731
+    w = fp8.quantize(r(2 * h, h))
+    x = r(rows, h, std=1.0).to(dtype)
+    want = torch.nn.functional.linear(x.float(), w.dequantize(torch.float32))
+    cuda = torch.device(device).type == "cuda"
+
+    def lin():
+        out = fp8.linear(x, w)
+        return out
+    e, k, inter = size["experts"], size["topk"], size["inter"]
+    gu = fp8.stack([fp8.cat_rows([fp8.quantize(r(inter, h)), fp8.quantize(r(inter, h))], dtype) for _ in range(e)],
+                   dtype)
+    dn = fp8.stack([fp8.quantize(r(h, inter)) for _ in range(e)], dtype)
+    mw = MoeWeights(router=r(e, h, std=0.5).to(dtype), gate_up=gu, down=dn, top_k=k, norm_topk_prob=True)
+    xm = r(rows, h, std=1.0).to(dtype)
+    mwant = moe.sparse_moe_ref(xm, mw)
+    return [Case("fp8 linear" + (" (_scaled_mm if supported)" if cuda else " (dequantised)"), dtype, lin,
+                 lambda o: _rel(o, want), FP8_BOUND[dtype] if cuda else 8e-3),
+            Case("fused_moe fp8 experts", dtype, lambda: moe.fused_moe_triton(xm, mw), lambda o: _rel(o, mwant),
+                 MOE_BOUND[dtype])]
+
+
+KERNEL_GROUPS = {"paged_attention": lambda *a: attention_cases(*a), "copies": lambda *a: copy_cases(*a),
+                 "norms": lambda *a: norm_cases(*a), "moe": lambda *a: moe_cases(*a), "fp8": lambda *a: fp8_cases(*a),
+                 "gdn_decode": lambda *a: gdn_decode_cases(*a)}
+
+
 def _time_ms(fn: Callable[[], object], device: str, reps: int) -> float | None:
     if torch.device(device).type != "cuda":
         return None
@@ -198,21 +330,45 @@ def _time_ms(fn: Callable[[], object], device: str, reps: int) -> float | None:
     return start.elapsed_time(end) / reps
 
 
-def check_kernels(device: str = "cpu", size: str = "tiny", dtypes=(torch.float32, torch.float16, torch.bfloat16),
-                  reps: int = 20) -> list[dict]:
-    """Every kernel against its reference on ``device``; one row per (kernel, dtype)."""
+def kernel_cases(size: str, dtype, device, groups=None) -> list:
+    """The cases of every kernel group at ``size`` and ``dtype`` (a group that fails to build
+    is one row with its error, so one bad group never hides the others)."""
+    sz = SIZES[size]
+    out = []
+    for name, build in (groups or KERNEL_GROUPS).items():
+        try:
+            out += build(sz, dtype, device)
+        except Exception as exc:  # noqa: BLE001 - reported as that group's row
+            out.append({"kernel": name, "dtype": str(dtype).removeprefix("torch."), "ok": False,
+                        "error": f"{type(exc).__name__}: {exc}"[:500]})
+    return out
+
+
+def run_case(case: Case, device: str, reps: int) -> dict:
+    """One case: its error against the reference, whether within the bound, its time (CUDA)."""
+    row = {"kernel": case.kernel, "dtype": str(case.dtype).removeprefix("torch.")}
+    try:
+        err = case.check(case.run())
+        row.update(error=err, bound=case.bound, ok=err <= case.bound, ms=_time_ms(case.run, device, reps))
+    except Exception as exc:  # noqa: BLE001 - one failing kernel never ends the check
+        row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:500])
+    return row
+
+
+def check_kernels(device: str = "cpu", size: str = "tiny", dtypes=(torch.bfloat16, torch.float16, torch.float32),
+                  reps: int = 20, on_row: Callable[[dict], None] | None = None) -> list[dict]:
+    """Every kernel against its reference on ``device``; one row per (kernel, dtype), 16-bit
+    dtypes first (an fp32 compile is the slowest: its rows come last). ``on_row`` sees each row
+    as it is made (the staged check appends it to its report at once)."""
     if torch.device(device).type != "cuda":
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    sz = SIZES[size]
     rows = []
     for dtype in dtypes:
-        cases = (attention_cases(sz, dtype, device) + copy_cases(sz, dtype, device) + norm_cases(sz, dtype, device)
-                 + moe_cases(sz, dtype, device) + gdn_cases(sz, dtype, device))
-        for case in cases:
-            err = case.check(case.run())
-            rows.append({"kernel": case.kernel, "dtype": str(case.dtype).removeprefix("torch."),
-                         "error": err, "bound": case.bound, "ok": err <= case.bound,
-                         "ms": _time_ms(case.run, device, reps)})
+        for case in kernel_cases(size, dtype, device):
+            row = case if isinstance(case, dict) else run_case(case, device, reps)
+            rows.append(row)
+            if on_row is not None:
+                on_row(row)
     return rows
 
 
@@ -319,30 +475,3 @@ def engine_check(model_dir: str, prompts: int = 4, max_tokens: int = 16, dtype: 
     if "tokens" in g and "tokens" in e:
         out["graphs_equal_eager"] = g["tokens"] == e["tokens"]
     return out
-
-
-def run(model_dir: str, out: str | None = None) -> dict:
-    from ninfer.benchmarks.common import ensure_model, report, table
-    cuda = torch.cuda.is_available()
-    device, size = ("cuda", "full") if cuda else ("cpu", "tiny")
-    t0 = time.perf_counter()
-    rows = check_kernels(device, size)
-    result: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu (TRITON_INTERPRET=1)",
-                    "size": size, "ok": all(r["ok"] for r in rows)}
-    bw = transfer_bandwidth()
-    if bw:
-        print(table(bw, ["copy", "MiB", "GB_s"]) + "\n")
-        result["transfers"] = bw
-    if cuda:
-        tiny = ensure_model(model_dir)
-        result["engine"] = {"tiny": engine_check(tiny),
-                            "tiny_mtp": engine_check(tiny, speculative={"method": "mtp", "num_tokens": 2})}
-        mid = make_mid_model(tiny, os.path.join(os.path.dirname(os.path.abspath(tiny)), "mid-qwen3-next"))
-        result["engine"]["mid"] = engine_check(mid, dtype="bfloat16", max_tokens=8, prompts=2, reference=False)
-    else:
-        result["engine"] = {"engine": "skipped: no CUDA device"}
-    result["wall_s"] = time.perf_counter() - t0
-    report("gpu", result, rows, ["kernel", "dtype", "error", "bound", "ok", "ms"], out)
-    if not result["ok"]:
-        raise SystemExit(1)
-    return {**result, "rows": rows}

@@ -183,10 +183,20 @@ def _decode(b: argparse.ArgumentParser) -> None:
 
 
 def _gpu(b: argparse.ArgumentParser) -> None:
-    b.add_argument("--model", default="models/tiny", metavar="DIR",
-                   help="model directory for the engine check; the tiny model is built there if missing")
-    b.add_argument("--out", default=None, metavar="FILE.json",
-                   help="write the JSON result to this file instead of stdout")
+    b.add_argument("--model", default=None, metavar="DIR",
+                   help="the tiny model for the engine stages; built under --work if missing")
+    b.add_argument("--out", default=None, metavar="FILE.jsonl",
+                   help="the report: one JSON line per stage, appended as each ends (default "
+                        "$OUT/gpu_check.jsonl, else bench/results/gpu_check.jsonl); every stage's output goes "
+                        "to gpu_check.log beside it")
+    b.add_argument("--budget", type=float, default=540.0, metavar="S", help="seconds for the whole run")
+    b.add_argument("--stages", default=None, metavar="A,B",
+                   help="a subset of: env, kernels_small, kernels_graph, engine_tiny, fla_real, kernels_real, "
+                        "pinned, engine_mid, mtp_verify, memcheck")
+    b.add_argument("--work", default="/tmp/ninfer-gpu-check", metavar="DIR",
+                   help="scratch: built models, the shared Triton cache, each stage's partial rows")
+    b.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                   help="auto: CUDA when the env stage sees one; cpu runs every stage's tiny, interpreted form")
 
 
 def _speculative(b: argparse.ArgumentParser) -> None:
@@ -308,9 +318,11 @@ BENCHES = {
                                   "identical"),
     "decode": (_decode, "the model forward alone: decode tok/s at C=1..8 on the batched path and on the "
                         "per-sequence reference beside it, and their ratio at C=8 (same tokens checked)"),
-    "gpu": (_gpu, "the prepared GPU check: every kernel against its torch reference on CUDA (tiny and "
-                  "interpreted without one), kernel times, pinned H2D/D2H GB/s, the engine on CUDA against "
-                  "reference_generate; bench/gpu_check.sh bounds it at 8 minutes"),
+    "gpu": (_gpu, "the staged GPU check (bench/gpu_check.sh on the device image): one process per stage, "
+                  "each capped, within a 540 s budget, a JSON line per stage as it ends — env and imports, "
+                  "kernels vs their references (registers, spills), kernels in CUDA graphs, the tiny engine "
+                  "with graphs on/off, fla at Qwen3-Next sizes, kernels at real sizes, pinned GB/s, a mid-size "
+                  "hybrid, MTP verify graphs, compute-sanitizer memcheck; exits 1 if a stage failed"),
     "trace": (_trace, "replay a production trace (Mooncake / Qwen-Bailian hash ids, or token prompts) in windows or "
                       "at its recorded times, on an engine (inproc, ray) at each capacity, or against any "
                       "OpenAI-compatible server: computed prompt tokens vs the ideal and the prompt-ends floors, hit "
@@ -335,8 +347,11 @@ def run_bench(args: argparse.Namespace) -> int:
     from importlib import import_module
 
     if args.name == "gpu":
-        import_module("ninfer.benchmarks.gpu").run(args.model, out=args.out)
-        return 0
+        argv = ["--budget", str(args.budget), "--work", args.work, "--device", args.device]
+        for flag, value in (("--out", args.out), ("--model", args.model), ("--stages", args.stages)):
+            if value:
+                argv += [flag, value]
+        return import_module("ninfer.benchmarks.gpu_runner").main(argv)
     if args.name == "decode":
         import_module("ninfer.benchmarks.decode").run(args.model, out=args.out, dtype=args.dtype, plot=args.plot)
         return 0

@@ -94,26 +94,41 @@ def buckets(max_rows: int) -> list[int]:
     return sorted({b for b in [1, 2, 4, *range(8, max_rows, 8)] if b < max_rows} | {max_rows})
 
 
-def chunk_sizes(chunk_tokens: int) -> list[int]:
+def chunk_cap(cfg, fused_moe: bool) -> int | None:
+    """The longest chunk a graph takes (None: up to the budget). On the kernel path a MoE
+    layer's capture-safe form is the fused kernel, one program per (token, chosen expert): for a
+    long chunk that reads each chosen expert once per token instead of once (≈ 1.3 s for a
+    2,048-token chunk at Qwen3-Next's size). Until a grouped kernel exists, such chunks run
+    eagerly on the grouped torch op; chunks up to ``FUSED_MAX_ROWS`` tokens are still graphed.
+    The torch path's dense form (at most ``DENSE_MOE_MAX_EXPERTS`` experts) keeps every size."""
+    from ninfer.native.model.moe import FUSED_MAX_ROWS
+    if fused_moe and cfg.num_experts and any(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
+        return FUSED_MAX_ROWS
+    return None
+
+
+def chunk_sizes(chunk_tokens: int, cap: int | None = None) -> list[int]:
     """The chunk profile's padded lengths: 64, 128, 256, … below the prefill chunk budget, and
-    the budget itself (none for a budget under 2: such a chunk is a decode row)."""
+    the budget itself (none for a budget under 2: such a chunk is a decode row); none past
+    ``cap`` (``chunk_cap``)."""
     if chunk_tokens < 2:
         return []
     sizes, n = [], PAGE_SIZE
     while n < chunk_tokens:
         sizes.append(n)
         n *= 2
-    return sizes + [chunk_tokens]
+    return [n for n in sizes + [chunk_tokens] if cap is None or n <= cap]
 
 
-def plan(max_rows: int, verify_tokens: int = 0, chunk_tokens: int = 0) -> list[tuple[str, int, int, int]]:
+def plan(max_rows: int, verify_tokens: int = 0, chunk_tokens: int = 0,
+         cap: int | None = None) -> list[tuple[str, int, int, int]]:
     """Every graph a Program captures, as (profile, rows bucket, row length, chunk length),
     largest first (tokens per call): the capture order, and what the layout reserves for.
     Profile "chunk" with row length 1 is a chunk beside decode rows, with 1 + k beside verify
-    rows."""
+    rows; ``cap``: the longest chunk (``chunk_cap``)."""
     rows = buckets(max_rows)
     verify = 1 < verify_tokens <= PAGE_SIZE
-    chunks = chunk_sizes(chunk_tokens)
+    chunks = chunk_sizes(chunk_tokens, cap)
     keys = [(DECODE, b, 1, 0) for b in rows]
     keys += [(CHUNK, b, 1, n) for b in [0, *rows] for n in chunks]
     if verify:
@@ -531,14 +546,23 @@ class GraphRunner:
                  scratch_page: int, scratch_slot: int, taps: tuple[int, ...] = (), verify_tokens: int = 0,
                  chunk_tokens: int = 0):
         self.model, self.cache, self.backend, self.taps = model, cache, backend, taps
+        from ninfer.native.model.paths import KERNELS
         self.sizes = buckets(max_rows)
-        self.chunk_sizes = chunk_sizes(chunk_tokens)
+        cap = chunk_cap(model.cfg, fused_moe=model.path is KERNELS)
+        self.chunk_sizes = chunk_sizes(chunk_tokens, cap)
         self.width = -(-max_context // PAGE_SIZE)
         self.scratch_page, self.scratch_slot = scratch_page, scratch_slot
         self.verify_tokens = verify_tokens if 1 < verify_tokens <= PAGE_SIZE else 0
-        self.plan = plan(max_rows, self.verify_tokens, chunk_tokens)
+        self.plan = plan(max_rows, self.verify_tokens, chunk_tokens, cap)
         self.graphs: dict[tuple[str, int, int, int], _Graph] = {}
         self.stats = GraphStats(backend=backend.name)
+        # the verify rows' per-step states: one buffer for every graph (ForwardBatch.spec_steps),
+        # allocated outside the graphs' pool; the layout's workspace reserves C x (1 + k) images for it
+        self.spec_steps = None
+        if self.verify_tokens and cache is not None and cache.ssm.numel():
+            ll, _, hv, dk, dv = cache.ssm.shape
+            self.spec_steps = torch.empty(ll, max_rows, self.verify_tokens, hv, dk, dv, dtype=cache.ssm.dtype,
+                                          device=cache.ssm.device)
 
     @staticmethod
     def usable(model) -> str:
@@ -565,6 +589,8 @@ class GraphRunner:
         static = (_Static(rows, self.width, dev, *args) if profile == DECODE else
                   _StaticVerify(rows, n, self.width, dev, *args) if profile == VERIFY else
                   _StaticChunk(rows, n, length, self.width, dev, *args))
+
+        static.batch.spec_steps = self.spec_steps
 
         def fn() -> ForwardOutput:
             static.batch.spec_states.clear()     # the verify rows' kept states: this run's

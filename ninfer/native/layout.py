@@ -64,11 +64,13 @@ def graph_bytes(cfg: ModelConfig, ec: EngineConfig, device: torch.device, itemsi
     first), plus every graph's own outputs (the hidden of its logits rows and of every row live
     on; the LM head runs outside the graphs) — and the padding rows' scratch KV page and state
     slot. Nothing for a model whose forward cannot be captured (``graphs.not_capturable``)."""
-    from ninfer.native.graphs import CHUNK, not_capturable, plan, tokens
+    from ninfer.native.graphs import CHUNK, chunk_cap, not_capturable, plan, tokens
     from ninfer.native.model.paths import KERNEL_DTYPES
-    if device.type != "cuda" or ec.enforce_eager or not_capturable(cfg, getattr(torch, ec.dtype) in KERNEL_DTYPES):
+    fused = getattr(torch, ec.dtype) in KERNEL_DTYPES            # CUDA in these dtypes: the kernel path
+    if device.type != "cuda" or ec.enforce_eager or not_capturable(cfg, fused):
         return 0
-    keys = plan(ec.max_concurrency, spec_tokens + 1 if spec_tokens else 0, ec.prefill_chunk_tokens)
+    keys = plan(ec.max_concurrency, spec_tokens + 1 if spec_tokens else 0, ec.prefill_chunk_tokens,
+                chunk_cap(cfg, fused))
     largest = max(tokens(key) for key in keys)
     rows = sum((key[1] * key[2] + 1 if key[0] == CHUNK else tokens(key)) + tokens(key) for key in keys)
     return workspace_bytes(cfg, largest, itemsize) + rows * cfg.hidden_size * itemsize + page_bytes + image_bytes
@@ -130,6 +132,9 @@ def resolve_layout(cfg: ModelConfig, ec: EngineConfig, device: torch.device,
     if budget_bytes is None:
         budget_bytes = ec.memory_budget_bytes
     if budget_bytes is None and device.type == "cuda":
+        # what the caching allocator holds but no tensor uses (the model's load temporaries)
+        # is free for the pools: mem_get_info counts it as used until it is given back
+        torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info(device)
         budget_bytes = int(free * ec.gpu_memory_utilization)
     explicit = ec.checked_kv_pages(max_ctx)

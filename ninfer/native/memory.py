@@ -14,6 +14,8 @@ Copies are plain byte copies, so a restored image is bit-identical to the saved 
 
 from __future__ import annotations
 
+import logging
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -24,6 +26,7 @@ from ninfer.native.model.model import HybridModel
 from ninfer.native.stores import Extent
 
 Job = Callable[[], None]
+log = logging.getLogger("ninfer.memory")
 
 
 def _a16(n: int) -> int:
@@ -34,17 +37,40 @@ def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _host_backing(host_bytes: int, pin: bool) -> torch.Tensor:
-    """The one Host backing tensor. On the CPU an untouched torch.empty costs address space, not
-    resident memory, but the kernel still refuses more than the node can back; that refusal is
-    a config value this node cannot serve, so it is reported as one, naming the field."""
+def host_backing(host_bytes: int, pin: bool) -> torch.Tensor:
+    """The one Host backing tensor, exactly ``host_bytes`` long.
+
+    On CUDA its pages are pinned by registering them (``cudaHostRegister``), as SGLang pins its
+    host KV pool: ``torch.empty(pin_memory=True)`` goes through the caching host allocator,
+    which rounds every block up to a power of two (an 8.6 GB arena would take 16 GiB of locked
+    memory). The registration is undone when the tensor is collected. Where registering is
+    refused, the caching allocator's pinned memory is the fallback (logged).
+
+    On the CPU an untouched torch.empty costs address space, not resident memory, but the
+    kernel still refuses more than the node can back; that refusal is a config value this node
+    cannot serve, so it is reported as one, naming the field."""
     try:
-        return torch.empty(host_bytes, dtype=torch.uint8, pin_memory=pin)
+        t = torch.empty(host_bytes, dtype=torch.uint8)
     except RuntimeError as exc:
         reason = str(exc).strip().splitlines()[-1]
         raise ConfigError(
             f"context_cache.host_capacity_bytes={host_bytes} cannot be allocated on this node ({reason}): "
             "allowed at most what the node's memory can back (default 8 GiB + 8 × the model's StateImage)") from None
+    if pin and host_bytes:
+        t = _pin_exact(t)
+    return t
+
+
+def _pin_exact(t: torch.Tensor) -> torch.Tensor:
+    cudart = torch.cuda.cudart()
+    ptr, n = t.data_ptr(), t.numel()
+    err = cudart.cudaHostRegister(ptr, n, 0)          # cudaHostRegisterDefault
+    if int(getattr(err, "value", err)) != 0:
+        log.warning("cudaHostRegister of the %d-byte Host arena failed (%s); using the caching host "
+                    "allocator's pinned memory (rounded up to a power of two)", n, err)
+        return t.pin_memory()
+    weakref.finalize(t, cudart.cudaHostUnregister, ptr)
+    return t
 
 
 class Memory:
@@ -57,7 +83,7 @@ class Memory:
         self.scratch = (pages, slots) if scratch else None
         self.cache: ModelCache = model.new_cache(pages + scratch, slots + scratch)
         self.hidden = torch.zeros(slots + scratch, model.cfg.hidden_size, dtype=model.dtype, device=self.device)
-        self.host = _host_backing(host_bytes, pin=self.device.type == "cuda")
+        self.host = host_backing(host_bytes, pin=self.device.type == "cuda")
         c = self.cache
         self._conv_bytes = _bytes(c.conv[:, 0])
         self._ssm_bytes = _bytes(c.ssm[:, 0])

@@ -340,3 +340,42 @@ def test_replayed_verify_and_chunk_calls_equal_eager_calls(tiny_model):
         model.roll_back(replayed, got_b, s, rows[s].state_slot, 2)
         _assert_pools_equal(replayed, eager, pages, slots, 1e-12)
     assert runner.stats.chunk_replays == 3 and runner.stats.verify_replays == 3 and runner.stats.eager == 0
+
+
+def test_a_moe_model_on_the_kernel_path_graphs_chunks_up_to_the_fused_kernels_reach(tiny_model):
+    """The runner's plan and chunk lengths follow ``chunk_cap``: on the kernel path the tiny MoE
+    model's chunk graphs stop at 256 tokens (a 300-token chunk runs eagerly), on the torch path
+    they reach the budget."""
+    import types
+
+    from ninfer.native.model.model import HybridModel
+    from ninfer.native.model.paths import BATCHED, KERNELS
+    cfg = HybridModel.load(tiny_model, "float32").cfg
+    for path, sizes in ((KERNELS, [64, 128, 256]), (BATCHED, [64, 128, 256, 512])):
+        model = types.SimpleNamespace(cfg=cfg, path=path)
+        r = graphs.GraphRunner(model, None, graphs.ReplayBackend(), max_rows=4, max_context=1024, scratch_page=0,
+                               scratch_slot=0, chunk_tokens=512)
+        assert r.chunk_sizes == sizes and max(k[3] for k in r.plan) == sizes[-1]
+        assert graphs.bucket_for(300, r.chunk_sizes) == (512 if path is BATCHED else None)
+
+
+def test_every_verify_graph_keeps_its_per_step_states_in_one_shared_buffer(tiny_model):
+    """The verify rows' kept states of every captured graph (verify, and chunk beside verify
+    rows) are views of the runner's one buffer — no graph holds its own copy (13.8 GiB over 21
+    graphs for Qwen3-Next at k = 3 before) — and the buffer fits the layout's reserve for them
+    (C x (1 + k) StateImages of workspace)."""
+    from ninfer.config import EngineConfig
+    from ninfer.native.layout import resolve_layout
+    prep = prepared(tiny_model, "float32")
+    runner, _ = _runner(prep, 4, verify_tokens=4, chunk_tokens=64)
+    buf = runner.spec_steps
+    assert buf is not None and buf.shape[1:3] == (4, 4)
+    base = buf.untyped_storage().data_ptr()
+    verify_graphs = [g for key, g in runner.graphs.items() if key[2] > 1]
+    assert len(verify_graphs) == 3 + 3              # verify rows 1, 2, 4; a 64-token chunk beside 1, 2, 4 of them
+    for g in verify_graphs:
+        kept = g.static.batch.spec_states
+        assert kept and all(t[2].untyped_storage().data_ptr() == base for layer in kept for t in layer.values())
+    lay = resolve_layout(prep.model.cfg, EngineConfig(max_concurrency=4, max_context=512), torch.device("cpu"))
+    reserve = 4 * 4 * lay.state_image_bytes
+    assert buf.numel() * buf.element_size() <= reserve

@@ -82,10 +82,46 @@ def test_cuda_graphs_take_their_pool_and_scratch_from_the_budget(cfg):
                   for k in keys for p, b in [k[:2]])
     assert graphs.graph_bytes == (workspace_bytes(cfg, 260, 4) + outputs + graphs.kv_page_bytes[MAIN]
                                   + graphs.state_image_bytes)
+    # the tiny model is a MoE: on the kernel path chunks past FUSED_MAX_ROWS (256) run eagerly, so a
+    # longer chunk budget adds no graph; without MoE layers it does
+    import msgspec
     longer = resolve_layout(cfg, EngineConfig(**{**ec, "memory_budget_bytes": 64 << 20}, prefill_chunk_tokens=512),
                             cuda)
-    assert longer.graph_bytes > graphs.graph_bytes
+    assert longer.graph_bytes == graphs.graph_bytes
+    dense = msgspec.structs.replace(cfg, num_experts=0)
+    short_dense = resolve_layout(dense, EngineConfig(**ec), cuda)
+    long_dense = resolve_layout(dense, EngineConfig(**{**ec, "memory_budget_bytes": 64 << 20},
+                                                    prefill_chunk_tokens=512), cuda)
+    assert long_dense.graph_bytes > short_dense.graph_bytes
     assert graphs.main_pages < eager.main_pages
     used = graphs.main_pages * graphs.kv_page_bytes[MAIN] + graphs.state_slots * graphs.state_image_bytes \
         + graphs.workspace_bytes + graphs.graph_bytes
     assert used <= 28 << 20
+
+
+def test_free_memory_is_measured_after_the_cache_is_given_back(cfg, monkeypatch):
+    """Without a budget on CUDA the solve reads the free memory — after ``empty_cache()``, so
+    what the caching allocator keeps from loading (freed, not returned) counts as free."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (calls.append("mem_get_info"),
+                                                                          (64 << 20, 80 << 30))[1])
+    lay = resolve_layout(cfg, EngineConfig(max_concurrency=2, max_context=1024, enforce_eager=True),
+                         torch.device("cuda"))
+    assert calls == ["empty_cache", "mem_get_info"] and lay.main_pages > 0
+
+
+def test_moe_chunk_graphs_stop_where_the_fused_kernel_stops_paying(cfg, tiny_model):
+    """On the kernel path a MoE model's chunk graphs stop at FUSED_MAX_ROWS tokens (longer chunks
+    run eagerly on the grouped op: the per-(token, expert) kernel would read each chosen expert
+    once per token); the torch path and a dense model keep every chunk size up to the budget."""
+    import msgspec
+
+    from ninfer.native import graphs as g
+    from ninfer.native.model.moe import FUSED_MAX_ROWS
+    assert g.chunk_cap(cfg, fused_moe=True) == FUSED_MAX_ROWS
+    assert g.chunk_cap(cfg, fused_moe=False) is None
+    assert g.chunk_cap(msgspec.structs.replace(cfg, num_experts=0), fused_moe=True) is None
+    assert g.chunk_sizes(2048, FUSED_MAX_ROWS) == [64, 128, 256]
+    assert g.chunk_sizes(2048) == [64, 128, 256, 512, 1024, 2048]
+    assert max(k[3] for k in g.plan(8, 4, 2048, FUSED_MAX_ROWS)) == 256

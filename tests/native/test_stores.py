@@ -557,3 +557,41 @@ def test_release_everything_merges_into_one_extent(data, capacity, sizes):
         arena.check_integrity()
     assert arena.free_extents() == ([(0, capacity)] if capacity else [])
     assert arena.free_bytes == capacity and arena.used_bytes == 0
+
+
+def test_the_host_arena_is_pinned_at_its_exact_size(monkeypatch):
+    """On CUDA the arena's backing is registered page-locked memory of exactly the asked size
+    (the caching host allocator would round 8.6 GB up to 16 GiB); the registration is undone
+    when the backing is collected; a refused registration falls back to pinned memory."""
+    import gc
+
+    import torch
+
+    from ninfer.native import memory
+
+    class Cudart:
+        def __init__(self, err=0):
+            self.err, self.calls = err, []
+
+        def cudaHostRegister(self, ptr, n, flags):
+            self.calls.append(("register", ptr, n, flags))
+            return self.err
+
+        def cudaHostUnregister(self, ptr):
+            self.calls.append(("unregister", ptr))
+            return 0
+    rt = Cudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
+    size = (1 << 20) + 12345                     # not a power of two
+    t = memory.host_backing(size, pin=True)
+    assert t.numel() == size and rt.calls == [("register", t.data_ptr(), size, 0)]
+    ptr = t.data_ptr()
+    del t
+    gc.collect()
+    assert rt.calls[-1] == ("unregister", ptr)
+    refused = Cudart(err=1)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: refused)
+    pinned = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: pinned.append(self.numel()) or self)
+    assert memory.host_backing(size, pin=True).numel() == size and pinned == [size]
+    assert memory.host_backing(size, pin=False).numel() == size

@@ -19,6 +19,7 @@ records why these are fla's and not ours, and what was measured.
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 
@@ -30,6 +31,8 @@ from ninfer.native.model.gdn import (
     recurrent_gated_delta_rule as recurrent_gated_delta_rule_ref,
 )
 
+log = logging.getLogger("ninfer.kernels")
+
 __all__ = [
     "causal_conv1d",
     "causal_conv1d_ref",
@@ -38,19 +41,33 @@ __all__ = [
     "chunk_gated_delta_rule",
     "chunk_gated_delta_rule_ref",
     "fla_available",
+    "fla_status",
     "recurrent_gated_delta_rule",
     "recurrent_gated_delta_rule_ref",
 ]
 
 
 @functools.cache
-def fla_available() -> bool:
+def fla_status() -> str:
+    """'ok' when fla-core's GDN kernels import, else the import error as it was raised (a
+    missing package, or fla failing against this torch / triton: the two must not look alike)."""
     try:
         import fla.modules.causal_conv1d
         import fla.ops.gated_delta_rule  # noqa: F401
-    except Exception:  # noqa: BLE001 - any import failure means "not usable here"
-        return False
-    return True
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not usable here"; kept whole
+        return f"{type(exc).__name__}: {exc}"
+    return "ok"
+
+
+@functools.cache
+def fla_available() -> bool:
+    """Whether CUDA GDN calls take fla's kernels. When they cannot, the reason is logged once
+    (a warning: a CUDA model then runs the torch reference, correct but slow), never swallowed."""
+    status = fla_status()
+    if status != "ok":
+        log.warning("fla-core's GDN kernels are not usable (%s): the gated delta rule and the causal conv run "
+                    "the torch reference on CUDA", status)
+    return status == "ok"
 
 
 def _use_fla(*tensors: torch.Tensor) -> bool:

@@ -23,17 +23,16 @@ those roundings (bounds in the tests).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ninfer.native.model.moe import MoeWeights, _with_shared
+from ninfer.native.model.fp8 import Fp8Weight, linear
+from ninfer.native.model.moe import FUSED_MAX_ROWS, MoeWeights, _with_shared
 from ninfer.native.model.moe import sparse_moe as sparse_moe_ref
 from ninfer.native.model.ops import acc_dtype
 
 __all__ = ["FUSED_MAX_ROWS", "fused_moe_triton", "sparse_moe_ref", "use_fused"]
 
-FUSED_MAX_ROWS = 256          # token rows up to which the per-row kernels beat grouping by expert
 
 
 def use_fused(tokens: int, static: bool) -> bool:
@@ -42,7 +41,10 @@ def use_fused(tokens: int, static: bool) -> bool:
 
 
 @triton.jit
-def _moe_up(x, wgu, top_i, act, H, I, K: tl.constexpr, BI: tl.constexpr, BH: tl.constexpr):
+def _moe_up(x, wgu, sgu, top_i, act, H, I, K: tl.constexpr, BI: tl.constexpr, BH: tl.constexpr,
+            FP8: tl.constexpr):
+    """FP8: ``wgu`` is e4m3 and ``sgu`` its [E, ceil(2I/128), ceil(H/128)] block scales: each
+    element is dequantised (times its block's scale, fp32) right after its load."""
     r = tl.program_id(0).to(tl.int64)
     ib = tl.program_id(1)
     t = r // K
@@ -50,6 +52,8 @@ def _moe_up(x, wgu, top_i, act, H, I, K: tl.constexpr, BI: tl.constexpr, BH: tl.
     rows = ib * BI + tl.arange(0, BI)
     r_ok = rows < I
     base = wgu + e * (2 * I * H)
+    sc = tl.cdiv(H, 128)
+    sbase = sgu + e * (tl.cdiv(2 * I, 128) * sc)
     acc_g = tl.zeros([BI], tl.float32)
     acc_u = tl.zeros([BI], tl.float32)
     for h0 in range(0, H, BH):
@@ -59,6 +63,10 @@ def _moe_up(x, wgu, top_i, act, H, I, K: tl.constexpr, BI: tl.constexpr, BH: tl.
         m = r_ok[:, None] & h_ok[None, :]
         wg = tl.load(base + rows[:, None] * H + hs[None, :], mask=m, other=0.0).to(tl.float32)
         wu = tl.load(base + (I + rows)[:, None] * H + hs[None, :], mask=m, other=0.0).to(tl.float32)
+        if FP8:
+            hb = (hs // 128)[None, :]
+            wg *= tl.load(sbase + (rows // 128)[:, None] * sc + hb, mask=m, other=0.0)
+            wu *= tl.load(sbase + ((I + rows) // 128)[:, None] * sc + hb, mask=m, other=0.0)
         acc_g += tl.sum(wg * xv[None, :], axis=1)
         acc_u += tl.sum(wu * xv[None, :], axis=1)
     a = acc_g * tl.sigmoid(acc_g) * acc_u
@@ -66,7 +74,8 @@ def _moe_up(x, wgu, top_i, act, H, I, K: tl.constexpr, BI: tl.constexpr, BH: tl.
 
 
 @triton.jit
-def _moe_down(act, wd, top_i, top_w, y, H, I, BH: tl.constexpr, BI: tl.constexpr):
+def _moe_down(act, wd, sd, top_i, top_w, y, H, I, BH: tl.constexpr, BI: tl.constexpr, FP8: tl.constexpr):
+    """FP8: ``sd`` holds ``wd``'s [E, ceil(H/128), ceil(I/128)] block scales (as ``_moe_up``)."""
     r = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     e = tl.load(top_i + r).to(tl.int64)
@@ -74,20 +83,25 @@ def _moe_down(act, wd, top_i, top_w, y, H, I, BH: tl.constexpr, BI: tl.constexpr
     hs = hb * BH + tl.arange(0, BH)
     h_ok = hs < H
     base = wd + e * (H * I)
+    sc = tl.cdiv(I, 128)
+    sbase = sd + e * (tl.cdiv(H, 128) * sc)
     acc = tl.zeros([BH], tl.float32)
     for i0 in range(0, I, BI):
         cols = i0 + tl.arange(0, BI)
         i_ok = cols < I
         a = tl.load(act + r * I + cols, mask=i_ok, other=0.0)
-        wv = tl.load(base + hs[:, None] * I + cols[None, :], mask=h_ok[:, None] & i_ok[None, :], other=0.0)
-        acc += tl.sum(wv.to(tl.float32) * a[None, :], axis=1)
+        m = h_ok[:, None] & i_ok[None, :]
+        wv = tl.load(base + hs[:, None] * I + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        if FP8:
+            wv *= tl.load(sbase + (hs // 128)[:, None] * sc + (cols // 128)[None, :], mask=m, other=0.0)
+        acc += tl.sum(wv * a[None, :], axis=1)
     tl.store(y + r * H + hs, acc * w, mask=h_ok)
 
 
 def fused_moe_triton(x: torch.Tensor, w: MoeWeights) -> torch.Tensor:
     """``sparse_moe``'s contract: x [T, H] -> [T, H]."""
     acc = acc_dtype(x.dtype)
-    probs = torch.softmax(F.linear(x, w.router).to(acc), dim=-1)
+    probs = torch.softmax(linear(x, w.router).to(acc), dim=-1)
     top_w, top_i = torch.topk(probs, w.top_k, dim=-1)
     if w.norm_topk_prob:
         top_w = top_w / top_w.sum(-1, keepdim=True)
@@ -101,8 +115,19 @@ def fused_moe_triton(x: torch.Tensor, w: MoeWeights) -> torch.Tensor:
         act = torch.empty(rows, inter, dtype=torch.float32, device=x.device)
         y = torch.empty(rows, h, dtype=torch.float32, device=x.device)
         ti, tw = top_i.reshape(-1).contiguous(), top_w.reshape(-1).contiguous()
-        bi, bh = min(64, triton.next_power_of_2(inter)), min(128, triton.next_power_of_2(h))
-        _moe_up[(rows, triton.cdiv(inter, bi))](xc, w.gate_up.contiguous(), ti, act, h, inter, K=k, BI=bi, BH=bh)
-        _moe_down[(rows, triton.cdiv(h, bh))](act, w.down.contiguous(), ti, tw, y, h, inter, BH=bh, BI=bi)
+        # each matrix FP8 or not on its own (a gate|up whose rows leave their blocks is dequantised
+        # at load while its down projection stays FP8)
+        fp8_up, fp8_down = isinstance(w.gate_up, Fp8Weight), isinstance(w.down, Fp8Weight)
+        gu, gs = (w.gate_up.weight, w.gate_up.scale_inv) if fp8_up else (w.gate_up, w.gate_up)
+        dn, ds = (w.down.weight, w.down.scale_inv) if fp8_down else (w.down, w.down)
+        # fp32 weights take twice the registers: a [64, 128] fp32 tile pair sat at 250 of 255
+        # registers on sm_90 (kernels/compile_check.py); half the width leaves room (FP8 weights
+        # are dequantised to fp32 tiles too)
+        wide = gu.element_size() < 4 and not fp8_up and not fp8_down
+        bi, bh = min(64, triton.next_power_of_2(inter)), min(128 if wide else 64, triton.next_power_of_2(h))
+        _moe_up[(rows, triton.cdiv(inter, bi))](xc, gu.contiguous(), gs.contiguous(), ti, act, h, inter, K=k, BI=bi,
+                                                BH=bh, FP8=fp8_up)
+        _moe_down[(rows, triton.cdiv(h, bh))](act, dn.contiguous(), ds.contiguous(), ti, tw, y, h, inter, BH=bh,
+                                              BI=bi, FP8=fp8_down)
         out = y.view(t, k, h).sum(1).to(x.dtype)
     return _with_shared(out, x, w)

@@ -9,7 +9,7 @@ The K/V of the new tokens are written before attention runs (``copies.write_kv``
 kernels read every key from the pages, the new ones included.
 
 * ``paged_decode``: one query per row at position ``seq_lens[i] - 1``. Split-K: the pages of a
-  row are cut into ``num_splits`` ranges, each program keeps an online softmax over its range
+  row (its own length, not the table's width) are cut into ``num_splits`` ranges, each program keeps an online softmax over its range
   and writes (o, lse); a second kernel merges the splits (log-sum-exp weights).
 * ``paged_prefill``: a chunk of queries per sequence (packed, ``cu_seqlens``) at positions
   ``starts[i] .. starts[i] + q_len - 1``: full attention over the cached prefix, causal within
@@ -73,27 +73,59 @@ def _dot_mode(q: torch.Tensor) -> dict:
     return {"UPCAST": upcast, "PREC": "ieee" if upcast else "tf32"}
 
 
+# ---- launch configs ------------------------------------------------------------------------
+# Chosen so that no variant spills at the real head dim (256) on sm_90: the offline compile
+# check (``kernels/compile_check.py``, a CI test) compiles every one with ptxas and fails on a
+# spill. A key tile of BN rows × BD dims lives in registers (and BN × BD × stages in shared
+# memory): fp32 operands take twice the room of 16-bit ones, hence the narrower tiles.
+_CONFIGS = {
+    # kind, 16-bit?: the widest head dim the entry is for -> tile sizes, warps, pipeline stages
+    ("decode", True): ((128, dict(BN=64, num_warps=4, num_stages=3)), (256, dict(BN=64, num_warps=4, num_stages=2))),
+    ("decode", False): ((128, dict(BN=64, num_warps=4, num_stages=2)), (256, dict(BN=32, num_warps=8, num_stages=2))),
+    ("prefill", True): ((128, dict(BM=64, BN=64, num_warps=4, num_stages=3)),
+                        (256, dict(BM=64, BN=32, num_warps=8, num_stages=2))),
+    ("prefill", False): ((128, dict(BM=32, BN=32, num_warps=4, num_stages=2)),
+                         (256, dict(BM=32, BN=16, num_warps=8, num_stages=2))),
+}
+
+
+def launch_config(kind: str, dtype: torch.dtype, bd: int) -> dict:
+    """Tiles, warps and stages of ``kind`` ("decode" | "prefill") for a padded head dim ``bd``.
+    The interpreter runs any config; it gets the GPU's, so the tests run the same blocking."""
+    table = _CONFIGS[(kind, dtype != torch.float32)]
+    for widest, cfg in table:
+        if bd <= widest:
+            return dict(cfg)
+    return dict(table[-1][1])
+
+
 # ---- decode: split-K over pages --------------------------------------------------------------
-@triton.jit
+# Runtime integers that change with the batch (the table's width, pages per split, the split
+# count) are not specialised: one compiled variant serves every batch, so a graph's capture or
+# a new batch size never recompiles mid-run.
+@triton.jit(do_not_specialize=["pt_stride", "S"])
 def _decode_split(q, k_cache, v_cache, page_tables, seq_lens, o_part, lse_part, scale,
-                  pt_stride, pages_per_split,
+                  pt_stride, S,
                   H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, REP: tl.constexpr,
-                  BH: tl.constexpr, BD: tl.constexpr, PAGE: tl.constexpr, S: tl.constexpr,
+                  BH: tl.constexpr, BD: tl.constexpr, PAGE: tl.constexpr, BN: tl.constexpr,
                   UPCAST: tl.constexpr, PREC: tl.constexpr):
     """One (row, kv head, split): the REP query heads sharing a kv head (padded to BH >= 16
-    rows, tl.dot's minimum), over pages [split * pages_per_split, ...). Writes o (normalised)
-    and lse per (row, head, split); a split without keys writes lse = -inf."""
+    rows, tl.dot's minimum), over the split's share of the row's own pages (its length cut in
+    S, not the table's width: a 2k row in a 32k table keeps every split busy), BN keys of a
+    page at a time. Writes o (normalised) and lse per (row, head, split); a split without keys
+    (a row of fewer pages than splits) writes lse = -inf."""
     row = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     n = tl.load(seq_lens + row)
-    n_pages = tl.cdiv(n, PAGE)
-    p_lo = split * pages_per_split
-    p_hi = tl.minimum(p_lo + pages_per_split, n_pages)
+    KB: tl.constexpr = PAGE // BN                        # key blocks per page
+    pages_per_split = tl.cdiv(tl.cdiv(n, PAGE), S)
+    b_lo = split * pages_per_split * KB
+    b_hi = tl.minimum(b_lo + pages_per_split * KB, tl.cdiv(n, BN))
 
     hs = tl.arange(0, BH)
     ds = tl.arange(0, BD)
-    ts = tl.arange(0, PAGE)
+    ts0 = tl.arange(0, BN)
     h_ok = hs < REP
     d_ok = ds < D
     heads = kvh * REP + hs
@@ -105,8 +137,10 @@ def _decode_split(q, k_cache, v_cache, page_tables, seq_lens, o_part, lse_part, 
     m = tl.full([BH], float("-inf"), tl.float32)
     l_sum = tl.zeros([BH], tl.float32)
     acc = tl.zeros([BH, BD], tl.float32)
-    for p in range(p_lo, p_hi):
+    for kb in range(b_lo, b_hi):
+        p = kb // KB
         page = tl.load(page_tables + row * pt_stride + p).to(tl.int64)
+        ts = (kb % KB) * BN + ts0                            # rows of the page
         t_ok = (p * PAGE + ts) < n
         off = ((page * PAGE + ts[:, None]) * HKV + kvh) * D + ds[None, :]
         kv_mask = t_ok[:, None] & d_ok[None, :]
@@ -115,7 +149,7 @@ def _decode_split(q, k_cache, v_cache, page_tables, seq_lens, o_part, lse_part, 
         if UPCAST:
             kt = kt.to(tl.float32)
             vt = vt.to(tl.float32)
-        s = tl.dot(qv, tl.trans(kt), input_precision=PREC) * scale                # [BH, PAGE]
+        s = tl.dot(qv, tl.trans(kt), input_precision=PREC) * scale                # [BH, BN]
         s = tl.where(t_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)
@@ -132,20 +166,33 @@ def _decode_split(q, k_cache, v_cache, page_tables, seq_lens, o_part, lse_part, 
     tl.store(lse_part + base, lse, mask=h_ok)
 
 
-@triton.jit
-def _decode_merge(o_part, lse_part, out, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-                  S: tl.constexpr, BS: tl.constexpr):
-    """One (row, head): o = sum_s exp(lse_s - lse) o_s over the splits that saw a key."""
+@triton.jit(do_not_specialize=["S"])
+def _decode_merge(o_part, lse_part, out, S, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr):
+    """One (row, head): o = sum_s exp(lse_s - lse) o_s over the splits that saw a key, BS splits
+    at a time with a running maximum (a [S, D] tile of a lone row's ~130 splits would spill)."""
     rh = tl.program_id(0).to(tl.int64)
-    ss = tl.arange(0, BS)
     ds = tl.arange(0, BD)
-    s_ok = ss < S
-    lse = tl.load(lse_part + rh * S + ss, mask=s_ok, other=float("-inf"))
-    w = tl.exp(lse - tl.max(lse, axis=0))
-    o = tl.load(o_part + (rh * S + ss[:, None]) * D + ds[None, :], mask=s_ok[:, None] & (ds[None, :] < D),
-                other=0.0)
-    res = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
-    tl.store(out + rh * D + ds, res.to(out.dtype.element_ty), mask=ds < D)
+    d_ok = ds < D
+    m = tl.full([1], float("-inf"), tl.float32)
+    w_sum = tl.zeros([1], tl.float32)
+    acc = tl.zeros([BD], tl.float32)
+    for s0 in range(0, S, BS):
+        ss = s0 + tl.arange(0, BS)
+        s_ok = ss < S
+        lse = tl.load(lse_part + rh * S + ss, mask=s_ok, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(lse, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)     # no key yet in these splits
+        alpha = tl.exp(m - m_safe)
+        w = tl.exp(lse - m_safe)
+        o = tl.load(o_part + (rh * S + ss[:, None]) * D + ds[None, :], mask=s_ok[:, None] & d_ok[None, :],
+                    other=0.0)
+        acc = acc * alpha + tl.sum(w[:, None] * o, axis=0)
+        w_sum = w_sum * alpha + tl.sum(w, axis=0)
+        m = m_new
+    tl.store(out + rh * D + ds, (acc / w_sum).to(out.dtype.element_ty), mask=d_ok)
+
+
+MERGE_SPLITS = 16                 # splits per step of the merge: a [16, 256] fp32 tile, no spill
 
 
 def paged_decode_triton(q, k_cache, v_cache, page_tables, seq_lens, scale, num_splits: int = 1):
@@ -154,7 +201,6 @@ def paged_decode_triton(q, k_cache, v_cache, page_tables, seq_lens, scale, num_s
     rep = h // hkv
     max_pages = page_tables.shape[1]
     splits = max(1, min(num_splits, max_pages))
-    pages_per_split = triton.cdiv(max_pages, splits)
     o_part = torch.empty((n, h, splits, d), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((n, h, splits), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
@@ -163,11 +209,11 @@ def paged_decode_triton(q, k_cache, v_cache, page_tables, seq_lens, scale, num_s
     q, page_tables, seq_lens = q.contiguous(), page_tables.contiguous(), seq_lens.contiguous()
     bd = triton.next_power_of_2(d)
     _decode_split[(n, hkv, splits)](q, k_cache, v_cache, page_tables, seq_lens, o_part, lse_part, scale,
-                                    page_tables.stride(0), pages_per_split,
+                                    page_tables.stride(0), splits,
                                     H=h, HKV=hkv, D=d, REP=rep, BH=max(16, triton.next_power_of_2(rep)), BD=bd,
-                                    PAGE=PAGE_SIZE, S=splits, **_dot_mode(q))
-    _decode_merge[(n * h,)](o_part, lse_part, out, H=h, D=d, BD=bd, S=splits,
-                            BS=triton.next_power_of_2(splits))
+                                    PAGE=PAGE_SIZE, **_dot_mode(q), **launch_config("decode", q.dtype, bd))
+    _decode_merge[(n * h,)](o_part, lse_part, out, splits, D=d, BD=bd,
+                            BS=min(MERGE_SPLITS, triton.next_power_of_2(splits)))
     return out
 
 
@@ -186,12 +232,14 @@ def paged_decode(q, k_cache, v_cache, page_tables, seq_lens, scale, num_splits: 
 
 
 # ---- prefill / chunk --------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=["pt_stride"])
 def _prefill(q, k_cache, v_cache, page_tables, cu_seqlens, starts, q_lens, out, scale, pt_stride,
              H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-             BM: tl.constexpr, PAGE: tl.constexpr, UPCAST: tl.constexpr, HAS_LENS: tl.constexpr):
-    """One (sequence, block of BM queries, head). Keys: pages 0 .. the one holding the block's
-    last query; the mask kpos <= qpos is the prefix (all of it) plus causality in the chunk."""
+             BM: tl.constexpr, BN: tl.constexpr, PAGE: tl.constexpr, UPCAST: tl.constexpr,
+             HAS_LENS: tl.constexpr):
+    """One (sequence, block of BM queries, head). Keys: positions 0 .. the block's last query,
+    BN at a time (BN divides the page); the mask kpos <= qpos is the prefix (all of it) plus
+    causality in the chunk."""
     seq = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     head = tl.program_id(2)
@@ -205,7 +253,8 @@ def _prefill(q, k_cache, v_cache, page_tables, cu_seqlens, starts, q_lens, out, 
 
     ms = blk * BM + tl.arange(0, BM)
     ds = tl.arange(0, BD)
-    ts = tl.arange(0, PAGE)
+    ts0 = tl.arange(0, BN)
+    KB: tl.constexpr = PAGE // BN
     m_ok = ms < q_len
     d_ok = ds < D
     qpos = start + ms
@@ -214,13 +263,15 @@ def _prefill(q, k_cache, v_cache, page_tables, cu_seqlens, starts, q_lens, out, 
     if UPCAST:
         qv = qv.to(tl.float32)
     last = start + tl.minimum(q_len, (blk + 1) * BM)            # one past the block's last position
-    n_pages = tl.where(blk * BM < q_len, tl.cdiv(last, PAGE), 0)
+    n_blocks = tl.where(blk * BM < q_len, tl.cdiv(last, BN), 0)
 
     m = tl.full([BM], float("-inf"), tl.float32)
     l_sum = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, BD], tl.float32)
-    for p in range(n_pages):
+    for kb in range(n_blocks):
+        p = kb // KB
         page = tl.load(page_tables + seq * pt_stride + p).to(tl.int64)
+        ts = (kb % KB) * BN + ts0                            # rows of the page
         kpos = p * PAGE + ts
         t_ok = kpos < last
         off = ((page * PAGE + ts[:, None]) * HKV + kvh) * D + ds[None, :]
@@ -230,7 +281,7 @@ def _prefill(q, k_cache, v_cache, page_tables, cu_seqlens, starts, q_lens, out, 
         if UPCAST:
             kt = kt.to(tl.float32)
             vt = vt.to(tl.float32)
-        s = tl.dot(qv, tl.trans(kt), input_precision="ieee") * scale             # [BM, PAGE]
+        s = tl.dot(qv, tl.trans(kt), input_precision="ieee") * scale             # [BM, BN]
         s = tl.where((kpos[None, :] <= qpos[:, None]) & m_ok[:, None], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)    # rows past q_len see no key
@@ -245,10 +296,11 @@ def _prefill(q, k_cache, v_cache, page_tables, cu_seqlens, starts, q_lens, out, 
              mask=m_ok[:, None] & d_ok[None, :])
 
 
-def paged_prefill_triton(q, k_cache, v_cache, page_tables, cu_seqlens, starts, scale, block_m: int = 64,
+def paged_prefill_triton(q, k_cache, v_cache, page_tables, cu_seqlens, starts, scale, block_m: int | None = None,
                          max_q: int | None = None, q_lens=None):
     """``max_q``: the longest sequence's queries when the caller knows it (a CUDA graph's
-    capture must not read it back from the device); ``q_lens``: as ``paged_prefill_ref``'s."""
+    capture must not read it back from the device); ``q_lens``: as ``paged_prefill_ref``'s;
+    ``block_m``: queries per program (default: ``launch_config``'s)."""
     t, h, d = q.shape
     out = torch.zeros_like(q)          # rows no sequence covers (a graph's padded chunk) read as zeros
     n = starts.numel()
@@ -257,11 +309,15 @@ def paged_prefill_triton(q, k_cache, v_cache, page_tables, cu_seqlens, starts, s
     if max_q is None:
         max_q = int((cu_seqlens[1:] - cu_seqlens[:-1]).max() if q_lens is None else q_lens.max())
     q, page_tables = q.contiguous(), page_tables.contiguous()
-    grid = (n, triton.cdiv(max_q, block_m), h)
+    bd = triton.next_power_of_2(d)
+    cfg = launch_config("prefill", q.dtype, bd)
+    if block_m is not None:
+        cfg["BM"] = block_m
+    grid = (n, triton.cdiv(max_q, cfg["BM"]), h)
     lens = q_lens.contiguous() if q_lens is not None else starts
     _prefill[grid](q, k_cache, v_cache, page_tables, cu_seqlens.contiguous(), starts.contiguous(), lens, out, scale,
-                   page_tables.stride(0), H=h, HKV=k_cache.shape[2], D=d, BD=triton.next_power_of_2(d),
-                   BM=block_m, PAGE=PAGE_SIZE, HAS_LENS=q_lens is not None, **_dot_mode(q))
+                   page_tables.stride(0), H=h, HKV=k_cache.shape[2], D=d, BD=bd, PAGE=PAGE_SIZE,
+                   HAS_LENS=q_lens is not None, UPCAST=_dot_mode(q)["UPCAST"], **cfg)
     return out
 
 

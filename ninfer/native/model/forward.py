@@ -128,6 +128,11 @@ class ForwardBatch:
     # filled by the GDN layers for the verify rows, one dict per linear layer (cache order):
     # verify index s -> (conv state before [C, K-1], pre-conv inputs [T, C], states after each step [T, Hv, Dk, Dv])
     spec_states: list[dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = field(default_factory=list)
+    # [Ll, R, n, Hv, Dk, Dv] (state dtype): where the verify rows' per-step states go instead of a
+    # new tensor per call — the one buffer every graph of a Program shares (graphs.GraphRunner),
+    # so each captured graph does not keep its own (13.8 GiB over 21 graphs for Qwen3-Next at
+    # k = 3). Valid until the next forward, as the kept states are (the roll-back reads them first).
+    spec_steps: torch.Tensor | None = None
     # per-call metadata a forward path builds once and every layer reuses (paths.KernelPath)
     kernel_meta: dict = field(default_factory=dict)
     # the chunk of ``chunk_seqs`` padded to a static length (a graph's "chunk" profile; see the
@@ -175,11 +180,12 @@ class ForwardBatch:
             elif s.logits == "last":
                 rows.append(base + n - 1)
             cu.append(base + n)
-        lt = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+        stage = _Staging()
+        lt = stage.add
         decode = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
         tables = [seqs[i].page_table[:seqs[i].start // PAGE_SIZE + 1] for i in decode]
         width = max((len(t) for t in tables), default=0)
-        block_table = lt([t + t[:1] * (width - len(t)) for t in tables]).view(len(decode), width)
+        block_table = lt([x for t in tables for x in t + t[:1] * (width - len(t))], (len(decode), width))
         kv_lens = lt([seqs[i].start + 1 for i in decode])
         max_len = max((seqs[i].start + 1 for i in decode), default=0)
         verify = [i for i, s in enumerate(seqs) if len(s.token_ids) > 1 and s.verify]
@@ -191,10 +197,10 @@ class ForwardBatch:
             vw = max(len(t) for t in vt)
             vmeta = dict(verify_slots=lt([seqs[i].state_slot for i in verify]),
                          verify_starts=lt([seqs[i].start for i in verify]),
-                         verify_block_table=lt([t + t[:1] * (vw - len(t)) for t in vt]).view(len(verify), vw))
+                         verify_block_table=lt([x for t in vt for x in t + t[:1] * (vw - len(t))], (len(verify), vw)))
         if len(lens) == 1:
             (n,) = lens
-            vmeta.update(verify_len=n, verify_rows=lt([r for i in verify for r in range(cu[i], cu[i] + n)]))
+            vmeta.update(verify_rows=lt([r for i in verify for r in range(cu[i], cu[i] + n)]))
         rope = None
         if any(s.rope_positions is not None for s in seqs):
             rope_rows = []
@@ -207,27 +213,60 @@ class ForwardBatch:
                     raise ValueError(f"rope_positions of shape {tuple(r.shape)} for {n} tokens (need [3, {n}])")
                 rope_rows.append(r.to(torch.long))
             rope = torch.cat(rope_rows, dim=1).to(device)
-        return ForwardBatch(
+        fields = dict(
             input_ids=lt(ids),
             positions=lt(pos),
-            cu=cu,
-            starts=[s.start for s in seqs],
             page_tables=[lt(s.page_table) for s in seqs],
             state_slots=lt([s.state_slot for s in seqs]),
             slot_mapping=lt(slots),
             logits_rows=lt(rows),
-            decode_seqs=decode,
-            chunk_seqs=[i for i, s in enumerate(seqs) if len(s.token_ids) > 1 and not s.verify],
-            verify_seqs=verify,
             **vmeta,
             decode_rows=lt([cu[i] for i in decode]),
             decode_slots=lt([seqs[i].state_slot for i in decode]),
             decode_kv_lens=kv_lens,
             decode_block_table=block_table,
-            decode_kv_slots=decode_kv_slots(block_table, kv_lens, max_len),
+        )
+        fields = stage.upload(fields, device)          # one copy for all of them
+        return ForwardBatch(
+            cu=cu,
+            starts=[s.start for s in seqs],
+            decode_seqs=decode,
+            chunk_seqs=[i for i, s in enumerate(seqs) if len(s.token_ids) > 1 and not s.verify],
+            verify_seqs=verify,
+            verify_len=next(iter(lens)) if len(lens) == 1 else 0,
+            decode_kv_slots=decode_kv_slots(fields["decode_block_table"], fields["decode_kv_lens"], max_len),
             rope_positions=rope,
             usual_logits=all(s.logits == ("all" if s.verify else "last") for s in seqs),
+            **fields,
         )
+
+
+class _Staging:
+    """A call's index tensors in one host buffer and one upload (pinned, asynchronous on CUDA)
+    instead of one blocking copy each (~10 + one per sequence per call): ``add`` takes a list
+    and gives a placeholder, ``upload`` replaces every placeholder by its view of the device
+    copy. A placeholder is the index of its part."""
+
+    def __init__(self):
+        self.values: list[int] = []
+        self.parts: list[tuple[int, int, tuple[int, ...]]] = []
+
+    def add(self, xs: list[int], shape: tuple[int, ...] | None = None) -> int:
+        self.parts.append((len(self.values), len(xs), shape or (len(xs),)))
+        self.values.extend(xs)
+        return len(self.parts) - 1
+
+    def upload(self, fields: dict, device) -> dict:
+        device = torch.device(device)
+        host = torch.tensor(self.values, dtype=torch.long)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        flat = host.to(device, non_blocking=True)
+        views = [flat[lo:lo + n].view(shape) for lo, n, shape in self.parts]
+
+        def get(v):
+            return [views[i] for i in v] if isinstance(v, list) else views[v] if isinstance(v, int) else v
+        return {k: get(v) for k, v in fields.items()}
 
 
 def state_dtype(dtype: torch.dtype) -> torch.dtype:

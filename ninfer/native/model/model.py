@@ -6,6 +6,7 @@ described by an explicit ``ForwardBatch`` (no globals read deep in the layers).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,9 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from ninfer.errors import ModelLoadError
+from ninfer.native.model import fp8
 from ninfer.native.model.config import LINEAR, ModelConfig, load_config
 from ninfer.native.model.forward import ForwardBatch, ForwardOutput, ModelCache
 from ninfer.native.model.moe import MoeWeights
+from ninfer.native.model.fp8 import linear
 from ninfer.native.model.ops import Rope, acc_dtype, silu_mlp
 from ninfer.native.model.paths import BATCHED, ForwardPath, for_device
 from ninfer.native.model.weights import count_mtp_layers, load_tensors, weight_files
@@ -86,13 +89,13 @@ def _qkvz_permutation(c: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     return qkvz, ba
 
 
-def _mlp_weights(t: dict[str, torch.Tensor], p: str, c: ModelConfig, moe: bool):
+def _mlp_weights(t: dict[str, torch.Tensor], p: str, c: ModelConfig, moe: bool, dtype: torch.dtype):
     if not moe:
         return (t[f"{p}.gate_proj.weight"], t[f"{p}.up_proj.weight"], t[f"{p}.down_proj.weight"])
     e_range = range(c.num_experts)
-    gate_up = torch.stack([torch.cat([t[f"{p}.experts.{e}.gate_proj.weight"],
-                                      t[f"{p}.experts.{e}.up_proj.weight"]]) for e in e_range])
-    down = torch.stack([t[f"{p}.experts.{e}.down_proj.weight"] for e in e_range])
+    gate_up = fp8.stack([fp8.cat_rows([t[f"{p}.experts.{e}.gate_proj.weight"],
+                                       t[f"{p}.experts.{e}.up_proj.weight"]], dtype) for e in e_range], dtype)
+    down = fp8.stack([t[f"{p}.experts.{e}.down_proj.weight"] for e in e_range], dtype)
     w = MoeWeights(router=t[f"{p}.gate.weight"], gate_up=gate_up, down=down,
                    top_k=c.num_experts_per_tok, norm_topk_prob=c.norm_topk_prob)
     if c.shared_expert_intermediate_size > 0:
@@ -103,16 +106,31 @@ def _mlp_weights(t: dict[str, torch.Tensor], p: str, c: ModelConfig, moe: bool):
     return w
 
 
-def _layer_weights(t: dict[str, torch.Tensor], p: str, c: ModelConfig, kind: str, moe: bool) -> LayerWeights:
+def _to_device(w, device: torch.device):
+    """A layer's weights (dataclasses, tuples, tensors) moved to ``device`` in place."""
+    if isinstance(w, torch.Tensor):
+        return w.to(device)
+    if isinstance(w, tuple):
+        return tuple(_to_device(x, device) for x in w)
+    if dataclasses.is_dataclass(w):
+        for f in dataclasses.fields(w):
+            setattr(w, f.name, _to_device(getattr(w, f.name), device))
+    return w
+
+
+def _layer_weights(t: dict[str, torch.Tensor], p: str, c: ModelConfig, kind: str, moe: bool,
+                   dtype: torch.dtype = torch.float32) -> LayerWeights:
+    """One decoder layer's weights from the checkpoint's; ``dtype``: the model's, where a
+    formed FP8 weight cannot stay FP8 (rows moved out of their 128-row blocks: ``fp8.py``)."""
     if kind == LINEAR:
         a = f"{p}.linear_attn"
         if c.split_gdn_projections:  # Qwen3.5: already [q_all | k_all | v_all], z, b, a
-            qkvz = torch.cat([t[f"{a}.in_proj_qkv.weight"], t[f"{a}.in_proj_z.weight"]])
-            ba = torch.cat([t[f"{a}.in_proj_b.weight"], t[f"{a}.in_proj_a.weight"]])
+            qkvz = fp8.cat_rows([t[f"{a}.in_proj_qkv.weight"], t[f"{a}.in_proj_z.weight"]], dtype)
+            ba = fp8.cat_rows([t[f"{a}.in_proj_b.weight"], t[f"{a}.in_proj_a.weight"]], dtype)
         else:
             perm_qkvz, perm_ba = _qkvz_permutation(c)
-            qkvz = t[f"{a}.in_proj_qkvz.weight"][perm_qkvz].contiguous()
-            ba = t[f"{a}.in_proj_ba.weight"][perm_ba].contiguous()
+            qkvz = fp8.permute_rows(t[f"{a}.in_proj_qkvz.weight"], perm_qkvz, dtype)
+            ba = fp8.permute_rows(t[f"{a}.in_proj_ba.weight"], perm_ba, dtype)
         mixer: AttentionWeights | GdnWeights = GdnWeights(
             in_proj_qkvz=qkvz,
             in_proj_ba=ba,
@@ -132,7 +150,7 @@ def _layer_weights(t: dict[str, torch.Tensor], p: str, c: ModelConfig, kind: str
         )
     return LayerWeights(kind=kind, input_norm=t[f"{p}.input_layernorm.weight"],
                         post_norm=t[f"{p}.post_attention_layernorm.weight"], mixer=mixer,
-                        mlp=_mlp_weights(t, f"{p}.mlp", c, moe))
+                        mlp=_mlp_weights(t, f"{p}.mlp", c, moe, dtype))
 
 
 class HybridModel:
@@ -146,19 +164,35 @@ class HybridModel:
     path: ForwardPath = BATCHED
 
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", consume: bool = False):
+        """``tensors`` stay where they are while each layer's weights are formed (experts stacked,
+        GDN rows permuted): on the host for a loaded checkpoint, so the device never holds an
+        expert twice (the per-expert tensors and their stack: non-expert + 2 x experts at the
+        peak); each layer moves to ``device`` once formed. ``consume``: ``tensors`` is the
+        caller's to give up — each layer's entries are dropped once moved (the loader's host
+        copy shrinks as the device fills)."""
         self.cfg = cfg
         self.dtype = dtype
         self.acc = acc_dtype(dtype)
         self.device = torch.device(device)
         self.path = for_device(self.device, dtype)
-        t = {k: v.to(self.device) for k, v in tensors.items()}
+        t = fp8.fold(tensors if consume else dict(tensors), dtype)
         p = cfg.text_prefix
+        by_layer: dict[str, list[str]] = {}              # "…layers.i" -> its tensors' names
+        for name in t:
+            if name.startswith(p + "layers."):
+                by_layer.setdefault(name[:name.index(".", len(p) + 7)], []).append(name)
+        self.layers = []
+        for i, kind in enumerate(cfg.layer_types):
+            prefix = f"{p}layers.{i}"
+            layer = _layer_weights(t, prefix, cfg, kind, cfg.is_moe_layer(i), dtype)
+            for name in by_layer.get(prefix, ()):
+                del t[name]
+            self.layers.append(_to_device(layer, self.device))
+        t = {k: _to_device(v, self.device) for k, v in t.items()}
         self.embed = t[f"{p}embed_tokens.weight"]
         self.final_norm = t[f"{p}norm.weight"]
         self.lm_head = self.embed if cfg.tie_word_embeddings else t["lm_head.weight"]
-        self.layers = [_layer_weights(t, f"{p}layers.{i}", cfg, kind, cfg.is_moe_layer(i))
-                       for i, kind in enumerate(cfg.layer_types)]
         # The MTP head's weights (native/model/mtp.py builds it); never used by the main forward.
         self.mtp_tensors = {k: v for k, v in t.items() if k.startswith("mtp.")}
         self.rope = Rope(cfg.rotary_dim, cfg.rope_theta, dtype, self.device, cfg.mrope_section)
@@ -178,7 +212,7 @@ class HybridModel:
         if not cfg.mtp_num_hidden_layers:
             # Qwen3-Next checkpoints ship mtp.* weights without a config key.
             cfg = msgspec.structs.replace(cfg, mtp_num_hidden_layers=count_mtp_layers(files))
-        return HybridModel(cfg, load_tensors(path, cfg, tdtype, files), tdtype, device)
+        return HybridModel(cfg, load_tensors(path, cfg, tdtype, files), tdtype, device, consume=True)
 
     def new_cache(self, num_pages: int, num_slots: int) -> ModelCache:
         return ModelCache.allocate(self.cfg, num_pages, num_slots, self.dtype, self.device)
@@ -230,7 +264,7 @@ class HybridModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Pre-norm hidden [M, H] -> logits [M, V] (accumulation dtype)."""
         normed = self.path.rms_norm(hidden, self.final_norm, self.cfg.rms_norm_eps, self.cfg.zero_centered_norm)
-        return F.linear(normed, self.lm_head).to(self.acc)
+        return linear(normed, self.lm_head).to(self.acc)
 
     def _attention(self, w: AttentionWeights, x: torch.Tensor, cos, sin, batch: ForwardBatch,
                    cache: ModelCache, j: int, attend=None) -> torch.Tensor:
@@ -238,28 +272,28 @@ class HybridModel:
         c = self.cfg
         T, D = x.shape[0], c.head_dim
         bq, bk, bv, bo = w.biases or (None, None, None, None)
-        q = F.linear(x, w.q_proj, bq)
+        q = linear(x, w.q_proj, bq)
         gate = None
         if c.attn_output_gate:
             q, gate = q.view(T, -1, 2 * D).chunk(2, dim=-1)
             gate = gate.reshape(T, -1)
         q = self.path.rms_norm(q.reshape(T, -1, D), w.q_norm, c.rms_norm_eps, c.zero_centered_norm)
-        k = self.path.rms_norm(F.linear(x, w.k_proj, bk).view(T, -1, D), w.k_norm, c.rms_norm_eps, c.zero_centered_norm)
-        v = F.linear(x, w.v_proj, bv).view(T, -1, D)
+        k = self.path.rms_norm(linear(x, w.k_proj, bk).view(T, -1, D), w.k_norm, c.rms_norm_eps, c.zero_centered_norm)
+        v = linear(x, w.v_proj, bv).view(T, -1, D)
         q, k = Rope.apply(q, cos, sin), Rope.apply(k, cos, sin)
         self.path.write_kv(cache.k[j], cache.v[j], batch.slot_mapping, k, v)
         out = (attend or self.path.attention)(q, cache.k[j], cache.v[j], batch, D ** -0.5).reshape(T, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
-        return F.linear(out, w.o_proj, bo)
+        return linear(out, w.o_proj, bo)
 
     def _gdn(self, w: GdnWeights, x: torch.Tensor, batch: ForwardBatch, cache: ModelCache, j: int) -> torch.Tensor:
         c = self.cfg
         T = x.shape[0]
         hk, hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
-        qkvz = F.linear(x, w.in_proj_qkvz)
+        qkvz = linear(x, w.in_proj_qkvz)
         mixed, z = qkvz[:, :c.conv_dim], qkvz[:, c.conv_dim:]
-        b, a = F.linear(x, w.in_proj_ba).chunk(2, dim=-1)
+        b, a = linear(x, w.in_proj_ba).chunk(2, dim=-1)
         beta = torch.sigmoid(b)
         g = -w.a_log.to(self.acc).exp() * F.softplus(a.to(self.acc) + w.dt_bias.to(self.acc))
 
@@ -269,4 +303,4 @@ class HybridModel:
 
         core = self.path.gdn(mixed, g, beta, w.conv, cache.conv[j], cache.ssm[j], batch, split)
         out = self.path.gated_rms_norm(core, z.view(T, hv, dv), w.norm, c.rms_norm_eps)
-        return F.linear(out.reshape(T, hv * dv), w.out_proj)
+        return linear(out.reshape(T, hv * dv), w.out_proj)

@@ -7,7 +7,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ninfer.native.model.fp8 import linear
 from ninfer.native.model.ops import acc_dtype, silu_mlp
+
+# Token rows up to which the per-(token, expert) fused kernel (kernels/moe.py) beats grouping by
+# expert: past it each chosen expert's weights are read once per token instead of once. Here,
+# beside the torch form, so that graphs.py can bound its chunk graphs without importing triton.
+FUSED_MAX_ROWS = 256
 
 
 @dataclass
@@ -36,7 +42,7 @@ def sparse_moe(x: torch.Tensor, w: MoeWeights, dense: bool = False) -> torch.Ten
     capture it (native/graphs.py). Experts are summed in the same ascending order as the sparse
     form and an unchosen expert adds an exact zero, so the two agree to the matmuls' rounding."""
     acc = acc_dtype(x.dtype)
-    probs = torch.softmax(F.linear(x, w.router).to(acc), dim=-1)
+    probs = torch.softmax(linear(x, w.router).to(acc), dim=-1)
     top_w, top_i = torch.topk(probs, w.top_k, dim=-1)                 # [T, k]
     if w.norm_topk_prob:
         top_w = top_w / top_w.sum(-1, keepdim=True)
@@ -46,15 +52,15 @@ def sparse_moe(x: torch.Tensor, w: MoeWeights, dense: bool = False) -> torch.Ten
     if dense:
         route = torch.zeros(x.shape[0], w.gate_up.shape[0], dtype=x.dtype, device=x.device).scatter_(1, top_i, top_w)
         for e in range(w.gate_up.shape[0]):
-            gate_up = F.linear(x, w.gate_up[e])
+            gate_up = linear(x, w.gate_up[e])
             h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-            out = out + F.linear(h, w.down[e]) * route[:, e:e + 1]
+            out = out + linear(h, w.down[e]) * route[:, e:e + 1]
         return _with_shared(out, x, w)
     for e in torch.unique(top_i).tolist():
         tok, slot = torch.where(top_i == e)
-        gate_up = F.linear(x[tok], w.gate_up[e])
+        gate_up = linear(x[tok], w.gate_up[e])
         h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        y = F.linear(h, w.down[e]) * top_w[tok, slot, None]
+        y = linear(h, w.down[e]) * top_w[tok, slot, None]
         out.index_add_(0, tok, y)
     return _with_shared(out, x, w)
 
@@ -62,5 +68,5 @@ def sparse_moe(x: torch.Tensor, w: MoeWeights, dense: bool = False) -> torch.Ten
 def _with_shared(out: torch.Tensor, x: torch.Tensor, w: MoeWeights) -> torch.Tensor:
     if w.shared_gate_proj is not None:
         shared = silu_mlp(x, w.shared_gate_proj, w.shared_up_proj, w.shared_down_proj)
-        out = out + torch.sigmoid(F.linear(x, w.shared_gate)) * shared
+        out = out + torch.sigmoid(linear(x, w.shared_gate)) * shared
     return out

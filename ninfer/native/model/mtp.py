@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from ninfer.errors import ModelLoadError
 from ninfer.native.model.attention import decode_attention, decode_kv_slots
 from ninfer.native.model.config import FULL, PAGE_SIZE
+from ninfer.native.model.fp8 import linear
 from ninfer.native.model.forward import ForwardBatch, SeqInput
 from ninfer.native.model.model import HybridModel, LayerWeights, _layer_weights
 from ninfer.native.model.moe import MoeWeights, sparse_moe
@@ -56,6 +57,27 @@ class MtpEntries:
     base: int = 0                   # first key position attended
 
 
+def _share_experts(t: dict, prefix: str, mlp) -> None:
+    """The checkpoint-named expert entries become views of the head's stack, so the device holds
+    each MTP expert once (the stack beside the per-expert originals: ~1.5 GiB twice for
+    Qwen3-Next's 512 experts)."""
+    from ninfer.native.model.fp8 import BLOCK, Fp8Weight
+    if not isinstance(mlp, MoeWeights):
+        return
+    inter = mlp.down.shape[-1]
+    for e in range(mlp.gate_up.shape[0]):
+        names = [f"{prefix}.experts.{e}.{p}_proj.weight" for p in ("gate", "up", "down")]
+        if isinstance(mlp.gate_up, Fp8Weight):
+            gu, d, b = mlp.gate_up, mlp.down, inter // BLOCK
+            views = [Fp8Weight(gu.weight[e, :inter], gu.scale_inv[e, :b]),
+                     Fp8Weight(gu.weight[e, inter:], gu.scale_inv[e, b:]), d[e]]
+        else:
+            views = [mlp.gate_up[e, :inter], mlp.gate_up[e, inter:], mlp.down[e]]
+        for name, view in zip(names, views):
+            if name in t:
+                t[name] = view
+
+
 class MtpHead:
     def __init__(self, model: HybridModel):
         cfg = model.cfg
@@ -71,9 +93,11 @@ class MtpHead:
             self.norm_hidden = t["mtp.pre_fc_norm_hidden.weight"]
             self.norm = t["mtp.norm.weight"]
             self.layers: list[LayerWeights] = [
-                _layer_weights(t, f"mtp.layers.{j}", cfg, FULL, cfg.num_experts > 0) for j in range(n)]
+                _layer_weights(t, f"mtp.layers.{j}", cfg, FULL, cfg.num_experts > 0, model.dtype) for j in range(n)]
         except KeyError as exc:
             raise ModelLoadError(f"MTP weights incomplete: missing {exc.args[0]}") from None
+        for j, layer in enumerate(self.layers):
+            _share_experts(t, f"mtp.layers.{j}.mlp", layer.mlp)
 
     @property
     def num_layers(self) -> int:
@@ -105,7 +129,7 @@ class MtpHead:
         ids = torch.where(batch.input_ids < c.vocab_size, batch.input_ids, torch.zeros_like(batch.input_ids))
         emb = rms_norm(F.embedding(ids, m.embed), self.norm_emb, c.rms_norm_eps, c.zero_centered_norm)
         hid = rms_norm(prev, self.norm_hidden, c.rms_norm_eps, c.zero_centered_norm)
-        x = F.linear(torch.cat([emb, hid], dim=-1), self.fc)
+        x = linear(torch.cat([emb, hid], dim=-1), self.fc)
         j = step % self.num_layers
         layer = self.layers[j]
         # Every entry's K/V is written before attention reads, so each entry row attends like a
@@ -135,4 +159,4 @@ class MtpHead:
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """``out`` [N, H] -> logits [N, V] (the target's lm_head; no further norm)."""
-        return F.linear(out, self.model.lm_head).to(self.model.acc)
+        return linear(out, self.model.lm_head).to(self.model.acc)

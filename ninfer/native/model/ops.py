@@ -48,7 +48,8 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 def silu_mlp(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor) -> torch.Tensor:
     """SwiGLU MLP. x: [T, H]; gate_w, up_w: [I, H]; down_w: [H, I] -> [T, H]."""
-    return F.linear(F.silu(F.linear(x, gate_w)) * F.linear(x, up_w), down_w)
+    from ninfer.native.model.fp8 import linear
+    return linear(F.silu(linear(x, gate_w)) * linear(x, up_w), down_w)
 
 
 class Rope:

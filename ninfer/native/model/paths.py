@@ -153,6 +153,7 @@ def _gdn_verify(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, sp
     passes them unchanged (the final state and the kept steps from the real end on are the real
     end's), and the conv state is taken at each row's real end."""
     kept = {}
+    buf, layer, off = batch.spec_steps, len(batch.spec_states), 0
     if batch.verify_len:       # one length: the batch's own index tensors (no host-built index)
         groups = [(batch.verify_len, batch.verify_seqs, batch.verify_rows, batch.verify_slots)]
     else:
@@ -180,6 +181,10 @@ def _gdn_verify(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, sp
             new_conv = xs[:, :, xs.shape[2] - k1:]
         o, new_ssm, steps = gdn.recurrent_gated_delta_rule(
             shape(q), shape(k), shape(v), gv, bv, ssm_states.index_select(0, slots), keep_steps=True)
+        if buf is not None and off + len(seqs) <= buf.shape[1] and n <= buf.shape[2]:
+            view = buf[layer, off:off + len(seqs), :n]           # the shared buffer, not a new tensor
+            view.copy_(steps)
+            steps, off = view, off + len(seqs)
         core.index_copy_(0, rows, o.reshape(len(seqs) * n, *o.shape[2:]))
         conv_states.index_copy_(0, slots, new_conv.to(conv_states.dtype))
         ssm_states.index_copy_(0, slots, new_ssm.to(ssm_states.dtype))
@@ -249,21 +254,27 @@ class BatchedPath(_TorchOps):
             return core
         rows, slots = batch.decode_rows, batch.decode_slots
         pick = (lambda t: t) if batch.all_decode else (lambda t: t.index_select(0, rows))
-        y, new_conv = ops.causal_conv1d_step(pick(mixed), conv_states.index_select(0, slots), conv_w)
-        q, k, v = split(y)
-        o, new_ssm = ops.recurrent_gated_delta_rule(
-            q[:, None], k[:, None], v[:, None], pick(g)[:, None], pick(beta)[:, None],
-            ssm_states.index_select(0, slots))
-        conv_states.index_copy_(0, slots, new_conv.to(conv_states.dtype))
-        ssm_states.index_copy_(0, slots, new_ssm.to(ssm_states.dtype))
+        o = self._decode_rows(pick(mixed), pick(g), pick(beta), conv_w, conv_states, ssm_states, slots, split, ops)
         if batch.all_decode:
-            return o[:, 0]
+            return o
         core = _core_out(mixed, ssm_states)
-        core.index_copy_(0, rows, o[:, 0])
+        core.index_copy_(0, rows, o)
         _gdn_chunks(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split, ops)
         if batch.verify_seqs:
             _gdn_verify(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split)
         return core
+
+
+    def _decode_rows(self, mixed, g, beta, conv_w, conv_states, ssm_states, slots, split, ops):
+        """The decode rows' conv step and delta-rule step, their states gathered from their slots
+        and scattered back. mixed: [B, C]; g, beta: [B, Hv] -> o [B, Hv, Dv]."""
+        y, new_conv = ops.causal_conv1d_step(mixed, conv_states.index_select(0, slots), conv_w)
+        q, k, v = split(y)
+        o, new_ssm = ops.recurrent_gated_delta_rule(
+            q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], ssm_states.index_select(0, slots))
+        conv_states.index_copy_(0, slots, new_conv.to(conv_states.dtype))
+        ssm_states.index_copy_(0, slots, new_ssm.to(ssm_states.dtype))
+        return o[:, 0]
 
 
 class PerSequencePath(_TorchOps):
@@ -335,6 +346,13 @@ class KernelPath(BatchedPath):
     def _gdn_ops(self):
         from ninfer.native.kernels import gdn as kernel_gdn
         return kernel_gdn
+
+    def _decode_rows(self, mixed, g, beta, conv_w, conv_states, ssm_states, slots, split, ops):
+        """In place in the rows' slots (``kernels/gdn_decode.py``): no gather and scatter of the
+        states (2 MiB of fp32 per row and layer at Qwen3-Next's size, each way)."""
+        from ninfer.native.kernels.gdn_decode import conv_step_triton, delta_rule_step_triton
+        q, k, v = split(conv_step_triton(mixed, conv_states, slots, conv_w))
+        return delta_rule_step_triton(q, k, v, g, beta, ssm_states, slots)
 
     def _decode(self, q, k_cache, v_cache, batch, scale):
         from ninfer.native.kernels.paged_attention import decode_splits, paged_decode_triton

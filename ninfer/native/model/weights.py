@@ -175,7 +175,18 @@ def load_tensors(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype,
 def load_checked(model_dir: Path, files: dict[str, Path], expected: Shapes, dtype: torch.dtype,
                  what: str) -> dict[str, torch.Tensor]:
     """The strict core: ``files`` (name -> file) must hold exactly ``expected``, each of its shape,
-    float and finite; returns them converted to ``dtype``. ``what`` names the model part in errors."""
+    float and finite; returns them converted to ``dtype``. ``what`` names the model part in errors.
+
+    An FP8 block-scaled checkpoint (``fp8.py``): a 2-D weight may come as float8_e4m3fn with its
+    ``X.weight_scale_inv`` (fp32, one per 128 x 128 block) beside it; both are returned as stored
+    (``fp8.fold`` pairs them). A scale without its weight, of the wrong shape, or an FP8 weight
+    without a scale is an error like any other."""
+    from ninfer.native.model.fp8 import FP8, SCALE_SUFFIX, scale_shape
+    expected = dict(expected)
+    for name in files:
+        base = name[: -len(SCALE_SUFFIX)]
+        if name.endswith(SCALE_SUFFIX) and len(expected.get(base, ())) == 2:
+            expected[name] = scale_shape(expected[base])
     unexpected = sorted(set(files) - set(expected))
     if unexpected:
         more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
@@ -201,8 +212,17 @@ def load_checked(model_dir: Path, files: dict[str, Path], expected: Shapes, dtyp
             )
         if not t.is_floating_point():
             raise ModelLoadError(f"{f.name}: tensor '{name}' has non-float dtype {t.dtype}")
-        t = t.to(dtype)
-        if not torch.isfinite(t).all():
+        if name.endswith(SCALE_SUFFIX):
+            t = t.to(torch.float32)
+        elif name + SCALE_SUFFIX in files:
+            if t.dtype != FP8:
+                raise ModelLoadError(f"{f.name}: tensor '{name}' has a weight_scale_inv but dtype {t.dtype} "
+                                     "(FP8 block-scaled weights are float8_e4m3fn)")
+        elif t.dtype == FP8:
+            raise ModelLoadError(f"{f.name}: FP8 tensor '{name}' has no '{name}{SCALE_SUFFIX}' beside it")
+        else:
+            t = t.to(dtype)
+        if not torch.isfinite(t if t.dtype != FP8 else t.to(torch.float32)).all():
             raise ModelLoadError(f"{f.name}: tensor '{name}' contains NaN or Inf")
         out[name] = t
     return out

@@ -70,3 +70,31 @@ def test_fla_causal_conv_matches_reference(dtype, monkeypatch):
     y, s2 = gdn.causal_conv1d_step_fla(xs, ss, w)
     y_ref, s_ref = gdn.causal_conv1d_step_ref(xs.float(), ss.float(), w.float())
     assert rel_err(y, y_ref) <= OUT_BOUND[dtype] and torch.equal(s2.float(), s_ref)
+
+
+def test_an_fla_import_failure_is_kept_whole_and_logged(monkeypatch, caplog):
+    """fla failing to import (here: planted) is not swallowed: ``fla_status`` holds the error
+    as raised and ``fla_available`` logs it once, so a CUDA model silently running the torch
+    reference shows in the log."""
+    import builtins
+    import logging
+
+    from ninfer.native.kernels import gdn
+    real = builtins.__import__
+
+    def planted(name, *a, **k):
+        if name.startswith("fla"):
+            raise RuntimeError("fla 0.6.0 needs a newer triton (planted)")
+        return real(name, *a, **k)
+    gdn.fla_status.cache_clear()
+    gdn.fla_available.cache_clear()
+    monkeypatch.setattr(builtins, "__import__", planted)
+    try:
+        with caplog.at_level(logging.WARNING, logger="ninfer.kernels"):
+            assert gdn.fla_available() is False
+        assert gdn.fla_status() == "RuntimeError: fla 0.6.0 needs a newer triton (planted)"
+        assert "planted" in caplog.text and "torch reference" in caplog.text
+    finally:
+        monkeypatch.undo()
+        gdn.fla_status.cache_clear()
+        gdn.fla_available.cache_clear()

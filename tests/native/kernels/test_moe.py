@@ -50,3 +50,31 @@ def test_no_tokens():
 def test_the_fused_form_serves_graphs_and_small_calls():
     assert moe.use_fused(4096, True) and moe.use_fused(moe.FUSED_MAX_ROWS, False)
     assert not moe.use_fused(moe.FUSED_MAX_ROWS + 1, False)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_fused_moe_reads_fp8_block_scaled_experts(dtype):
+    """Stacked FP8 experts (e4m3 + one fp32 scale per 128 x 128 block: Qwen's -FP8 releases) are
+    dequantised inside the kernels, element by element after the load: equal to the grouped
+    reference that multiplies by the dequantised experts (fp32: to rounding; bf16: the
+    reference's own roundings)."""
+    from ninfer.native.model import fp8
+    dt = DTYPES[dtype]
+    e, k, h, inter = 4, 2, 256, 128
+    g = torch.Generator().manual_seed(11)
+    r = lambda *s: torch.randn(*s, generator=g) * 0.1  # noqa: E731
+    q = lambda w: fp8.quantize(w)  # noqa: E731
+    gate_up = fp8.stack([fp8.cat_rows([q(r(inter, h)), q(r(inter, h))], dt) for _ in range(e)], dt)
+    down = fp8.stack([q(r(h, inter)) for _ in range(e)], dt)
+    assert isinstance(gate_up, fp8.Fp8Weight) and gate_up.scale_inv.shape == (e, 2, 2)
+    w = MoeWeights(router=r(e, h).to(dt), gate_up=gate_up, down=down, top_k=k, norm_topk_prob=True,
+                   shared_gate_proj=r(inter, h).to(dt), shared_up_proj=r(inter, h).to(dt),
+                   shared_down_proj=r(h, inter).to(dt), shared_gate=r(1, h).to(dt))
+    x = torch.randn(5, h, generator=g).to(dt)
+    got = moe.fused_moe_triton(x, w)
+    want = moe.sparse_moe_ref(x, w)
+    assert rel_err(got, want) < BOUND[dtype]
+    # the same kernels over the experts dequantised in fp32 up front: what the FP8 path computes
+    plain = MoeWeights(**{**w.__dict__, "gate_up": gate_up.dequantize(torch.float32),
+                          "down": down.dequantize(torch.float32)})
+    assert rel_err(moe.fused_moe_triton(x, plain), got) < 1e-6

@@ -65,6 +65,27 @@ def test_paged_decode(case, splits, dtype):
     assert rel_err(out, ref) <= BOUND[dtype]
 
 
+def test_decode_splits_cut_each_row_by_its_own_length():
+    """A short row in a wide table (4 of 32 pages, 8 splits): every split that can hold a page
+    gets one — 4 busy splits, not the 1 that cutting the table's width would give (a 2k row at
+    a 32k context kept 16 of 264 programs busy) — and the merged result is the reference's."""
+    lens, h, hkv, d = [256], 2, 1, 32
+    k, v, tables = _setup(lens, h, hkv, d, torch.float32, seed=4, extra_pages=28)
+    wide = torch.cat([tables[:, :4], torch.full((1, 28), 7, dtype=torch.int32)], dim=1)   # 32 pages wide
+    q = torch.randn(1, h, d)
+    s = 8
+    o_part, lse_part = torch.empty(1, h, s, d), torch.empty(1, h, s)
+    cfg = pa.launch_config("decode", torch.float32, d)
+    pa._decode_split[(1, hkv, s)](q, k, v, wide, torch.tensor(lens), o_part, lse_part, d ** -0.5, wide.stride(0), s,
+                                  H=h, HKV=hkv, D=d, REP=h // hkv, BH=16, BD=d, PAGE=64, UPCAST=True, PREC="ieee",
+                                  **cfg)
+    busy = torch.isfinite(lse_part).sum(-1)
+    assert busy.tolist() == [[4, 4]]
+    out = pa.paged_decode_triton(q, k, v, wide, torch.tensor(lens), d ** -0.5, num_splits=s)
+    ref = pa.paged_decode_ref(q, k, v, wide, torch.tensor(lens), d ** -0.5)
+    assert rel_err(out, ref) <= BOUND[torch.float32]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.bfloat16], ids=["bfloat16"])
 def test_paged_decode_long_context_split_k(dtype):

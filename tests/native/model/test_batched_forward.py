@@ -239,3 +239,19 @@ def test_verify_rows_of_mixed_lengths_take_the_grouped_path(tiny_model):
     rows = _verify_rows(prep, [1, 6], 4) + _verify_rows(prep, [2], 3)
     assert ForwardBatch.build(rows).verify_len == 0
     _compare(prep, rows, "float64")
+
+
+def test_a_calls_index_tensors_are_one_upload():
+    """Every index tensor of a call (ids, positions, slots, tables, rows, decode and verify
+    metadata) is a view of one buffer: one pinned, asynchronous host-to-device copy per call on
+    CUDA, where there was one blocking copy per tensor and per sequence (~10 + N)."""
+    from ninfer.native.model.forward import SeqInput
+    rows = [SeqInput([5], 70, [3, 4], 0), SeqInput([6, 7, 8], 10, [1], 1, "all", verify=True),
+            SeqInput([9, 10, 11, 12], 0, [2], 2), SeqInput([13], 3, [5], 3)]
+    b = ForwardBatch.build(rows)
+    tensors = [b.input_ids, b.positions, b.state_slots, b.slot_mapping, b.logits_rows, *b.page_tables,
+               b.decode_rows, b.decode_slots, b.decode_kv_lens, b.decode_block_table, b.verify_slots,
+               b.verify_starts, b.verify_block_table, b.verify_rows]
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+    assert b.verify_len == 3 and b.decode_block_table.tolist() == [[3, 4], [5, 5]]
+    assert b.positions.tolist() == [70, 10, 11, 12, 0, 1, 2, 3, 3] and b.page_tables[0].tolist() == [3, 4]

@@ -177,3 +177,28 @@ def test_qwen3_5_config_needs_text_config(vision_copy):
     del raw["text_config"]
     with pytest.raises(ModelLoadError, match="needs a 'text_config' object"):
         parse_config(raw)
+
+
+def test_experts_are_stacked_on_the_host_before_the_device_sees_them(tiny_model, monkeypatch):
+    """A loaded MoE model forms each layer (experts stacked, GDN rows permuted) where the
+    checkpoint's tensors live — the host — and moves only the formed weights: the device never
+    holds an expert twice (per-expert tensors beside their stack: non-expert + 2 x experts at
+    the peak). ``meta`` stands in for the device; the loader's host dict is given up layer by
+    layer."""
+    import torch
+
+    from ninfer.native.model import model as model_mod
+    from ninfer.native.model.moe import MoeWeights
+    stacked_on = []
+    real_stack = torch.stack
+
+    def stack(ts, *a, **k):
+        stacked_on.extend({t.device.type for t in ts})
+        return real_stack(ts, *a, **k)
+    monkeypatch.setattr(torch, "stack", stack)
+    m = model_mod.HybridModel.load(tiny_model, "float32", device="meta")
+    moe = [layer.mlp for layer in m.layers if isinstance(layer.mlp, MoeWeights)]
+    assert moe and set(stacked_on) == {"cpu"}
+    assert all(w.gate_up.device.type == "meta" and w.down.device.type == "meta" for w in moe)
+    assert m.embed.device.type == "meta" and all(layer.mixer.out_proj.device.type == "meta" for layer in m.layers
+                                                 if hasattr(layer.mixer, "out_proj"))
