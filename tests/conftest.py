@@ -8,6 +8,9 @@ import pytest
 import torch
 
 torch.set_num_threads(int(os.environ.get("NINFER_TORCH_THREADS", "1")))
+# every engine built in the suite checks the seed's rules as invariants on every cycle
+# (ninfer/engine/monitor.py) — in this process, in spawned sweep workers and in Ray actors
+os.environ.setdefault("NINFER_RULE_MONITOR", "1")
 
 
 @pytest.fixture(scope="session")
@@ -51,3 +54,4 @@ def tiny_dflash2(tiny_model, tmp_path_factory) -> str:
 
     return str(make_tiny_dflash(tiny_model, tmp_path_factory.mktemp("tiny_dflash2"), kind="dflash2", seed=1,
                                 window=96))
+

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from ninfer import protocol as P
 from ninfer.config import EngineConfig
 from ninfer.engine.events import Lifecycle
+from ninfer.engine.monitor import RuleMonitor
 from ninfer.engine.outcomes import Outcomes
 from ninfer.engine.planning import CyclePlanner, Plan
 from ninfer.engine.request import Request
@@ -112,6 +114,8 @@ class EngineCore:
         self.graphs: P.GraphStats | None = None
         self._stuck = 0
         self.summary = EngineSummary(self, config.log_stats_interval_s)
+        # the seed's rules as invariants, checked every cycle (the test suite turns it on)
+        self.monitor = RuleMonitor() if os.environ.get("NINFER_RULE_MONITOR") == "1" else None
 
     # ==== intake =========================================================================
     def add(self, spec: RequestSpec, queued_at: float | None = None, carry: Request | None = None) -> Request:
@@ -155,10 +159,14 @@ class EngineCore:
         """One engine cycle; returns False when there was nothing to do (the caller waits for
         the next real event: a transfer completion, a new request) — never a silent stall."""
         self.summary.tick()
+        if self.monitor is not None:
+            self.monitor.begin(self)
         cmds = self._lifecycle()
         if self._overdue():
             cmds.append((P.Overdue(), None))
         plan = self.planner.build()
+        if self.monitor is not None:
+            self.monitor.planned(self, plan)
         cmds += plan.commands
         if not cmds and not plan.items and plan.take_back is None:
             if self.tx_busy:        # advance the transaction only (woken by its completion)
@@ -169,8 +177,12 @@ class EngineCore:
         progressed = False
         if self._needs_quote(plan):
             cmds, progressed = self._quote_and_settle(plan, cmds)
+        if self.monitor is not None:
+            self.monitor.settled(self, plan)
         reply = self._send(P.StepPlan(next(self._steps), commands=[c for c, _ in cmds], intents=plan.intents()))
         progressed = self.outcomes.apply(reply, plan, cmds) or progressed
+        if self.monitor is not None:
+            self.monitor.ended(self, plan, reply)
         self.stats.cycle_s += time.perf_counter() - t0
         return self._guard_progress(progressed)
 
