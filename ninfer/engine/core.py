@@ -47,7 +47,8 @@ from ninfer.protocol import FinishReason, Life, Phase, RequestSpec
 
 log = logging.getLogger("ninfer.engine")
 
-HOST_WINDOW = 32         # Host candidates a scoped quote carries (widened to all when they do not suffice)
+HOST_WINDOW = 32         # Host candidates a scoped quote carries first
+WIDEN = 4                # ... then 4x as many while they do not suffice, the whole directory last
 STALL_CYCLES = 3         # cycles without any progress and nothing in flight before the oldest fails
 
 
@@ -58,7 +59,7 @@ class EngineStats:
     preemptions: int = 0
     revocations: int = 0
     take_backs: int = 0
-    wide_quotes: int = 0          # scoped quotes whose Host window did not suffice (quoted again whole)
+    wide_quotes: int = 0          # scoped quotes whose Host window did not suffice (quoted again wider)
     resumes_snapshot: int = 0
     resumes_replay: int = 0
     capacity_errors: int = 0
@@ -207,9 +208,8 @@ class EngineCore:
         candidates the records rank (O(Device capacity + window), never the directory); when a
         Host placement found no admissible victims inside the window, the facts are quoted again
         without a window (no commands this time) and the plan is settled again from scratch."""
-        # pause snapshots (few: one per paused request) are Host candidates of their own rank
-        window: list[int] | None = self.rm.host_window(HOST_WINDOW) + [
-            r.snapshot.cid for r in self.sched.paused if r.snapshot is not None]
+        k = HOST_WINDOW
+        window = self._host_window(k)
         reply = self._send(P.StepPlan(next(self._steps), commands=[c for c, _ in cmds], quote=True,
                                       demands=plan.queries(), host_window=window))
         progressed = self.outcomes.apply(reply, Plan(), cmds)
@@ -218,13 +218,23 @@ class EngineCore:
             out = self._pressure(plan, reply)
             if not self.pressure.window_short or window is None or not reply.facts.partial:
                 break
-            window = None
+            # the window did not place it: a window WIDEN times wider, the whole directory only
+            # once the window would hold it all (a Host placement ranks every candidate of its
+            # quote for every victim it adds: over the whole directory that cost grows with the
+            # cache — 48 s cycles with a full 256 MiB Host in the trace bench)
+            k *= WIDEN
+            window = self._host_window(k) if k < len(self.rm.host_order) else None
             self.stats.wide_quotes += 1
-            reply = self._send(P.StepPlan(next(self._steps), quote=True, demands=plan.queries(), host_window=None))
+            reply = self._send(P.StepPlan(next(self._steps), quote=True, demands=plan.queries(), host_window=window))
             progressed = self.outcomes.apply(reply, Plan(), []) or progressed
         if any(isinstance(c, P.Pause) for c, _ in out):
             self.stats.take_backs += 1
         return out, progressed
+
+    def _host_window(self, k: int) -> list[int]:
+        """The best ``k`` Host candidates the records rank, and every pause snapshot (few: one per
+        paused request; candidates of their own rank)."""
+        return self.rm.host_window(k) + [r.snapshot.cid for r in self.sched.paused if r.snapshot is not None]
 
     def _pressure(self, plan: Plan, reply: P.StepReply) -> list[tuple[P.Command, object]]:
         """Settle the plan's shortfalls on the quote: remedies and on-short pauses on the

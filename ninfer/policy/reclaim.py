@@ -371,6 +371,12 @@ class Planner:
         pool = [c for c in self.cands.values()
                 if c.cid not in self.victims and c.cid not in migrating and admissible(c)
                 and self.f.checkpoints[c.cid].image_at]
+        if sum(size for _, size in self._holes({c.cid for c in pool}, set(taken))) < sum(sizes):
+            # not even every admissible victim frees the bytes: nothing places it (without this the
+            # loop below ranks every candidate for every victim it adds before finding that out)
+            if self.f.partial and self.window_short is not None:
+                self.window_short()
+            return None
         chosen: list[int] = []
         while True:
             holes = self._holes(set(chosen), set(taken))
