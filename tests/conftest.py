@@ -55,3 +55,11 @@ def tiny_dflash2(tiny_model, tmp_path_factory) -> str:
     return str(make_tiny_dflash(tiny_model, tmp_path_factory.mktemp("tiny_dflash2"), kind="dflash2", seed=1,
                                 window=96))
 
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``) every test that needs
+    the local Ray instance runs on one worker, so one Ray is started per suite, not per worker."""
+    for item in items:
+        if item.get_closest_marker("ray") is not None:
+            item.add_marker(pytest.mark.xdist_group("ray"))
