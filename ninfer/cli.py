@@ -4,7 +4,7 @@
     ninfer make-tiny-dflash TARGET DIR [--kind dflash|dflash2] [--seed N] [--window W] [--no-fit]
     ninfer demo [--model DIR]
     ninfer serve --model DIR [--config FILE] [--host 127.0.0.1] [--port 8000] [--address auto]
-    ninfer bench controller|agent|actors|cache-scale|serve [options] [--out FILE.json] [--plot FILE.png]
+    ninfer bench controller|agent|actors|cache-scale|serve|trace [options] [--out FILE.json] [--plot FILE.png]
     ninfer bench NAME --help             (each bench's options: ninfer/benchmarks/options.py)
     ninfer report FILE [--stall-s S]    the seed's evaluation order over a JSON log or bench JSON
     ninfer --log-format text|json ...   the engine's log lines (also NINFER_LOG_FORMAT)

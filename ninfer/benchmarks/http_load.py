@@ -8,6 +8,9 @@ and closed with ``data: [DONE]``; a read that waits longer than ``timeout`` seco
 is an error too.
 
     t0 ──request──> first content delta (TTFT) ──deltas (gaps)──> finish_reason ── usage ─ [DONE]
+
+``ninfer bench trace --base-url`` streams legacy ``POST /completions`` (token-id prompts)
+through the same reader (``stream_chat(..., path="/completions")``).
 """
 
 from __future__ import annotations
@@ -72,8 +75,9 @@ def first_model(base_url: str, api_key: str | None = None) -> str:
         raise ServerError(f"cannot list models at {base_url}/models: {type(exc).__name__}: {exc}") from None
 
 
-async def stream_chat(http, body: dict, rec: Record, t_run: float) -> None:
-    """One streaming chat completion; fills ``rec`` (an exception is recorded, not raised)."""
+async def stream_chat(http, body: dict, rec: Record, t_run: float, path: str = "/chat/completions") -> None:
+    """One streaming chat completion (``path="/completions"``: a legacy one, whose choices carry
+    ``text`` instead of a ``delta``); fills ``rec`` (an exception is recorded, not raised)."""
     t0 = time.perf_counter()
     rec.start_s = t0 - t_run
     last = None
@@ -81,12 +85,12 @@ async def stream_chat(http, body: dict, rec: Record, t_run: float) -> None:
     done = False
     parts: list[str] = []
     try:
-        async with http.stream("POST", "/chat/completions", json=body) as resp:
+        async with http.stream("POST", path, json=body) as resp:
             rec.status = resp.status_code
             if resp.status_code != 200:
                 rec.error = f"HTTP {resp.status_code}: {_message((await resp.aread()).decode(errors='replace'))}"
                 return
-            async for line in resp.aiter_lines():
+            async for line in _sse_lines(resp):
                 if not line.startswith("data:"):
                     continue                               # blank separators, comments, event: lines
                 data = line[5:].strip()
@@ -101,10 +105,12 @@ async def stream_chat(http, body: dict, rec: Record, t_run: float) -> None:
                     u = chunk["usage"]
                     rec.output_tokens = u.get("completion_tokens") or rec.output_tokens
                     rec.prompt_tokens = u.get("prompt_tokens")
-                    rec.cached_tokens = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                    details = u.get("prompt_tokens_details")      # None: the server does not say
+                    rec.cached_tokens = details.get("cached_tokens") if isinstance(details, dict) else None
                 for ch in chunk.get("choices") or []:
                     delta = ch.get("delta") or {}
-                    if delta.get("content") or delta.get("tool_calls"):
+                    piece = ch.get("text") or delta.get("content")
+                    if piece or delta.get("tool_calls") or ch.get("logprobs"):   # a token whose text is held back
                         now = time.perf_counter()
                         if last is None:
                             rec.ttft_s = now - t0
@@ -113,7 +119,7 @@ async def stream_chat(http, body: dict, rec: Record, t_run: float) -> None:
                             rec.gaps.append(now - last)
                         last = now
                         deltas += 1
-                        parts.append(delta.get("content") or "")
+                        parts.append(piece or "")
                     if ch.get("finish_reason"):
                         rec.finish_reason = ch["finish_reason"]
     except Exception as exc:                               # noqa: BLE001 — a load generator records, never dies
@@ -130,6 +136,20 @@ async def stream_chat(http, body: dict, rec: Record, t_run: float) -> None:
         rec.error = "finish_reason error"
     elif not done:
         rec.error = "stream ended without data: [DONE]"
+
+
+async def _sse_lines(resp):
+    """The stream's lines, split at ``\n`` only: ``aiter_lines`` splits like ``str.splitlines``,
+    also at U+0085 / U+2028 / U+2029, which JSON leaves unescaped inside a string (the text of
+    arbitrary tokens can hold them), cutting a ``data:`` line in two."""
+    buf = b""
+    async for chunk in resp.aiter_bytes():
+        buf += chunk
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            yield line.rstrip(b"\r").decode("utf-8", errors="replace")
+    if buf:
+        yield buf.decode("utf-8", errors="replace")
 
 
 def _message(body: str) -> str:

@@ -8,6 +8,7 @@ default is the committed measurement's setting, so a run without options reprodu
     ninfer bench cache-scale [--records 100,1000,10000] [--dtype float32]
     ninfer bench serve       [--base-url URL] [--clients 64] [--rounds 4] ...
     ninfer bench speculative [--method mtp|dflash|dflash2] [--drafts 1,2,3] [--concurrency 1,4,8] ...
+    ninfer bench trace FILE  [--limit 600] [--window-s 2 | --time-scale X] [--capacity ample,64:16] ...
 
 Every bench: ``--out F.json`` writes the JSON document (else it follows the table on stdout),
 ``--plot F.png`` the figure (default: next to ``--out``, F.png); progress bars on stderr.
@@ -65,6 +66,42 @@ def _capacities(text: str) -> tuple[tuple[int, int], ...]:
         if not sep:
             raise argparse.ArgumentTypeError(f"must be PAGES:HOST_MIB pairs like 16:2,64:64, not {text!r}")
         out.append((_positive(pages), _positive(mib)))
+    return tuple(out)
+
+
+def _count(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, not {text!r}")
+    return int(text)
+
+
+def _seconds(text: str, zero: bool = False) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not (v >= 0 if zero else v > 0) or v != v or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number {'>= 0' if zero else '> 0'}, not {text!r}")
+    return v
+
+
+def _limit(text: str) -> int | None:
+    """A positive count, or ``all``."""
+    return None if text.strip().lower() == "all" else _positive(text)
+
+
+def _trace_capacities(text: str) -> tuple:
+    """``ample,64:16`` -> ("ample", (64, 16)): the ample entry and KV pages : Host MiB pairs."""
+    out: list = []
+    for part in text.split(","):
+        part = part.strip()
+        if part.lower() == "ample":
+            out.append("ample")
+            continue
+        pages, sep, mib = part.partition(":")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"must be ample or PAGES:HOST_MIB pairs like 64:16, not {text!r}")
+        out.append((_positive(pages), _count(mib)))
     return tuple(out)
 
 
@@ -199,6 +236,62 @@ def _serve(b: argparse.ArgumentParser) -> None:
                    help="write the TTFT CDF per round to this PNG file (default: --out with .png)")
 
 
+def _trace(b: argparse.ArgumentParser) -> None:
+    from ninfer.benchmarks.trace_input import FORMATS, LAST_BLOCK
+    b.add_argument("file", metavar="FILE",
+                   help="the trace, one JSON object per line: Mooncake (hash_ids of 512-token blocks, timestamp in "
+                        "ms), Qwen-Bailian (hash_ids of 16-token blocks, timestamp in s) or a token trace "
+                        "(prompt_token_ids, output_length, timestamp in ms)")
+    b.add_argument("--format", choices=FORMATS, default="auto",
+                   help="the trace's format (auto: prompt_token_ids -> tokens, chat_id -> bailian, else mooncake)")
+    b.add_argument("--block-tokens", type=_positive, default=16, metavar="N",
+                   help="tokens per hash id: each id becomes a fixed block of N ordinary token ids (seeded by the "
+                        "id); lengths and outputs scale by N / the source's block")
+    b.add_argument("--last-block", choices=LAST_BLOCK, default="drop",
+                   help="a hash-id prompt's last, partial block: drop it (whole blocks only, so an earlier prompt "
+                        "that the trace extends stays a prefix of the later one) or keep its head (lengths scaled "
+                        "exactly; a partial block's id never recurs, so no earlier prompt ends inside a later one)")
+    b.add_argument("--limit", type=_limit, default=600, metavar="N", help="replay N requests (all: the whole file)")
+    b.add_argument("--offset", type=_count, default=0, metavar="K", help="skip the first K requests")
+    arrival = b.add_mutually_exclusive_group()
+    arrival.add_argument("--window-s", type=_seconds, default=2.0, metavar="S",
+                         help="submit the requests of each S-second window of trace time together, the next window "
+                              "once the previous has finished")
+    arrival.add_argument("--time-scale", type=lambda t: _seconds(t, zero=True), default=None, metavar="X",
+                         help="instead of windows: submit each request at its recorded time x X (0.5: twice as "
+                              "fast; 0: all at once)")
+    b.add_argument("--transport", type=_transports, default="inproc", metavar="T[,T]",
+                   help="the engine started here: inproc, ray or inproc,ray (one run per transport and capacity)")
+    b.add_argument("--capacity", type=_trace_capacities, action="append", default=None, metavar="ample|PAGES:MIB",
+                   help="one run per entry: ample (the most Main KV the layout allows: one full context per lane; "
+                        "a 2 GiB Host) or Main-KV 64-token pages : Host MiB; comma list, repeatable (default: ample)")
+    b.add_argument("--lanes", type=_lanes, default=4, metavar="N", help="the engine's max_concurrency, 1..8")
+    b.add_argument("--chunk", type=_positive, default=2048, metavar="N", help="the engine's prefill_chunk_tokens")
+    b.add_argument("--max-context", type=_positive, default=None, metavar="N",
+                   help="the engine's max_context (default: the model's max_position_embeddings); a longer prompt "
+                        "keeps its first max_context - output tokens")
+    b.add_argument("--state-slots", type=_count, default=None, metavar="N",
+                   help="context_cache.device_state_slots: Device StateImage slots beyond the lanes (default: C)")
+    b.add_argument("--check", type=_count, default=4, metavar="N",
+                   help="outputs of N requests (spread over the slice) compared with reference_generate in the "
+                        "same dtype, per run (float64 is exact by construction; float32 matched in the committed "
+                        "runs, bench/README.md)")
+    b.add_argument("--seed", type=int, default=0, help="seed of the hash id -> token block mapping")
+    b.add_argument("--save-tokens", default=None, metavar="FILE.jsonl",
+                   help="also write the converted prompts as a token trace (replayable with --format tokens)")
+    b.add_argument("--base-url", default=None, metavar="URL",
+                   help="replay against this OpenAI-compatible server instead (streaming /completions with token-id "
+                        "prompts; cached tokens from usage.prompt_tokens_details, vLLM: "
+                        "--enable-prompt-tokens-details); --model still gives the vocabulary and the context")
+    b.add_argument("--served-model", default=None, metavar="NAME",
+                   help="with --base-url: the model name to request (default: the first of GET /models)")
+    b.add_argument("--api-key", default=None, help="with --base-url: sent as `Authorization: Bearer KEY` "
+                                                   "(or set OPENAI_API_KEY)")
+    b.add_argument("--timeout", type=_seconds, default=600.0, metavar="S",
+                   help="the longest a request may take (over HTTP: the longest read)")
+    _common(b)
+
+
 BENCHES = {
     "controller": (_controller, "controller CPU per engine cycle (excluding the worker call), round trips per cycle "
                                 "and message sizes: steady decode, and under KV pressure; in-process by design"),
@@ -218,6 +311,12 @@ BENCHES = {
     "gpu": (_gpu, "the prepared GPU check: every kernel against its torch reference on CUDA (tiny and "
                   "interpreted without one), kernel times, pinned H2D/D2H GB/s, the engine on CUDA against "
                   "reference_generate; bench/gpu_check.sh bounds it at 8 minutes"),
+    "trace": (_trace, "replay a production trace (Mooncake / Qwen-Bailian hash ids, or token prompts) in windows or "
+                      "at its recorded times, on an engine (inproc, ray) at each capacity, or against any "
+                      "OpenAI-compatible server: computed prompt tokens vs the ideal and the prompt-ends floors, hit "
+                      "fraction, TTFT and end-to-end percentiles, pauses, Host traffic, lost hits; outputs checked "
+                      "against the reference, no leak after each run; exits 1 on a failed request, a differing "
+                      "output or a leak"),
     "serve": (_serve, "HTTP load generator for any OpenAI-compatible server: concurrent multi-turn streaming chat "
                       "users; TTFT, end-to-end, tokens/s and cached tokens per round; exits 1 if any request "
                       "failed"),
@@ -229,7 +328,7 @@ def add_parsers(benches) -> None:
     for name, (options, text) in BENCHES.items():
         b = benches.add_parser(name, help=text, description=text, formatter_class=_Help)
         options(b)
-        b.set_defaults(func=run_serve if name == "serve" else run_bench)
+        b.set_defaults(func={"serve": run_serve, "trace": run_trace}.get(name, run_bench))
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -276,3 +375,22 @@ def run_serve(args: argparse.Namespace) -> int:
                        args.timeout, model_dir=args.model_dir, out=args.out, plot=args.plot,
                        request_rate=args.request_rate, transport=args.transport)
     return 1 if result["errors"] else 0
+
+
+def run_trace(args: argparse.Namespace) -> int:
+    import os
+
+    from ninfer.benchmarks import trace
+
+    capacities = tuple(c for group in args.capacity or [("ample",)] for c in group)
+    if args.base_url is not None and args.capacity:
+        raise NInferError("--capacity sizes an engine started here; with --base-url the server has its own memory")
+    data = trace.run(args.file, args.model, out=args.out, plot=args.plot, fmt=args.format,
+                     block_tokens=args.block_tokens, limit=args.limit, offset=args.offset,
+                     window_s=None if args.time_scale is not None else args.window_s, time_scale=args.time_scale,
+                     transports=args.transport, base_url=args.base_url, served_model=args.served_model,
+                     api_key=args.api_key or os.environ.get("OPENAI_API_KEY"), capacities=capacities,
+                     lanes=args.lanes, chunk=args.chunk, max_context=args.max_context, state_slots=args.state_slots,
+                     check_n=args.check, dtype=args.dtype, seed=args.seed, timeout=args.timeout,
+                     save=args.save_tokens, last_block=args.last_block)
+    return 1 if trace.failed(data) else 0

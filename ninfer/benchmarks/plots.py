@@ -12,6 +12,8 @@ One figure per benchmark:
     actors        transport overhead per cycle and decode tok/s against C, Ray vs in-process
     cache-scale   controller cost against cached records (log-log)
     serve         the TTFT CDF of each round
+    trace         cumulative computed prompt tokens against the floors, computed ÷ ideal per run,
+                  the TTFT CDF of each run
 """
 
 from __future__ import annotations
@@ -174,8 +176,42 @@ def speculative(data: dict, path: str | Path) -> None:
     _save(plt, fig, path)
 
 
+def trace(data: dict, path: str | Path) -> None:
+    """Cumulative computed prompt tokens against the floors, computed ÷ ideal per run, TTFT CDFs."""
+    from itertools import accumulate
+    info = data["trace"]
+    plt, fig, (cum, ratio, lat) = _figure(3, f"ninfer bench trace: {info['requests']} requests of "
+                                             f"{Path(info['file']).name}, {info['arrival']}", width=16.0)
+    fl = data.get("floors")
+    series = data.get("requests") or {}
+    if fl:                         # everything as tokens above the ideal floor, so 1-5 % shows
+        xs = range(1, len(fl["prompt"]) + 1)
+        over = lambda per: list(accumulate(a - b for a, b in zip(per, fl["ideal"])))   # noqa: E731
+        cum.plot(xs, over(fl["prompt"]), color="0.6", linestyle=":", label="no reuse (every prompt token)")
+        cum.plot(xs, over(fl["ends"]), color="k", linestyle="--", label="prompt-ends floor")
+        for k, (name, run) in enumerate(series.items()):
+            if all(c is not None for c in run["computed"]):
+                cum.plot(xs, over(run["computed"]), color=f"C{k}", label=f"computed, {name}")
+    for k, (name, run) in enumerate(series.items()):
+        _cdf(lat, [t for t in run["ttft_ms"] if t is not None], name, color=f"C{k}")
+    cum.set(xlabel="requests (arrival order)", ylabel="prompt tokens above the ideal floor, cumulative")
+    rows = [r for r in data["rows"] if r.get("over_ideal") is not None]
+    xs = list(range(len(rows)))
+    ratio.bar(xs, [r["over_ideal"] for r in rows], color=[f"C{k}" for k in xs])
+    for x, r in zip(xs, rows):
+        ratio.annotate(f"hit {100 * r['hit']:.1f}%", (x, r["over_ideal"]), ha="center", va="bottom", fontsize=8)
+    ideal_hit = 1 - info["ideal_floor"] / max(1, info["prompt_tokens"])
+    ratio.axhline(1.0, color="k", linewidth=1, label=f"ideal floor (hit {100 * ideal_hit:.1f}%)")
+    ratio.axhline(info["ends_floor"] / max(1, info["ideal_floor"]), color="k", linestyle="--", linewidth=1,
+                  label="prompt-ends floor")
+    ratio.set_xticks(xs, [r["run"] for r in rows], rotation=20, fontsize=8)
+    ratio.set(ylabel="computed ÷ ideal floor", ylim=(0.9, None))
+    lat.set(xlabel="TTFT (ms)", ylabel="fraction of requests", ylim=(0, 1.02), xscale="log")
+    _save(plt, fig, path)
+
+
 PLOTS = {"controller": controller, "agent": agent, "actors": actors, "cache-scale": cache_scale, "serve": serve,
-         "decode": decode, "speculative": speculative}
+         "decode": decode, "speculative": speculative, "trace": trace}
 
 
 def draw(data: dict, path: str | Path) -> None:

@@ -49,6 +49,14 @@ def test_a_complete_stream_is_measured():
     assert rec.ttft_s is not None and rec.max_gap_s is not None and rec.e2e_s >= rec.ttft_s
 
 
+def test_a_line_separator_inside_the_text_does_not_cut_the_data_line():
+    chunks = [_delta("a\u2028b\u0085c\u2029"), _delta(None, "length"), USAGE, "[DONE]"]
+    body = b"".join(f"data: {json.dumps(c, ensure_ascii=False) if isinstance(c, dict) else c}\n\n".encode()
+                    for c in chunks)
+    rec = _run(200, body)
+    assert rec.error is None and rec.text == "a\u2028b\u0085c\u2029"
+
+
 def test_without_usage_the_deltas_are_counted():
     rec = _run(200, _sse(*[c for c in GOOD if c is not USAGE]))
     assert rec.error is None and rec.output_tokens == 3 and rec.cached_tokens is None

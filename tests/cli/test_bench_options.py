@@ -1,6 +1,6 @@
 """`ninfer bench NAME` as a user runs it: each bench's own --help, defaults equal to the
 committed measurement's settings, and one tiny run of each that writes its JSON and a PNG.
-(`bench serve` runs in test_bench_serve.py.)"""
+(`bench serve` runs in test_bench_serve.py, `bench trace` in test_bench_trace.py.)"""
 
 from __future__ import annotations
 
@@ -25,6 +25,10 @@ OPTIONS = {
                "--out", "--plot"],
     "cache-scale": ["--records", "--dtype", "--model", "--out", "--plot"],
     "serve": ["--base-url", "--clients", "--rounds", "--max-tokens", "--prompt-words", "--out", "--plot"],
+    "trace": ["FILE", "--format", "--block-tokens", "--last-block", "--limit", "--offset", "--window-s",
+              "--time-scale", "--transport", "--capacity", "--lanes", "--chunk", "--max-context", "--state-slots",
+              "--check", "--seed", "--save-tokens", "--base-url", "--served-model", "--timeout", "--dtype", "--model",
+              "--out", "--plot"],
 }
 
 
