@@ -8,6 +8,9 @@ import pytest
 import torch
 
 torch.set_num_threads(int(os.environ.get("NINFER_TORCH_THREADS", "1")))
+# every engine built in the suite checks the seed's rules as invariants on every cycle
+# (ninfer/engine/monitor.py) — in this process, in spawned sweep workers and in Ray actors
+os.environ.setdefault("NINFER_RULE_MONITOR", "1")
 
 
 @pytest.fixture(scope="session")
@@ -51,3 +54,12 @@ def tiny_dflash2(tiny_model, tmp_path_factory) -> str:
 
     return str(make_tiny_dflash(tiny_model, tmp_path_factory.mktemp("tiny_dflash2"), kind="dflash2", seed=1,
                                 window=96))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``) every test that needs
+    the local Ray instance runs on one worker, so one Ray is started per suite, not per worker."""
+    for item in items:
+        if item.get_closest_marker("ray") is not None:
+            item.add_marker(pytest.mark.xdist_group("ray"))

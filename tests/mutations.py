@@ -56,6 +56,7 @@ def rule_sites() -> dict[str, list[tuple[str, int]]]:
     return out
 
 
+@functools.cache
 def _window(path: str, line: int) -> tuple[int, int]:
     """Character offsets of a marker's window: from the marker to the end of the innermost
     function holding the line after it."""
@@ -268,7 +269,7 @@ MUTATIONS = [
         '        rec = None\n',
         ['tests/engine/test_context_rules.py::test_waiting_references_carry_their_points_and_are_no_public_entry']),
     Mut('revocable waiters go youngest first', 'rule:revocation-order',
-        '                if cls >= 2:     # revocable',
+        '                if cls >= Cls.WAITER:     # revocable',
         '                if False:     # revocable',
         ['tests/policy/test_reclaim_planner.py::test_revocable_waiters_go_youngest_first']),
     Mut('a rewrite retires the superseded E at admission', 'rule:supersede-at-admission',
@@ -280,15 +281,15 @@ MUTATIONS = [
         '            if over:\n                break',
         ['tests/policy/test_reclaim_planner.py::test_soft_target_keeps_whole_records_and_the_newest_may_exceed']),
     Mut('soft target off', 'rule:soft-target',
-        '            if c.cls == 1 and c.cid not in kept:\n                c.cls = 0',
-        '            if c.cls == 1 and c.cid not in kept:\n                pass',
+        '            if c.cls is Cls.REUSE and c.cid not in kept:\n                c.cls = Cls.NORMAL',
+        '            if c.cls is Cls.REUSE and c.cid not in kept:\n                pass',
         ['tests/policy/test_reclaim_planner.py::test_soft_target_keeps_whole_records_and_the_newest_may_exceed']),
     Mut("hot protection: only the record's own points cover its proven position", 'rule:hot-protection',
         '        own = {c for _, c in rec.points()}',
         '        own = set(self.f.checkpoints)',
         ['tests/policy/test_reclaim_planner.py::test_hot_protection_is_covered_only_by_the_records_own_points']),
     Mut('hot protection off', 'rule:hot-protection',
-        '            if recs and not any(protects(r, cand) for r in recs):\n                cand.cls = 0',
+        '            if recs and not any(protects(r, cand) for r in recs):\n                cand.cls = Cls.NORMAL',
         '            if recs and not any(protects(r, cand) for r in recs):\n                pass',
         ['tests/policy/test_reclaim_planner.py::test_hot_protection_is_covered_only_by_the_records_own_points']),
     Mut('a lone continuation Moves E (no copy of its state)', 'rule:move-or-fork',

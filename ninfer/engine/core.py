@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from ninfer import protocol as P
 from ninfer.config import EngineConfig
 from ninfer.engine.events import Lifecycle
+from ninfer.engine.monitor import RuleMonitor
 from ninfer.engine.outcomes import Outcomes
 from ninfer.engine.planning import CyclePlanner, Plan
 from ninfer.engine.request import Request
@@ -45,7 +47,8 @@ from ninfer.protocol import FinishReason, Life, Phase, RequestSpec
 
 log = logging.getLogger("ninfer.engine")
 
-HOST_WINDOW = 32         # Host candidates a scoped quote carries (widened to all when they do not suffice)
+HOST_WINDOW = 32         # Host candidates a scoped quote carries first
+WIDEN = 4                # ... then 4x as many while they do not suffice, the whole directory last
 STALL_CYCLES = 3         # cycles without any progress and nothing in flight before the oldest fails
 
 
@@ -56,7 +59,7 @@ class EngineStats:
     preemptions: int = 0
     revocations: int = 0
     take_backs: int = 0
-    wide_quotes: int = 0          # scoped quotes whose Host window did not suffice (quoted again whole)
+    wide_quotes: int = 0          # scoped quotes whose Host window did not suffice (quoted again wider)
     resumes_snapshot: int = 0
     resumes_replay: int = 0
     capacity_errors: int = 0
@@ -112,6 +115,8 @@ class EngineCore:
         self.graphs: P.GraphStats | None = None
         self._stuck = 0
         self.summary = EngineSummary(self, config.log_stats_interval_s)
+        # the seed's rules as invariants, checked every cycle (the test suite turns it on)
+        self.monitor = RuleMonitor() if os.environ.get("NINFER_RULE_MONITOR") == "1" else None
 
     # ==== intake =========================================================================
     def add(self, spec: RequestSpec, queued_at: float | None = None, carry: Request | None = None) -> Request:
@@ -155,10 +160,14 @@ class EngineCore:
         """One engine cycle; returns False when there was nothing to do (the caller waits for
         the next real event: a transfer completion, a new request) — never a silent stall."""
         self.summary.tick()
+        if self.monitor is not None:
+            self.monitor.begin(self)
         cmds = self._lifecycle()
         if self._overdue():
             cmds.append((P.Overdue(), None))
         plan = self.planner.build()
+        if self.monitor is not None:
+            self.monitor.planned(self, plan)
         cmds += plan.commands
         if not cmds and not plan.items and plan.take_back is None:
             if self.tx_busy:        # advance the transaction only (woken by its completion)
@@ -169,8 +178,12 @@ class EngineCore:
         progressed = False
         if self._needs_quote(plan):
             cmds, progressed = self._quote_and_settle(plan, cmds)
+        if self.monitor is not None:
+            self.monitor.settled(self, plan)
         reply = self._send(P.StepPlan(next(self._steps), commands=[c for c, _ in cmds], intents=plan.intents()))
         progressed = self.outcomes.apply(reply, plan, cmds) or progressed
+        if self.monitor is not None:
+            self.monitor.ended(self, plan, reply)
         self.stats.cycle_s += time.perf_counter() - t0
         return self._guard_progress(progressed)
 
@@ -195,9 +208,8 @@ class EngineCore:
         candidates the records rank (O(Device capacity + window), never the directory); when a
         Host placement found no admissible victims inside the window, the facts are quoted again
         without a window (no commands this time) and the plan is settled again from scratch."""
-        # pause snapshots (few: one per paused request) are Host candidates of their own rank
-        window: list[int] | None = self.rm.host_window(HOST_WINDOW) + [
-            r.snapshot.cid for r in self.sched.paused if r.snapshot is not None]
+        k = HOST_WINDOW
+        window = self._host_window(k)
         reply = self._send(P.StepPlan(next(self._steps), commands=[c for c, _ in cmds], quote=True,
                                       demands=plan.queries(), host_window=window))
         progressed = self.outcomes.apply(reply, Plan(), cmds)
@@ -206,13 +218,23 @@ class EngineCore:
             out = self._pressure(plan, reply)
             if not self.pressure.window_short or window is None or not reply.facts.partial:
                 break
-            window = None
+            # the window did not place it: a window WIDEN times wider, the whole directory only
+            # once the window would hold it all (a Host placement ranks every candidate of its
+            # quote for every victim it adds: over the whole directory that cost grows with the
+            # cache — 48 s cycles with a full 256 MiB Host in the trace bench)
+            k *= WIDEN
+            window = self._host_window(k) if k < len(self.rm.host_order) else None
             self.stats.wide_quotes += 1
-            reply = self._send(P.StepPlan(next(self._steps), quote=True, demands=plan.queries(), host_window=None))
+            reply = self._send(P.StepPlan(next(self._steps), quote=True, demands=plan.queries(), host_window=window))
             progressed = self.outcomes.apply(reply, Plan(), []) or progressed
         if any(isinstance(c, P.Pause) for c, _ in out):
             self.stats.take_backs += 1
         return out, progressed
+
+    def _host_window(self, k: int) -> list[int]:
+        """The best ``k`` Host candidates the records rank, and every pause snapshot (few: one per
+        paused request; candidates of their own rank)."""
+        return self.rm.host_window(k) + [r.snapshot.cid for r in self.sched.paused if r.snapshot is not None]
 
     def _pressure(self, plan: Plan, reply: P.StepReply) -> list[tuple[P.Command, object]]:
         """Settle the plan's shortfalls on the quote: remedies and on-short pauses on the

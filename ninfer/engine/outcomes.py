@@ -22,6 +22,7 @@ from ninfer.engine.planning import Item, Plan
 from ninfer.engine.request import Request
 from ninfer.engine.units import account
 from ninfer.errors import CapacityContractError
+from ninfer.policy.pressure import ItemKind
 from ninfer.protocol import CaptureResult, Life, Outcome, Phase, Refusal, UnitKind
 
 if TYPE_CHECKING:
@@ -151,6 +152,7 @@ class Outcomes:
         req.snapshot = out.snapshot
         req.replay_target = req.frontier
         req.phase = Phase.PAUSED
+        req.recovery_pending = False          # a pause ends the permit it held (its sequence let go)
         now = time.monotonic()
         route = "snapshot" if out.snapshot else "replay"
         req.pauses.append({"route": route, "frontier": req.frontier, "paused_at": now})
@@ -192,14 +194,14 @@ class Outcomes:
             self.core.stats.capacity_errors += 1
             self.core.fail(req, CapacityContractError(item.contract))
             return True
-        if item.kind in ("row", "chunk"):
+        if item.kind in (ItemKind.ROW, ItemKind.CHUNK):
             if out.facts is not None and req.phase is Phase.RUNNING:
                 req.facts = out.facts
             # rule: chunk-short-gives-turn
-            if item.kind == "chunk" and out.outcome is Outcome.SHORT and req.phase is Phase.RUNNING:
+            if item.kind is ItemKind.CHUNK and out.outcome is Outcome.SHORT and req.phase is Phase.RUNNING:
                 self.core.sched.rotate(req)        # a chunk that cannot run gives up its turn
             return bool(out.applied) or out.paused is not None
-        if item.kind == "fresh":
+        if item.kind is ItemKind.FRESH:
             return self._fresh(item, out, admitted)
         return self._resume(item, out)
 

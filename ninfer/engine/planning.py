@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING
 from ninfer import protocol as P
 from ninfer.engine.request import Request
 from ninfer.engine.units import Unit, next_unit
-from ninfer.policy.pressure import CHUNK, FRESH, RESUME, ROW, Need
-from ninfer.policy.resources import Admission, SavePoint
+from ninfer.policy.pressure import CHUNK, FRESH, RESUME, ROW, ItemKind, Need
+from ninfer.policy.resources import Admission, SaveKind, SavePoint
 from ninfer.protocol import BindMode, SnapshotOwner, unit_pages
 
 if TYPE_CHECKING:
@@ -39,12 +39,12 @@ class Item:
 
     iid: int
     req: Request
-    kind: str                                # fresh | resume | row | chunk
+    kind: ItemKind
     intent: P.RowIntent | P.BindIntent
     unit: Unit | None
     need: Need
     adm: Admission | None = None
-    route: str = ""                          # a resume: "snapshot" | "replay"
+    route: str = ""                          # a resume: "snapshot" | "replay" (the public pause route)
     save_points: list[SavePoint] = field(default_factory=list)   # a fresh bind's, tentative
     sp: SavePoint | None = None              # the save point its unit ends on
     contract: str | None = None              # the capacity contract fails it if still short
@@ -151,7 +151,7 @@ class CyclePlanner:
         rm = self.core.rm
         retire = rm.retire_for(req, sp, rec)
         replace: list[P.Retire] = []
-        if "a" in sp.kinds:
+        if SaveKind.ANCHOR in sp.kinds:
             got = rm.anchor_replace(req, sp, rec)
             if got is None:
                 unit.declined = True         # no safe replacement: the save is given up
@@ -168,7 +168,7 @@ class CyclePlanner:
             return None, sp
         return P.Capture(sp.owners[0], retire, replace=replace), sp
 
-    def _resident(self, req: Request, kind: str, recovery: bool) -> Item:
+    def _resident(self, req: Request, kind: ItemKind, recovery: bool) -> Item:
         core, f = self.core, req.facts
         points = _cuts(core.rm.book(req).save_points, recovery)
         unit = next_unit(req, f.frontier, f.ledger_len, core.chunk, points)
@@ -311,4 +311,4 @@ def _cuts(save_points: list[SavePoint], recovery: bool) -> list[SavePoint]:
     is taken, and a divergence position — no input boundary of this request — then cuts nothing."""
     if not recovery:
         return save_points
-    return [sp for sp in save_points if set(sp.kinds) != {"d"}]
+    return [sp for sp in save_points if set(sp.kinds) != {SaveKind.DIVERGENCE}]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from sortedcontainers import SortedList
 
+from ninfer.policy.reclaim import Cls
 from ninfer.policy.records import Level, RecordTable
 from ninfer.protocol import EntryOwner, RecordOwner, SnapshotOwner, WaiterOwner
 
@@ -77,7 +78,7 @@ class HostOrder:
         info = table.ckpts.get(cid)
         if info is None or info.ref.device or not info.owners:
             return None                          # gone, or on the Device (always quoted)
-        cls = 0
+        cls = Cls.NORMAL
         demand = 0.0
         for o in info.owners:
             if isinstance(o, RecordOwner):
@@ -85,17 +86,17 @@ class HostOrder:
             elif isinstance(o, EntryOwner):
                 rec = table.entries.get(o.entry)
             elif isinstance(o, WaiterOwner):
-                cls = max(cls, 2)
+                cls = max(cls, Cls.WAITER)
                 continue
             elif isinstance(o, SnapshotOwner):
-                cls = max(cls, 3)
+                cls = max(cls, Cls.SNAPSHOT)
                 continue
             else:
                 return None                      # a necessary hold: never a Host victim
             if rec is not None and rec.level == Level.REUSE:
-                cls = max(cls, 1)
+                cls = max(cls, Cls.REUSE)
                 demand = max(demand, rec.evidence.demand_time or 0.0)
-        if cls == 0:
+        if cls is Cls.NORMAL:
             prefixes = table.prefixes_of(cid)
             return (0, info.frontier - (prefixes[0][0] if prefixes else 0), cid)
-        return (cls, demand if cls == 1 else 0.0, cid)
+        return (cls, demand if cls is Cls.REUSE else 0.0, cid)

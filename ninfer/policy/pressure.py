@@ -28,17 +28,35 @@ about to release capacity, is still short after all of its legal reclaim.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import msgspec
 
 from ninfer import protocol as P
-from ninfer.policy.reclaim import Candidate, Planner
+from ninfer.policy.reclaim import Candidate, Cls, Planner
 from ninfer.policy.resources import ResourceManager
 from ninfer.policy.scheduler import Scheduler
 from ninfer.policy.view import RequestView as Request
 from ninfer.protocol import Owner, SnapshotOwner, WaiterOwner
 
-FRESH, RESUME, ROW, CHUNK = "fresh", "resume", "row", "chunk"
+class ItemKind(StrEnum):
+    """What an intent of the cycle is, as policy sees it."""
+
+    FRESH = "fresh"           # a fresh admission (bind)
+    RESUME = "resume"         # the oldest paused request's resume with its full recovery permit
+    ROW = "row"               # a resident's Decode/Control row
+    CHUNK = "chunk"           # the cycle's one prefill/replay chunk
+
+
+class Waiters(StrEnum):
+    """Whose waiting references a requester may revoke."""
+
+    NONE = "none"
+    YOUNGER = "younger"
+    ALL = "all"
+
+
+FRESH, RESUME, ROW, CHUNK = ItemKind.FRESH, ItemKind.RESUME, ItemKind.ROW, ItemKind.CHUNK
 
 
 @dataclass
@@ -47,7 +65,7 @@ class Need:
 
     iid: int
     req: Request
-    kind: str                           # fresh | resume | row | chunk
+    kind: ItemKind
     demand: dict[str, int] | None       # predicted (None: unknown without a quote)
     source: int | None = None           # the checkpoint a bind adopts
 
@@ -62,7 +80,7 @@ class Verdict:
 
 @dataclass
 class Rights:
-    waiters: str = "none"               # "none" | "younger" | "all"
+    waiters: Waiters = Waiters.NONE
     snapshots: bool = False             # later-ticket pause snapshots
     take_back: bool = False
     pause_self: bool = False
@@ -97,13 +115,13 @@ class Pressure:
     # rule: preemption-rights
     def rights(self, n: Need) -> Rights:
         if n.kind == FRESH:
-            return Rights(waiters="younger")
+            return Rights(waiters=Waiters.YOUNGER)
         if n.kind == RESUME:
             if not self.sched.may_take_back(n.req):
                 return Rights()
-            return Rights(waiters="all", snapshots=True, take_back=True)
+            return Rights(waiters=Waiters.ALL, snapshots=True, take_back=True)
         young = n.req is not self.sched.recovery and self._older_exists(n.req)
-        return Rights(waiters="all", snapshots=True, take_back=True, pause_self=young)
+        return Rights(waiters=Waiters.ALL, snapshots=True, take_back=True, pause_self=young)
 
     def _older_exists(self, req: Request) -> bool:
         return any(r.ticket < req.ticket and r.live for r in (*self.sched.resident.values(), *self.sched.paused))
@@ -120,9 +138,9 @@ class Pressure:
             if isinstance(owner, SnapshotOwner):
                 return rights.snapshots and snaps.get(owner, -1) > req.ticket
             if isinstance(owner, WaiterOwner):
-                if rights.waiters == "all":
+                if rights.waiters is Waiters.ALL:
                     return True
-                return rights.waiters == "younger" and tickets.get(owner.rid, 1 << 62) > req.ticket
+                return rights.waiters is Waiters.YOUNGER and tickets.get(owner.rid, 1 << 62) > req.ticket
             return False
         return may, snaps
 
@@ -248,10 +266,10 @@ class Pressure:
         tickets = planner.tickets
 
         def admissible(c: Candidate) -> bool:
-            if c.cls <= 1:
+            if c.cls <= Cls.REUSE:
                 return True
             owners = facts.checkpoints[c.cid].owners
-            return c.cls == 3 and all(tickets.get(o, -1) > own for o in owners if isinstance(o, SnapshotOwner))
+            return c.cls is Cls.SNAPSHOT and all(tickets.get(o, -1) > own for o in owners if isinstance(o, SnapshotOwner))
         placed = planner.place_host(sizes, admissible, dups=False)   # a pause names deletions only
         if placed is None:
             return False, []

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import IntEnum
 
 from ninfer import protocol as P
 from ninfer.placement import merge_extents, place_first_fit
@@ -34,10 +35,19 @@ from ninfer.protocol import EntryOwner, Owner, RecordOwner, SnapshotOwner, Waite
 SOFT_TARGET = 0.75
 
 
+class Cls(IntEnum):
+    """A reclaim candidate's class, in reclaim order."""
+
+    NORMAL = 0                # optional cache, normal retention
+    REUSE = 1                 # optional cache in the reuse segment
+    WAITER = 2                # a revocable waiting reference
+    SNAPSHOT = 3              # a revocable pause snapshot
+
+
 @dataclass
 class Candidate:
     cid: int
-    cls: int                  # 0 normal, 1 reuse, 2 revocable waiter, 3 revocable snapshot
+    cls: Cls
     demand_time: float
     frontier: int
 
@@ -51,18 +61,18 @@ def _owner_record(owner: Owner, table: RecordTable):
 
 
 # rule: reclaim-classes
-def _classify(owners: tuple[Owner, ...], table: RecordTable, may_revoke: Callable[[Owner], bool]) -> int | None:
+def _classify(owners: tuple[Owner, ...], table: RecordTable, may_revoke: Callable[[Owner], bool]) -> Cls | None:
     """0 normal / 1 reuse optional cache, 2 a revocable waiting reference, 3 a revocable pause
     snapshot; None when some holder is necessary (never a reclaim candidate)."""
-    cls = 0
+    cls = Cls.NORMAL
     for o in owners:
         if isinstance(o, (RecordOwner, EntryOwner)):
             rec = _owner_record(o, table)
-            cls = max(cls, 1 if rec is not None and rec.level == Level.REUSE else 0)
+            cls = max(cls, Cls.REUSE if rec is not None and rec.level == Level.REUSE else Cls.NORMAL)
         elif isinstance(o, WaiterOwner) and may_revoke(o):
-            cls = max(cls, 2)
+            cls = max(cls, Cls.WAITER)
         elif isinstance(o, SnapshotOwner) and may_revoke(o):
-            cls = max(cls, 3)
+            cls = max(cls, Cls.SNAPSHOT)
         else:
             return None           # a necessary hold: not a reclaim candidate
     return cls
@@ -108,7 +118,7 @@ class Planner:
             if cls is not None:
                 hot = _demand_time(c.owners, table)
                 # rule: revocation-order
-                if cls >= 2:     # revocable holds: the youngest holder's first (seed: 优先考虑较年轻等待者)
+                if cls >= Cls.WAITER:     # revocable holds: the youngest holder's first (seed: 优先考虑较年轻等待者)
                     hot = -max((self.tickets.get(o, -1) for o in c.owners
                                 if isinstance(o, (WaiterOwner, SnapshotOwner))), default=-1)
                 self.cands[cid] = Candidate(cid, cls, hot, c.frontier)
@@ -131,7 +141,7 @@ class Planner:
             return not any(other in own and pf >= proven for pf, other in self._prefixes(cand.cid))
 
         for cand in self.cands.values():
-            if cand.cls != 1:
+            if cand.cls is not Cls.REUSE:
                 continue
             owners = self.f.checkpoints[cand.cid].owners
             if any(isinstance(o, EntryOwner) and (e := _owner_record(o, self.table)) is not None
@@ -140,7 +150,7 @@ class Planner:
             recs = [r for o in owners if isinstance(o, RecordOwner)
                     and (r := _owner_record(o, self.table)) is not None and r.level == Level.REUSE]
             if recs and not any(protects(r, cand) for r in recs):
-                cand.cls = 0
+                cand.cls = Cls.NORMAL
 
     # ==== retention ======================================================================
     def _footprint(self, cid: int) -> tuple[set, set, set]:
@@ -161,7 +171,7 @@ class Planner:
         single newest record may exceed the target alone (seed: 复用段 … 软目标)."""
         holders: dict[int, tuple[float, set[int]]] = {}
         for c in self.cands.values():
-            if c.cls != 1:
+            if c.cls is not Cls.REUSE:
                 continue
             for o in self.f.checkpoints[c.cid].owners:
                 rec = _owner_record(o, self.table)
@@ -187,8 +197,8 @@ class Planner:
                 break
             kept |= pts
         for c in self.cands.values():
-            if c.cls == 1 and c.cid not in kept:
-                c.cls = 0
+            if c.cls is Cls.REUSE and c.cid not in kept:
+                c.cls = Cls.NORMAL
 
     # ==== facts ==========================================================================
     def _tokens(self, cid: int) -> tuple[int, ...] | None:
@@ -329,7 +339,7 @@ class Planner:
         fits = place_first_fit(self._holes(chosen | {c.cid}, dups), sizes) is not None
         gain = min(cap, max(1, sum(s for _, s in self._host_freed_by(chosen | {c.cid})) - base))
         loss = self.loss(chosen | {c.cid}) - self.loss(chosen) if chosen else self.loss({c.cid})
-        order = loss / gain if c.cls == 0 else c.demand_time
+        order = loss / gain if c.cls is Cls.NORMAL else c.demand_time
         return (c.cls, not fits, order, c.cid)
 
     def place_host(self, sizes: list[int], admissible: Callable[[Candidate], bool],
@@ -361,6 +371,12 @@ class Planner:
         pool = [c for c in self.cands.values()
                 if c.cid not in self.victims and c.cid not in migrating and admissible(c)
                 and self.f.checkpoints[c.cid].image_at]
+        if sum(size for _, size in self._holes({c.cid for c in pool}, set(taken))) < sum(sizes):
+            # not even every admissible victim frees the bytes: nothing places it (without this the
+            # loop below ranks every candidate for every victim it adds before finding that out)
+            if self.f.partial and self.window_short is not None:
+                self.window_short()
+            return None
         chosen: list[int] = []
         while True:
             holes = self._holes(set(chosen), set(taken))
@@ -466,10 +482,10 @@ class Planner:
         if ticket is not None:
             def snapshot_may(v: Candidate) -> bool:
                 other = self._ticket(v.cid)
-                return v.cls <= 1 or (other is not None and other > ticket)
+                return v.cls <= Cls.REUSE or (other is not None and other > ticket)
             return snapshot_may, None
         def own(v: Candidate) -> bool:
-            return v.cls == 0 or (cand.cls == 1 and v.cls == 1 and v.demand_time < cand.demand_time)
+            return v.cls is Cls.NORMAL or (cand.cls is Cls.REUSE and v.cls is Cls.REUSE and v.demand_time < cand.demand_time)
         # the budget is computed only if Host victims are needed at all (most placements fit)
         return own, lambda: cand.frontier - self.fallback(cand.cid, self.victims)
 
@@ -514,7 +530,7 @@ class Planner:
 
         def key(o):
             cls, hot, loss, freed, what = o[:5]
-            if cls == 0:
+            if cls is Cls.NORMAL:
                 return (0, loss / freed, hot, str(what))
             return (cls, hot, loss / freed, str(what))
 
@@ -547,10 +563,10 @@ class Planner:
         Returns the actions, or None to skip the save (it never blocks necessary work)."""
         # rule: capture-admission
         if own_demand is not None:
-            admissible = lambda c: c.cls == 0 or (c.cls == 1 and c.demand_time < own_demand)  # noqa: E731
+            admissible = lambda c: c.cls is Cls.NORMAL or (c.cls is Cls.REUSE and c.demand_time < own_demand)  # noqa: E731
             budget = None
         else:
-            admissible = lambda c: c.cls == 0 or (c.cls == 1 and owner_reuse)  # noqa: E731
+            admissible = lambda c: c.cls is Cls.NORMAL or (c.cls is Cls.REUSE and owner_reuse)  # noqa: E731
             budget = benefit
         best = None
         taken = self.victims | self._migrating()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from ninfer.policy.history import HistoryTrie
 from ninfer.policy.index import PrefixIndex
@@ -24,7 +25,7 @@ from ninfer.protocol import MAX_ANCHORS, MAX_MARKERS, CkptKind, CkptRef, EntryOw
 
 
 
-class Level:
+class Level(StrEnum):
     NORMAL = "normal"
     REUSE = "reuse"
 
@@ -64,7 +65,7 @@ class PrivateRecord:
     input_point: int | None = None          # cid of the input-side restore point
     anchors: list[int] = field(default_factory=list)   # cids, oldest published first
     active: str | None = None               # rid of the request continuing it now
-    level: str = Level.NORMAL
+    level: Level = Level.NORMAL
     evidence: Evidence = field(default_factory=Evidence)
 
     def owner(self, role: Role) -> RecordOwner:
@@ -85,7 +86,7 @@ class PublicEntry:
     id: int
     cid: int
     frontier: int
-    level: str = Level.NORMAL
+    level: Level = Level.NORMAL
     evidence: Evidence = field(default_factory=Evidence)
 
     @property

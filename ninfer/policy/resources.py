@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from ninfer import protocol as P
 from ninfer.policy.cost import CostModel
@@ -22,11 +23,20 @@ from ninfer.policy.view import RequestView as Request
 from ninfer.protocol import EntryOwner, Owner, RecordOwner, Role, WaiterOwner
 
 
+class SaveKind(StrEnum):
+    """Why a request offers a save at a position (several may share one)."""
+
+    INPUT = "in"              # its input restore point (C, R or P): the private record's
+    ANCHOR = "a"              # an explicit private anchor
+    MARKER = "m"              # a caller's shared marker: a public entry
+    DIVERGENCE = "d"          # where it parts from a known history: a public entry
+
+
 @dataclass
 class SavePoint:
     frontier: int
     owners: list[Owner]               # the first captures, the rest are added as owners
-    kinds: list[str]                  # "in" | "a" | "m" | "d" (a divergence position: a public entry)
+    kinds: list[SaveKind]
     entries: dict[Owner, PublicEntry] = field(default_factory=dict)   # marker owner -> entry
 
 
@@ -103,6 +113,7 @@ class CacheStats:
     pending_abandoned: int = 0        # waits whose point never came (producer gone, save skipped)
 
 
+PUBLIC = (SaveKind.MARKER, SaveKind.DIVERGENCE)    # kinds whose owner is a public entry
 MAX_DIVERGENCE = 4          # divergence positions one request offers at most (as MAX_MARKERS)
 HISTORY_OBSERVER = "<history>"   # the earlier request that computed across a divergence position
 
@@ -459,7 +470,7 @@ class ResourceManager:
         if any(sp.frontier == x for sp in book.save_points) or self._has_entry(req.prompt, x):
             return
         ent = self.table.new_entry(-1, x, insert=False)
-        book.save_points.append(SavePoint(x, [ent.owner], ["d"], {ent.owner: ent}))
+        book.save_points.append(SavePoint(x, [ent.owner], [SaveKind.DIVERGENCE], {ent.owner: ent}))
         book.save_points.sort(key=lambda sp: sp.frontier)
 
     def check(self, live: set[str]) -> str | None:
@@ -508,7 +519,7 @@ class ResourceManager:
         P_len = len(req.prompt)
         points: dict[int, SavePoint] = {}
 
-        def add(f: int, owner: Owner, kind: str, entry: PublicEntry | None = None) -> None:
+        def add(f: int, owner: Owner, kind: SaveKind, entry: PublicEntry | None = None) -> None:
             if start < f <= P_len:
                 sp = points.setdefault(f, SavePoint(f, [], []))
                 sp.owners.append(owner)
@@ -518,19 +529,19 @@ class ResourceManager:
 
         r = self.input_point(req)
         if not self._carried(rec.input_point, req.prompt, r):
-            add(r, rec.owner(Role.INPUT), "in")
+            add(r, rec.owner(Role.INPUT), SaveKind.INPUT)
         for a in sorted(set(req.spec.anchors)):
             if not any(self._carried(c, req.prompt, a) for c in rec.anchors):    # updated in place
-                add(a, rec.owner(Role.ANCHOR), "a")
+                add(a, rec.owner(Role.ANCHOR), SaveKind.ANCHOR)
         for m in sorted(set(req.spec.markers)):
             if start < m <= P_len and not self._has_entry(req.prompt, m):
                 ent = self.table.new_entry(-1, m, insert=False)     # enters the table when captured
-                add(m, ent.owner, "m", ent)
+                add(m, ent.owner, SaveKind.MARKER, ent)
         book = self.books.get(req.rid)
         for x in book.divergence if book is not None else ():
             if start < x < P_len and x not in points and not self._has_entry(req.prompt, x):
                 ent = self.table.new_entry(-1, x, insert=False)
-                add(x, ent.owner, "d", ent)
+                add(x, ent.owner, SaveKind.DIVERGENCE, ent)
         return [points[f] for f in sorted(points)]
 
     def _carried(self, cid: int | None, prompt: list[int], r: int) -> bool:
@@ -550,7 +561,7 @@ class ResourceManager:
         """A needed later input point retires the record's old one before its destination is
         requested (seed: 旧点可在申请新目的之前退休；新保存失败不恢复旧点)."""
         rec = rec or self.book(req).record
-        if "in" not in sp.kinds or rec is None or rec.input_point is None:
+        if SaveKind.INPUT not in sp.kinds or rec is None or rec.input_point is None:
             return []
         info = self.table.ckpts.get(rec.input_point)
         if info is None:
@@ -725,18 +736,18 @@ class ResourceManager:
         tokens = tuple(req.ledger[: ref.frontier])
         cmds: list[P.Command] = []
         for i, (owner, kind) in enumerate(zip(sp.owners, sp.kinds)):
-            if kind in ("m", "d") and shared and self._has_entry(req.prompt, ref.frontier):
+            if kind in PUBLIC and shared and self._has_entry(req.prompt, ref.frontier):
                 continue                       # the public entry there already serves
             self.table.add_ckpt(ref, tokens, owner)
             if i > 0 or shared:
                 cmds.append(P.AddOwner(ref.cid, ref.generation, owner))
-            if kind in ("m", "d"):
+            if kind in PUBLIC:
                 ent = sp.entries[owner]
                 ent.cid = ref.cid
                 self.table.entries[ent.id] = ent
-            elif kind == "in":
+            elif kind is SaveKind.INPUT:
                 rec.input_point = ref.cid
-            elif kind == "a":
+            elif kind is SaveKind.ANCHOR:
                 rec.anchors.append(ref.cid)
         obs = self.summary.get(digest(tokens), ref.frontier)
         if obs is not None and obs.repeated:

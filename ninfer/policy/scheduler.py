@@ -49,6 +49,9 @@ class Scheduler:
         self.recovery: Request | None = None    # the one full-recovery-permit holder
         self.state: dict[str, SchedState] = {}
         self.epoch = 0                          # bumps on every event that re-opens a scan
+        # the last scan as it was decided (the rule monitor restates the scan rule over it):
+        # (the fresh queue as seen — request, waiting, failed epoch, overtaken —, the epoch, the result)
+        self.last_scan: tuple[list[tuple[Request, bool, int, int]], int, list[Request]] | None = None
 
     def st(self, req: Request) -> SchedState:
         s = self.state.get(req.rid)
@@ -161,6 +164,7 @@ class Scheduler:
         nobody; its own place is kept)."""
         if not self.fresh:
             return []
+        seen = [(r, self.st(r).pending, self.st(r).failed_epoch, self.st(r).overtaken) for r in self.fresh]
         out = []
         # rule: fresh-scan
         for req in itertools.islice((r for r in self.fresh if not self.st(r).pending), 1 + self.C):
@@ -172,6 +176,7 @@ class Scheduler:
                 out.append((req, budget))
             if budget == 0:
                 break          # it may not be overtaken again: nobody younger is looked at
+        self.last_scan = (seen, self.epoch, [r for r, _ in out])
         return out
 
     @staticmethod
