@@ -585,7 +585,7 @@ class Program:
         if logits is None:       # exact hit: sample from the continuation hidden
             logits = self.model.logits(self.mem.hidden[seq.slot][None])[0]
         pos = len(seq.ledger)
-        tok = sample_token(logits, seq.params, pos, seq.ledger[:seq.prompt_len], seq.outputs)
+        tok = sample_token(logits, seq.params, pos, seq.ledger[:seq.prompt_len], seq.outputs, seq.eos_ids)
         seq.ledger.append(tok)
         res.committed.append(tok)
         if seq.params.logprobs is not None:
