@@ -879,6 +879,16 @@ class RequestSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
 _spec_dec = msgspec.msgpack.Decoder(RequestSpec)
 
 
+class TemplateOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """How a chat is rendered (vLLM's request fields of the same names): the generation prompt
+    or a continued final message (its text left open: no end-of-turn after it), and the extra
+    variables the chat template sees (``chat_template_kwargs``, e.g. ``enable_thinking``)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    kwargs: dict = {}
+
+
 class ChatSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
     """An OpenAI-style chat request; the frontend renders it to the exact prompt tokens."""
 
@@ -889,6 +899,7 @@ class ChatSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
     markers: list[int] = []
     fill_max_tokens: bool = False    # max_tokens unset: up to the remaining context (capped)
     rid: str = ""
+    template: TemplateOptions | None = None
 
 
 _chat_dec = msgspec.msgpack.Decoder(ChatSpec)

@@ -46,8 +46,9 @@ class Intake:
         if self.tokenizer is None:
             raise RequestError("this model directory has no tokenizer; send prompt_token_ids instead")
         check_messages(chat.messages)
+        check_template(chat.template, chat.messages)
         images = self._images(chat.messages)
-        plan = plan_chat(self.tokenizer, chat.messages, chat.tools, self.memory)
+        plan = plan_chat(self.tokenizer, chat.messages, chat.tools, self.memory, chat.template)
         media: list[P.MediaItem] = []
         if images:
             plan, media = self._expand(plan, images)
@@ -129,3 +130,21 @@ def check_messages(messages) -> None:
         c = m.get("content")
         if c is not None and not isinstance(c, (str, list)):
             raise RequestError(f"messages[{i}].content must be a string, a list of parts or null")
+
+
+# what the template is always given by the renderer: never a chat_template_kwargs entry
+RESERVED_TEMPLATE_VARS = ("messages", "tools", "add_generation_prompt", "continue_final_message")
+
+
+def check_template(opts: P.TemplateOptions | None, messages: list) -> None:
+    """The template options of one chat: a clear RequestError naming the field."""
+    if opts is None:
+        return
+    if opts.add_generation_prompt and opts.continue_final_message:
+        raise RequestError("continue_final_message and add_generation_prompt cannot both be true "
+                           "(set add_generation_prompt to false to continue the final message)")
+    if not isinstance(opts.kwargs, dict) or any(not isinstance(k, str) for k in opts.kwargs):
+        raise RequestError("chat_template_kwargs must be an object with string keys")
+    clash = [k for k in opts.kwargs if k in RESERVED_TEMPLATE_VARS]
+    if clash:
+        raise RequestError(f"chat_template_kwargs.{clash[0]} is set by the request itself, not by chat_template_kwargs")

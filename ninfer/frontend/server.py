@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import secrets
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -42,6 +41,7 @@ from starlette.routing import Route
 from ninfer.api import Engine
 from ninfer.errors import NInferError
 from ninfer.frontend import openai_api as oa
+from ninfer.frontend import options as O
 from ninfer.frontend import responses as R
 from ninfer.frontend import schema as S
 from ninfer.frontend.metrics import CONTENT_TYPE as METRICS_TYPE
@@ -50,7 +50,7 @@ from ninfer.frontend.streaming import ChoiceStream, Finish, Piece, run_choice
 from ninfer.sampling_params import MAX_SEED
 
 log = logging.getLogger("ninfer.server")
-MAX_N = 16
+MAX_N = O.MAX_N
 MAX_CHOICES = 64                       # legacy completions: prompts x n
 
 
@@ -66,6 +66,7 @@ class Choice:
     stop: list[str]
     parse_tools: bool
     handle: object = None
+    shape: O.Shaping = O.Shaping()
 
 
 @dataclass
@@ -73,12 +74,14 @@ class Collected:
     content: list[str] = field(default_factory=list)
     calls: list[dict] = field(default_factory=list)
     logprobs: list = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
     fin: Finish | None = None
 
     def add(self, piece: Piece) -> None:
         self.content.append(piece.content)
         self.calls += piece.calls
         self.logprobs += piece.logprobs
+        self.token_ids += piece.token_ids
 
     @property
     def text(self) -> str:
@@ -100,6 +103,10 @@ class Server:
         self.pool = ThreadPoolExecutor(intake_threads, thread_name_prefix="ninfer-intake")
         self.tok = engine._intake.tokenizer if engine._intake is not None else None
         self.max_token_chars = _max_token_chars(self.tok)
+        self.eos_ids = tuple(getattr(engine.info, "eos_ids", ()))
+        self.facts = O.ModelFacts(
+            vocab_size=engine.info.vocab_size, template=(self.tok.chat_template or "") if self.tok else "",
+            adds_special_tokens=bool(self.tok and self.tok.tokenizer.encode("", add_special_tokens=True).ids))
         self._token_strs: dict[int, str] = {}
         self.app = Starlette(routes=[
             Route("/v1/chat/completions", self._endpoint(self.chat), methods=["POST"]),
@@ -191,15 +198,7 @@ class Server:
 
     # ---- shared request parts -------------------------------------------------------------------
     def _sampling(self, req: S.Sampling, max_tokens: int | None, default_max: int, n: int | None) -> dict:
-        if n is not None and not 1 <= n <= MAX_N:
-            raise oa.bad(f"n must be between 1 and {MAX_N} (got {n})", "n")
-        top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
-        return dict(max_tokens=max_tokens or default_max, fill_max_tokens=max_tokens is None,
-                    temperature=1.0 if req.temperature is None else req.temperature,
-                    top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k,
-                    seed=secrets.randbelow(MAX_SEED) if req.seed is None else req.seed,
-                    presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-                    repetition_penalty=req.repetition_penalty or 1.0, ignore_eos=bool(req.ignore_eos))
+        return O.sampling(req, self.facts, max_tokens, default_max, n, self.tok)
 
     @staticmethod
     def _stop(req: S.Sampling) -> list[str]:
@@ -223,14 +222,20 @@ class Server:
             raise oa.bad(f"this engine's max_context is {self.engine.info.max_context} tokens, but the messages "
                          f"have {chars} characters (at least {least} tokens)", "messages")
 
+    def _token_str_of(self, shape: O.Shaping):
+        return _as_token_id if shape.tokens_as_ids else self._token_str
+
     def _token_str(self, tid: int) -> str:
         s = self._token_strs.get(tid)
         if s is None:
             s = self._token_strs[tid] = self.tok.decode([tid], skip_special_tokens=False) if self.tok else str(tid)
         return s
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids) if self.tok is not None and ids else ""
+    def _decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(ids, skip_special_tokens) if self.tok is not None and ids else ""
+
+    def _decoder(self, shape: O.Shaping):
+        return self._decode if shape.skip_special_tokens else partial(self._decode, skip_special_tokens=False)
 
     def _submit_all(self, choices: list[Choice]) -> None:
         """Submit every choice (on the intake pool); one that cannot be submitted cancels the
@@ -252,7 +257,9 @@ class Server:
 
         async def pump(i: int, c: Choice) -> None:
             try:
-                async for item in run_choice(c.handle, ChoiceStream(self._decode, c.stop, c.parse_tools)):
+                stream = ChoiceStream(self._decoder(c.shape), c.stop, c.parse_tools, c.shape.include_stop_str,
+                                      c.shape.stop_ids, c.shape.min_tokens)
+                async for item in run_choice(c.handle, stream):
                     queue.put_nowait((i, item))
             except Exception as exc:                        # a bug in one choice fails that choice
                 log.exception("choice %d failed", i)
@@ -309,47 +316,74 @@ class Server:
             raise oa.bad("messages must be a non-empty list", "messages")
         S.check_media(req.messages, images=bool(self.engine.info.vision_merge))
         self._bound_prompt(req.messages)
-        if req.response_format is not None and req.response_format.type != "text":
-            raise oa.bad(f"response_format {req.response_format.type!r} is not supported: NInfer has no "
-                         "constrained decoding yet", "response_format")
+        O.refuse_unsupported(req, True, self.facts)
         if req.top_logprobs is not None and not req.logprobs:
             raise oa.bad("top_logprobs requires logprobs to be true", "top_logprobs")
         choice = _tool_choice(req.tool_choice, req.tools)
         tools = body.get("tools") if choice != "none" else None
         sampling = self._sampling(req, req.max_completion_tokens or req.max_tokens, self.default_max, req.n)
+        sampling.update(O.template(req, self.facts))
         if req.logprobs:
             sampling["logprobs"] = req.top_logprobs or 0
         stop = self._stop(req)
         session = req.prompt_cache_key or req.user
-        n = req.n or 1
+        n, shape = req.n or 1, O.shaping(req, self.eos_ids)
         choices = [Choice(partial(self.engine.chat, body["messages"], tools=tools or None, session_id=session,
-                                  **_nth_seed(sampling, i)), stop, bool(tools)) for i in range(n)]
+                                  **_nth_seed(sampling, i)), stop, bool(tools), shape=shape) for i in range(n)]
         await self._off_loop(self._submit_all, choices)
-        rid, created = choices[0].handle.rid, oa.now()
-        ctx = ChatCtx(rid, created, choice, req)
+        rid, created = req.request_id or choices[0].handle.rid, oa.now()
+        ctx = ChatCtx(rid, created, choice, req, shape, _chat_echo(req, body["messages"]))
         if req.stream:
             return _sse_response(self._chat_stream(choices, ctx, request))
         got = await self._collect(choices, request)
         if got is None:
             return Response(status_code=499)
         out = []
+        token_str = self._token_str_of(shape)
         for i, g in enumerate(got):
             _verify_tool_choice(choice, g.calls)
-            msg = oa.chat_message("" if choice not in ("auto", "none") and g.calls else g.text, g.calls)
+            calls = g.calls[:1] if shape.first_call_only else g.calls
+            msg = oa.chat_message(ctx.echo + ("" if choice not in ("auto", "none") and calls else g.text), calls)
             out.append({"index": i, "message": msg, "finish_reason": g.fin.reason,
-                        "logprobs": oa.chat_logprobs(g.logprobs, self._token_str, req.top_logprobs or 0)
+                        "logprobs": oa.chat_logprobs(g.logprobs, token_str, req.top_logprobs or 0)
                         if req.logprobs else None})
+            if shape.return_token_ids:
+                out[-1]["token_ids"] = g.token_ids
         usage = oa.usage_block(got[0].fin.out.usage, sum(g.fin.completion_tokens for g in got))
-        return JSONResponse(oa.chat_completion(rid, self.model, created, out, usage))
+        obj = oa.chat_completion(rid, self.model, created, out, usage)
+        if shape.return_token_ids:
+            obj["prompt_token_ids"] = _prompt_ids(choices[0].handle)
+        return JSONResponse(obj)
 
     async def _chat_stream(self, choices: list[Choice], ctx: ChatCtx, request: Request):
-        rid, created, req = ctx.rid, ctx.created, ctx.req
+        rid, created, req, shape = ctx.rid, ctx.created, ctx.req, ctx.shape
         content_ok = ctx.tool_choice in ("auto", "none")
+        token_str = self._token_str_of(shape)
         ncalls = [0] * len(choices)
         calls: list[list[dict]] = [[] for _ in choices]
         fins: list[Finish | None] = [None] * len(choices)
+        prompt = _prompt_ids(choices[0].handle)
+        counted = [0] * len(choices)
+        usage_each = shape.continuous_usage and req.stream_options.include_usage
+
+        def emit(i: int, delta: dict, reason=None, lp=None, ids=None) -> str:
+            ch = oa.chunk(rid, self.model, created, delta, reason, index=i, logprobs=lp)
+            if ids is not None:
+                ch["choices"][0]["token_ids"] = ids
+            if usage_each:
+                ch["usage"] = {"prompt_tokens": len(prompt), "completion_tokens": counted[i],
+                               "total_tokens": len(prompt) + counted[i]}
+            return _sse(ch)
+
         for i in range(len(choices)):
-            yield _sse(oa.chunk(rid, self.model, created, {"role": "assistant", "content": ""}, index=i))
+            first = oa.chunk(rid, self.model, created, {"role": "assistant", "content": ""}, index=i)
+            if shape.return_token_ids:
+                first["prompt_token_ids"] = prompt
+            if usage_each:
+                first["usage"] = {"prompt_tokens": len(prompt), "completion_tokens": 0, "total_tokens": len(prompt)}
+            yield _sse(first)
+            if ctx.echo:
+                yield emit(i, {"content": ctx.echo})
         try:
             async for i, item in self._drive(choices, request):
                 if isinstance(item, Finish):
@@ -359,17 +393,22 @@ class Server:
                         yield "data: [DONE]\n\n"
                         return
                     continue
+                counted[i] += len(item.token_ids)
                 delta: dict = {}
                 if item.content and content_ok:
                     delta["content"] = item.content
-                if item.calls:
-                    delta["tool_calls"] = oa.tool_call_deltas(item.calls, ncalls[i])
-                    ncalls[i] += len(item.calls)
-                    calls[i] += item.calls
-                lp = oa.chat_logprobs(item.logprobs, self._token_str, req.top_logprobs or 0) \
+                new_calls = item.calls
+                if shape.first_call_only:
+                    new_calls = new_calls[:max(0, 1 - ncalls[i])]
+                if new_calls:
+                    delta["tool_calls"] = oa.tool_call_deltas(new_calls, ncalls[i])
+                    ncalls[i] += len(new_calls)
+                calls[i] += item.calls
+                lp = oa.chat_logprobs(item.logprobs, token_str, req.top_logprobs or 0) \
                     if req.logprobs and item.logprobs else None
-                if delta or lp:
-                    yield _sse(oa.chunk(rid, self.model, created, delta, index=i, logprobs=lp))
+                ids = item.token_ids if shape.return_token_ids else None
+                if delta or lp or ids:
+                    yield emit(i, delta, lp=lp, ids=ids)
         except Disconnected:
             return
         for i, fin in enumerate(fins):
@@ -379,7 +418,8 @@ class Server:
                 yield _sse(exc.body())
                 yield "data: [DONE]\n\n"
                 return
-            yield _sse(oa.chunk(rid, self.model, created, {}, fin.reason, index=i))
+            counted[i] = fin.completion_tokens
+            yield emit(i, {}, fin.reason)
         if req.stream_options is not None and req.stream_options.include_usage:
             final = oa.chunk(rid, self.model, created, {})
             final["choices"] = []
@@ -388,8 +428,9 @@ class Server:
         yield "data: [DONE]\n\n"
 
     # ---- legacy completions ----------------------------------------------------------------------
-    def _prompts(self, prompt) -> list[list[int]]:
-        """Text or token prompts -> token ids (tokenising runs on the intake pool)."""
+    def _prompts(self, prompt, add_special_tokens: bool = True, truncate: int | None = None) -> list[list[int]]:
+        """Text or token prompts -> token ids (tokenising runs on the intake pool); ``truncate``
+        (``truncate_prompt_tokens``): keep each prompt's last k tokens (-1: max_context)."""
         if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
             prompt = [prompt]
         if not prompt:
@@ -397,15 +438,18 @@ class Server:
         if not all(isinstance(p, str) for p in prompt) and not all(isinstance(p, list) for p in prompt):
             raise oa.bad("prompt must be a string, a list of token ids, or a list of strings or of token-id lists",
                          "prompt")
+        keep = self.engine.info.max_context if truncate == -1 else truncate
         out = []
         for p in prompt:
             if isinstance(p, str):
                 if self.tok is None:
                     raise oa.bad("this model has no tokenizer; send token ids as the prompt", "prompt")
-                if len(p) // self.max_token_chars > self.engine.info.max_context:
+                if keep is None and len(p) // self.max_token_chars > self.engine.info.max_context:
                     raise oa.bad(f"this engine's max_context is {self.engine.info.max_context} tokens, but the "
                                  f"prompt has {len(p)} characters", "prompt")
-                p = self.tok.tokenizer.encode(p, add_special_tokens=True).ids
+                p = self.tok.tokenizer.encode(p, add_special_tokens=add_special_tokens).ids
+            if keep is not None:
+                p = p[len(p) - keep:] if keep and len(p) > keep else p
             if not p:
                 raise oa.bad("prompt must not be empty", "prompt")
             out.append(list(p))
@@ -415,33 +459,39 @@ class Server:
         body = await self._json(request)
         req: S.CompletionRequest = S.convert(body, S.CompletionRequest)
         self._check_model(req.model)
-        if req.suffix:
-            raise oa.bad("suffix is not supported", "suffix")
+        O.refuse_unsupported(req, False, self.facts)
         if req.echo and req.logprobs is not None:
-            raise oa.bad("echo with logprobs (prompt logprobs) is not supported", "echo")
+            raise oa.bad("echo with logprobs needs prompt logprobs, which NInfer does not compute", "echo")
         if req.best_of is not None and req.best_of != (req.n or 1):
             raise oa.bad("best_of must equal n (NInfer returns every sample)", "best_of")
+        if req.truncate_prompt_tokens == 0:
+            raise oa.bad("truncate_prompt_tokens must be -1 or at least 1", "truncate_prompt_tokens")
         sampling = self._sampling(req, req.max_tokens, 16, req.n)
         sampling.pop("fill_max_tokens")
         if req.logprobs is not None:
             sampling["logprobs"] = req.logprobs
-        stop, n = self._stop(req), req.n or 1
-        prompts = await self._off_loop(self._prompts, req.prompt)
+        stop, n, shape = self._stop(req), req.n or 1, O.shaping(req, self.eos_ids)
+        prompts = await self._off_loop(self._prompts, req.prompt, req.add_special_tokens is not False,
+                                       req.truncate_prompt_tokens)
         if len(prompts) * n > MAX_CHOICES:
             raise oa.bad(f"at most {MAX_CHOICES} choices (prompts x n) are allowed", "prompt")
-        choices = [Choice(partial(self.engine.generate, p, session_id=req.user, **_nth_seed(sampling, i)), stop, False)
-                   for p in prompts for i in range(n)]
+        choices = [Choice(partial(self.engine.generate, p, session_id=req.user, **_nth_seed(sampling, i)), stop, False,
+                          shape=shape) for p in prompts for i in range(n)]
         await self._off_loop(self._submit_all, choices)
-        rid, created = choices[0].handle.rid, oa.now()
-        echo = [self._decode(p) if req.echo else "" for p in prompts for _ in range(n)]
+        rid, created = req.request_id or choices[0].handle.rid, oa.now()
+        echo = [self._decoder(shape)(p) if req.echo else "" for p in prompts for _ in range(n)]
         if req.stream:
             return _sse_response(self._completion_stream(choices, rid, created, req, echo, request))
         got = await self._collect(choices, request)
         if got is None:
             return Response(status_code=499)
+        token_str = self._token_str_of(shape)
         out = [{"index": i, "text": echo[i] + g.text, "finish_reason": g.fin.reason,
-                "logprobs": oa.completion_logprobs(g.logprobs, self._token_str, len(echo[i]))
+                "logprobs": oa.completion_logprobs(g.logprobs, token_str, len(echo[i]))
                 if req.logprobs is not None else None} for i, g in enumerate(got)]
+        if shape.return_token_ids:
+            for o, c, g in zip(out, choices, got):
+                o.update(prompt_token_ids=_prompt_ids(c.handle), token_ids=g.token_ids)
         firsts = [got[k * n].fin.out for k in range(len(prompts))]
         usage = oa.usage_block(oa.prompt_usage(firsts), sum(g.fin.completion_tokens for g in got))
         return JSONResponse(oa.completion(rid, self.model, created, out, usage))
@@ -449,13 +499,25 @@ class Server:
     async def _completion_stream(self, choices, rid, created, req: S.CompletionRequest, echo, request):
         fins: list[Finish | None] = [None] * len(choices)
         offsets = [len(e) for e in echo]
+        shape = choices[0].shape
+        token_str = self._token_str_of(shape)
+        counted = [0] * len(choices)
+        usage_each = shape.continuous_usage and req.stream_options.include_usage
 
-        def part(i: int, text: str, reason=None, lps=None) -> str:
-            return _sse(oa.completion(rid, self.model, created, [{"index": i, "text": text, "logprobs": lps,
-                                                                  "finish_reason": reason}], None))
+        def part(i: int, text: str, reason=None, lps=None, ids=None, first=False) -> str:
+            c = {"index": i, "text": text, "logprobs": lps, "finish_reason": reason}
+            if shape.return_token_ids:
+                c["token_ids"] = ids or []
+                if first:
+                    c["prompt_token_ids"] = _prompt_ids(choices[i].handle)
+            obj = oa.completion(rid, self.model, created, [c], None)
+            if usage_each:
+                p = len(_prompt_ids(choices[i].handle))
+                obj["usage"] = {"prompt_tokens": p, "completion_tokens": counted[i], "total_tokens": p + counted[i]}
+            return _sse(obj)
         for i, e in enumerate(echo):
-            if e:
-                yield part(i, e)
+            if e or shape.return_token_ids:
+                yield part(i, e, first=True)
         try:
             async for i, item in self._drive(choices, request):
                 if isinstance(item, Finish):
@@ -464,14 +526,16 @@ class Server:
                         yield _sse(oa.engine_error(item.out).body())
                         yield "data: [DONE]\n\n"
                         return
+                    counted[i] = item.completion_tokens
                     yield part(i, "", item.reason)
                     continue
+                counted[i] += len(item.token_ids)
                 lps = None
                 if req.logprobs is not None and item.logprobs:
-                    lps = oa.completion_logprobs(item.logprobs, self._token_str, offsets[i])
+                    lps = oa.completion_logprobs(item.logprobs, token_str, offsets[i])
                 offsets[i] += len(item.content)
-                if item.content or lps:
-                    yield part(i, item.content, None, lps)
+                if item.content or lps or (shape.return_token_ids and item.token_ids):
+                    yield part(i, item.content, None, lps, item.token_ids)
         except Disconnected:
             return
         if req.stream_options is not None and req.stream_options.include_usage:
@@ -486,11 +550,13 @@ class Server:
         body = await self._json(request)
         req: S.ResponsesRequest = S.convert(body, S.ResponsesRequest)
         self._check_model(req.model)
+        O.refuse_unsupported(req, False, self.facts)
         call = R.parse_responses(req, self.store)
         _tool_choice(call.tool_choice if call.tool_choice != "none" else None, call.tools)
         sampling = self._sampling(req, req.max_output_tokens, self.default_max, None)
         choice = Choice(partial(self.engine.chat, call.messages, tools=call.tools,
-                                session_id=req.prompt_cache_key or req.user, **sampling), [], bool(call.tools))
+                                session_id=req.prompt_cache_key or req.user, **sampling), self._stop(req),
+                        bool(call.tools), shape=O.shaping(req, self.eos_ids))
         await self._off_loop(self._submit_all, [choice])
         rid, created = f"resp_{uuid.uuid4().hex}", oa.now()
         if req.stream:
@@ -640,6 +706,35 @@ class ChatCtx:
     created: int
     tool_choice: object
     req: S.ChatRequest
+    shape: O.Shaping = O.Shaping()
+    echo: str = ""                        # chat echo: the final message's text, prepended
+
+
+def _chat_echo(req: S.ChatRequest, messages: list[dict]) -> str:
+    """vLLM's chat ``echo``: the final message's text when it has the answer's role (assistant
+    with a generation prompt, else the final message's own role): a continued message comes back
+    whole."""
+    if not req.echo or not messages:
+        return ""
+    last = messages[-1]
+    role = "assistant" if req.add_generation_prompt is not False and not req.continue_final_message \
+        else last.get("role")
+    if last.get("role") != role:
+        return ""
+    c = last.get("content")
+    if isinstance(c, list):
+        return "".join(p.get("text", "") for p in c if isinstance(p, dict) and p.get("type") == "text")
+    return c or ""
+
+
+def _prompt_ids(handle) -> list[int]:
+    """The prompt a submitted request runs (``RequestHandle.prompt_token_ids``)."""
+    return list(getattr(handle, "prompt_token_ids", None) or [])
+
+
+def _as_token_id(tid: int) -> str:
+    """``return_tokens_as_token_ids``: a logprob's token as vLLM spells it."""
+    return f"token_id:{tid}"
 
 
 def _internal(exc: Exception) -> oa.ApiError:

@@ -128,6 +128,7 @@ class Piece:
     content: str = ""
     calls: list[dict] = field(default_factory=list)
     logprobs: list = field(default_factory=list)      # TokenLogprob per counted token
+    token_ids: list[int] = field(default_factory=list)  # the counted tokens this piece adds
 
 
 @dataclass
@@ -141,8 +142,14 @@ class Finish:
 class ChoiceStream:
     """Feeds a request's events through decoding, stop strings and tool parsing."""
 
-    def __init__(self, decode: Callable[[list[int]], str], stop: list[str], parse_tools: bool):
+    def __init__(self, decode: Callable[[list[int]], str], stop: list[str], parse_tools: bool,
+                 include_stop: bool = False, stop_ids: frozenset[int] = frozenset(), min_tokens: int = 0):
         self.text = TextDecoder(decode)
+        self.include_stop = include_stop     # include_stop_str_in_output: the text ends after it
+        # the token that stops the request (a stop id or EOS, at or past min_tokens) is counted
+        # but, as in vLLM, not part of the text unless include_stop_str_in_output
+        self.stop_ids = frozenset() if include_stop else stop_ids
+        self.min_tokens = min_tokens
         self.stop = [s for s in stop if s]
         self.longest = max((len(s) for s in self.stop), default=0)
         self.tools = ToolStream() if parse_tools else None
@@ -151,19 +158,20 @@ class ChoiceStream:
         self.stopped_at: int | None = None   # tokens counted when a stop string matched
         self.ncalls = 0
 
-    def _release(self, text: str, logprobs: list) -> Piece:
+    def _release(self, text: str, logprobs: list, token_ids: list[int]) -> Piece:
         if self.tools is None:
-            return Piece(text, [], logprobs)
+            return Piece(text, [], logprobs, token_ids)
         content, calls = self.tools.feed(text)
         self.ncalls += len(calls)
-        return Piece(content, calls, logprobs)
+        return Piece(content, calls, logprobs, token_ids)
 
     def feed(self, token_ids: list[int], logprobs: list | None = None) -> Piece:
         if self.stopped_at is not None:
             return Piece()
         first = len(self.lens)
         for t in token_ids:
-            self.text.add(t)
+            if not (t in self.stop_ids and len(self.lens) + 1 >= self.min_tokens):
+                self.text.add(t)
             self.lens.append(len(self.text.text))
         text = self.text.text
         if self.stop:
@@ -174,13 +182,15 @@ class ChoiceStream:
                 end = i + n
                 k = next(j for j in range(first, len(self.lens)) if self.lens[j] >= end) + 1
                 self.stopped_at = k
-                piece = self._release(text[self.sent:i], list(logprobs or [])[:k - first])
-                self.sent = i
+                cut = end if self.include_stop else i
+                piece = self._release(text[self.sent:cut], list(logprobs or [])[:k - first],
+                                      list(token_ids[:k - first]))
+                self.sent = cut
                 return piece
             upto = len(text) - partial_suffix(text, self.stop)
         else:
             upto = len(text)
-        piece = self._release(text[self.sent:upto], list(logprobs or []))
+        piece = self._release(text[self.sent:upto], list(logprobs or []), list(token_ids))
         self.sent = max(self.sent, upto)
         return piece
 
@@ -189,7 +199,7 @@ class ChoiceStream:
         tail = Piece()
         if self.stopped_at is None:
             self.text.flush()
-            tail = self._release(self.text.text[self.sent:], [])
+            tail = self._release(self.text.text[self.sent:], [], [])
             self.sent = len(self.text.text)
         if self.tools is not None:
             tail.content += self.tools.flush()
@@ -210,7 +220,7 @@ async def run_choice(handle, stream: ChoiceStream) -> AsyncIterator[Piece | Fini
     """Pieces as tokens commit, then the Finish; a matched stop string cancels the request."""
     async for ev in handle.aiter():
         piece = stream.feed(ev.token_ids, getattr(ev, "logprobs", None))
-        if piece.content or piece.calls or piece.logprobs:
+        if piece.content or piece.calls or piece.logprobs or piece.token_ids:
             yield piece
         if stream.stopped_at is not None:
             handle.cancel()
