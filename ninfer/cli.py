@@ -79,7 +79,8 @@ def _serve(args: argparse.Namespace) -> int:
     print(f"serving {name} on http://{args.host}:{args.port}/v1 (transport={engine.transport})", flush=True)
     try:
         serve(engine, name, host=args.host, port=args.port, api_key=args.api_key or os.environ.get("NINFER_API_KEY"),
-              max_body_bytes=args.max_body_bytes, max_messages=args.max_messages)
+              max_body_bytes=args.max_body_bytes, max_messages=args.max_messages,
+              generation_config=args.generation_config)
     finally:
         # A deployment started without --address goes with the server; from a detached or an
         # attached one only this client leaves.
@@ -150,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "mtp", "num_tokens": 3}\' (over the config file\'s)')
+    p.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="sampling defaults for what a request leaves unset (vLLM's flag): auto = the model's "
+                        "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
+                        "max_new_tokens), vllm = vLLM's own, DIR = that directory's file (default auto)")
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("bench", help="benchmarks: a table, JSON and a PNG plot (see bench/README.md)",

@@ -15,14 +15,18 @@ it — never accepted and silently ignored. ``tests/frontend/vllm_fields.py`` li
 
 from __future__ import annotations
 
+import json
+import math
 import secrets
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ninfer import protocol as P
+from ninfer.errors import ConfigError, RequestError
 from ninfer.frontend import schema as S
 from ninfer.frontend.openai_api import bad
-from ninfer.sampling_params import MAX_SEED
+from ninfer.sampling_params import MAX_SEED, SamplingParams
 
 MAX_N = 16
 
@@ -131,6 +135,48 @@ def refuse_unsupported(req: S.Sampling, chat: bool, facts: ModelFacts) -> None:
         raise bad("stream_options can only be given with stream=true", "stream_options")
 
 
+# ---- defaults: the model's generation_config.json ----------------------------------------------
+
+# the sampling values vLLM takes from generation_config.json (``get_diff_sampling_param``), and
+# the defaults it falls back to without them (its requests' _DEFAULT_SAMPLING_PARAMS)
+GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
+VLLM_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
+def generation_defaults(model_dir: str | Path | None, mode: str = "auto") -> dict:
+    """vLLM's ``--generation-config``: ``"auto"`` — the sampling defaults of the model's own
+    generation_config.json (``max_new_tokens`` as ``max_tokens``); ``"vllm"`` — none (vLLM's own
+    defaults); a directory — the generation_config.json there. A missing file gives none; a value
+    of the wrong type or out of range is a ConfigError naming it."""
+    if mode == "vllm" or model_dir is None:
+        return {}
+    path = Path(model_dir if mode == "auto" else mode) / "generation_config.json"
+    if not path.is_file():
+        if mode != "auto":
+            raise ConfigError(f"--generation-config {mode}: no generation_config.json there")
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc})") from None
+    out = {}
+    for key in GENERATION_KEYS:
+        v = raw.get(key)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ConfigError(f"{path}: {key} must be a number (got {v!r})")
+        out["max_tokens" if key == "max_new_tokens" else key] = v
+    try:
+        SamplingParams(**{k: v for k, v in out.items() if k != "max_tokens"},
+                       **({"max_tokens": int(out["max_tokens"])} if "max_tokens" in out else {})).validate()
+    except RequestError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    if "top_k" in out:
+        out["top_k"] = max(0, int(out["top_k"]))      # -1 (off, vLLM's spelling) is our 0
+    return out
+
+
 # ---- sampling ----------------------------------------------------------------------------------
 
 def _token_ids(name: str, ids, vocab: int) -> None:
@@ -178,20 +224,27 @@ def bad_word_ids(words: list[str] | None, tok) -> list[list[int]] | None:
 
 
 def sampling(req: S.Sampling, facts: ModelFacts, max_tokens: int | None, default_max: int, n: int | None,
-             tok=None) -> dict:
-    """The Engine.chat / generate keyword arguments of a request's sampling fields."""
+             tok=None, defaults: dict | None = None) -> dict:
+    """The Engine.chat / generate keyword arguments of a request's sampling fields. What the
+    request leaves unset comes from ``defaults`` (``generation_defaults``), else vLLM's defaults;
+    without max_tokens the answer may use ``defaults["max_tokens"]`` or ``default_max``, capped by
+    the rest of the context (``fill_max_tokens``)."""
     if n is not None and not 1 <= n <= MAX_N:
         raise bad(f"n must be between 1 and {MAX_N} (got {n})", "n")
     vocab = facts.vocab_size
-    top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
-    out = dict(max_tokens=max_tokens or default_max, fill_max_tokens=max_tokens is None,
-               temperature=1.0 if req.temperature is None else req.temperature,
-               top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k,
+    d = {**VLLM_DEFAULTS, **(defaults or {})}
+
+    def pick(name: str):
+        v = getattr(req, name)
+        return d[name] if v is None else v
+    top_k = pick("top_k")
+    out = dict(max_tokens=max_tokens or int(d.get("max_tokens", default_max)), fill_max_tokens=max_tokens is None,
+               temperature=pick("temperature"), top_p=pick("top_p"), top_k=top_k if top_k > 0 else 0,
                seed=secrets.randbelow(MAX_SEED) if req.seed is None else req.seed,
                presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-               repetition_penalty=req.repetition_penalty or 1.0, ignore_eos=bool(req.ignore_eos))
-    if req.min_p:
-        out["min_p"] = req.min_p
+               repetition_penalty=pick("repetition_penalty"), ignore_eos=bool(req.ignore_eos))
+    if pick("min_p"):
+        out["min_p"] = pick("min_p")
     if req.min_tokens:
         if max_tokens is not None and req.min_tokens > max_tokens:
             raise bad(f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens")

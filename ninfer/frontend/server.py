@@ -90,15 +90,21 @@ class Collected:
 
 class Server:
     def __init__(self, engine: Engine, model_name: str, api_key: str | None = None,
-                 max_body_bytes: int = 16 << 20, store_bytes: int = 64 << 20, default_max_tokens: int = 256,
-                 max_messages: int = 4096, intake_threads: int = 4):
+                 max_body_bytes: int = 16 << 20, store_bytes: int = 64 << 20, default_max_tokens: int | None = None,
+                 max_messages: int = 4096, intake_threads: int = 4, generation_config: str = "auto"):
+        """``default_max_tokens``: a chat or Responses answer without max_tokens may use this many
+        tokens, capped by the rest of the context (None: the rest of the context, as vLLM).
+        ``generation_config``: vLLM's ``--generation-config`` — ``auto`` applies the sampling
+        defaults of the model's generation_config.json to what a request leaves unset, ``vllm``
+        ignores them, a directory reads that directory's file."""
         self.engine = engine
         self.model = model_name
         self.api_key = api_key
         self.max_body = max_body_bytes
         self.max_messages = max_messages
         self.store = R.ResponseStore(store_bytes)
-        self.default_max = default_max_tokens
+        self.default_max = default_max_tokens or engine.info.max_context
+        self.gen_defaults = O.generation_defaults(engine.model_dir, generation_config)
         self.started = oa.now()
         self.pool = ThreadPoolExecutor(intake_threads, thread_name_prefix="ninfer-intake")
         self.tok = engine._intake.tokenizer if engine._intake is not None else None
@@ -198,7 +204,7 @@ class Server:
 
     # ---- shared request parts -------------------------------------------------------------------
     def _sampling(self, req: S.Sampling, max_tokens: int | None, default_max: int, n: int | None) -> dict:
-        return O.sampling(req, self.facts, max_tokens, default_max, n, self.tok)
+        return O.sampling(req, self.facts, max_tokens, default_max, n, self.tok, self.gen_defaults)
 
     @staticmethod
     def _stop(req: S.Sampling) -> list[str]:
@@ -466,7 +472,7 @@ class Server:
             raise oa.bad("best_of must equal n (NInfer returns every sample)", "best_of")
         if req.truncate_prompt_tokens == 0:
             raise oa.bad("truncate_prompt_tokens must be -1 or at least 1", "truncate_prompt_tokens")
-        sampling = self._sampling(req, req.max_tokens, 16, req.n)
+        sampling = self._sampling(req, req.max_tokens or 16, 16, req.n)       # OpenAI's default: 16
         sampling.pop("fill_max_tokens")
         if req.logprobs is not None:
             sampling["logprobs"] = req.logprobs
@@ -801,8 +807,10 @@ def _sse_response(gen) -> StreamingResponse:
 
 
 def serve(engine: Engine, model_name: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          max_body_bytes: int = 16 << 20, log_level: str = "warning", max_messages: int = 4096) -> None:
+          max_body_bytes: int = 16 << 20, log_level: str = "warning", max_messages: int = 4096,
+          generation_config: str = "auto") -> None:
     import uvicorn
 
-    server = Server(engine, model_name, api_key=api_key, max_body_bytes=max_body_bytes, max_messages=max_messages)
+    server = Server(engine, model_name, api_key=api_key, max_body_bytes=max_body_bytes, max_messages=max_messages,
+                    generation_config=generation_config)
     uvicorn.run(server.app, host=host, port=port, loop="uvloop", log_level=log_level)
