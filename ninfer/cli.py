@@ -80,7 +80,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         serve(engine, name, host=args.host, port=args.port, api_key=args.api_key or os.environ.get("NINFER_API_KEY"),
               max_body_bytes=args.max_body_bytes, max_messages=args.max_messages,
-              generation_config=args.generation_config)
+              generation_config=args.generation_config, reasoning_parser=args.reasoning_parser)
     finally:
         # A deployment started without --address goes with the server; from a detached or an
         # attached one only this client leaves.
@@ -155,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sampling defaults for what a request leaves unset (vLLM's flag): auto = the model's "
                         "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
                         "max_new_tokens), vllm = vLLM's own, DIR = that directory's file (default auto)")
+    p.add_argument("--reasoning-parser", default="auto", metavar="auto|none|qwen3",
+                   help="split the model's thinking into reasoning_content (vLLM's flag): qwen3 = <think> ... "
+                        "</think>; auto = qwen3 when the chat template knows <think> (default auto)")
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("bench", help="benchmarks: a table, JSON and a PNG plot (see bench/README.md)",

@@ -86,7 +86,6 @@ REFUSED_CHAT: dict[str, tuple[Any, str]] = {
     "chat_template": (_none, "a per-request chat template is not accepted (the model's own template renders "
                              "every chat, as vLLM without --trust-request-chat-template)"),
     "mm_processor_kwargs": (_falsy, "processor options are not supported"),
-    "include_reasoning": (_true, "no reasoning parser is configured, so reasoning cannot be left out"),
 }
 REFUSED_COMPLETIONS: dict[str, tuple[Any, str]] = {
     "suffix": (_falsy, "suffix (fill in the middle) is not supported"),
@@ -96,7 +95,6 @@ REFUSED_COMPLETIONS: dict[str, tuple[Any, str]] = {
 
 REFUSED_RESPONSES: dict[str, tuple[Any, str]] = {
     "background": (_falsy, "background responses are not supported (every response runs in the request)"),
-    "reasoning": (_none, "no reasoning parser is configured for this model"),
     "include": (_falsy, "no extra output (include) is available"),
     "max_tool_calls": (_none, "limiting tool calls is not supported"),
     "truncation": (lambda v: v in (None, "disabled"), "only truncation 'disabled' is supported"),
@@ -105,6 +103,7 @@ REFUSED_RESPONSES: dict[str, tuple[Any, str]] = {
     "prompt": (_none, "stored prompt templates are not supported"),
     "parallel_tool_calls": (_true, "only parallel tool calls (true) are supported here"),
     "truncate_prompt_tokens": (_none, "truncating a rendered conversation would cut its template structure"),
+    "response_format": (_none, "Responses take the output format as text.format"),
     "bad_words": (_falsy, "bad_words belongs to chat completions"),
 }
 
@@ -282,10 +281,7 @@ def template(req: S.ChatRequest, facts: ModelFacts) -> dict:
     if req.documents is not None:
         kwargs["documents"] = req.documents
     if req.reasoning_effort is not None:
-        if "reasoning_effort" not in facts.template:
-            raise bad("reasoning_effort is not supported by this model's chat template (it never reads it); "
-                      "use chat_template_kwargs the template reads instead", "reasoning_effort")
-        kwargs["reasoning_effort"] = req.reasoning_effort
+        effort_kwargs(req.reasoning_effort, facts, kwargs, "reasoning_effort")
     out: dict = {}
     if not add_gen:
         out["add_generation_prompt"] = False
@@ -294,6 +290,43 @@ def template(req: S.ChatRequest, facts: ModelFacts) -> dict:
     if kwargs:
         out["chat_template_kwargs"] = kwargs
     return out
+
+
+EFFORTS = ("none", "minimal", "low", "medium", "high")
+
+
+def effort_kwargs(effort: str, facts: ModelFacts, kwargs: dict, param: str) -> None:
+    """``reasoning_effort`` (chat) or ``reasoning.effort`` (Responses) as template variables: as
+    is where the template reads ``reasoning_effort`` (vLLM passes it so); on a template with
+    Qwen3's ``enable_thinking`` switch, "none" / "minimal" turn thinking off and "low" /
+    "medium" / "high" on (it has no levels; an explicit chat_template_kwargs.enable_thinking
+    wins); else a 400."""
+    if effort not in EFFORTS:
+        raise bad(f"{param} must be one of {', '.join(EFFORTS)} (got {effort!r})", param)
+    if "reasoning_effort" in facts.template:
+        kwargs.setdefault("reasoning_effort", effort)
+    elif "enable_thinking" in facts.template:
+        kwargs.setdefault("enable_thinking", effort not in ("none", "minimal"))
+    else:
+        raise bad(f"{param} is not supported by this model's chat template (it reads neither reasoning_effort nor "
+                  "enable_thinking)", param)
+
+
+def responses_template(req: S.ResponsesRequest, facts: ModelFacts) -> dict:
+    """Responses' ``reasoning: {"effort", "summary"}`` as template variables (``effort_kwargs``);
+    NInfer writes no summaries, so only ``summary`` null or "auto" (whatever the model gives)."""
+    r = req.reasoning or {}
+    unknown = sorted(set(r) - {"effort", "summary", "generate_summary"})
+    if unknown:
+        raise bad(f"reasoning.{unknown[0]} is not supported", "reasoning")
+    summary = r.get("summary", r.get("generate_summary"))
+    if summary not in (None, "auto"):
+        raise bad(f"reasoning.summary {summary!r} is not supported: NInfer writes no reasoning summaries "
+                  "(the reasoning item carries the model's reasoning text)", "reasoning")
+    kwargs: dict = {}
+    if r.get("effort") is not None:
+        effort_kwargs(r["effort"], facts, kwargs, "reasoning")
+    return {"chat_template_kwargs": kwargs} if kwargs else {}
 
 
 def template_options(kw: dict) -> P.TemplateOptions:

@@ -60,6 +60,7 @@ class Message(Struct):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
+    reasoning: str | None = None              # vLLM's newer name for reasoning_content
     cache_control: dict[str, Any] | None = None
 
 
@@ -229,6 +230,8 @@ class TokenizeRequest(Struct, kw_only=True):
     messages: list[Message] | None = None
     tools: list[Tool] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = True
     return_token_strs: bool = False
 

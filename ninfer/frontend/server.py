@@ -44,8 +44,10 @@ from ninfer.frontend import openai_api as oa
 from ninfer.frontend import options as O
 from ninfer.frontend import responses as R
 from ninfer.frontend import schema as S
+from ninfer.frontend.intake import RESERVED_TEMPLATE_VARS
 from ninfer.frontend.metrics import CONTENT_TYPE as METRICS_TYPE
 from ninfer.frontend.metrics import prometheus
+from ninfer.frontend.reasoning import ThinkSplit, choose_parser, starts_inside
 from ninfer.frontend.streaming import ChoiceStream, Finish, Piece, run_choice
 from ninfer.sampling_params import MAX_SEED
 
@@ -67,6 +69,7 @@ class Choice:
     parse_tools: bool
     handle: object = None
     shape: O.Shaping = O.Shaping()
+    reasoning: bool = False              # split the thinking off (a reasoning parser is on)
 
 
 @dataclass
@@ -75,6 +78,7 @@ class Collected:
     calls: list[dict] = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
+    thought: list[str] = field(default_factory=list)
     fin: Finish | None = None
 
     def add(self, piece: Piece) -> None:
@@ -82,6 +86,11 @@ class Collected:
         self.calls += piece.calls
         self.logprobs += piece.logprobs
         self.token_ids += piece.token_ids
+        self.thought.append(piece.reasoning)
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(self.thought)
 
     @property
     def text(self) -> str:
@@ -91,12 +100,15 @@ class Collected:
 class Server:
     def __init__(self, engine: Engine, model_name: str, api_key: str | None = None,
                  max_body_bytes: int = 16 << 20, store_bytes: int = 64 << 20, default_max_tokens: int | None = None,
-                 max_messages: int = 4096, intake_threads: int = 4, generation_config: str = "auto"):
+                 max_messages: int = 4096, intake_threads: int = 4, generation_config: str = "auto",
+                 reasoning_parser: str = "auto"):
         """``default_max_tokens``: a chat or Responses answer without max_tokens may use this many
         tokens, capped by the rest of the context (None: the rest of the context, as vLLM).
         ``generation_config``: vLLM's ``--generation-config`` — ``auto`` applies the sampling
         defaults of the model's generation_config.json to what a request leaves unset, ``vllm``
-        ignores them, a directory reads that directory's file."""
+        ignores them, a directory reads that directory's file. ``reasoning_parser``: vLLM's
+        ``--reasoning-parser`` (``qwen3``, ``none``, or ``auto``: qwen3 when the chat template
+        knows ``<think>``)."""
         self.engine = engine
         self.model = model_name
         self.api_key = api_key
@@ -110,6 +122,9 @@ class Server:
         self.tok = engine._intake.tokenizer if engine._intake is not None else None
         self.max_token_chars = _max_token_chars(self.tok)
         self.eos_ids = tuple(getattr(engine.info, "eos_ids", ()))
+        self.reasoning_parser = choose_parser(reasoning_parser, (self.tok.chat_template or "") if self.tok else "")
+        end = self.tok.tokenizer.token_to_id("</think>") if self.tok else None
+        self.think_end_id = end
         self.facts = O.ModelFacts(
             vocab_size=engine.info.vocab_size, template=(self.tok.chat_template or "") if self.tok else "",
             adds_special_tokens=bool(self.tok and self.tok.tokenizer.encode("", add_special_tokens=True).ids))
@@ -243,6 +258,14 @@ class Server:
     def _decoder(self, shape: O.Shaping):
         return self._decode if shape.skip_special_tokens else partial(self._decode, skip_special_tokens=False)
 
+    def _think_split(self, c: Choice):
+        """The choice's reasoning split, starting inside the thinking when the prompt ends in
+        ``<think>`` (a template that opens it for the model)."""
+        if not c.reasoning or self.reasoning_parser is None:
+            return None
+        tail = self._decode(_prompt_ids(c.handle)[-4:], skip_special_tokens=False)
+        return ThinkSplit(starts_inside(tail))
+
     def _submit_all(self, choices: list[Choice]) -> None:
         """Submit every choice (on the intake pool); one that cannot be submitted cancels the
         ones before it and fails the response."""
@@ -264,7 +287,7 @@ class Server:
         async def pump(i: int, c: Choice) -> None:
             try:
                 stream = ChoiceStream(self._decoder(c.shape), c.stop, c.parse_tools, c.shape.include_stop_str,
-                                      c.shape.stop_ids, c.shape.min_tokens)
+                                      c.shape.stop_ids, c.shape.min_tokens, self._think_split(c))
                 async for item in run_choice(c.handle, stream):
                     queue.put_nowait((i, item))
             except Exception as exc:                        # a bug in one choice fails that choice
@@ -334,11 +357,15 @@ class Server:
         stop = self._stop(req)
         session = req.prompt_cache_key or req.user
         n, shape = req.n or 1, O.shaping(req, self.eos_ids)
-        choices = [Choice(partial(self.engine.chat, body["messages"], tools=tools or None, session_id=session,
-                                  **_nth_seed(sampling, i)), stop, bool(tools), shape=shape) for i in range(n)]
+        think = self.reasoning_parser is not None
+        messages = _with_reasoning_content(body["messages"])
+        choices = [Choice(partial(self.engine.chat, messages, tools=tools or None, session_id=session,
+                                  **_nth_seed(sampling, i)), stop, bool(tools), shape=shape, reasoning=think)
+                   for i in range(n)]
         await self._off_loop(self._submit_all, choices)
         rid, created = req.request_id or choices[0].handle.rid, oa.now()
-        ctx = ChatCtx(rid, created, choice, req, shape, _chat_echo(req, body["messages"]))
+        ctx = ChatCtx(rid, created, choice, req, shape, _chat_echo(req, body["messages"]),
+                      think and req.include_reasoning is not False)
         if req.stream:
             return _sse_response(self._chat_stream(choices, ctx, request))
         got = await self._collect(choices, request)
@@ -350,6 +377,8 @@ class Server:
             _verify_tool_choice(choice, g.calls)
             calls = g.calls[:1] if shape.first_call_only else g.calls
             msg = oa.chat_message(ctx.echo + ("" if choice not in ("auto", "none") and calls else g.text), calls)
+            if ctx.reasoning:
+                msg.update(reasoning_content=g.reasoning or None, reasoning=g.reasoning or None)
             out.append({"index": i, "message": msg, "finish_reason": g.fin.reason,
                         "logprobs": oa.chat_logprobs(g.logprobs, token_str, req.top_logprobs or 0)
                         if req.logprobs else None})
@@ -401,6 +430,8 @@ class Server:
                     continue
                 counted[i] += len(item.token_ids)
                 delta: dict = {}
+                if item.reasoning and ctx.reasoning:
+                    delta["reasoning_content"] = delta["reasoning"] = item.reasoning
                 if item.content and content_ok:
                     delta["content"] = item.content
                 new_calls = item.calls
@@ -560,9 +591,11 @@ class Server:
         call = R.parse_responses(req, self.store)
         _tool_choice(call.tool_choice if call.tool_choice != "none" else None, call.tools)
         sampling = self._sampling(req, req.max_output_tokens, self.default_max, None)
+        sampling.update(O.responses_template(req, self.facts))
         choice = Choice(partial(self.engine.chat, call.messages, tools=call.tools,
                                 session_id=req.prompt_cache_key or req.user, **sampling), self._stop(req),
-                        bool(call.tools), shape=O.shaping(req, self.eos_ids))
+                        bool(call.tools), shape=O.shaping(req, self.eos_ids),
+                        reasoning=self.reasoning_parser is not None)
         await self._off_loop(self._submit_all, [choice])
         rid, created = f"resp_{uuid.uuid4().hex}", oa.now()
         if req.stream:
@@ -573,14 +606,25 @@ class Server:
         g = got[0]
         _verify_tool_choice(call.tool_choice, g.calls)
         status = "incomplete" if g.fin.reason == "length" else "completed"
-        obj = R.response_object(rid, self.model, created, call, R.output_items(g.text, g.calls, status), status,
-                                g.fin.out.usage, g.fin.completion_tokens, "max_output_tokens")
-        self._keep(rid, call, obj, g.text, g.calls)
+        obj = R.response_object(rid, self.model, created, call,
+                                R.output_items(g.text, g.calls, status, reasoning=g.reasoning), status,
+                                g.fin.out.usage, g.fin.completion_tokens, "max_output_tokens",
+                                self._reasoning_tokens(g))
+        self._keep(rid, call, obj, g.text, g.calls, g.reasoning)
         return JSONResponse(obj)
 
-    def _keep(self, rid: str, call: R.ResponsesCall, obj: dict, text: str, calls: list[dict]) -> None:
+    def _reasoning_tokens(self, g: Collected) -> int:
+        """Output tokens spent thinking: up to and with ``</think>`` (all of them when the
+        answer never closed its thinking)."""
+        if not g.reasoning:
+            return 0
+        ids = list(g.fin.out.token_ids)[:g.fin.completion_tokens]
+        return ids.index(self.think_end_id) + 1 if self.think_end_id in ids else len(ids)
+
+    def _keep(self, rid: str, call: R.ResponsesCall, obj: dict, text: str, calls: list[dict],
+              reasoning: str = "") -> None:
         if call.store:
-            self.store.put(rid, obj, R.stored_history(call, text, calls), call.input_items)
+            self.store.put(rid, obj, R.stored_history(call, text, calls, reasoning), call.input_items)
 
     async def _responses_stream(self, choice: Choice, call: R.ResponsesCall, rid: str, created: int,
                                 request: Request):
@@ -595,6 +639,8 @@ class Server:
                     got.fin = item
                     continue
                 got.add(item)
+                for e in ev.reasoning_delta(item.reasoning):
+                    yield e
                 for e in ev.text_delta(item.content):
                     yield e
                 for c in item.calls:
@@ -614,12 +660,13 @@ class Server:
             yield ev.event("error", code=exc.code, message=str(exc), param=None)
             return
         status = "incomplete" if fin.reason == "length" else "completed"
-        for e in ev.close_message(status):
+        for e in ev.close_reasoning() + ev.close_message(status):
             yield e
         final = R.response_object(rid, self.model, created, call,
-                                  R.output_items(got.text, got.calls, status, ev.msg_id), status,
-                                  fin.out.usage, fin.completion_tokens, "max_output_tokens")
-        self._keep(rid, call, final, got.text, got.calls)
+                                  R.output_items(got.text, got.calls, status, ev.msg_id, got.reasoning, ev.rs_id),
+                                  status, fin.out.usage, fin.completion_tokens, "max_output_tokens",
+                                  self._reasoning_tokens(got))
+        self._keep(rid, call, final, got.text, got.calls, got.reasoning)
         yield ev.event("response.completed" if status == "completed" else "response.incomplete", response=final)
 
     async def response_get(self, request: Request) -> Response:
@@ -655,7 +702,15 @@ class Server:
         if req.messages is not None:
             S.check_media(req.messages)
             self._bound_prompt(req.messages)
-            render = partial(self.tok.render, body["messages"], body.get("tools"), req.add_generation_prompt)
+            if req.continue_final_message and req.add_generation_prompt and "add_generation_prompt" in body:
+                raise oa.bad("continue_final_message and add_generation_prompt cannot both be true",
+                             "continue_final_message")
+            clash = next((k for k in req.chat_template_kwargs or {} if k in RESERVED_TEMPLATE_VARS), None)
+            if clash is not None:
+                raise oa.bad(f"chat_template_kwargs.{clash} is set by the request itself", "chat_template_kwargs")
+            render = partial(self.tok.render, body["messages"], body.get("tools"),
+                             req.add_generation_prompt and not req.continue_final_message, req.chat_template_kwargs,
+                             req.continue_final_message)
             ids = await self._off_loop(lambda: self.tok.encode(render()))
         else:
             ids = await self._off_loop(lambda: self.tok.tokenizer.encode(
@@ -714,6 +769,7 @@ class ChatCtx:
     req: S.ChatRequest
     shape: O.Shaping = O.Shaping()
     echo: str = ""                        # chat echo: the final message's text, prepended
+    reasoning: bool = False               # answers carry reasoning_content (a parser, included)
 
 
 def _chat_echo(req: S.ChatRequest, messages: list[dict]) -> str:
@@ -731,6 +787,15 @@ def _chat_echo(req: S.ChatRequest, messages: list[dict]) -> str:
     if isinstance(c, list):
         return "".join(p.get("text", "") for p in c if isinstance(p, dict) and p.get("type") == "text")
     return c or ""
+
+
+def _with_reasoning_content(messages: list) -> list:
+    """Assistant messages sent back with vLLM's newer ``reasoning`` field render as
+    ``reasoning_content``, the name chat templates read."""
+    if not any(isinstance(m, dict) and "reasoning" in m and "reasoning_content" not in m for m in messages):
+        return messages
+    return [{**m, "reasoning_content": m["reasoning"]}
+            if isinstance(m, dict) and "reasoning" in m and "reasoning_content" not in m else m for m in messages]
 
 
 def _prompt_ids(handle) -> list[int]:
@@ -808,9 +873,9 @@ def _sse_response(gen) -> StreamingResponse:
 
 def serve(engine: Engine, model_name: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           max_body_bytes: int = 16 << 20, log_level: str = "warning", max_messages: int = 4096,
-          generation_config: str = "auto") -> None:
+          generation_config: str = "auto", reasoning_parser: str = "auto") -> None:
     import uvicorn
 
     server = Server(engine, model_name, api_key=api_key, max_body_bytes=max_body_bytes, max_messages=max_messages,
-                    generation_config=generation_config)
+                    generation_config=generation_config, reasoning_parser=reasoning_parser)
     uvicorn.run(server.app, host=host, port=port, loop="uvloop", log_level=log_level)

@@ -4,8 +4,10 @@ calls parsed out of the text as they complete, and the tokens (and logprobs) cou
 stop.
 
     engine tokens -> TextDecoder (per token, UTF-8 safe) -> StopScan (hold back a partial stop)
-                  -> ToolStream (hold back a partial "<tool_call>", parse closed blocks)
-                  -> Piece(content, calls, logprobs) ... Finish(reason, completion_tokens)
+                  -> reasoning split (frontend/reasoning.py: <think> ... </think> apart, when on)
+                  -> ToolStream (hold back a partial "<tool_call>", parse closed blocks; the
+                     answer only, never the reasoning)
+                  -> Piece(content, calls, logprobs, reasoning) ... Finish(reason, completion_tokens)
 
 A stop string ends the choice at the token that completed it: that token is the last one
 counted, the text ends before the stop string, and the engine request is cancelled.
@@ -129,6 +131,7 @@ class Piece:
     calls: list[dict] = field(default_factory=list)
     logprobs: list = field(default_factory=list)      # TokenLogprob per counted token
     token_ids: list[int] = field(default_factory=list)  # the counted tokens this piece adds
+    reasoning: str = ""                                 # the model's thinking (a reasoning parser)
 
 
 @dataclass
@@ -143,8 +146,10 @@ class ChoiceStream:
     """Feeds a request's events through decoding, stop strings and tool parsing."""
 
     def __init__(self, decode: Callable[[list[int]], str], stop: list[str], parse_tools: bool,
-                 include_stop: bool = False, stop_ids: frozenset[int] = frozenset(), min_tokens: int = 0):
+                 include_stop: bool = False, stop_ids: frozenset[int] = frozenset(), min_tokens: int = 0,
+                 reasoning=None):
         self.text = TextDecoder(decode)
+        self.reasoning = reasoning            # a reasoning split (reasoning.ThinkSplit) or None
         self.include_stop = include_stop     # include_stop_str_in_output: the text ends after it
         # the token that stops the request (a stop id or EOS, at or past min_tokens) is counted
         # but, as in vLLM, not part of the text unless include_stop_str_in_output
@@ -158,12 +163,18 @@ class ChoiceStream:
         self.stopped_at: int | None = None   # tokens counted when a stop string matched
         self.ncalls = 0
 
-    def _release(self, text: str, logprobs: list, token_ids: list[int]) -> Piece:
+    def _release(self, text: str, logprobs: list, token_ids: list[int], final: bool = False) -> Piece:
+        thought = ""
+        if self.reasoning is not None:
+            thought, text = self.reasoning.feed(text)
+            if final:
+                more, rest = self.reasoning.flush()
+                thought, text = thought + more, text + rest
         if self.tools is None:
-            return Piece(text, [], logprobs, token_ids)
+            return Piece(text, [], logprobs, token_ids, thought)
         content, calls = self.tools.feed(text)
         self.ncalls += len(calls)
-        return Piece(content, calls, logprobs, token_ids)
+        return Piece(content, calls, logprobs, token_ids, thought)
 
     def feed(self, token_ids: list[int], logprobs: list | None = None) -> Piece:
         if self.stopped_at is not None:
@@ -196,11 +207,12 @@ class ChoiceStream:
 
     def finish(self, out) -> tuple[Piece, Finish]:
         """The held-back tail (no stop can complete now) and the choice's end."""
-        tail = Piece()
         if self.stopped_at is None:
             self.text.flush()
-            tail = self._release(self.text.text[self.sent:], [], [])
+            tail = self._release(self.text.text[self.sent:], [], [], final=True)
             self.sent = len(self.text.text)
+        else:
+            tail = self._release("", [], [], final=True)
         if self.tools is not None:
             tail.content += self.tools.flush()
         if out.finish_reason == "error":
@@ -220,13 +232,13 @@ async def run_choice(handle, stream: ChoiceStream) -> AsyncIterator[Piece | Fini
     """Pieces as tokens commit, then the Finish; a matched stop string cancels the request."""
     async for ev in handle.aiter():
         piece = stream.feed(ev.token_ids, getattr(ev, "logprobs", None))
-        if piece.content or piece.calls or piece.logprobs or piece.token_ids:
+        if piece.content or piece.calls or piece.logprobs or piece.token_ids or piece.reasoning:
             yield piece
         if stream.stopped_at is not None:
             handle.cancel()
             break
     out = await handle.result_async()
     tail, fin = stream.finish(out)
-    if tail.content or tail.calls:
+    if tail.content or tail.calls or tail.reasoning:
         yield tail
     yield fin

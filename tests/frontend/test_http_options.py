@@ -42,8 +42,8 @@ CHAT_CASES: dict[str, tuple] = {
     "top_p": (0.9, OK, {}),
     "tools": (TOOLS, OK, {}),
     "tool_choice": ("auto", OK, {"tools": TOOLS}),
-    "reasoning_effort": ("low", NO, {}),
-    "include_reasoning": (False, NO, {}),
+    "reasoning_effort": ("none", OK, {}),
+    "include_reasoning": (False, OK, {}),
     "parallel_tool_calls": (False, OK, {"tools": TOOLS}),
     "user": ("someone", OK, {}),
     "use_beam_search": (True, NO, {}),
@@ -322,6 +322,53 @@ def test_chat_template_kwargs_may_not_set_what_the_request_sets(server):
     r = _post(server, "/v1/chat/completions", {"model": "tiny", "messages": USER,
                                                "chat_template_kwargs": {"messages": []}})
     assert r.status_code == 400 and "chat_template_kwargs.messages" in r.json()["error"]["message"]
+
+
+# ---- reasoning: the template's switch, and reuse across a thinking conversation ------------------
+
+THINK_OFF = "<think>\n\n</think>\n\n"
+
+
+def test_enable_thinking_reaches_the_template_and_reasoning_effort_maps_to_it(server):
+    def prompt(**kw) -> str:
+        ids = _chat(server, max_tokens=1, **kw)["prompt_token_ids"]
+        return httpx.post(f"{server}/detokenize", json={"tokens": ids}, headers=HEADERS).json()["prompt"]
+    on = prompt()
+    assert not on.endswith(THINK_OFF)
+    assert prompt(chat_template_kwargs={"enable_thinking": False}) == on + THINK_OFF
+    assert prompt(reasoning_effort="none") == on + THINK_OFF
+    assert prompt(reasoning_effort="high") == on
+    assert prompt(reasoning_effort="none", chat_template_kwargs={"enable_thinking": True}) == on   # explicit wins
+    off_ids = _chat(server, max_tokens=1, chat_template_kwargs={"enable_thinking": False})["prompt_token_ids"]
+    tokenized = httpx.post(f"{server}/tokenize", json={"messages": USER, "chat_template_kwargs":
+                                                       {"enable_thinking": False}}, headers=HEADERS).json()
+    assert tokenized["tokens"] == off_ids
+    r = _post(server, "/v1/chat/completions", {"model": "tiny", "messages": USER, "reasoning_effort": "extreme"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort"
+    rr = _post(server, "/v1/responses", {"model": "tiny", "input": "hi", "max_output_tokens": 2,
+                                         "reasoning": {"effort": "none"}})
+    assert rr.status_code == 200 and rr.json()["reasoning"]["effort"] == "none"
+    assert _post(server, "/v1/responses", {"model": "tiny", "input": "hi", "reasoning":
+                                           {"summary": "detailed"}}).status_code == 400
+
+
+def test_a_thinking_conversation_reuses_its_input_point_on_the_next_turn(server):
+    """The template drops an earlier turn's thinking (Qwen3's rule), so the previous answer's
+    generation end is no prefix of the next prompt — but the previous input point is: the next
+    turn has cached tokens."""
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key=KEY)
+    msgs = [{"role": "system", "content": "Think, then answer."},
+            {"role": "user", "content": "Why is the sea salty? Think it through step by step."}]
+    r1 = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0)
+    msgs += [{"role": "assistant", "content": r1.choices[0].message.content or "It is.",
+              "reasoning_content": "Rivers carry minerals; evaporation leaves salt behind."},
+             {"role": "user", "content": "And the Dead Sea?"}]
+    r2 = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0)
+    assert r2.usage.prompt_tokens_details.cached_tokens > 0
+    assert r2.usage.prompt_tokens_details.cached_tokens >= r1.usage.prompt_tokens - 5
+    rendered = httpx.post(f"{server}/tokenize", json={"messages": msgs}, headers=HEADERS).json()["tokens"]
+    text = httpx.post(f"{server}/detokenize", json={"tokens": rendered}, headers=HEADERS).json()["prompt"]
+    assert "evaporation" not in text                           # the earlier thinking is not rendered
 
 
 def test_continuous_usage_stats_put_usage_on_every_chunk(server):
