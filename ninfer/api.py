@@ -244,18 +244,20 @@ class Engine:
                  recovery_frontier: int | None = None, request_id: str | None = None,
                  logprobs: int | None = None, min_p: float | None = None, min_tokens: int = 0,
                  logit_bias: dict[int, float] | None = None, allowed_token_ids: list[int] | None = None,
-                 bad_words: list[list[int]] | None = None) -> RequestHandle:
+                 bad_words: list[list[int]] | None = None, structured: P.Constraint | None = None) -> RequestHandle:
         """``logprobs=k``: every output token's raw log-probability and its k most likely
         alternatives (0..20), on the stream events and the Output; None: none. ``min_p``,
         ``min_tokens``, ``logit_bias`` ({token id: bias}), ``allowed_token_ids`` and
-        ``bad_words`` (token-id sequences) shape the draw as in vLLM (``SamplingParams``).
+        ``bad_words`` (token-id sequences) shape the draw as in vLLM (``SamplingParams``);
+        ``structured``: a grammar the output follows (``ninfer.structured.json_schema(...)``,
+        ``regex``, ``choice``, ``grammar``, ``tool_calls``).
         temperature, top_p, top_k, min_p and repetition_penalty left at None take the engine's
         defaults (0.0, 1.0, 0, 0.0, 1.0 unless ``Engine.start(generation_config="auto")``)."""
         temperature, top_p, top_k, min_p, repetition_penalty = self._defaults(
             temperature, top_p, top_k, min_p, repetition_penalty)
         params = _params(max_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos,
                          presence_penalty, frequency_penalty, repetition_penalty, logprobs,
-                         min_p, min_tokens, logit_bias, allowed_token_ids, bad_words)
+                         min_p, min_tokens, logit_bias, allowed_token_ids, bad_words, structured)
         spec = RequestSpec(prompt=list(prompt_token_ids) if isinstance(prompt_token_ids, (list, tuple)) else prompt_token_ids,
                            params=params, session_id=session_id, anchors=list(anchors or []),
                            markers=list(cache_markers or []), recovery_frontier=recovery_frontier,
@@ -274,7 +276,8 @@ class Engine:
              request_id: str | None = None, fill_max_tokens: bool = False,
              logprobs: int | None = None, min_p: float | None = None, min_tokens: int = 0,
              logit_bias: dict[int, float] | None = None, allowed_token_ids: list[int] | None = None,
-             bad_words: list[list[int]] | None = None, add_generation_prompt: bool = True,
+             bad_words: list[list[int]] | None = None, structured: P.Constraint | None = None,
+             add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> RequestHandle:
         """OpenAI-style chat input: rendered with the model's template; the frontend finds the
         typed R, the restore position and the markers (cache_control on messages or parts).
@@ -288,7 +291,7 @@ class Engine:
             temperature, top_p, top_k, min_p, repetition_penalty)
         params = _params(max_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos,
                          presence_penalty, frequency_penalty, repetition_penalty, logprobs,
-                         min_p, min_tokens, logit_bias, allowed_token_ids, bad_words)
+                         min_p, min_tokens, logit_bias, allowed_token_ids, bad_words, structured)
         template = None
         if not add_generation_prompt or continue_final_message or chat_template_kwargs:
             template = P.TemplateOptions(add_generation_prompt=add_generation_prompt,
@@ -405,7 +408,7 @@ PY_DEFAULTS = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repe
 
 def _params(max_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos, presence_penalty,
             frequency_penalty, repetition_penalty, logprobs, min_p=0.0, min_tokens=0, logit_bias=None,
-            allowed_token_ids=None, bad_words=None) -> SamplingParams:
+            allowed_token_ids=None, bad_words=None, structured=None) -> SamplingParams:
     try:
         params = SamplingParams(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
@@ -414,7 +417,7 @@ def _params(max_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_
             repetition_penalty=repetition_penalty, logprobs=logprobs, min_p=min_p, min_tokens=min_tokens,
             logit_bias=tuple(sorted((int(t), float(b)) for t, b in (logit_bias or {}).items())),
             allowed_token_ids=tuple(allowed_token_ids or ()),
-            bad_words=tuple(tuple(w) for w in bad_words or ()))
+            bad_words=tuple(tuple(w) for w in bad_words or ()), structured=structured)
     except (TypeError, ValueError) as exc:
         raise RequestError(f"sampling options: {exc}") from None
     if logprobs is not None or logit_bias or allowed_token_ids or bad_words or min_tokens or min_p:

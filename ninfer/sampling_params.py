@@ -12,6 +12,20 @@ MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20        # top alternatives per token (vLLM's default max_logprobs, OpenAI's cap)
 
 
+class Constraint(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A grammar the output must follow (structured outputs; ``ninfer.structured`` builds them).
+
+    ``grammar``: an llguidance grammar (its JSON form: ``{"grammars": [...]}``) — a JSON schema,
+    a regex, a choice, a Lark / GBNF grammar, or the tool-call format. ``kind`` names what it came
+    from (for messages and stats). ``think``: (``<think>`` id, ``</think>`` id) of a reasoning
+    model: when the prompt leaves the answer inside its thinking, the grammar starts after
+    ``</think>`` (the thinking is free but for EOS); otherwise from the first token."""
+
+    grammar: str
+    kind: str = "grammar"
+    think: tuple[int, int] | None = None
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """How one request samples and when it stops.
 
@@ -37,6 +51,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
       drawn, nor end the request, before that many output tokens — unless nothing else is left.
     - ``logit_bias``: (id, bias) pairs added to the logits (OpenAI: -100..100).
     - ``min_p``: after the temperature, only tokens with probability >= min_p x the largest.
+    - ``structured``: a ``Constraint`` (a grammar): only tokens that keep the output inside it;
+      the request stops when the grammar is complete. Its state is a function of the committed
+      output alone (rebuilt from it after a destructive pause), never part of a cached prefix.
 
     Every one of them is a function of the logits, the committed output and the keyed draw, so a
     position recomputed after a pause draws the same token (Snapshot and Replay alike).
@@ -58,6 +75,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] = ()
     bad_words: tuple[tuple[int, ...], ...] = ()
+    structured: Constraint | None = None
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         """Raise RequestError naming the field and its allowed range; return self."""

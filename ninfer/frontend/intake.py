@@ -25,6 +25,7 @@ class Intake:
     def __init__(self, model_dir: str, info: P.WorkerInfo, media_budget_bytes: int = MEDIA_BUDGET,
                  media_limits=None):
         self.info = info
+        self.model_dir = model_dir
         self.memory = OutputMemory()
         try:
             self.tokenizer: ChatTokenizer | None = ChatTokenizer(model_dir)
@@ -40,7 +41,18 @@ class Intake:
         if not spec.rid:
             spec.rid = uuid.uuid4().hex
         validate_spec(spec, self.info)
+        if spec.params.structured is not None:
+            self.check_structured(spec.params.structured)
         return spec
+
+    def check_structured(self, c: P.Constraint) -> None:
+        """A grammar the worker's matcher could not use is this request's RequestError."""
+        from ninfer.structured import book_for, check
+        if not isinstance(c, P.Constraint) or not isinstance(c.grammar, str):
+            raise RequestError("structured must be a ninfer.structured constraint")
+        if self.model_dir is None:
+            raise RequestError("structured outputs need the model's tokenizer")
+        check(c, book_for(self.model_dir, self.info.vocab_size, tuple(self.info.eos_ids)), f"structured ({c.kind})")
 
     def chat(self, chat: P.ChatSpec) -> RequestSpec:
         if self.tokenizer is None:

@@ -72,13 +72,6 @@ REFUSED_ALWAYS: dict[str, tuple[Any, str]] = {
     "max_repetition_pattern_size": (_falsy, "stopping on repetitive patterns is not supported"),
     "min_repetition_pattern_size": (_falsy, "stopping on repetitive patterns is not supported"),
     "repetition_min_count": (_falsy, "stopping on repetitive patterns is not supported"),
-    "structured_outputs": (_none, "structured outputs are not supported yet"),
-    "guided_json": (_none, "structured outputs (guided_json) are not supported yet"),
-    "guided_regex": (_none, "structured outputs (guided_regex) are not supported yet"),
-    "guided_choice": (_none, "structured outputs (guided_choice) are not supported yet"),
-    "guided_grammar": (_none, "structured outputs (guided_grammar) are not supported yet"),
-    "guided_decoding_backend": (_none, "structured outputs are not supported yet"),
-    "guided_whitespace_pattern": (_none, "structured outputs are not supported yet"),
 }
 REFUSED_CHAT: dict[str, tuple[Any, str]] = {
     "truncate_prompt_tokens": (_none, "truncating a rendered chat would cut its template structure; "
@@ -123,13 +116,12 @@ def refuse_unsupported(req: S.Sampling, chat: bool, facts: ModelFacts) -> None:
         refuse(req, REFUSED_RESPONSES)
     else:
         refuse(req, REFUSED_CHAT if chat else REFUSED_COMPLETIONS)
-    rf = req.response_format
-    if rf is not None and rf.type != "text":
-        raise bad(f"response_format {rf.type!r} is not supported yet: NInfer has no constrained decoding yet",
-                  "response_format")
     if chat and req.add_special_tokens and facts.adds_special_tokens:
         raise bad("add_special_tokens is not supported for chat: the chat template places every special token",
                   "add_special_tokens")
+    if req.guided_decoding_backend not in BACKENDS:
+        raise bad(f"guided_decoding_backend {req.guided_decoding_backend!r} is not available: this server constrains "
+                  "with llguidance ('guidance' or 'auto')", "guided_decoding_backend")
     if req.stream_options is not None and not req.stream:
         raise bad("stream_options can only be given with stream=true", "stream_options")
 
@@ -263,6 +255,102 @@ def sampling(req: S.Sampling, facts: ModelFacts, max_tokens: int | None, default
     if words:
         out["bad_words"] = words
     return out
+
+
+# ---- structured outputs ------------------------------------------------------------------------
+
+BACKENDS = (None, "auto", "guidance", "llguidance")      # what constrains here: llguidance
+SO_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def constraint(req: S.Sampling, book, think: tuple[int, int] | None = None) -> P.Constraint | None:
+    """The request's grammar, from whichever of OpenAI's ``response_format`` (Responses:
+    ``text.format``), vLLM's ``structured_outputs`` or its older ``guided_*`` names it uses (two
+    of them: a 400); checked against the model's tokenizer (``book``). ``think``: the reasoning
+    tags, when a reasoning parser is on (the grammar then starts after the thinking)."""
+    found: list[tuple[str, P.Constraint]] = []
+    fmt = getattr(req, "text", None)
+    rf = req.response_format
+    if rf is not None and rf.type != "text":
+        found.append(("response_format", _from_format(rf.type, (rf.json_schema or {}).get("schema"), "response_format")))
+    if isinstance(req, S.ResponsesRequest) and fmt is not None and fmt.format is not None and fmt.format.type != "text":
+        found.append(("text.format", _from_format(fmt.format.type, fmt.format.schema, "text.format")))
+    if req.structured_outputs is not None:
+        found.append(("structured_outputs", _from_structured(req.structured_outputs)))
+    guided = [k for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar") if getattr(req, k) is not None]
+    if len(guided) > 1:
+        raise bad(f"only one guided constraint at a time (got {', '.join(guided)})", guided[1])
+    if guided:
+        k = guided[0]
+        spec = {k[len("guided_"):]: getattr(req, k)}
+        if req.guided_whitespace_pattern is not None:
+            spec["whitespace_pattern"] = req.guided_whitespace_pattern
+        found.append((k, _from_structured(spec, k)))
+    elif req.guided_whitespace_pattern is not None:
+        raise bad("guided_whitespace_pattern needs guided_json", "guided_whitespace_pattern")
+    if len(found) > 1:
+        raise bad(f"give one output constraint, not {found[0][0]} and {found[1][0]}", found[1][0])
+    if not found:
+        return None
+    where, c = found[0]
+    return checked(c, book, where, think)
+
+
+def checked(c: P.Constraint, book, where: str, think: tuple[int, int] | None) -> P.Constraint:
+    from ninfer import structured as st
+    try:
+        st.check(c, book, where)
+    except RequestError as exc:
+        raise bad(str(exc), where) from None
+    return st.msgspec_replace(c, think=think) if think else c
+
+
+def _from_format(kind: str, schema, where: str) -> P.Constraint:
+    from ninfer import structured as st
+    if kind == "json_object":
+        return st.json_object()
+    if not isinstance(schema, dict):
+        raise bad(f"{where}: json_schema needs its schema (an object)", where)
+    return _wrap(lambda: st.json_schema(schema), where)
+
+
+def _from_structured(spec: dict, where: str = "structured_outputs") -> P.Constraint:
+    """vLLM's StructuredOutputsParams: one of json / regex / choice / grammar / json_object."""
+    from ninfer import structured as st
+    known = set(SO_KINDS) | {"disable_any_whitespace", "disable_additional_properties", "whitespace_pattern",
+                             "structural_tag", "disable_fallback"}
+    unknown = sorted(set(spec) - known)
+    if unknown:
+        raise bad(f"{where}.{unknown[0]} is not a structured-output option", where)
+    kinds = [k for k in SO_KINDS if spec.get(k) not in (None, False)]
+    if spec.get("structural_tag") is not None:
+        raise bad(f"{where}.structural_tag is not supported", where)
+    if spec.get("disable_additional_properties"):
+        raise bad(f"{where}.disable_additional_properties is not supported (set additionalProperties in the "
+                  "schema)", where)
+    if len(kinds) != 1:
+        raise bad(f"{where}: give exactly one of {', '.join(SO_KINDS)} (got {len(kinds)})", where)
+    kind, value = kinds[0], spec[kinds[0]]
+    # vLLM's default allows any whitespace; NInfer writes compact JSON unless asked explicitly
+    flexible = spec.get("disable_any_whitespace") is False
+    if kind == "json":
+        return _wrap(lambda: st.json_schema(value, flexible, spec.get("whitespace_pattern")), where)
+    if kind == "json_object":
+        return st.json_object(flexible)
+    if kind == "regex" and isinstance(value, str):
+        return st.regex(value)
+    if kind == "choice" and isinstance(value, list):
+        return _wrap(lambda: st.choice(value), where)
+    if kind == "grammar" and isinstance(value, str):
+        return _wrap(lambda: st.grammar(value), where)
+    raise bad(f"{where}.{kind} has the wrong type", where)
+
+
+def _wrap(build, where: str) -> P.Constraint:
+    try:
+        return build()
+    except RequestError as exc:
+        raise bad(f"{where}: {exc}", where) from None
 
 
 # ---- the chat template -------------------------------------------------------------------------

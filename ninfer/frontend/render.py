@@ -26,6 +26,7 @@ class ChatTokenizer:
 
     def __init__(self, model_dir: str | Path):
         d = Path(model_dir)
+        self.source = d                      # the directory (structured outputs read tokenizer.json)
         tok_file, cfg_file = d / "tokenizer.json", d / "tokenizer_config.json"
         if not tok_file.is_file():
             raise ModelLoadError(f"{d}: no tokenizer.json (needed for chat input and text output)")

@@ -197,9 +197,6 @@ class ResponsesCall:
 
 
 def parse_responses(req: S.ResponsesRequest, store: ResponseStore) -> ResponsesCall:
-    fmt = req.text.format.type if req.text is not None and req.text.format is not None else "text"
-    if fmt != "text":
-        raise bad(f"text.format {fmt!r} is not supported: NInfer has no constrained decoding yet", "text.format")
     prev = req.previous_response_id
     history = store.history(prev) if prev else []
     messages, items = normalise_input(req.input)
@@ -258,7 +255,7 @@ def response_object(rid: str, model: str, created: int, call: ResponsesCall, out
             "previous_response_id": call.previous, "store": call.store,
             "temperature": req.temperature if req.temperature is not None else 1.0,
             "top_p": req.top_p if req.top_p is not None else 1.0,
-            "text": {"format": {"type": "text"}},
+            "text": {"format": _format(req)},
             "reasoning": {"effort": (req.reasoning or {}).get("effort"), "summary": None},
             "tool_choice": call.tool_choice if isinstance(call.tool_choice, str) else
             {"type": "function", "name": call.tool_choice["function"]["name"]},
@@ -269,6 +266,17 @@ def response_object(rid: str, model: str, created: int, call: ResponsesCall, out
                 "input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": usage.cached_tokens},
                 "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
                 "total_tokens": usage.prompt_tokens + output_tokens}}
+
+
+def _format(req: S.ResponsesRequest) -> dict:
+    f = req.text.format if req.text is not None and req.text.format is not None else None
+    if f is None or f.type == "text":
+        return {"type": "text"}
+    out = {"type": f.type}
+    if f.type == "json_schema":
+        out.update({k: v for k, v in (("name", f.name), ("schema", f.schema), ("strict", f.strict),
+                                      ("description", f.description)) if v is not None})
+    return out
 
 
 def stored_history(call: ResponsesCall, content: str, calls: list[dict], reasoning: str = "") -> list[dict]:

@@ -195,8 +195,12 @@ class ResponseTool(Struct, kw_only=True):
     strict: bool | None = None
 
 
-class TextFormat(Struct):
+class TextFormat(Struct, kw_only=True):
     type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
 
 
 class TextConfig(Struct):

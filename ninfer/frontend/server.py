@@ -125,6 +125,9 @@ class Server:
         self.reasoning_parser = choose_parser(reasoning_parser, (self.tok.chat_template or "") if self.tok else "")
         end = self.tok.tokenizer.token_to_id("</think>") if self.tok else None
         self.think_end_id = end
+        start = self.tok.tokenizer.token_to_id("<think>") if self.tok else None
+        self.think_tags = (start, end) if self.reasoning_parser and start is not None and end is not None else None
+        self._book = None
         self.facts = O.ModelFacts(
             vocab_size=engine.info.vocab_size, template=(self.tok.chat_template or "") if self.tok else "",
             adds_special_tokens=bool(self.tok and self.tok.tokenizer.encode("", add_special_tokens=True).ids))
@@ -258,6 +261,37 @@ class Server:
     def _decoder(self, shape: O.Shaping):
         return self._decode if shape.skip_special_tokens else partial(self._decode, skip_special_tokens=False)
 
+    def book(self):
+        """The grammar book of the served model (structured outputs), loaded on first use."""
+        if self._book is None:
+            from ninfer.structured import book_for
+            if self.tok is None:
+                raise oa.bad("structured outputs need the model's tokenizer")
+            self._book = book_for(self.tok.source, self.engine.info.vocab_size, self.eos_ids)
+        return self._book
+
+    def _constraint(self, req: S.Sampling, tool_choice=None, tools=None, parallel: bool = True,
+                    think: bool = True) -> dict:
+        """``structured=`` for the engine: the request's output format, or the tool-call grammar
+        of a ``required`` / named tool_choice (the call is then always made); not both."""
+        needs_book = (req.response_format is not None and req.response_format.type != "text") or any(
+            getattr(req, k, None) is not None for k in ("structured_outputs", "guided_json", "guided_regex",
+                                                        "guided_choice", "guided_grammar"))
+        text = getattr(req, "text", None)
+        needs_book = needs_book or (text is not None and text.format is not None and text.format.type != "text")
+        tags = self.think_tags if think else None
+        c = O.constraint(req, self.book() if needs_book else None, tags) if needs_book else None
+        forced = tool_choice == "required" or isinstance(tool_choice, dict)
+        if forced and c is not None:
+            raise oa.bad("a required or named tool_choice already constrains the answer: drop the output format",
+                         "tool_choice")
+        if forced:
+            from ninfer import structured as st
+            name = tool_choice["function"]["name"] if isinstance(tool_choice, dict) else None
+            tag = self.tok is not None and self.tok.tokenizer.token_to_id("<tool_call>") is not None
+            c = O.checked(st.tool_calls(tools, name, parallel, tag), self.book(), "tool_choice", tags)
+        return {"structured": c} if c is not None else {}
+
     def _think_split(self, c: Choice):
         """The choice's reasoning split, starting inside the thinking when the prompt ends in
         ``<think>`` (a template that opens it for the model)."""
@@ -352,6 +386,8 @@ class Server:
         tools = body.get("tools") if choice != "none" else None
         sampling = self._sampling(req, req.max_completion_tokens or req.max_tokens, self.default_max, req.n)
         sampling.update(O.template(req, self.facts))
+        sampling.update(await self._off_loop(partial(self._constraint, req, choice, body.get("tools"),
+                                                     req.parallel_tool_calls is not False)))
         if req.logprobs:
             sampling["logprobs"] = req.top_logprobs or 0
         stop = self._stop(req)
@@ -374,7 +410,6 @@ class Server:
         out = []
         token_str = self._token_str_of(shape)
         for i, g in enumerate(got):
-            _verify_tool_choice(choice, g.calls)
             calls = g.calls[:1] if shape.first_call_only else g.calls
             msg = oa.chat_message(ctx.echo + ("" if choice not in ("auto", "none") and calls else g.text), calls)
             if ctx.reasoning:
@@ -449,12 +484,6 @@ class Server:
         except Disconnected:
             return
         for i, fin in enumerate(fins):
-            try:
-                _verify_tool_choice(ctx.tool_choice, calls[i])
-            except oa.ApiError as exc:
-                yield _sse(exc.body())
-                yield "data: [DONE]\n\n"
-                return
             counted[i] = fin.completion_tokens
             yield emit(i, {}, fin.reason)
         if req.stream_options is not None and req.stream_options.include_usage:
@@ -507,6 +536,7 @@ class Server:
         sampling.pop("fill_max_tokens")
         if req.logprobs is not None:
             sampling["logprobs"] = req.logprobs
+        sampling.update(await self._off_loop(partial(self._constraint, req, think=False)))
         stop, n, shape = self._stop(req), req.n or 1, O.shaping(req, self.eos_ids)
         prompts = await self._off_loop(self._prompts, req.prompt, req.add_special_tokens is not False,
                                        req.truncate_prompt_tokens)
@@ -592,6 +622,8 @@ class Server:
         _tool_choice(call.tool_choice if call.tool_choice != "none" else None, call.tools)
         sampling = self._sampling(req, req.max_output_tokens, self.default_max, None)
         sampling.update(O.responses_template(req, self.facts))
+        sampling.update(await self._off_loop(partial(self._constraint, req, call.tool_choice, call.tools,
+                                                     req.parallel_tool_calls is not False)))
         choice = Choice(partial(self.engine.chat, call.messages, tools=call.tools,
                                 session_id=req.prompt_cache_key or req.user, **sampling), self._stop(req),
                         bool(call.tools), shape=O.shaping(req, self.eos_ids),
@@ -604,7 +636,6 @@ class Server:
         if got is None:
             return Response(status_code=499)
         g = got[0]
-        _verify_tool_choice(call.tool_choice, g.calls)
         status = "incomplete" if g.fin.reason == "length" else "completed"
         obj = R.response_object(rid, self.model, created, call,
                                 R.output_items(g.text, g.calls, status, reasoning=g.reasoning), status,
@@ -653,11 +684,6 @@ class Server:
             err = oa.engine_error(fin.out)
             yield ev.event("response.failed", response={**obj, "status": "failed",
                                                         "error": {"code": err.kind, "message": str(err)}})
-            return
-        try:
-            _verify_tool_choice(call.tool_choice, got.calls)
-        except oa.ApiError as exc:
-            yield ev.event("error", code=exc.code, message=str(exc), param=None)
             return
         status = "incomplete" if fin.reason == "length" else "completed"
         for e in ev.close_reasoning() + ev.close_message(status):
@@ -829,21 +855,6 @@ def _tool_choice(choice, tools) -> str | dict:
         if name not in names:
             raise oa.bad(f"tool_choice names the function {name!r}, which is not among the tools", "tool_choice")
     return choice
-
-
-def _verify_tool_choice(choice, calls: list[dict]) -> None:
-    """``required`` and a named function are verified (NInfer does not constrain decoding yet):
-    an answer without the call is a 422 instead of a silently different reply."""
-    if choice == "required" and not calls:
-        raise oa.ApiError(422, "tool_choice is 'required' but the model answered without a tool call "
-                               "(NInfer verifies tool_choice; it does not constrain decoding)",
-                          code="tool_choice_not_satisfied", param="tool_choice")
-    if isinstance(choice, dict):
-        name = choice["function"]["name"]
-        if not any(c["function"]["name"] == name for c in calls):
-            raise oa.ApiError(422, f"tool_choice names {name!r} but the model did not call it "
-                                   "(NInfer verifies tool_choice; it does not constrain decoding)",
-                              code="tool_choice_not_satisfied", param="tool_choice")
 
 
 def _nth_seed(sampling: dict, i: int) -> dict:

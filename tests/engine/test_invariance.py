@@ -51,7 +51,8 @@ def _faults(rng: random.Random) -> list[dict]:
 def sampling_options(rng: random.Random, n: int, temperature: float, vocab: int = 2048) -> dict:
     """Random sampling options of the kinds vLLM users send (each on for some requests), chosen
     so that they change the draw on the random tiny model: a small allowed set with stop ids
-    inside it (so stops really happen), min_tokens, logit bias, bad words, min_p."""
+    inside it (so stops really happen), min_tokens, logit bias, bad words, min_p, and a grammar
+    (structured outputs: a JSON schema, a regex, a choice, a GBNF grammar)."""
     out: dict = {}
     allowed = sorted(rng.sample(range(vocab), rng.randint(24, 200))) if rng.random() < 0.5 else None
     if allowed:
@@ -68,7 +69,18 @@ def sampling_options(rng: random.Random, n: int, temperature: float, vocab: int 
         out["bad_words"] = ((a,), (b, c))
     if temperature > 0 and rng.random() < 0.6:
         out["min_p"] = rng.choice([0.02, 0.1, 0.3])
+    if not allowed and rng.random() < 0.35:                 # structured outputs (a grammar)
+        out["structured"] = _constraint(rng.randrange(4))
     return out
+
+
+def _constraint(k: int):
+    from ninfer import structured as st
+    return [lambda: st.json_schema({"type": "object", "properties": {"a": {"type": "string", "maxLength": 6},
+                                                                     "b": {"type": "integer"}}}),
+            lambda: st.regex(r"([a-z]{2,5} ){1,40}"),
+            lambda: st.choice(["alpha", "beta gamma", "delta"]),
+            lambda: st.grammar('root ::= ("(" [0-9]+ ")")+')][k]()
 
 
 def _workload(seed: int, options: bool = False):
@@ -130,8 +142,10 @@ def _check_final(model_dir: str, h: Harness, rid: str, prompt, params, seed: int
         assert f.error["type"] in allowed, f"seed {seed}: {rid} failed without its fault: {f.error}"
         TOTALS["failed_by_fault"] += 1
         return
-    assert f.finish_reason == "length" or (f.finish_reason == "stop" and params.get("stop_token_ids")), f.error
+    assert f.finish_reason == "length" or (f.finish_reason == "stop" and (
+        params.get("stop_token_ids") or params.get("structured"))), f.error
     TOTALS["stopped"] += f.finish_reason == "stop"
+    TOTALS["constrained"] += params.get("structured") is not None
     if k is None:
         assert f.token_ids == oracle(model_dir, prompt, **params), f"seed {seed}: {rid} differs from the oracle"
         return
@@ -275,13 +289,13 @@ OPTION_SEEDS = [8000 + s for s in range(40)]
 @pytest.mark.timeout(900)
 def test_sampling_options_under_pressure_match_the_oracle(tiny_model):
     """The same workloads with vLLM's sampling options on their requests (allowed ids, stop ids
-    with min_tokens, logit bias, bad words, min_p): under the same pressure and faults, every
+    with min_tokens, logit bias, bad words, min_p, grammars): under the same pressure and faults, every
     completed request equals the oracle that applies the same options to the request alone —
     across Snapshot and Replay pauses (both happen here) and stops by stop id."""
     before = Counter(TOTALS)
     run_workloads(tiny_model, OPTION_SEEDS, lambda seed: {"options": True})
     seen = Counter(TOTALS) - before
-    assert seen["snapshot"] and seen["replay"] and seen["stopped"], dict(seen)
+    assert seen["snapshot"] and seen["replay"] and seen["stopped"] and seen["constrained"], dict(seen)
 
 
 def test_a_failed_unit_keeps_the_retirements_of_its_prepared_save(tiny_model):

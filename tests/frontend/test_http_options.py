@@ -33,7 +33,7 @@ CHAT_CASES: dict[str, tuple] = {
     "max_completion_tokens": (2, OK, {}),
     "n": (2, OK, {}),
     "presence_penalty": (0.5, OK, {}),
-    "response_format": ({"type": "json_object"}, NO, {}),
+    "response_format": ({"type": "json_object"}, OK, {}),
     "seed": (7, OK, {}),
     "stop": (["zz"], OK, {}),
     "stream": (True, OK, {}),
@@ -70,7 +70,7 @@ CHAT_CASES: dict[str, tuple] = {
     "chat_template": ("{{ messages }}", NO, {}),
     "chat_template_kwargs": ({"some_flag": True}, OK, {}),
     "mm_processor_kwargs": ({"max_pixels": 10}, NO, {}),
-    "structured_outputs": ({"regex": "a+"}, NO, {}),
+    "structured_outputs": ({"regex": "a+"}, OK, {}),
     "priority": (1, NO, {}),
     "request_id": ("my-request", OK, {}),
     "logits_processors": (["my.Processor"], NO, {}),
@@ -117,8 +117,8 @@ COMPLETION_CASES: dict[str, tuple] = {
     "prompt_logprobs": (1, NO, {}),
     "prompt_embeds": ("AAAA", NO, {}),
     "add_special_tokens": (False, OK, {}),
-    "response_format": ({"type": "json_object"}, NO, {}),
-    "structured_outputs": ({"regex": "a+"}, NO, {}),
+    "response_format": ({"type": "json_object"}, OK, {}),
+    "structured_outputs": ({"regex": "a+"}, OK, {}),
     "priority": (1, NO, {}),
     "request_id": ("my-request", OK, {}),
     "logits_processors": (["my.Processor"], NO, {}),
@@ -131,9 +131,10 @@ COMPLETION_CASES: dict[str, tuple] = {
     "min_repetition_pattern_size": (2, NO, {}),
     "repetition_min_count": (3, NO, {}),
 }
-GUIDED_CASES = {"guided_json": ({"type": "object"}, NO, {}), "guided_regex": ("a+", NO, {}),
-                "guided_choice": (["a", "b"], NO, {}), "guided_grammar": ("root ::= \"a\"", NO, {}),
-                "guided_decoding_backend": ("xgrammar", NO, {}), "guided_whitespace_pattern": (" ", NO, {})}
+GUIDED_CASES = {"guided_json": ({"type": "object"}, OK, {}), "guided_regex": ("a+", OK, {}),
+                "guided_choice": (["a", "b"], OK, {}), "guided_grammar": ("root ::= \"a\"", OK, {}),
+                "guided_decoding_backend": ("xgrammar", NO, {}),
+                "guided_whitespace_pattern": (" ", OK, {"guided_json": {"type": "object"}})}
 
 
 def test_every_vllm_field_has_a_decision_and_a_typed_place():

@@ -54,12 +54,15 @@ class ScriptedEngine:
 
     def __init__(self, tok: ChatTokenizer):
         self._intake = SimpleNamespace(tokenizer=tok)
-        self.info = SimpleNamespace(max_context=4096, vocab_size=tok.tokenizer.get_vocab_size(), vision_merge=0)
+        self.info = SimpleNamespace(max_context=4096, vocab_size=tok.tokenizer.get_vocab_size(), vision_merge=0,
+                                    eos_ids=[tok.tokenizer.token_to_id(t) for t in ("<|im_end|>", "<|endoftext|>")])
         self.handles: list[ScriptedHandle] = []
+        self.kwargs: list[dict] = []            # what each chat was asked (sampling, structured, ...)
         self.delay = 0.002
         self.chunk = 1
 
     def chat(self, messages, tools=None, **kw) -> ScriptedHandle:
+        self.kwargs.append(kw)
         script = messages[-1]["content"]
         h = ScriptedHandle(f"s{len(self.handles)}", self._intake.tokenizer.encode(script), self.delay, self.chunk)
         self.handles.append(h)
@@ -146,20 +149,25 @@ def test_tool_calls_stream_as_delta_tool_calls(scripted):
     assert r.choices[0].finish_reason == "tool_calls"
 
 
-def test_tool_choice_required_and_named_are_verified(scripted):
+def test_tool_choice_required_and_named_constrain_the_answer(scripted):
+    """``required`` and a named function reach the engine as the tool-call grammar (the engine
+    draws only calls: tests/engine/test_structured.py, tests/frontend/test_http_structured.py) —
+    no verification, no 422; named streams only the call; ``none`` renders no tools."""
     c = scripted.client
     r = c.chat.completions.create(model="tiny", messages=_say(CALL), tools=TOOLS, tool_choice="required")
     assert r.choices[0].message.tool_calls[0].function.name == "get_weather"
-    with pytest.raises(openai.UnprocessableEntityError, match="required"):
-        c.chat.completions.create(model="tiny", messages=_say("no call here"), tools=TOOLS, tool_choice="required")
+    sent = scripted.engine.kwargs[-1]["structured"]
+    assert sent.kind == "tool_calls"
     named = {"type": "function", "function": {"name": "get_time"}}
-    with pytest.raises(openai.UnprocessableEntityError, match="get_time"):
-        c.chat.completions.create(model="tiny", messages=_say(CALL), tools=TOOLS, tool_choice=named)
+    c.chat.completions.create(model="tiny", messages=_say(CALL), tools=TOOLS, tool_choice=named)
+    assert scripted.engine.kwargs[-1]["structured"].kind == "tool_calls"
+    assert scripted.engine.kwargs[-1]["structured"] != sent                      # only get_time's calls
     text, calls, _ = _stream(c, messages=_say("words " + CALL), tools=TOOLS,
                              tool_choice={"type": "function", "function": {"name": "get_weather"}})
     assert text == "" and calls[0].function.name == "get_weather"     # named: only the call is streamed
     r = c.chat.completions.create(model="tiny", messages=_say(CALL), tools=TOOLS, tool_choice="none")
     assert r.choices[0].message.tool_calls is None and "<tool_call>" in r.choices[0].message.content
+    assert "structured" not in scripted.engine.kwargs[-1]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])

@@ -166,6 +166,9 @@ def test_min_p_keeps_tokens_within_a_fraction_of_the_most_likely():
     assert abs(drawn[0] / 3000 - 0.5 / 0.8) < 0.03           # renormalised over what is kept
     assert {sample_token(logits, SamplingParams(temperature=1.0, min_p=0.0, seed=s), 0, [], [])
             for s in range(400)} == {0, 1, 2, 3}
+    # top_p then sees the renormalised mass: 0.5 / 0.8 = 0.625 >= 0.6 keeps token 0 alone
+    assert {sample_token(logits, SamplingParams(temperature=1.0, min_p=0.5, top_p=0.6, seed=s), 0, [], [])
+            for s in range(400)} == {0}
 
 
 def test_logprobs_stay_raw_under_every_option():
