@@ -10,7 +10,7 @@ from importlib import import_module
 from ninfer.config import ContextCacheConfig, EngineConfig
 from ninfer.errors import (CapacityContractError, ConfigError, DeploymentError, ModelLoadError, NInferError,
                            RequestError)
-from ninfer.sampling_params import SamplingParams
+from ninfer.sampling_params import Constraint, SamplingParams
 
 __version__ = "0.1.0"
 
@@ -25,7 +25,7 @@ _LAZY = {
 
 __all__ = [
     "CapacityContractError", "ConfigError", "ContextCacheConfig", "DeploymentError", "EngineConfig", "ModelLoadError",
-    "NInferError", "RequestError", "SamplingParams", *_LAZY,
+    "NInferError", "RequestError", "SamplingParams", "Constraint", *_LAZY,
 ]
 
 

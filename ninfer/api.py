@@ -94,6 +94,7 @@ class RequestHandle:
         self._aq: tuple[asyncio.AbstractEventLoop, asyncio.Queue] | None = None
         self._lock = threading.Lock()
         self._events: list[dict] = []
+        self.prompt_token_ids: list[int] | None = None     # the prompt the engine runs, once known
 
     def events(self) -> list[dict]:
         """The lifecycle so far — queued, generation_start, admitted, first_token, paused,
@@ -168,8 +169,15 @@ class Engine:
     messages as Ray, one process) or the Ray one; ``ninfer.connect`` attaches to a running Ray
     deployment. The handle API is the same for both."""
 
-    def __init__(self, runtime, model_dir: str | None, transport: str, media_budget_bytes: int | None = None):
+    def __init__(self, runtime, model_dir: str | None, transport: str, media_budget_bytes: int | None = None,
+                 generation_config: str = "vllm"):
         from ninfer.frontend.intake import Intake
+        from ninfer.frontend.options import generation_defaults
+
+        # what generate / chat use for a sampling argument left at None ("vllm": the documented
+        # defaults; "auto": the model's generation_config.json first; max_tokens stays 16)
+        found = generation_defaults(model_dir, generation_config)
+        self.sampling_defaults = {**PY_DEFAULTS, **{k: v for k, v in found.items() if k in PY_DEFAULTS}}
 
         self.transport = transport
         self.model_dir = model_dir
@@ -188,10 +196,16 @@ class Engine:
     @staticmethod
     def start(model: str | Path, config: EngineConfig | str | Path | dict | None = None,
               dtype: str | None = None, transport: str = "inproc", address: str | None = None,
-              deployment: str = "ninfer", detached: bool = False, **kw) -> "Engine":
+              deployment: str = "ninfer", detached: bool = False, generation_config: str = "vllm",
+              **kw) -> "Engine":
         """Start an engine on ``model``. transport="inproc": one process; "ray": the three
         actors on the Ray cluster at ``address``, else on the cluster this machine runs (as a
         plain ``ray.init()`` finds it), else on a private local Ray.
+
+        ``generation_config`` (vLLM's ``--generation-config``): what ``generate`` / ``chat`` use for
+        temperature, top_p, top_k, min_p and repetition_penalty left at None — "vllm" (default):
+        the documented defaults (greedy); "auto": the model's generation_config.json where it sets
+        them; a directory: that directory's file.
 
         The config is checked against the model here, before any actor starts: a bad model
         directory or config value is one ModelLoadError / ConfigError; values above what the
@@ -213,48 +227,92 @@ class Engine:
             log.warning("%s", note)
         if transport == "inproc":
             from ninfer.actors.runtime import InprocRuntime
-            return Engine(InprocRuntime(str(model), cfg), str(model), transport, cfg.media_budget_bytes)
+            return Engine(InprocRuntime(str(model), cfg), str(model), transport, cfg.media_budget_bytes,
+                          generation_config)
         if transport == "ray":
             from ninfer.actors.client import RayClientRuntime
             return Engine(RayClientRuntime.start(str(model), cfg, address, deployment, detached, **kw),
-                          str(model), transport, cfg.media_budget_bytes)
+                          str(model), transport, cfg.media_budget_bytes, generation_config)
         raise RequestError(f"transport {transport!r} is not supported (use 'inproc' or 'ray')")
 
     # ---- requests -------------------------------------------------------------------------
-    def generate(self, prompt_token_ids: list[int], max_tokens: int = 16, temperature: float = 0.0,
-                 top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop_token_ids: list[int] | None = None,
+    def generate(self, prompt_token_ids: list[int], max_tokens: int = 16, temperature: float | None = None,
+                 top_p: float | None = None, top_k: int | None = None, seed: int = 0, stop_token_ids: list[int] | None = None,
                  ignore_eos: bool = False, session_id: str | None = None, anchors: list[int] | None = None,
                  cache_markers: list[int] | None = None, presence_penalty: float = 0.0,
-                 frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
+                 frequency_penalty: float = 0.0, repetition_penalty: float | None = None,
                  recovery_frontier: int | None = None, request_id: str | None = None,
-                 logprobs: int | None = None) -> RequestHandle:
+                 logprobs: int | None = None, min_p: float | None = None, min_tokens: int = 0,
+                 logit_bias: dict[int, float] | None = None, allowed_token_ids: list[int] | None = None,
+                 bad_words: list[list[int]] | None = None, structured: P.Constraint | None = None) -> RequestHandle:
         """``logprobs=k``: every output token's raw log-probability and its k most likely
-        alternatives (0..20), on the stream events and the Output; None: none."""
+        alternatives (0..20), on the stream events and the Output; None: none. ``min_p``,
+        ``min_tokens``, ``logit_bias`` ({token id: bias}), ``allowed_token_ids`` and
+        ``bad_words`` (token-id sequences) shape the draw as in vLLM (``SamplingParams``);
+        ``structured``: a grammar the output follows (``ninfer.structured.json_schema(...)``,
+        ``regex``, ``choice``, ``grammar``, ``tool_calls``).
+        temperature, top_p, top_k, min_p and repetition_penalty left at None take the engine's
+        defaults (0.0, 1.0, 0, 0.0, 1.0 unless ``Engine.start(generation_config="auto")``)."""
+        temperature, top_p, top_k, min_p, repetition_penalty = self._defaults(
+            temperature, top_p, top_k, min_p, repetition_penalty)
         params = _params(max_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos,
-                         presence_penalty, frequency_penalty, repetition_penalty, logprobs)
+                         presence_penalty, frequency_penalty, repetition_penalty, logprobs,
+                         min_p, min_tokens, logit_bias, allowed_token_ids, bad_words, structured)
         spec = RequestSpec(prompt=list(prompt_token_ids) if isinstance(prompt_token_ids, (list, tuple)) else prompt_token_ids,
                            params=params, session_id=session_id, anchors=list(anchors or []),
                            markers=list(cache_markers or []), recovery_frontier=recovery_frontier,
                            rid=request_id or "")
-        return self._submit(spec.rid, lambda rid: self._rt.submit(msgspec.structs.replace(spec, rid=rid)))
+        h = self._submit(spec.rid, lambda rid: self._rt.submit(msgspec.structs.replace(spec, rid=rid)))
+        h.prompt_token_ids = list(spec.prompt)
+        return h
 
     def chat(self, messages: list[dict], tools: list[dict] | None = None, max_tokens: int = 16,
-             temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
+             temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+             seed: int = 0,
              session_id: str | None = None, cache_markers: list[int] | None = None,
              stop_token_ids: list[int] | None = None, ignore_eos: bool = False,
-             presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
+             presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+             repetition_penalty: float | None = None,
              request_id: str | None = None, fill_max_tokens: bool = False,
-             logprobs: int | None = None) -> RequestHandle:
+             logprobs: int | None = None, min_p: float | None = None, min_tokens: int = 0,
+             logit_bias: dict[int, float] | None = None, allowed_token_ids: list[int] | None = None,
+             bad_words: list[list[int]] | None = None, structured: P.Constraint | None = None,
+             add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> RequestHandle:
         """OpenAI-style chat input: rendered with the model's template; the frontend finds the
         typed R, the restore position and the markers (cache_control on messages or parts).
-        ``fill_max_tokens``: treat max_tokens as a cap on the remaining context. ``logprobs``:
-        as in ``generate`` (OpenAI's ``logprobs=true, top_logprobs=k``)."""
+        ``fill_max_tokens``: treat max_tokens as a cap on the remaining context. ``logprobs``
+        and the other sampling options: as in ``generate`` (OpenAI's ``logprobs=true,
+        top_logprobs=k``). ``add_generation_prompt`` / ``continue_final_message`` (the final
+        message left open for the model to continue; the two exclude each other) and
+        ``chat_template_kwargs`` (extra template variables, e.g. ``{"enable_thinking": False}``)
+        as in vLLM. ``handle.prompt_token_ids`` is the rendered prompt once this returns."""
+        temperature, top_p, top_k, min_p, repetition_penalty = self._defaults(
+            temperature, top_p, top_k, min_p, repetition_penalty)
         params = _params(max_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos,
-                         presence_penalty, frequency_penalty, repetition_penalty, logprobs)
+                         presence_penalty, frequency_penalty, repetition_penalty, logprobs,
+                         min_p, min_tokens, logit_bias, allowed_token_ids, bad_words, structured)
+        template = None
+        if not add_generation_prompt or continue_final_message or chat_template_kwargs:
+            template = P.TemplateOptions(add_generation_prompt=add_generation_prompt,
+                                         continue_final_message=continue_final_message,
+                                         kwargs=dict(chat_template_kwargs or {}))
         chat = P.ChatSpec(messages=messages, tools=tools, params=params, session_id=session_id,
                           markers=list(cache_markers or []), fill_max_tokens=fill_max_tokens,
-                          rid=request_id or "")
-        return self._submit(chat.rid, lambda rid: self._rt.submit_chat(msgspec.structs.replace(chat, rid=rid)))
+                          rid=request_id or "", template=template)
+        prompt: list = []
+
+        def send(rid: str) -> None:
+            prompt.append(self._rt.submit_chat(msgspec.structs.replace(chat, rid=rid)))
+        h = self._submit(chat.rid, send)
+        h.prompt_token_ids = list(prompt[0]) if prompt and prompt[0] is not None else None
+        return h
+
+    def _defaults(self, temperature, top_p, top_k, min_p, repetition_penalty) -> tuple:
+        d = self.sampling_defaults
+        return tuple(d[k] if v is None else v for k, v in (
+            ("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("min_p", min_p),
+            ("repetition_penalty", repetition_penalty)))
 
     def _submit(self, rid: str, send) -> RequestHandle:
         with self._lock:
@@ -344,22 +402,35 @@ class Engine:
         self.shutdown()
 
 
+# the documented defaults of generate / chat for the sampling values a model may set
+PY_DEFAULTS = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
 def _params(max_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos, presence_penalty,
-            frequency_penalty, repetition_penalty, logprobs) -> SamplingParams:
-    params = SamplingParams(
-        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-        stop_token_ids=tuple(stop_token_ids or ()), ignore_eos=ignore_eos,
-        presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-        repetition_penalty=repetition_penalty, logprobs=logprobs)
-    if logprobs is not None:
+            frequency_penalty, repetition_penalty, logprobs, min_p=0.0, min_tokens=0, logit_bias=None,
+            allowed_token_ids=None, bad_words=None, structured=None) -> SamplingParams:
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+            stop_token_ids=tuple(stop_token_ids or ()), ignore_eos=ignore_eos,
+            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+            repetition_penalty=repetition_penalty, logprobs=logprobs, min_p=min_p, min_tokens=min_tokens,
+            logit_bias=tuple(sorted((int(t), float(b)) for t, b in (logit_bias or {}).items())),
+            allowed_token_ids=tuple(allowed_token_ids or ()),
+            bad_words=tuple(tuple(w) for w in bad_words or ()), structured=structured)
+    except (TypeError, ValueError) as exc:
+        raise RequestError(f"sampling options: {exc}") from None
+    if logprobs is not None or logit_bias or allowed_token_ids or bad_words or min_tokens or min_p:
         # here, not only at the intake: over Ray a value of the wrong type would otherwise
         # fail to decode instead of giving this request a clear RequestError
         params.validate()
     return params
 
 
-def connect(address: str = "auto", deployment: str = "ninfer", model_dir: str | None = None) -> Engine:
-    """A client handle to an engine already serving on a Ray cluster."""
+def connect(address: str = "auto", deployment: str = "ninfer", model_dir: str | None = None,
+            generation_config: str = "vllm") -> Engine:
+    """A client handle to an engine already serving on a Ray cluster (``generation_config``: as
+    in ``Engine.start``)."""
     from ninfer.actors.client import RayClientRuntime
     rt = RayClientRuntime.connect(address, deployment)
-    return Engine(rt, model_dir or rt.model_dir, "ray")
+    return Engine(rt, model_dir or rt.model_dir, "ray", generation_config=generation_config)

@@ -74,7 +74,8 @@ def _serve(args: argparse.Namespace) -> int:
                   flush=True)
             serve(engine, names[0], sock=sock, aliases=names[1:], limits=limits,
                   api_key=args.api_key or os.environ.get("NINFER_API_KEY"),
-                  max_body_bytes=args.max_body_bytes, max_messages=args.max_messages)
+                  max_body_bytes=args.max_body_bytes, max_messages=args.max_messages,
+                  generation_config=args.generation_config, reasoning_parser=args.reasoning_parser)
         finally:
             # A deployment started without --address goes with the server; from a detached or an
             # attached one only this client leaves.
@@ -185,6 +186,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "more names are accepted as aliases")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "mtp", "num_tokens": 3}\' (over the config file\'s)')
+    p.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="sampling defaults for what a request leaves unset (vLLM's flag): auto = the model's "
+                        "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
+                        "max_new_tokens), vllm = vLLM's own, DIR = that directory's file (default auto)")
+    p.add_argument("--reasoning-parser", default="auto", metavar="auto|none|qwen3",
+                   help="split the model's thinking into reasoning_content (vLLM's flag): qwen3 = <think> ... "
+                        "</think>; auto = qwen3 when the chat template knows <think> (default auto)")
     add_vllm_flags(p)
     p.set_defaults(func=_serve)
 

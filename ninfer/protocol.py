@@ -35,7 +35,7 @@ from enum import IntEnum
 
 import msgspec
 
-from ninfer.sampling_params import SamplingParams
+from ninfer.sampling_params import Constraint, SamplingParams  # noqa: F401 (Constraint travels in params)
 
 PROTOCOL_VERSION = 2
 PAGE = 64                      # tokens per Main-KV page (seed: Main KV 页为 64 token)
@@ -657,6 +657,7 @@ class StepReply(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     vision: VisionStats | None = None  # the encoder cache's counters (None: no vision tower)
     graphs: GraphStats | None = None   # the Program's graphs (None: eager only)
     worker_s: float = 0.0            # time the worker spent on this plan (observation)
+    structured: StructuredStats | None = None   # grammar work (None: no constrained request yet)
 
 
 class SpecStats(msgspec.Struct, array_like=True, gc=False):
@@ -725,6 +726,20 @@ class VisionStats(msgspec.Struct, array_like=True, gc=False):
         return {"encodes": self.encodes, "encoder_cache_hits": self.hits, "encoder_cache_evictions": self.evictions,
                 "encoder_cache_entries": self.entries, "encoder_cache_bytes": self.bytes,
                 "encoder_cache_budget_bytes": self.budget_bytes}
+
+
+class StructuredStats(msgspec.Struct, array_like=True, gc=False):
+    """The worker's grammar work for structured outputs (ninfer/structured.py)."""
+
+    requests: int = 0             # grammar states built (a rebuild after a destructive pause included)
+    masks: int = 0                # token masks computed
+    mask_s: float = 0.0           # time computing them (the grammar's cost per constrained token)
+    rebuilt: int = 0              # states rebuilt from a committed output (Replay)
+
+    def as_dict(self) -> dict:
+        return {"requests": self.requests, "masks": self.masks, "mask_s": self.mask_s,
+                "mask_us_per_token": 1e6 * self.mask_s / self.masks if self.masks else 0.0,
+                "rebuilt": self.rebuilt}
 
 
 class WorkerInfo(msgspec.Struct):
@@ -879,6 +894,16 @@ class RequestSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
 _spec_dec = msgspec.msgpack.Decoder(RequestSpec)
 
 
+class TemplateOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """How a chat is rendered (vLLM's request fields of the same names): the generation prompt
+    or a continued final message (its text left open: no end-of-turn after it), and the extra
+    variables the chat template sees (``chat_template_kwargs``, e.g. ``enable_thinking``)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    kwargs: dict = {}
+
+
 class ChatSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
     """An OpenAI-style chat request; the frontend renders it to the exact prompt tokens."""
 
@@ -889,6 +914,7 @@ class ChatSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
     markers: list[int] = []
     fill_max_tokens: bool = False    # max_tokens unset: up to the remaining context (capped)
     rid: str = ""
+    template: TemplateOptions | None = None
 
 
 _chat_dec = msgspec.msgpack.Decoder(ChatSpec)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import msgspec
+
 from ninfer.errors import RequestError
 from ninfer.native.model.config import PAGE_SIZE, load_eos_ids
 from ninfer.native.model.forward import ForwardBatch, SeqInput
@@ -52,17 +54,32 @@ def generate_with_model(model: HybridModel, eos_ids: tuple[int, ...], prompt: li
     pages = list(range((total + PAGE_SIZE - 1) // PAGE_SIZE))
     cache = model.new_cache(len(pages), 1)
     out: list[int] = []
+    grammar = None
+    if params.structured is not None:          # the same grammar state the worker keeps
+        from ninfer.structured import GrammarState, book_for
+        grammar = GrammarState(params.structured, book_for(_model_dir(model), vocab, eos_ids), list(prompt))
     step = SeqInput(token_ids=list(prompt), start=0, page_table=pages)
     while True:
         logits = model.forward(ForwardBatch.build([step], model.device), cache).logits[-1]
         position = len(prompt) + len(out)
-        tok = sample_token(logits, params, position, prompt, out)
+        allowed = grammar.allowed().to(logits.device) if grammar is not None else None
+        tok = sample_token(logits, params, position, prompt, out, eos_ids, allowed)
         out.append(tok)
         if params.logprobs is not None and logprobs_out is not None:
             logprobs_out.append(token_logprobs(logits, tok, params.logprobs))
         if stop_reason(tok, len(out), params, eos_ids):
             return out
+        if grammar is not None:
+            grammar.accept(tok)
+            if grammar.complete:
+                return out
         step = SeqInput(token_ids=[tok], start=position, page_table=pages)
+
+
+def _model_dir(model: HybridModel):
+    if model.source is None:
+        raise RequestError("structured outputs need the model's directory (its tokenizer.json)")
+    return model.source
 
 
 def reference_generate(model_dir: str | Path, prompt_token_ids: list[int], max_tokens: int = 16,
@@ -70,21 +87,30 @@ def reference_generate(model_dir: str | Path, prompt_token_ids: list[int], max_t
                        dtype: str = "float32", stop_token_ids: list[int] | None = None,
                        ignore_eos: bool = False, presence_penalty: float = 0.0,
                        frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
-                       logprobs: int | None = None, return_logprobs: bool = False
+                       logprobs: int | None = None, return_logprobs: bool = False,
+                       min_p: float = 0.0, min_tokens: int = 0, logit_bias: dict[int, float] | None = None,
+                       allowed_token_ids: list[int] | None = None,
+                       bad_words: list[list[int]] | None = None, structured=None,
+                       params: SamplingParams | None = None,
                        ) -> list[int] | tuple[list[int], list[TokenLogprob]]:
     """Isolated, uncached generation of one request: the output-invariance oracle.
 
     ``return_logprobs=True`` returns ``(token_ids, logprobs)``: one ``TokenLogprob`` per output
     token with the ``logprobs`` (default 0) top alternatives, exactly as the engine reports
-    them (raw log_softmax of the logits in float64)."""
-    if return_logprobs and logprobs is None:
-        logprobs = 0
-    params = SamplingParams(
-        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-        stop_token_ids=tuple(stop_token_ids or ()), ignore_eos=ignore_eos,
-        presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-        repetition_penalty=repetition_penalty, logprobs=logprobs,
-    )
+    them (raw log_softmax of the logits in float64). ``params``: a whole ``SamplingParams``
+    instead of the keywords (every option the engine takes, a constraint included)."""
+    if params is None:
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+            stop_token_ids=tuple(stop_token_ids or ()), ignore_eos=ignore_eos,
+            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+            repetition_penalty=repetition_penalty, logprobs=logprobs, min_p=min_p, min_tokens=min_tokens,
+            logit_bias=tuple(sorted((logit_bias or {}).items())),
+            allowed_token_ids=tuple(allowed_token_ids or ()),
+            bad_words=tuple(tuple(w) for w in bad_words or ()), structured=structured,
+        )
+    if return_logprobs and params.logprobs is None:
+        params = msgspec.structs.replace(params, logprobs=0)
     model, eos = load_cached(model_dir, dtype)
     lps: list[TokenLogprob] = []
     ids = generate_with_model(model, eos, list(prompt_token_ids), params, lps if return_logprobs else None)
@@ -123,7 +149,7 @@ def reference_generate_multimodal(model_dir: str | Path, prompt_token_ids: list[
         logits, out = out_f.logits[-1], []
         while True:
             pos = len(ids) + len(out)
-            tok = sample_token(logits, params, pos, [t for t in ids], out)
+            tok = sample_token(logits, params, pos, [t for t in ids], out, eos)
             out.append(tok)
             if stop_reason(tok, len(out), params, eos):
                 return out

@@ -12,6 +12,20 @@ MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20        # top alternatives per token (vLLM's default max_logprobs, OpenAI's cap)
 
 
+class Constraint(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A grammar the output must follow (structured outputs; ``ninfer.structured`` builds them).
+
+    ``grammar``: an llguidance grammar (its JSON form: ``{"grammars": [...]}``) — a JSON schema,
+    a regex, a choice, a Lark / GBNF grammar, or the tool-call format. ``kind`` names what it came
+    from (for messages and stats). ``think``: (``<think>`` id, ``</think>`` id) of a reasoning
+    model: when the prompt leaves the answer inside its thinking, the grammar starts after
+    ``</think>`` (the thinking is free but for EOS); otherwise from the first token."""
+
+    grammar: str
+    kind: str = "grammar"
+    think: tuple[int, int] | None = None
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """How one request samples and when it stops.
 
@@ -25,6 +39,24 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     ("raw_logprobs"), these are of the model's raw distribution: log_softmax of the logits in
     float64, before penalties, temperature and top-k/top-p. They are computed only when asked
     and only read the logits: they never change which token is drawn.
+
+    What shapes the draw beyond those (vLLM's meaning and order, applied in float64 before the
+    penalties: allowed ids, bad words, min_tokens, logit bias; min_p after the temperature):
+
+    - ``allowed_token_ids``: only these ids may be drawn (empty: every id).
+    - ``bad_words``: token sequences that may never be completed: the last token of a sequence is
+      barred where the output so far ends with the rest of it (OpenAI's/vLLM's ``bad_words``,
+      already tokenized by the frontend).
+    - ``min_tokens``: the stop ids (``stop_token_ids`` and, unless ``ignore_eos``, EOS) cannot be
+      drawn, nor end the request, before that many output tokens — unless nothing else is left.
+    - ``logit_bias``: (id, bias) pairs added to the logits (OpenAI: -100..100).
+    - ``min_p``: after the temperature, only tokens with probability >= min_p x the largest.
+    - ``structured``: a ``Constraint`` (a grammar): only tokens that keep the output inside it;
+      the request stops when the grammar is complete. Its state is a function of the committed
+      output alone (rebuilt from it after a destructive pause), never part of a cached prefix.
+
+    Every one of them is a function of the logits, the committed output and the keyed draw, so a
+    position recomputed after a pause draws the same token (Snapshot and Replay alike).
     """
 
     max_tokens: int = 16
@@ -38,6 +70,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()
+    bad_words: tuple[tuple[int, ...], ...] = ()
+    structured: Constraint | None = None
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         """Raise RequestError naming the field and its allowed range; return self."""
@@ -64,8 +102,22 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", self.logprobs, f"None or 0..{MAX_LOGPROBS} (top alternatives per token)")
+        if not math.isfinite(self.min_p) or not 0 <= self.min_p <= 1:
+            bad("min_p", self.min_p, "[0, 1]")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) \
+                or not 0 <= self.min_tokens <= self.max_tokens:
+            bad("min_tokens", self.min_tokens, f"0..max_tokens ({self.max_tokens})")
+        for t, b in self.logit_bias:
+            if not math.isfinite(b) or not -100 <= b <= 100:
+                bad("logit_bias", b, "biases in [-100, 100]")
+        if any(not w for w in self.bad_words):
+            bad("bad_words", [], "non-empty token sequences")
         if vocab_size is not None:
-            for t in self.stop_token_ids:
-                if not 0 <= t < vocab_size:
-                    bad("stop_token_ids", t, f"token ids in 0..{vocab_size - 1}")
+            for name, ids in (("stop_token_ids", self.stop_token_ids),
+                              ("logit_bias", [t for t, _ in self.logit_bias]),
+                              ("allowed_token_ids", self.allowed_token_ids),
+                              ("bad_words", [t for w in self.bad_words for t in w])):
+                for t in ids:
+                    if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+                        bad(name, t, f"token ids in 0..{vocab_size - 1}")
         return self

@@ -192,6 +192,25 @@ CASES = {
         None,
     ),
     "empty": ([], None),
+    # Qwen3's thinking: reasoning kept only after the last user message
+    "thinking_history": (
+        [
+            {"role": "user", "content": "Q1"},
+            {"role": "assistant", "content": "A1", "reasoning_content": "R1"},
+            {"role": "user", "content": "Q2"},
+            {"role": "assistant", "content": "<think>\nR2\n</think>\n\nA2"},
+        ],
+        None,
+    ),
+    "thinking_before_a_tool_result": (
+        [
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": "", "reasoning_content": "I should call it.",
+             "tool_calls": [_call("get_weather", {"city": "Paris"})]},
+            {"role": "tool", "content": "rain"},
+        ],
+        [WEATHER_TOOL],
+    ),
 }
 
 
@@ -276,6 +295,17 @@ def test_template_matches_reference(case, add_generation_prompt):
     assert _render(messages, tools, add_generation_prompt) == expected
     # Whitespace control is explicit, so the plain Jinja defaults give the same text.
     assert _render(messages, tools, add_generation_prompt, hf_like=False) == expected
+
+
+def test_thinking_is_dropped_before_the_last_user_message_and_can_be_switched_off():
+    messages, _ = CASES["thinking_history"]
+    text = _render(messages, add_generation_prompt=False)
+    assert "R1" not in text and "<|im_start|>assistant\nA1<|im_end|>" in text
+    assert "<|im_start|>assistant\n<think>\nR2\n</think>\n\nA2<|im_end|>" in text
+    off = _compile(CHAT_TEMPLATE).render(messages=messages[:3], enable_thinking=False, add_generation_prompt=True)
+    assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert off == render_reference(messages[:3], enable_thinking=False)
+    assert _render(messages[:3]) == render_reference(messages[:3], enable_thinking=True)
 
 
 def test_transformers_drops_none_keys_same_output():

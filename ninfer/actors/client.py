@@ -180,9 +180,11 @@ class RayClientRuntime:
     def submit(self, spec: RequestSpec) -> None:
         self._check(ray.get(self.frontend.submit.remote(self.client_id, _encode(spec))))
 
-    def submit_chat(self, chat: P.ChatSpec) -> None:
-        err, _ = ray.get(self.frontend.submit_chat.remote(self.client_id, _encode(chat)))
+    def submit_chat(self, chat: P.ChatSpec) -> list[int]:
+        """Rendered and submitted by the frontend actor; returns the prompt's token ids."""
+        err, prompt = ray.get(self.frontend.submit_chat.remote(self.client_id, _encode(chat)))
         self._check(err)
+        return prompt
 
     def cancel(self, rid: str) -> None:
         self.frontend.cancel.remote(rid)

@@ -44,8 +44,11 @@ class InprocRuntime:
     def submit(self, spec: RequestSpec) -> None:
         self.loop.submit(self.intake.validate(spec))     # bad input fails here, for it alone
 
-    def submit_chat(self, chat: P.ChatSpec) -> None:
-        self.submit(self.intake.chat(chat))
+    def submit_chat(self, chat: P.ChatSpec) -> list[int]:
+        """Render and submit; returns the prompt's token ids."""
+        spec = self.intake.chat(chat)
+        self.submit(spec)
+        return spec.prompt
 
     def observe(self, ev: P.Event) -> None:
         self.intake.observe(ev)

@@ -188,6 +188,8 @@ class Worker:
         reply.uncovered, prog.uncovered = prog.uncovered, []
         reply.vision = prog.encoder.stats if prog.encoder is not None else None
         reply.graphs = prog.graphs.stats if prog.graphs is not None else None
+        g = prog.grammar_stats
+        reply.structured = P.StructuredStats(g.requests, g.masks, g.mask_s, g.rebuilt) if g is not None else None
 
     # ---- commands -----------------------------------------------------------------------
     def _command(self, c, reply: P.StepReply) -> P.CommandOut:

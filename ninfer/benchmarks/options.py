@@ -237,6 +237,9 @@ def _serve(b: argparse.ArgumentParser) -> None:
     b.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
     b.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (ours, vLLM, SGLang): every reply "
                                                              "runs to --max-tokens")
+    b.add_argument("--structured", choices=["none", "json", "both"], default="none",
+                   help="json: every request asks for a json_schema response; both: the load without, then with "
+                        "it, and the grammar's mask time per constrained token (NInfer's /metrics)")
     b.add_argument("--timeout", type=float, default=120.0,
                    help="seconds a read may wait (a stalled stream counts as an error)")
     b.add_argument("--out", default=None, metavar="FILE.json",
@@ -388,7 +391,7 @@ def run_serve(args: argparse.Namespace) -> int:
     result = serve.run(args.base_url, args.model, args.api_key or os.environ.get("OPENAI_API_KEY"), args.clients,
                        args.rounds, args.max_tokens, args.prompt_words, args.temperature, args.ignore_eos,
                        args.timeout, model_dir=args.model_dir, out=args.out, plot=args.plot,
-                       request_rate=args.request_rate, transport=args.transport)
+                       request_rate=args.request_rate, transport=args.transport, structured=args.structured)
     return 1 if result["errors"] else 0
 
 

@@ -137,45 +137,109 @@ def summarise(name, recs: list[Record], span_s: float | None = None) -> dict:
             "finished": sum(r.finish_reason is not None for r in recs)}
 
 
+# --structured json: every reply follows this schema (bounded, so a small model's answer ends)
+BENCH_SCHEMA = {"type": "object", "properties": {
+    "answer": {"type": "string", "maxLength": 64},
+    "confidence": {"type": "number"},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3}},
+    "required": ["answer", "confidence", "tags"], "additionalProperties": False}
+RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "bench", "schema": BENCH_SCHEMA}}
+
+
 def run(base_url: str | None = None, model: str | None = None, api_key: str | None = None, clients: int = 64,
         rounds: int = 4, max_tokens: int = 32, prompt_words: int | None = None, temperature: float = 0.0,
         ignore_eos: bool = False, timeout: float = 120.0, model_dir: str = "models/tiny", out: str | None = None,
-        plot: str | None = None, request_rate: float | None = None, transport: str = "inproc") -> dict:
-    """Run the load, print the table (and the JSON unless ``out``), write ``out`` / ``plot``."""
+        plot: str | None = None, request_rate: float | None = None, transport: str = "inproc",
+        structured: str = "none") -> dict:
+    """Run the load, print the table (and the JSON unless ``out``), write ``out`` / ``plot``.
+
+    ``structured``: "none"; "json" (every request carries ``RESPONSE_FORMAT``); "both" (the same
+    load unconstrained, then constrained, one after the other on the same server: the rows of
+    each, and the grammar's cost per constrained token from the server's /metrics when it is
+    NInfer's)."""
     from contextlib import nullcontext
 
     from ninfer.benchmarks.common import ensure_model
     local = base_url is None
+    runs = {"none": [""], "json": ["json"], "both": ["", "json"]}[structured]
+    loads = []
     with LocalServer(ensure_model(model_dir), transport=transport) if local else nullcontext(base_url) as url:
         model = model or first_model(url, api_key)
         sampling = {"max_tokens": max_tokens, "temperature": temperature} | ({"ignore_eos": True} if ignore_eos else {})
         workload = f"--prompt-words {prompt_words}" if prompt_words else "built-in chat mix"
-        print(f"bench serve: {clients} clients x {rounds} rounds, max_tokens {max_tokens}, {workload}, "
-              f"model {model} at {url}", file=sys.stderr)
-        records, wall = run_load(url, model, conversations(clients, rounds, prompt_words), rounds, sampling,
-                                 api_key, timeout, request_rate)
+        for kind in runs:
+            print(f"bench serve: {clients} clients x {rounds} rounds, max_tokens {max_tokens}, {workload}, "
+                  f"{'json_schema responses, ' if kind else ''}model {model} at {url}", file=sys.stderr)
+            before = grammar_counters(url, api_key) if kind else None
+            extra = {"response_format": RESPONSE_FORMAT} if kind else {}
+            records, wall = run_load(url, model, conversations(clients, rounds, prompt_words), rounds,
+                                     sampling | extra, api_key, timeout, request_rate)
+            cost = grammar_cost(before, grammar_counters(url, api_key), records) if kind else None
+            loads.append((kind, records, wall, cost))
     config = {"clients": clients, "rounds": rounds, "max_tokens": max_tokens, "prompt_words": prompt_words,
               "temperature": temperature, "ignore_eos": ignore_eos, "timeout_s": timeout, "base_url": url,
-              "model": model, "request_rate": request_rate,
+              "model": model, "request_rate": request_rate, "structured": structured,
               "server": f"built in: ninfer serve --transport {transport}, tiny model" if local else "external"}
     if local:
         config["engine_config"] = LOCAL_CONFIG
-    return _report(records, wall, config, out, plot)
+    return _report(loads, config, out, plot)
 
 
-def _report(records: list[Record], wall: float, config: dict, out, plot) -> dict:
+def grammar_counters(url: str, api_key: str | None) -> dict | None:
+    """NInfer's ``ninfer_structured_*`` counters from the server's /metrics (None elsewhere)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+    base = url[:-3] if url.endswith("/v1") else url
+    try:
+        text = httpx.get(f"{base}/metrics", timeout=10,
+                         headers={"authorization": f"Bearer {api_key}"} if api_key else {}).text
+        out = {}
+        for fam in text_string_to_metric_families(text):
+            for smp in fam.samples:
+                if smp.name in ("ninfer_structured_masks_total", "ninfer_structured_mask_seconds_total"):
+                    out[smp.name] = smp.value
+        return out
+    except Exception:                      # not NInfer, or no /metrics: no grammar cost to report
+        return None
+
+
+def grammar_cost(before: dict | None, after: dict | None, records: list[Record]) -> dict | None:
+    if after is None or "ninfer_structured_masks_total" not in after:
+        return None
+    before = before or {}
+    masks = after["ninfer_structured_masks_total"] - before.get("ninfer_structured_masks_total", 0)
+    secs = after["ninfer_structured_mask_seconds_total"] - before.get("ninfer_structured_mask_seconds_total", 0)
+    tokens = sum(r.output_tokens for r in records if r.error is None)
+    return {"masks": int(masks), "mask_s": round(secs, 4), "output_tokens": tokens,
+            "mask_us_per_mask": round(1e6 * secs / masks, 1) if masks else None,
+            "mask_us_per_token": round(1e6 * secs / tokens, 1) if tokens else None}
+
+
+def _report(loads: list, config: dict, out, plot) -> dict:
     from ninfer.benchmarks.common import report
     rounds = config["rounds"]
-    rows = [summarise(r, [x for x in records if x.round == r]) for r in range(rounds)]
-    total = summarise("total", records, wall)
+    rows, records, wall, both = [], [], 0.0, len(loads) > 1
+    for kind, recs, w, cost in loads:
+        tag = f"{kind or 'plain'} " if both else ""
+        rows += [summarise(f"{tag}{r}" if both else r, [x for x in recs if x.round == r]) for r in range(rounds)]
+        row = summarise(f"{tag}total", recs, w)
+        if cost is not None:
+            row["mask_us_per_token"] = cost["mask_us_per_token"]
+        rows.append(row)
+        records, wall = records + recs, wall + w
+    total = summarise("total", records, wall) if both else rows.pop()
     errors = [x.public() for x in records if x.error is not None]
     result = {"config": config, "wall_s": round(wall, 2),
               "errors": total["errors"], "unfinished": total["requests"] - total["finished"],
               "error_samples": errors[:20]}
+    grammar = [cost for kind, _, _, cost in loads if kind]
+    if grammar:
+        result["grammar"] = grammar[0]          # mask time per constrained token (NInfer's /metrics)
     every = {"requests": [x.public() for x in records]}
     if out:                                       # every request's record only in the file
         result.update(every)
-    data = report("serve", result, rows + [total], COLUMNS, out, plot, plot_only=every)
+    columns = COLUMNS + (["mask_us_per_token"] if grammar else [])
+    data = report("serve", result, rows + [total], columns, out, plot, plot_only=every)
     if errors:
         print(f"{len(errors)} of {len(records)} requests failed; first: {errors[0]['error']}", file=sys.stderr)
     return data

@@ -113,6 +113,7 @@ class EngineCore:
         self.spec: P.SpecStats | None = None
         self.vision: P.VisionStats | None = None
         self.graphs: P.GraphStats | None = None
+        self.structured: P.StructuredStats | None = None
         self._stuck = 0
         self.summary = EngineSummary(self, config.log_stats_interval_s)
         # the seed's rules as invariants, checked every cycle (the test suite turns it on)
@@ -291,6 +292,7 @@ class EngineCore:
         self.spec = reply.spec
         self.vision = reply.vision
         self.graphs = reply.graphs
+        self.structured = reply.structured or self.structured
         self.tx = reply.tx
         if self.tx is not None and self._tx_since is None:
             self._tx_since = time.monotonic()
@@ -473,6 +475,7 @@ class EngineCore:
             "speculative": self.spec.as_dict() if self.spec is not None else None,
             "vision": self.vision.as_dict() if self.vision is not None else None,
             "graphs": self.graphs.as_dict() if self.graphs is not None else None,
+            "structured": self.structured.as_dict() if self.structured is not None else None,
             "cost_model": {"h2d_bytes_per_s": self.rm.cost.h2d_bytes_per_s,
                            "prefill_s_per_token": self.rm.cost.prefill_s_per_token,
                            "calibrated": bool(self.info.h2d_bytes_per_s or self.info.prefill_s_per_token)},

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from ninfer.errors import RequestError
 from ninfer.frontend.provenance import Rendered, render_with_provenance
 from ninfer.frontend.render import ChatTokenizer
-from ninfer.protocol import MAX_MARKERS
+from ninfer.protocol import MAX_MARKERS, TemplateOptions
 
 CLOSING_ROLES = ("user", "system", "developer")
 # message-level cache_control entries rendered at most (each a prefix render); more is refused
@@ -132,8 +132,13 @@ def _content_parts_complete(message: dict) -> bool:
 
 
 def plan_chat(tok: ChatTokenizer, messages: list[dict], tools: list[dict] | None = None,
-              memory: OutputMemory | None = None) -> ChatPlan:
-    r = render_with_provenance(tok, messages, tools, add_generation_prompt=True)
+              memory: OutputMemory | None = None, template: TemplateOptions | None = None) -> ChatPlan:
+    """``template``: the generation prompt or a continued final message, and the template's extra
+    variables (every rendering below sees the same ones)."""
+    t_opts = template or TemplateOptions()
+    r = render_with_provenance(tok, messages, tools,
+                               add_generation_prompt=t_opts.add_generation_prompt and not t_opts.continue_final_message,
+                               template_kwargs=t_opts.kwargs or None, continue_final=t_opts.continue_final_message)
     t = _Tokens(r, messages, memory)
     plan = ChatPlan(prompt=t.tokens)
     rr_char, tc_char, typed_r_char = _typed_r(r, messages)

@@ -28,7 +28,7 @@ class Intake:
     def __init__(self, model_dir: str, info: P.WorkerInfo, media_budget_bytes: int = MEDIA_BUDGET,
                  media_limits=None):
         self.info = info
-        self.model_dir = str(model_dir)
+        self.model_dir = str(model_dir) if model_dir is not None else None
         self.memory = OutputMemory()
         self.stats = RequestStats(info.max_context)
         try:
@@ -46,14 +46,26 @@ class Intake:
             spec.rid = uuid.uuid4().hex
         validate_spec(spec, self.info)
         self.stats.submitted(spec)
+        if spec.params.structured is not None:
+            self.check_structured(spec.params.structured)
         return spec
+
+    def check_structured(self, c: P.Constraint) -> None:
+        """A grammar the worker's matcher could not use is this request's RequestError."""
+        from ninfer.structured import book_for, check
+        if not isinstance(c, P.Constraint) or not isinstance(c.grammar, str):
+            raise RequestError("structured must be a ninfer.structured constraint")
+        if self.model_dir is None:
+            raise RequestError("structured outputs need the model's tokenizer")
+        check(c, book_for(self.model_dir, self.info.vocab_size, tuple(self.info.eos_ids)), f"structured ({c.kind})")
 
     def chat(self, chat: P.ChatSpec) -> RequestSpec:
         if self.tokenizer is None:
             raise RequestError("this model directory has no tokenizer; send prompt_token_ids instead")
         check_messages(chat.messages)
+        check_template(chat.template, chat.messages)
         images = self._images(chat.messages)
-        plan = self._plan(chat.messages, chat.tools)
+        plan = self._plan(chat.messages, chat.tools, chat.template)
         media: list[P.MediaItem] = []
         if images:
             plan, media = self._expand(plan, images)
@@ -72,17 +84,18 @@ class Intake:
                            response_replay=plan.response_replay, turn_closure=plan.turn_closure,
                            split_points=plan.split_points, rid=chat.rid, media=media)
 
-    def _plan(self, messages: list[dict], tools: list[dict] | None):
-        """The chat plan: here for a small input, in the helper process for a large one (its
-        rendering and tokenising would hold this interpreter for seconds: ``offload``)."""
+    def _plan(self, messages: list[dict], tools: list[dict] | None, template: P.TemplateOptions | None = None):
+        """The chat plan (with the request's template options): here for a small input, in the
+        helper process for a large one (its rendering and tokenising would hold this interpreter
+        for seconds: ``offload``)."""
         try:
             size = len(msgspec.json.encode([messages, tools]))
         except (TypeError, ValueError, msgspec.EncodeError):
             size = 0                                  # what the template makes of it is said here
         if size <= INLINE_TEXT_CHARS:
-            return plan_chat(self.tokenizer, messages, tools, self.memory)
+            return plan_chat(self.tokenizer, messages, tools, self.memory, template)
         value = offload.shared().run(offload.plan_chat_job, self.model_dir, messages, tools,
-                                     self._remembered(messages), self.info.max_context)
+                                     self._remembered(messages), self.info.max_context, template)
         if isinstance(value, offload.Refusal):
             raise RequestError(value.message)
         return value
@@ -169,3 +182,21 @@ def check_messages(messages) -> None:
         c = m.get("content")
         if c is not None and not isinstance(c, (str, list)):
             raise RequestError(f"messages[{i}].content must be a string, a list of parts or null")
+
+
+# what the template is always given by the renderer: never a chat_template_kwargs entry
+RESERVED_TEMPLATE_VARS = ("messages", "tools", "add_generation_prompt", "continue_final_message")
+
+
+def check_template(opts: P.TemplateOptions | None, messages: list) -> None:
+    """The template options of one chat: a clear RequestError naming the field."""
+    if opts is None:
+        return
+    if opts.add_generation_prompt and opts.continue_final_message:
+        raise RequestError("continue_final_message and add_generation_prompt cannot both be true "
+                           "(set add_generation_prompt to false to continue the final message)")
+    if not isinstance(opts.kwargs, dict) or any(not isinstance(k, str) for k in opts.kwargs):
+        raise RequestError("chat_template_kwargs must be an object with string keys")
+    clash = [k for k in opts.kwargs if k in RESERVED_TEMPLATE_VARS]
+    if clash:
+        raise RequestError(f"chat_template_kwargs.{clash[0]} is set by the request itself, not by chat_template_kwargs")

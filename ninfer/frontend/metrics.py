@@ -176,6 +176,12 @@ class _StatsCollector:
             yield self._labelled(counter, "vllm:spec_decode_num_accepted_tokens_per_pos",
                                  "Draft tokens accepted, by draft position", "position",
                                  {str(i): n for i, n in enumerate(spec["accepted_by_position"])})
+        so = s.get("structured")
+        if so:                                # structured outputs: the grammar's work
+            yield self._one(counter, "ninfer_structured_masks", "Token masks computed for constrained requests",
+                            so["masks"])
+            yield self._one(counter, "ninfer_structured_mask_seconds", "Time computing token masks", so["mask_s"])
+            yield self._one(counter, "ninfer_structured_requests", "Grammar states built", so["requests"])
         for key, (name, help_) in HISTOGRAMS.items():
             h = t.get("histograms", {}).get(key)
             if h is not None:

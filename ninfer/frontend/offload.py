@@ -237,16 +237,21 @@ def _refused(exc: Exception) -> tuple[bool, Refusal]:
 
 
 def plan_chat_job(model_dir: str, messages: list[dict], tools: list[dict] | None,
-                  remembered: dict[str, list[int]], max_context: int):
-    """A chat input's plan (``chat_plan.plan_chat``). A prompt that cannot fit is refused after
-    one render and a count, before the plan's per-token work: the rendered text's tokens less
-    every byte of the assistant texts the plan may replace by remembered outputs (each token
-    spans at least one byte) is a lower bound on the prompt."""
+                  remembered: dict[str, list[int]], max_context: int, template=None):
+    """A chat input's plan (``chat_plan.plan_chat``, with the request's ``TemplateOptions``). A
+    prompt that cannot fit is refused after one render and a count, before the plan's per-token
+    work: the rendered text's tokens less every byte of the assistant texts the plan may replace
+    by remembered outputs (each token spans at least one byte) is a lower bound on the prompt."""
     from ninfer.errors import RequestError
     from ninfer.frontend.chat_plan import OutputMemory, plan_chat
     tok = tokenizer(model_dir)
     try:
-        text = tok.render(messages, tools, True)
+        if template is None:
+            text = tok.render(messages, tools, True)
+        else:
+            cont = template.continue_final_message
+            text = tok.render(messages, tools, template.add_generation_prompt and not cont,
+                              template.kwargs or None, cont)
         count = len(tok.tokenizer.encode_batch([text], add_special_tokens=False)[0])
         least = count - sum(len(t.encode("utf-8", "surrogatepass")) for t in remembered)
         if least > max_context:
@@ -257,7 +262,7 @@ def plan_chat_job(model_dir: str, messages: list[dict], tools: list[dict] | None
         memory = OutputMemory()
         for t, ids in remembered.items():
             memory.remember(t, list(ids))
-        plan = plan_chat(tok, messages, tools, memory)
+        plan = plan_chat(tok, messages, tools, memory, template)
     except RequestError as exc:
         return _refused(exc)
     trim()
@@ -270,20 +275,24 @@ def tokenize_job(model_dir: str, *args):
 
 
 def tokenize_with(tok, text: str | None, messages: list[dict] | None, tools: list[dict] | None,
-                  add_generation_prompt: bool, add_special_tokens: bool, max_context: int):
+                  add_generation_prompt: bool, add_special_tokens: bool, max_context: int | None,
+                  template_kwargs: dict | None = None, continue_final: bool = False):
     """The token ids of a text (``add_special_tokens`` as the tokenizer adds them) or of chat
-    messages as the template renders them; more than ``max_context`` is refused before the ids
-    are built. The encoding is ``encode_batch``'s, which releases the GIL."""
+    messages as the template renders them (``template_kwargs``: chat_template_kwargs;
+    ``continue_final``: the final message left open); more than ``max_context`` (None: no
+    limit, the caller truncates) is refused before the ids are built. The encoding is
+    ``encode_batch``'s, which releases the GIL."""
     from ninfer.errors import RequestError
     from ninfer.frontend.render import check_text
     try:
         if messages is not None:
-            text, add_special_tokens = tok.render(messages, tools, add_generation_prompt), False
+            text = tok.render(messages, tools, add_generation_prompt, template_kwargs, continue_final)
+            add_special_tokens = False
         check_text(text, "the prompt")
         enc = tok.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
     except RequestError as exc:
         return _refused(exc)
-    if len(enc) > max_context:
+    if max_context is not None and len(enc) > max_context:
         n = len(enc)
         del enc
         trim()

@@ -165,8 +165,9 @@ class Rendered:
     boundaries, the next-user probe and exact token frontiers (each computed once)."""
 
     def __init__(self, tok: ChatTokenizer, messages: list[dict], tools: list[dict] | None,
-                 text: str, parts: list[SourcePart], probe_char: str | None):
+                 text: str, parts: list[SourcePart], probe_char: str | None, template_kwargs: dict | None = None):
         self.tok, self.messages, self.tools, self.text, self.parts = tok, messages, tools, text, parts
+        self.kwargs = template_kwargs          # every rendering of this request sees them
         self._probe_char = probe_char
         enc = tok.tokenizer.encode(text, add_special_tokens=False)
         self.tokens: list[int] = list(enc.ids)
@@ -188,7 +189,7 @@ class Rendered:
     def _render_or_none(self, messages: list[dict], add_generation_prompt: bool) -> str | None:
         # a rendering the template rejects (a prefix without a user turn, say) has no boundary
         try:
-            return self.tok.render(messages, self.tools, add_generation_prompt)
+            return self.tok.render(messages, self.tools, add_generation_prompt, self.kwargs)
         except RequestError:
             return None
 
@@ -298,17 +299,21 @@ class Rendered:
 
 
 def render_with_provenance(tok: ChatTokenizer, messages: list[dict], tools: list[dict] | None,
-                           add_generation_prompt: bool = True) -> Rendered:
-    text = tok.render(messages, tools, add_generation_prompt)
+                           add_generation_prompt: bool = True, template_kwargs: dict | None = None,
+                           continue_final: bool = False) -> Rendered:
+    """``template_kwargs`` reach every rendering (prefixes and the probe too);
+    ``continue_final`` leaves the final message open (``render.continue_final_message``)."""
+    text = tok.render(messages, tools, add_generation_prompt, template_kwargs, continue_final)
     tags = list(_texts(messages))
     probe_char, marks = choose_marks(text, len(tags))
     parts: list[SourcePart] = []
     if marks is not None:
         try:
-            marked = tok.render(_mark(messages, tags, marks), tools, add_generation_prompt)
+            marked = tok.render(_mark(messages, tags, marks), tools, add_generation_prompt, template_kwargs,
+                                continue_final)
         except RequestError:
             marked = None                                  # the template rejects marked content
         stripped = _strip(marked, tags, marks) if marked is not None else None
         if stripped is not None and stripped[0] == text:   # else the template transformed content
             parts = stripped[1]
-    return Rendered(tok, messages, tools, text, parts, probe_char)
+    return Rendered(tok, messages, tools, text, parts, probe_char, template_kwargs)

@@ -26,6 +26,7 @@ class ChatTokenizer:
 
     def __init__(self, model_dir: str | Path):
         d = Path(model_dir)
+        self.source = d                      # the directory (structured outputs read tokenizer.json)
         tok_file, cfg_file = d / "tokenizer.json", d / "tokenizer_config.json"
         if not tok_file.is_file():
             raise ModelLoadError(f"{d}: no tokenizer.json (needed for chat input and text output)")
@@ -49,14 +50,36 @@ class ChatTokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def render(self, messages: list[dict], tools: list[dict] | None = None,
-               add_generation_prompt: bool = True) -> str:
+               add_generation_prompt: bool = True, template_kwargs: dict | None = None,
+               continue_final: bool = False) -> str:
+        """The template's text. ``template_kwargs``: extra template variables
+        (``chat_template_kwargs``); ``continue_final``: cut the text right after the final
+        message's content, leaving that message open for the model to continue."""
         if self.chat_template is None:
             raise RequestError("this model has no chat template; send prompt_token_ids instead")
-        text = render_template(self.chat_template, messages, tools, add_generation_prompt)
+        text = render_template(self.chat_template, messages, tools, add_generation_prompt, **(template_kwargs or {}))
         if _SURROGATE.search(text):
             raise RequestError(f"{_surrogate_source(messages, tools)} contains an unpaired surrogate "
                                "(a lone UTF-16 half such as \\ud800); text must be valid Unicode")
-        return text
+        return continue_final_message(text, messages) if continue_final else text
+
+
+def continue_final_message(text: str, messages: list[dict]) -> str:
+    """``text`` cut right after the final message's content (transformers'
+    ``continue_final_message``): the last text part of its content is found last in the text,
+    and its trailing whitespace is kept only where the template kept it."""
+    final = messages[-1].get("content") if messages else None
+    if isinstance(final, list):
+        final = next((p.get("text") for p in reversed(final) if isinstance(p, dict) and "text" in p), None)
+    if not isinstance(final, str) or not final.strip():
+        raise RequestError("continue_final_message: the final message has no text to continue")
+    at = text.rfind(final.strip())
+    if at < 0:
+        raise RequestError("continue_final_message: the chat template does not render the final message's text "
+                           "as sent, so it cannot be continued")
+    if text[at:at + len(final.lstrip())] == final:
+        return text[:at + len(final.lstrip())]
+    return text[:at + len(final.strip())]
 
 
 def check_text(text: str, where: str) -> None:
@@ -125,7 +148,10 @@ def load_chat_tokenizer(model_dir: str) -> ChatTokenizer:
 
 
 def render_chat(model_dir: str | Path, messages: list[dict], tools: list[dict] | None = None,
-                add_generation_prompt: bool = True) -> list[int]:
-    """The exact prompt tokens the engine computes for an OpenAI-style chat input."""
+                add_generation_prompt: bool = True, continue_final_message: bool = False,
+                chat_template_kwargs: dict | None = None) -> list[int]:
+    """The exact prompt tokens the engine computes for an OpenAI-style chat input (with the
+    same template options ``Engine.chat`` takes)."""
     tok = load_chat_tokenizer(str(Path(model_dir).resolve()))
-    return tok.encode(tok.render(messages, tools, add_generation_prompt))
+    return tok.encode(tok.render(messages, tools, add_generation_prompt and not continue_final_message,
+                                 chat_template_kwargs, continue_final_message))

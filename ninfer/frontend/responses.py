@@ -117,15 +117,23 @@ def normalise_input(raw: str | list[dict]) -> tuple[list[dict], list[dict]]:
         raise bad("input must be a string or a non-empty list of items", "input")
     out: list[dict] = []
     items: list[dict] = []
+    thought: list[str] = []          # reasoning items: the next assistant message's reasoning_content
     for i, item in enumerate(raw):
         where = f"input[{i}]"
         kind = item.get("type", "message")
+        if kind == "reasoning":
+            thought.append(_reasoning_text(item, where))
+            items.append({"id": item.get("id") or _item_id("rs"), "type": "reasoning", "summary": [],
+                          "content": [{"type": "reasoning_text", "text": thought[-1]}]})
+            continue
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise bad(f"{where}.role {role!r} is not supported", where)
             content = _text_of(item.get("content"), where, role)
             out.append({"role": role, "content": content})
+            if role == "assistant" and thought:
+                out[-1]["reasoning_content"], thought = "".join(thought), []
             items.append({"id": item.get("id") or _item_id("msg"), "type": "message", "role": role,
                           "content": _stored_parts(content, role), "status": "completed"})
         elif kind == "function_call":
@@ -135,6 +143,8 @@ def normalise_input(raw: str | list[dict]) -> tuple[list[dict], list[dict]]:
                 out[-1]["tool_calls"].append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            if thought:
+                out[-1]["reasoning_content"], thought = "".join(thought), []
             items.append({"id": item.get("id") or _item_id("fc"), "type": "function_call", "status": "completed",
                           "call_id": call["id"], "name": call["function"]["name"],
                           "arguments": call["function"]["arguments"]})
@@ -148,6 +158,14 @@ def normalise_input(raw: str | list[dict]) -> tuple[list[dict], list[dict]]:
         else:
             raise bad(f"{where}.type {kind!r} is not supported", where)
     return out, items
+
+
+def _reasoning_text(item: dict, where: str) -> str:
+    """A reasoning input item's text: its ``content`` (reasoning_text parts), else its summary."""
+    parts = item.get("content") or item.get("summary") or []
+    if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in parts):
+        raise bad(f"{where}: a reasoning item's content / summary must be a list of parts with text", where)
+    return "".join(p["text"] for p in parts)
 
 
 def tools_from(raw: list[S.ResponseTool] | None) -> list[dict] | None:
@@ -182,9 +200,6 @@ class ResponsesCall:
 
 
 def parse_responses(req: S.ResponsesRequest, store: ResponseStore) -> ResponsesCall:
-    fmt = req.text.format.type if req.text is not None and req.text.format is not None else "text"
-    if fmt != "text":
-        raise bad(f"text.format {fmt!r} is not supported: NInfer has no constrained decoding yet", "text.format")
     prev = req.previous_response_id
     history = store.history(prev) if prev else []
     messages, items = normalise_input(req.input)
@@ -206,10 +221,19 @@ def parse_responses(req: S.ResponsesRequest, store: ResponseStore) -> ResponsesC
                          req=req, store=req.store is not False, previous=prev, instructions=req.instructions)
 
 
-def output_items(content: str, calls: list[dict], status: str, msg_id: str | None = None) -> list[dict]:
+def reasoning_item(text: str, rs_id: str, status: str | None = None) -> dict:
+    item = {"type": "reasoning", "id": rs_id, "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
+    if status is not None:
+        item["status"] = status
+    return item
+
+
+def output_items(content: str, calls: list[dict], status: str, msg_id: str | None = None,
+                 reasoning: str = "", rs_id: str | None = None) -> list[dict]:
+    """The response's output: a reasoning item (when the model thought), the message, the calls."""
     text = content.strip() if calls else content
-    output = []
-    if text or not calls:
+    output = [reasoning_item(reasoning, rs_id or _item_id("rs"))] if reasoning else []
+    if text or not (calls or reasoning):
         output.append({"type": "message", "id": msg_id or _item_id("msg"), "status": status, "role": "assistant",
                        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]})
     for c in calls:
@@ -223,7 +247,8 @@ def call_item(c: dict, status: str) -> dict:
 
 
 def response_object(rid: str, model: str, created: int, call: ResponsesCall, output: list[dict],
-                    status: str, usage, output_tokens: int, reason: str | None = None) -> dict:
+                    status: str, usage, output_tokens: int, reason: str | None = None,
+                    reasoning_tokens: int = 0) -> dict:
     req = call.req
     return {"id": rid, "object": "response", "created_at": created, "model": model, "status": status,
             "error": None,
@@ -233,7 +258,8 @@ def response_object(rid: str, model: str, created: int, call: ResponsesCall, out
             "previous_response_id": call.previous, "store": call.store,
             "temperature": req.temperature if req.temperature is not None else 1.0,
             "top_p": req.top_p if req.top_p is not None else 1.0,
-            "text": {"format": {"type": "text"}},
+            "text": {"format": _format(req)},
+            "reasoning": {"effort": (req.reasoning or {}).get("effort"), "summary": None},
             "tool_choice": call.tool_choice if isinstance(call.tool_choice, str) else
             {"type": "function", "name": call.tool_choice["function"]["name"]},
             "tools": [{"type": "function", "strict": None, "parameters": None, "description": None, **t["function"]}
@@ -241,17 +267,30 @@ def response_object(rid: str, model: str, created: int, call: ResponsesCall, out
             "truncation": "disabled", "user": req.user,
             "usage": None if usage is None else {
                 "input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": usage.cached_tokens},
-                "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
                 "total_tokens": usage.prompt_tokens + output_tokens}}
 
 
-def stored_history(call: ResponsesCall, content: str, calls: list[dict]) -> list[dict]:
+def _format(req: S.ResponsesRequest) -> dict:
+    f = req.text.format if req.text is not None and req.text.format is not None else None
+    if f is None or f.type == "text":
+        return {"type": "text"}
+    out = {"type": f.type}
+    if f.type == "json_schema":
+        out.update({k: v for k, v in (("name", f.name), ("schema", f.schema), ("strict", f.strict),
+                                      ("description", f.description)) if v is not None})
+    return out
+
+
+def stored_history(call: ResponsesCall, content: str, calls: list[dict], reasoning: str = "") -> list[dict]:
     """History to store: the raw normalised input (no markers added for this request) plus the
-    assistant output."""
+    assistant output (its reasoning as reasoning_content: the template decides where it shows)."""
     text = content.strip() if calls else content
     msg: dict = {"role": "assistant", "content": text if (text or not calls) else None}
     if calls:
         msg["tool_calls"] = calls
+    if reasoning:
+        msg["reasoning_content"] = reasoning
     return [dict(m) for m in call.history] + [msg]
 
 
@@ -261,8 +300,11 @@ class EventStream:
     def __init__(self):
         self.seq = 0
         self.msg_id = _item_id("msg")
+        self.rs_id = _item_id("rs")
         self.text = ""
+        self.thought = ""
         self.message_open = False
+        self.reasoning_open = False
         self.index = 0                       # output_index of the next item
 
     def event(self, kind: str, **fields) -> str:
@@ -270,13 +312,38 @@ class EventStream:
         self.seq += 1
         return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
 
+    def reasoning_delta(self, delta: str) -> list[str]:
+        """The thinking streams first, as a reasoning item (``response.reasoning_text.delta``)."""
+        if not delta:
+            return []
+        out = []
+        if not self.reasoning_open:
+            self.reasoning_open = True
+            out.append(self.event("response.output_item.added", output_index=self.index,
+                                  item={**reasoning_item("", self.rs_id, "in_progress"), "content": []}))
+        self.thought += delta
+        return out + [self.event("response.reasoning_text.delta", item_id=self.rs_id, output_index=self.index,
+                                 content_index=0, delta=delta)]
+
+    def close_reasoning(self) -> list[str]:
+        if not self.reasoning_open:
+            return []
+        self.reasoning_open = False
+        out = [self.event("response.reasoning_text.done", item_id=self.rs_id, output_index=self.index,
+                          content_index=0, text=self.thought),
+               self.event("response.output_item.done", output_index=self.index,
+                          item=reasoning_item(self.thought, self.rs_id, "completed"))]
+        self.index += 1
+        return out
+
     def open_message(self) -> list[str]:
         if self.message_open:
             return []
+        out = self.close_reasoning()
         self.message_open = True
         item = {"type": "message", "id": self.msg_id, "status": "in_progress", "role": "assistant", "content": []}
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        return [self.event("response.output_item.added", output_index=self.index, item=item),
+        return out + [self.event("response.output_item.added", output_index=self.index, item=item),
                 self.event("response.content_part.added", item_id=self.msg_id, output_index=self.index,
                            content_index=0, part=part)]
 
@@ -303,7 +370,7 @@ class EventStream:
         return out
 
     def call(self, c: dict) -> list[str]:
-        out = self.close_message("completed")
+        out = self.close_reasoning() + self.close_message("completed")
         item = call_item(c, "in_progress")
         args = item["arguments"]
         out += [self.event("response.output_item.added", output_index=self.index, item={**item, "arguments": ""}),

@@ -60,6 +60,7 @@ class Message(Struct):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
+    reasoning: str | None = None              # vLLM's newer name for reasoning_content
     cache_control: dict[str, Any] | None = None
 
 
@@ -98,7 +99,9 @@ class ResponseFormat(Struct):
 
 
 class Sampling(Struct, kw_only=True):
-    """What chat, completions and Responses share."""
+    """What chat, completions and Responses share. Fields of vLLM's request schema that NInfer
+    does not implement are typed here too, so that ``frontend/options.py`` can refuse them with
+    a 400 naming the field instead of silently ignoring them."""
 
     model: str | None = None
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
@@ -114,6 +117,40 @@ class Sampling(Struct, kw_only=True):
     prompt_cache_key: str | None = None
     stop: str | list[str] | None = None
     ignore_eos: bool | None = None
+    # vLLM's sampling parameters (chat and completions alike)
+    min_p: Prob | None = None
+    min_tokens: Annotated[int, Meta(ge=0)] | None = None
+    logit_bias: dict[str, float] | None = None
+    stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
+    prompt_logprobs: int | None = None
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    # vLLM's extra parameters
+    add_special_tokens: bool | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    priority: int | None = None
+    request_id: str | None = None
+    logits_processors: list[Any] | None = None
+    return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None
+    cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    max_repetition_pattern_size: int | None = None
+    min_repetition_pattern_size: int | None = None
+    repetition_min_count: int | None = None
 
 
 class ChatRequest(Sampling, kw_only=True):
@@ -124,9 +161,19 @@ class ChatRequest(Sampling, kw_only=True):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    response_format: ResponseFormat | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    # vLLM's chat-only fields
+    bad_words: list[str] | None = None
+    echo: bool | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    documents: list[dict[str, Any]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    include_reasoning: bool | None = None
 
 
 class CompletionRequest(Sampling, kw_only=True):
@@ -137,6 +184,7 @@ class CompletionRequest(Sampling, kw_only=True):
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     suffix: str | None = None
     best_of: int | None = None
+    prompt_embeds: Any = None
 
 
 class ResponseTool(Struct, kw_only=True):
@@ -147,8 +195,12 @@ class ResponseTool(Struct, kw_only=True):
     strict: bool | None = None
 
 
-class TextFormat(Struct):
+class TextFormat(Struct, kw_only=True):
     type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
 
 
 class TextConfig(Struct):
@@ -165,6 +217,15 @@ class ResponsesRequest(Sampling, kw_only=True):
     max_output_tokens: Positive | None = None
     text: TextConfig | None = None
     metadata: dict[str, str] | None = None
+    background: bool | None = None
+    reasoning: dict[str, Any] | None = None
+    include: list[str] | None = None
+    max_tool_calls: int | None = None
+    parallel_tool_calls: bool | None = None
+    truncation: str | None = None
+    top_logprobs: int | None = None
+    service_tier: str | None = None
+    prompt: dict[str, Any] | None = None
 
 
 class TokenizeRequest(Struct, kw_only=True):
@@ -173,6 +234,8 @@ class TokenizeRequest(Struct, kw_only=True):
     messages: list[Message] | None = None
     tools: list[Tool] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = True
     return_token_strs: bool = False
 

@@ -48,19 +48,22 @@ from ninfer.errors import NInferError
 from ninfer.frontend import offload
 from ninfer.frontend import anthropic as A
 from ninfer.frontend import openai_api as oa
+from ninfer.frontend import options as O
 from ninfer.frontend import responses as R
 from ninfer.frontend import schema as S
 from ninfer.frontend.bounds import BodyBounds, decode_checked
 from ninfer.frontend.http_guard import Limits, protocol_class
+from ninfer.frontend.intake import RESERVED_TEMPLATE_VARS
 from ninfer.frontend.offload import INLINE_BODY_BYTES, INLINE_TEXT_CHARS, HelperLost, Refusal
 from ninfer.frontend.request_stats import Histogram
 from ninfer.frontend.metrics import CONTENT_TYPE as METRICS_TYPE
 from ninfer.frontend.metrics import prometheus
+from ninfer.frontend.reasoning import ThinkSplit, choose_parser, starts_inside
 from ninfer.frontend.streaming import ChoiceStream, Finish, Piece, run_choice
 from ninfer.sampling_params import MAX_SEED
 
 log = logging.getLogger("ninfer.server")
-MAX_N = 16
+MAX_N = O.MAX_N
 MAX_CHOICES = 64                       # legacy completions: prompts x n
 
 
@@ -77,6 +80,8 @@ class Choice:
     parse_tools: bool
     handle: object = None
     cancelled: bool = False              # cancelled by its client (Responses cancel)
+    shape: O.Shaping = O.Shaping()
+    reasoning: bool = False              # split the thinking off (a reasoning parser is on)
 
 
 @dataclass
@@ -84,12 +89,20 @@ class Collected:
     content: list[str] = field(default_factory=list)
     calls: list[dict] = field(default_factory=list)
     logprobs: list = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    thought: list[str] = field(default_factory=list)
     fin: Finish | None = None
 
     def add(self, piece: Piece) -> None:
         self.content.append(piece.content)
         self.calls += piece.calls
         self.logprobs += piece.logprobs
+        self.token_ids += piece.token_ids
+        self.thought.append(piece.reasoning)
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(self.thought)
 
     @property
     def text(self) -> str:
@@ -98,9 +111,16 @@ class Collected:
 
 class Server:
     def __init__(self, engine: Engine, model_name: str, api_key: str | None = None,
-                 max_body_bytes: int = 16 << 20, store_bytes: int = 64 << 20, default_max_tokens: int = 256,
+                 max_body_bytes: int = 16 << 20, store_bytes: int = 64 << 20, default_max_tokens: int | None = None,
                  max_messages: int = 4096, intake_threads: int = 4, aliases: list[str] | None = None,
-                 limits: Limits | None = None):
+                 limits: Limits | None = None, generation_config: str = "auto", reasoning_parser: str = "auto"):
+        """``default_max_tokens``: a chat or Responses answer without max_tokens may use this many
+        tokens, capped by the rest of the context (None: the rest of the context, as vLLM).
+        ``generation_config``: vLLM's ``--generation-config`` — ``auto`` applies the sampling
+        defaults of the model's generation_config.json to what a request leaves unset, ``vllm``
+        ignores them, a directory reads that directory's file. ``reasoning_parser``: vLLM's
+        ``--reasoning-parser`` (``qwen3``, ``none``, or ``auto``: qwen3 when the chat template
+        knows ``<think>``)."""
         self.engine = engine
         self.limits = limits or Limits()
         self.model = model_name
@@ -109,7 +129,8 @@ class Server:
         self.max_body = max_body_bytes
         self.max_messages = max_messages
         self.store = R.ResponseStore(store_bytes)
-        self.default_max = default_max_tokens
+        self.default_max = default_max_tokens or engine.info.max_context
+        self.gen_defaults = O.generation_defaults(engine.model_dir, generation_config)
         self.started = oa.now()
         self.pool = ThreadPoolExecutor(intake_threads, thread_name_prefix="ninfer-intake")
         # the probes never wait behind the intake threads (each may wait on a large input)
@@ -121,6 +142,16 @@ class Server:
         max_context = engine.info.max_context
         self.bounds = BodyBounds(max_text_chars=max_context * min(self.max_token_chars, 1 << 20),
                                  max_context=max_context)
+        self.eos_ids = tuple(getattr(engine.info, "eos_ids", ()))
+        self.reasoning_parser = choose_parser(reasoning_parser, (self.tok.chat_template or "") if self.tok else "")
+        end = self.tok.tokenizer.token_to_id("</think>") if self.tok else None
+        self.think_end_id = end
+        start = self.tok.tokenizer.token_to_id("<think>") if self.tok else None
+        self.think_tags = (start, end) if self.reasoning_parser and start is not None and end is not None else None
+        self._book = None
+        self.facts = O.ModelFacts(
+            vocab_size=engine.info.vocab_size, template=(self.tok.chat_template or "") if self.tok else "",
+            adds_special_tokens=bool(self.tok and self.tok.tokenizer.encode("", add_special_tokens=True).ids))
         self._token_strs: dict[int, str] = {}
         self.app = Starlette(routes=[
             Route("/v1/chat/completions", self._endpoint(self.chat), methods=["POST"]),
@@ -269,11 +300,14 @@ class Server:
         return await asyncio.get_running_loop().run_in_executor(self.probes, fn)
 
     async def _tokens(self, text: str | None, messages: list[dict] | None = None, tools: list[dict] | None = None,
-                      add_generation_prompt: bool = True, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of a text or of rendered messages, at most max_context of them (vLLM refuses
-        more, as the engine would): a small input on the intake threads (the encoding releases
-        the GIL), a large one in the helper process."""
-        args = (text, messages, tools, add_generation_prompt, add_special_tokens, self.engine.info.max_context)
+                      add_generation_prompt: bool = True, add_special_tokens: bool = True, limit: bool = True,
+                      template_kwargs: dict | None = None, continue_final: bool = False) -> list[int]:
+        """Token ids of a text or of rendered messages (with the template's extra variables and
+        a continued final message), at most max_context of them (vLLM refuses more, as the
+        engine would; ``limit=False``: any number, the caller truncates): a small input on the
+        intake threads (the encoding releases the GIL), a large one in the helper process."""
+        args = (text, messages, tools, add_generation_prompt, add_special_tokens,
+                self.engine.info.max_context if limit else None, template_kwargs, continue_final)
         size = len(text) if text is not None else len(msgspec.json.encode([messages, tools]))
         if size <= INLINE_TEXT_CHARS:
             value = await self._off_loop(offload.tokenize_with, self.tok, *args)
@@ -286,15 +320,7 @@ class Server:
 
     # ---- shared request parts -------------------------------------------------------------------
     def _sampling(self, req: S.Sampling, max_tokens: int | None, default_max: int, n: int | None) -> dict:
-        if n is not None and not 1 <= n <= MAX_N:
-            raise oa.bad(f"n must be between 1 and {MAX_N} (got {n})", "n")
-        top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
-        return dict(max_tokens=max_tokens or default_max, fill_max_tokens=max_tokens is None,
-                    temperature=1.0 if req.temperature is None else req.temperature,
-                    top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k,
-                    seed=secrets.randbelow(MAX_SEED) if req.seed is None else req.seed,
-                    presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-                    repetition_penalty=req.repetition_penalty or 1.0, ignore_eos=bool(req.ignore_eos))
+        return O.sampling(req, self.facts, max_tokens, default_max, n, self.tok, self.gen_defaults)
 
     @staticmethod
     def _stop(req: S.Sampling) -> list[str]:
@@ -318,14 +344,67 @@ class Server:
             raise oa.bad(f"this engine's max_context is {self.engine.info.max_context} tokens, but the messages "
                          f"have {chars} characters (at least {least} tokens)", "messages")
 
+    def _token_str_of(self, shape: O.Shaping):
+        return _as_token_id if shape.tokens_as_ids else self._token_str
+
     def _token_str(self, tid: int) -> str:
         s = self._token_strs.get(tid)
         if s is None:
             s = self._token_strs[tid] = self.tok.decode([tid], skip_special_tokens=False) if self.tok else str(tid)
         return s
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids) if self.tok is not None and ids else ""
+    def _decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(ids, skip_special_tokens) if self.tok is not None and ids else ""
+
+    def _decoder(self, shape: O.Shaping):
+        return self._decode if shape.skip_special_tokens else partial(self._decode, skip_special_tokens=False)
+
+    def book(self):
+        """The grammar book of the served model (structured outputs), loaded on first use."""
+        if self._book is None:
+            from ninfer.structured import book_for
+            if self.tok is None:
+                raise oa.bad("structured outputs need the model's tokenizer")
+            self._book = book_for(self.tok.source, self.engine.info.vocab_size, self.eos_ids)
+        return self._book
+
+    def _constraint(self, req: S.Sampling, tool_choice=None, tools=None, parallel: bool = True,
+                    think: bool = True) -> dict:
+        """``structured=`` for the engine: the request's output format, or the tool-call grammar
+        of a ``required`` / named tool_choice (the call is then always made); not both."""
+        needs_book = (req.response_format is not None and req.response_format.type != "text") or any(
+            getattr(req, k, None) is not None for k in ("structured_outputs", "guided_json", "guided_regex",
+                                                        "guided_choice", "guided_grammar"))
+        text = getattr(req, "text", None)
+        needs_book = needs_book or (text is not None and text.format is not None and text.format.type != "text")
+        tags = self.think_tags if think else None
+        c = O.constraint(req, self.book() if needs_book else None, tags) if needs_book else None
+        forced = tool_choice == "required" or isinstance(tool_choice, dict)
+        if forced and c is not None:
+            raise oa.bad("a required or named tool_choice already constrains the answer: drop the output format",
+                         "tool_choice")
+        if forced:
+            return self._tool_grammar(tool_choice, tools, parallel, think)
+        return {"structured": c} if c is not None else {}
+
+    def _tool_grammar(self, tool_choice, tools, parallel: bool = True, think: bool = True) -> dict:
+        """``structured=`` of a ``required`` / named tool_choice (chat, Responses, and
+        Anthropic's ``any`` / ``tool``): the tool-call grammar, so the call is always made."""
+        if not (tool_choice == "required" or isinstance(tool_choice, dict)):
+            return {}
+        from ninfer import structured as st
+        name = tool_choice["function"]["name"] if isinstance(tool_choice, dict) else None
+        tag = self.tok is not None and self.tok.tokenizer.token_to_id("<tool_call>") is not None
+        tags = self.think_tags if think else None
+        return {"structured": O.checked(st.tool_calls(tools, name, parallel, tag), self.book(), "tool_choice", tags)}
+
+    def _think_split(self, c: Choice):
+        """The choice's reasoning split, starting inside the thinking when the prompt ends in
+        ``<think>`` (a template that opens it for the model)."""
+        if not c.reasoning or self.reasoning_parser is None:
+            return None
+        tail = self._decode(_prompt_ids(c.handle)[-4:], skip_special_tokens=False)
+        return ThinkSplit(starts_inside(tail))
 
     def _submit_all(self, choices: list[Choice]) -> None:
         """Submit every choice (on the intake pool); one that cannot be submitted cancels the
@@ -347,7 +426,9 @@ class Server:
 
         async def pump(i: int, c: Choice) -> None:
             try:
-                async for item in run_choice(c.handle, ChoiceStream(self._decode, c.stop, c.parse_tools)):
+                stream = ChoiceStream(self._decoder(c.shape), c.stop, c.parse_tools, c.shape.include_stop_str,
+                                      c.shape.stop_ids, c.shape.min_tokens, self._think_split(c))
+                async for item in run_choice(c.handle, stream):
                     queue.put_nowait((i, item))
             except Exception as exc:                        # a bug in one choice fails that choice
                 log.exception("choice %d failed", i)
@@ -409,51 +490,86 @@ class Server:
             raise oa.bad("messages must be a non-empty list", "messages")
         S.check_media(req.messages, images=bool(self.engine.info.vision_merge))
         self._bound_prompt(req.messages)
-        if req.response_format is not None and req.response_format.type != "text":
-            raise oa.bad(f"response_format {req.response_format.type!r} is not supported: NInfer has no "
-                         "constrained decoding yet", "response_format")
+        O.refuse_unsupported(req, True, self.facts)
         if req.top_logprobs is not None and not req.logprobs:
             raise oa.bad("top_logprobs requires logprobs to be true", "top_logprobs")
         choice = _tool_choice(req.tool_choice, req.tools)
         tools = body.get("tools") if choice != "none" else None
         sampling = self._sampling(req, req.max_completion_tokens or req.max_tokens, self.default_max, req.n)
+        sampling.update(O.template(req, self.facts))
+        sampling.update(await self._off_loop(partial(self._constraint, req, choice, body.get("tools"),
+                                                     req.parallel_tool_calls is not False)))
         self.params_n.observe(req.n or 1)
         if req.logprobs:
             sampling["logprobs"] = req.top_logprobs or 0
         stop = self._stop(req)
         session = req.prompt_cache_key or req.user
-        n = req.n or 1
-        choices = [Choice(partial(self.engine.chat, body["messages"], tools=tools or None, session_id=session,
-                                  **_nth_seed(sampling, i)), stop, bool(tools)) for i in range(n)]
+        n, shape = req.n or 1, O.shaping(req, self.eos_ids)
+        think = self.reasoning_parser is not None
+        messages = _with_reasoning_content(body["messages"])
+        choices = [Choice(partial(self.engine.chat, messages, tools=tools or None, session_id=session,
+                                  **_nth_seed(sampling, i)), stop, bool(tools), shape=shape, reasoning=think)
+                   for i in range(n)]
         await self._off_loop(self._submit_all, choices)
-        rid, created = choices[0].handle.rid, oa.now()
-        ctx = ChatCtx(rid, created, choice, req)
+        rid, created = req.request_id or choices[0].handle.rid, oa.now()
+        ctx = ChatCtx(rid, created, choice, req, shape, _chat_echo(req, body["messages"]),
+                      think and req.include_reasoning is not False)
         if req.stream:
             return _sse_response(self._chat_stream(choices, ctx, request))
         got = await self._collect(choices, request)
         if got is None:
             return Response(status_code=499)
         out = []
+        token_str = self._token_str_of(shape)
         for i, g in enumerate(got):
-            _verify_tool_choice(choice, g.calls)
-            msg = oa.chat_message("" if choice not in ("auto", "none") and g.calls else g.text, g.calls)
+            calls = g.calls[:1] if shape.first_call_only else g.calls
+            msg = oa.chat_message(ctx.echo + ("" if choice not in ("auto", "none") and calls else g.text), calls)
+            if ctx.reasoning:
+                msg.update(reasoning_content=g.reasoning or None, reasoning=g.reasoning or None)
             out.append({"index": i, "message": msg, "finish_reason": g.fin.reason,
-                        "logprobs": oa.chat_logprobs(g.logprobs, self._token_str, req.top_logprobs or 0)
+                        "logprobs": oa.chat_logprobs(g.logprobs, token_str, req.top_logprobs or 0)
                         if req.logprobs else None})
+            if shape.return_token_ids:
+                out[-1]["token_ids"] = g.token_ids
         usage = oa.usage_block(got[0].fin.out.usage, sum(g.fin.completion_tokens for g in got))
-        return JSONResponse(oa.chat_completion(rid, self.model, created, out, usage))
+        obj = oa.chat_completion(rid, self.model, created, out, usage)
+        if shape.return_token_ids:
+            obj["prompt_token_ids"] = _prompt_ids(choices[0].handle)
+        return JSONResponse(obj)
 
     async def _chat_stream(self, choices: list[Choice], ctx: ChatCtx, request: Request):
-        rid, created, req = ctx.rid, ctx.created, ctx.req
+        rid, created, req, shape = ctx.rid, ctx.created, ctx.req, ctx.shape
         content_ok = ctx.tool_choice in ("auto", "none")
+        token_str = self._token_str_of(shape)
         ncalls = [0] * len(choices)
         calls: list[list[dict]] = [[] for _ in choices]
         fins: list[Finish | None] = [None] * len(choices)
         opened = [False] * len(choices)
+        prompt = _prompt_ids(choices[0].handle)
+        counted = [0] * len(choices)
+        usage_each = shape.continuous_usage and req.stream_options.include_usage
 
-        def role(i: int) -> str:          # a choice opens with its first token, as vLLM's do
+        def emit(i: int, delta: dict, reason=None, lp=None, ids=None) -> str:
+            ch = oa.chunk(rid, self.model, created, delta, reason, index=i, logprobs=lp)
+            if ids is not None:
+                ch["choices"][0]["token_ids"] = ids
+            if usage_each:
+                ch["usage"] = {"prompt_tokens": len(prompt), "completion_tokens": counted[i],
+                               "total_tokens": len(prompt) + counted[i]}
+            return _sse(ch)
+
+        def open_choice(i: int):
+            """A choice opens with its first token, as vLLM's do: the role chunk (with the
+            prompt's ids and the usage so far when asked), then a chat echo."""
             opened[i] = True
-            return _sse(oa.chunk(rid, self.model, created, {"role": "assistant", "content": ""}, index=i))
+            first = oa.chunk(rid, self.model, created, {"role": "assistant", "content": ""}, index=i)
+            if shape.return_token_ids:
+                first["prompt_token_ids"] = prompt
+            if usage_each:
+                first["usage"] = {"prompt_tokens": len(prompt), "completion_tokens": 0, "total_tokens": len(prompt)}
+            yield _sse(first)
+            if ctx.echo:
+                yield emit(i, {"content": ctx.echo})
         try:
             async for i, item in self._drive(choices, request):
                 if isinstance(item, Finish):
@@ -464,30 +580,34 @@ class Server:
                         return
                     continue
                 if not opened[i]:
-                    yield role(i)
+                    for chunk in open_choice(i):
+                        yield chunk
+                counted[i] += len(item.token_ids)
                 delta: dict = {}
+                if item.reasoning and ctx.reasoning:
+                    delta["reasoning_content"] = delta["reasoning"] = item.reasoning
                 if item.content and content_ok:
                     delta["content"] = item.content
-                if item.calls:
-                    delta["tool_calls"] = oa.tool_call_deltas(item.calls, ncalls[i])
-                    ncalls[i] += len(item.calls)
-                    calls[i] += item.calls
-                lp = oa.chat_logprobs(item.logprobs, self._token_str, req.top_logprobs or 0) \
+                new_calls = item.calls
+                if shape.first_call_only:
+                    new_calls = new_calls[:max(0, 1 - ncalls[i])]
+                if new_calls:
+                    delta["tool_calls"] = oa.tool_call_deltas(new_calls, ncalls[i])
+                    ncalls[i] += len(new_calls)
+                calls[i] += item.calls
+                lp = oa.chat_logprobs(item.logprobs, token_str, req.top_logprobs or 0) \
                     if req.logprobs and item.logprobs else None
-                if delta or lp:
-                    yield _sse(oa.chunk(rid, self.model, created, delta, index=i, logprobs=lp))
+                ids = item.token_ids if shape.return_token_ids else None
+                if delta or lp or ids:
+                    yield emit(i, delta, lp=lp, ids=ids)
         except Disconnected:
             return
         for i, fin in enumerate(fins):
-            try:
-                _verify_tool_choice(ctx.tool_choice, calls[i])
-            except oa.ApiError as exc:
-                yield _sse(exc.body())
-                yield "data: [DONE]\n\n"
-                return
             if not opened[i]:                                # it ended without a token
-                yield role(i)
-            yield _sse(oa.chunk(rid, self.model, created, {}, fin.reason, index=i))
+                for chunk in open_choice(i):
+                    yield chunk
+            counted[i] = fin.completion_tokens
+            yield emit(i, {}, fin.reason)
         if req.stream_options is not None and req.stream_options.include_usage:
             final = oa.chunk(rid, self.model, created, {})
             final["choices"] = []
@@ -496,8 +616,9 @@ class Server:
         yield "data: [DONE]\n\n"
 
     # ---- legacy completions ----------------------------------------------------------------------
-    async def _prompts(self, prompt) -> list[list[int]]:
-        """Text or token prompts -> token ids (``_tokens``), each at most max_context."""
+    async def _prompts(self, prompt, add_special_tokens: bool = True, truncate: int | None = None) -> list[list[int]]:
+        """Text or token prompts -> token ids (``_tokens``), each at most max_context unless
+        ``truncate`` (``truncate_prompt_tokens``) keeps each prompt's last k tokens (-1: max_context)."""
         if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
             prompt = [prompt]
         if not prompt:
@@ -505,12 +626,15 @@ class Server:
         if not all(isinstance(p, str) for p in prompt) and not all(isinstance(p, list) for p in prompt):
             raise oa.bad("prompt must be a string, a list of token ids, or a list of strings or of token-id lists",
                          "prompt")
+        keep = self.engine.info.max_context if truncate == -1 else truncate
         out = []
         for p in prompt:
             if isinstance(p, str):
                 if self.tok is None:
                     raise oa.bad("this model has no tokenizer; send token ids as the prompt", "prompt")
-                p = await self._tokens(p)
+                p = await self._tokens(p, add_special_tokens=add_special_tokens, limit=keep is None)
+            if keep is not None:
+                p = p[len(p) - keep:] if keep and len(p) > keep else p
             if not p:
                 raise oa.bad("prompt must not be empty", "prompt")
             out.append(list(p))
@@ -520,34 +644,40 @@ class Server:
         body = await self._json(request)
         req: S.CompletionRequest = S.convert(body, S.CompletionRequest)
         self._check_model(req.model)
-        if req.suffix:
-            raise oa.bad("suffix is not supported", "suffix")
+        O.refuse_unsupported(req, False, self.facts)
         if req.echo and req.logprobs is not None:
-            raise oa.bad("echo with logprobs (prompt logprobs) is not supported", "echo")
+            raise oa.bad("echo with logprobs needs prompt logprobs, which NInfer does not compute", "echo")
         if req.best_of is not None and req.best_of != (req.n or 1):
             raise oa.bad("best_of must equal n (NInfer returns every sample)", "best_of")
-        sampling = self._sampling(req, req.max_tokens, 16, req.n)
+        if req.truncate_prompt_tokens == 0:
+            raise oa.bad("truncate_prompt_tokens must be -1 or at least 1", "truncate_prompt_tokens")
+        sampling = self._sampling(req, req.max_tokens or 16, 16, req.n)       # OpenAI's default: 16
         sampling.pop("fill_max_tokens")
         self.params_n.observe(req.n or 1)
         if req.logprobs is not None:
             sampling["logprobs"] = req.logprobs
-        stop, n = self._stop(req), req.n or 1
-        prompts = await self._prompts(req.prompt)
+        sampling.update(await self._off_loop(partial(self._constraint, req, think=False)))
+        stop, n, shape = self._stop(req), req.n or 1, O.shaping(req, self.eos_ids)
+        prompts = await self._prompts(req.prompt, req.add_special_tokens is not False, req.truncate_prompt_tokens)
         if len(prompts) * n > MAX_CHOICES:
             raise oa.bad(f"at most {MAX_CHOICES} choices (prompts x n) are allowed", "prompt")
-        choices = [Choice(partial(self.engine.generate, p, session_id=req.user, **_nth_seed(sampling, i)), stop, False)
-                   for p in prompts for i in range(n)]
+        choices = [Choice(partial(self.engine.generate, p, session_id=req.user, **_nth_seed(sampling, i)), stop, False,
+                          shape=shape) for p in prompts for i in range(n)]
         await self._off_loop(self._submit_all, choices)
-        rid, created = choices[0].handle.rid, oa.now()
-        echo = [self._decode(p) if req.echo else "" for p in prompts for _ in range(n)]
+        rid, created = req.request_id or choices[0].handle.rid, oa.now()
+        echo = [self._decoder(shape)(p) if req.echo else "" for p in prompts for _ in range(n)]
         if req.stream:
             return _sse_response(self._completion_stream(choices, rid, created, req, echo, request))
         got = await self._collect(choices, request)
         if got is None:
             return Response(status_code=499)
+        token_str = self._token_str_of(shape)
         out = [{"index": i, "text": echo[i] + g.text, "finish_reason": g.fin.reason,
-                "logprobs": oa.completion_logprobs(g.logprobs, self._token_str, len(echo[i]))
+                "logprobs": oa.completion_logprobs(g.logprobs, token_str, len(echo[i]))
                 if req.logprobs is not None else None} for i, g in enumerate(got)]
+        if shape.return_token_ids:
+            for o, c, g in zip(out, choices, got):
+                o.update(prompt_token_ids=_prompt_ids(c.handle), token_ids=g.token_ids)
         firsts = [got[k * n].fin.out for k in range(len(prompts))]
         usage = oa.usage_block(oa.prompt_usage(firsts), sum(g.fin.completion_tokens for g in got))
         return JSONResponse(oa.completion(rid, self.model, created, out, usage))
@@ -555,30 +685,45 @@ class Server:
     async def _completion_stream(self, choices, rid, created, req: S.CompletionRequest, echo, request):
         fins: list[Finish | None] = [None] * len(choices)
         offsets = [len(e) for e in echo]
+        shape = choices[0].shape
+        token_str = self._token_str_of(shape)
+        counted = [0] * len(choices)
+        usage_each = shape.continuous_usage and req.stream_options.include_usage
 
-        def part(i: int, text: str, reason=None, lps=None) -> str:
-            return _sse(oa.completion(rid, self.model, created, [{"index": i, "text": text, "logprobs": lps,
-                                                                  "finish_reason": reason}], None))
-        echoed = [not e for e in echo]            # the echo goes out with the first token, not before
+        def part(i: int, text: str, reason=None, lps=None, ids=None, first=False) -> str:
+            c = {"index": i, "text": text, "logprobs": lps, "finish_reason": reason}
+            if shape.return_token_ids:
+                c["token_ids"] = ids or []
+                if first:
+                    c["prompt_token_ids"] = _prompt_ids(choices[i].handle)
+            obj = oa.completion(rid, self.model, created, [c], None)
+            if usage_each:
+                p = len(_prompt_ids(choices[i].handle))
+                obj["usage"] = {"prompt_tokens": p, "completion_tokens": counted[i], "total_tokens": p + counted[i]}
+            return _sse(obj)
+        # the echo (and the prompt's ids) go out with the first token, not before
+        echoed = [not e and not shape.return_token_ids for e in echo]
         try:
             async for i, item in self._drive(choices, request):
                 if not echoed[i] and not (isinstance(item, Finish) and item.reason == "error"):
                     echoed[i] = True
-                    yield part(i, echo[i])
+                    yield part(i, echo[i], first=True)
                 if isinstance(item, Finish):
                     fins[i] = item
                     if item.reason == "error":
                         yield _sse(oa.engine_error(item.out).body())
                         yield "data: [DONE]\n\n"
                         return
+                    counted[i] = item.completion_tokens
                     yield part(i, "", item.reason)
                     continue
+                counted[i] += len(item.token_ids)
                 lps = None
                 if req.logprobs is not None and item.logprobs:
-                    lps = oa.completion_logprobs(item.logprobs, self._token_str, offsets[i])
+                    lps = oa.completion_logprobs(item.logprobs, token_str, offsets[i])
                 offsets[i] += len(item.content)
-                if item.content or lps:
-                    yield part(i, item.content, None, lps)
+                if item.content or lps or (shape.return_token_ids and item.token_ids):
+                    yield part(i, item.content, None, lps, item.token_ids)
         except Disconnected:
             return
         if req.stream_options is not None and req.stream_options.include_usage:
@@ -593,11 +738,17 @@ class Server:
         body = await self._json(request)
         req: S.ResponsesRequest = S.convert(body, S.ResponsesRequest)
         self._check_model(req.model)
+        O.refuse_unsupported(req, False, self.facts)
         call = R.parse_responses(req, self.store)
         _tool_choice(call.tool_choice if call.tool_choice != "none" else None, call.tools)
         sampling = self._sampling(req, req.max_output_tokens, self.default_max, None)
+        sampling.update(O.responses_template(req, self.facts))
+        sampling.update(await self._off_loop(partial(self._constraint, req, call.tool_choice, call.tools,
+                                                     req.parallel_tool_calls is not False)))
         choice = Choice(partial(self.engine.chat, call.messages, tools=call.tools,
-                                session_id=req.prompt_cache_key or req.user, **sampling), [], bool(call.tools))
+                                session_id=req.prompt_cache_key or req.user, **sampling), self._stop(req),
+                        bool(call.tools), shape=O.shaping(req, self.eos_ids),
+                        reasoning=self.reasoning_parser is not None)
         background = body.get("background") is True
         if background and (req.stream or not call.store):
             raise oa.bad("background requires store (not false) and no stream", "background")
@@ -619,13 +770,11 @@ class Server:
 
     def _response_done(self, g: Collected, call: R.ResponsesCall, rid: str, created: int,
                        cancelled: bool = False) -> dict:
-        if not cancelled:
-            _verify_tool_choice(call.tool_choice, g.calls)
         status = "cancelled" if cancelled else "incomplete" if g.fin.reason == "length" else "completed"
-        items = R.output_items(g.text, g.calls, "incomplete" if cancelled else status)
+        items = R.output_items(g.text, g.calls, "incomplete" if cancelled else status, reasoning=g.reasoning)
         obj = R.response_object(rid, self.model, created, call, items, status, g.fin.out.usage,
-                                g.fin.completion_tokens, "max_output_tokens")
-        self._keep(rid, call, obj, g.text, g.calls)
+                                g.fin.completion_tokens, "max_output_tokens", self._reasoning_tokens(g))
+        self._keep(rid, call, obj, g.text, g.calls, g.reasoning)
         return obj
 
     async def _finish_background(self, choice: Choice, call: R.ResponsesCall, rid: str, created: int) -> None:
@@ -678,6 +827,8 @@ class Server:
         user = (req.metadata or {}).get("user_id")
         sampling = {**A.sampling(req), "seed": secrets.randbelow(MAX_SEED)}
         used = tools if choice != "none" else None
+        parallel = not (req.tool_choice is not None and req.tool_choice.disable_parallel_tool_use)
+        sampling.update(await self._off_loop(self._tool_grammar, choice, used, parallel))   # any / tool: a grammar
         c = Choice(partial(self.engine.chat, messages, tools=used, session_id=user if isinstance(user, str) else None,
                            **sampling), stop, bool(used))
         self.params_n.observe(1)
@@ -689,7 +840,6 @@ class Server:
         if got is None:
             return Response(status_code=499)
         g = got[0]
-        _verify_tool_choice(choice, g.calls)
         text = "" if choice not in ("auto", "none") and g.calls else g.text
         return JSONResponse(A.message(mid, self.model, text, g.calls, g.fin.reason, g.fin.stop, g.fin.out.usage,
                                       g.fin.completion_tokens))
@@ -718,17 +868,21 @@ class Server:
         if fin.reason == "error":
             yield ev.error(oa.engine_error(fin.out))
             return
-        try:
-            _verify_tool_choice(choice, calls)
-        except oa.ApiError as exc:
-            yield ev.error(exc)
-            return
         for e in ev.end(fin.reason, fin.stop, A.usage(fin.out.usage, fin.completion_tokens)):
             yield e
 
-    def _keep(self, rid: str, call: R.ResponsesCall, obj: dict, text: str, calls: list[dict]) -> None:
+    def _reasoning_tokens(self, g: Collected) -> int:
+        """Output tokens spent thinking: up to and with ``</think>`` (all of them when the
+        answer never closed its thinking)."""
+        if not g.reasoning:
+            return 0
+        ids = list(g.fin.out.token_ids)[:g.fin.completion_tokens]
+        return ids.index(self.think_end_id) + 1 if self.think_end_id in ids else len(ids)
+
+    def _keep(self, rid: str, call: R.ResponsesCall, obj: dict, text: str, calls: list[dict],
+              reasoning: str = "") -> None:
         if call.store:
-            self.store.put(rid, obj, R.stored_history(call, text, calls), call.input_items)
+            self.store.put(rid, obj, R.stored_history(call, text, calls, reasoning), call.input_items)
 
     async def _responses_stream(self, choice: Choice, call: R.ResponsesCall, rid: str, created: int,
                                 request: Request):
@@ -743,6 +897,8 @@ class Server:
                     got.fin = item
                     continue
                 got.add(item)
+                for e in ev.reasoning_delta(item.reasoning):
+                    yield e
                 for e in ev.text_delta(item.content):
                     yield e
                 for c in item.calls:
@@ -756,18 +912,14 @@ class Server:
             yield ev.event("response.failed", response={**obj, "status": "failed",
                                                         "error": {"code": err.kind, "message": str(err)}})
             return
-        try:
-            _verify_tool_choice(call.tool_choice, got.calls)
-        except oa.ApiError as exc:
-            yield ev.event("error", code=exc.code, message=str(exc), param=None)
-            return
         status = "incomplete" if fin.reason == "length" else "completed"
-        for e in ev.close_message(status):
+        for e in ev.close_reasoning() + ev.close_message(status):
             yield e
         final = R.response_object(rid, self.model, created, call,
-                                  R.output_items(got.text, got.calls, status, ev.msg_id), status,
-                                  fin.out.usage, fin.completion_tokens, "max_output_tokens")
-        self._keep(rid, call, final, got.text, got.calls)
+                                  R.output_items(got.text, got.calls, status, ev.msg_id, got.reasoning, ev.rs_id),
+                                  status, fin.out.usage, fin.completion_tokens, "max_output_tokens",
+                                  self._reasoning_tokens(got))
+        self._keep(rid, call, final, got.text, got.calls, got.reasoning)
         yield ev.event("response.completed" if status == "completed" else "response.incomplete", response=final)
 
     async def response_get(self, request: Request) -> Response:
@@ -803,7 +955,16 @@ class Server:
         if req.messages is not None:
             S.check_media(req.messages)
             self._bound_prompt(req.messages)
-            ids = await self._tokens(None, body["messages"], body.get("tools"), req.add_generation_prompt)
+            if req.continue_final_message and req.add_generation_prompt and "add_generation_prompt" in body:
+                raise oa.bad("continue_final_message and add_generation_prompt cannot both be true",
+                             "continue_final_message")
+            clash = next((k for k in req.chat_template_kwargs or {} if k in RESERVED_TEMPLATE_VARS), None)
+            if clash is not None:
+                raise oa.bad(f"chat_template_kwargs.{clash} is set by the request itself", "chat_template_kwargs")
+            ids = await self._tokens(None, body["messages"], body.get("tools"),
+                                     req.add_generation_prompt and not req.continue_final_message,
+                                     template_kwargs=req.chat_template_kwargs,
+                                     continue_final=bool(req.continue_final_message))
         else:
             ids = await self._tokens(req.prompt, add_special_tokens=req.add_special_tokens)
         return JSONResponse({"count": len(ids), "max_model_len": self.engine.info.max_context, "tokens": list(ids),
@@ -872,6 +1033,45 @@ class ChatCtx:
     created: int
     tool_choice: object
     req: S.ChatRequest
+    shape: O.Shaping = O.Shaping()
+    echo: str = ""                        # chat echo: the final message's text, prepended
+    reasoning: bool = False               # answers carry reasoning_content (a parser, included)
+
+
+def _chat_echo(req: S.ChatRequest, messages: list[dict]) -> str:
+    """vLLM's chat ``echo``: the final message's text when it has the answer's role (assistant
+    with a generation prompt, else the final message's own role): a continued message comes back
+    whole."""
+    if not req.echo or not messages:
+        return ""
+    last = messages[-1]
+    role = "assistant" if req.add_generation_prompt is not False and not req.continue_final_message \
+        else last.get("role")
+    if last.get("role") != role:
+        return ""
+    c = last.get("content")
+    if isinstance(c, list):
+        return "".join(p.get("text", "") for p in c if isinstance(p, dict) and p.get("type") == "text")
+    return c or ""
+
+
+def _with_reasoning_content(messages: list) -> list:
+    """Assistant messages sent back with vLLM's newer ``reasoning`` field render as
+    ``reasoning_content``, the name chat templates read."""
+    if not any(isinstance(m, dict) and "reasoning" in m and "reasoning_content" not in m for m in messages):
+        return messages
+    return [{**m, "reasoning_content": m["reasoning"]}
+            if isinstance(m, dict) and "reasoning" in m and "reasoning_content" not in m else m for m in messages]
+
+
+def _prompt_ids(handle) -> list[int]:
+    """The prompt a submitted request runs (``RequestHandle.prompt_token_ids``)."""
+    return list(getattr(handle, "prompt_token_ids", None) or [])
+
+
+def _as_token_id(tid: int) -> str:
+    """``return_tokens_as_token_ids``: a logprob's token as vLLM spells it."""
+    return f"token_id:{tid}"
 
 
 OPEN = frozenset({"/health", "/ping", "/metrics", "/version", "/load", "/docs", "/openapi.json"})  # no API key
@@ -915,21 +1115,6 @@ def _tool_choice(choice, tools) -> str | dict:
     return choice
 
 
-def _verify_tool_choice(choice, calls: list[dict]) -> None:
-    """``required`` and a named function are verified (NInfer does not constrain decoding yet):
-    an answer without the call is a 422 instead of a silently different reply."""
-    if choice == "required" and not calls:
-        raise oa.ApiError(422, "tool_choice is 'required' but the model answered without a tool call "
-                               "(NInfer verifies tool_choice; it does not constrain decoding)",
-                          code="tool_choice_not_satisfied", param="tool_choice")
-    if isinstance(choice, dict):
-        name = choice["function"]["name"]
-        if not any(c["function"]["name"] == name for c in calls):
-            raise oa.ApiError(422, f"tool_choice names {name!r} but the model did not call it "
-                                   "(NInfer verifies tool_choice; it does not constrain decoding)",
-                              code="tool_choice_not_satisfied", param="tool_choice")
-
-
 def _nth_seed(sampling: dict, i: int) -> dict:
     """Choice i of n samples with seed + i (identical for greedy decoding)."""
     return sampling if i == 0 else {**sampling, "seed": (sampling["seed"] + i) % (MAX_SEED + 1)}
@@ -957,14 +1142,16 @@ def _sse_response(gen) -> StreamingResponse:
 
 def serve(engine: Engine, model_name: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           max_body_bytes: int = 16 << 20, log_level: str = "warning", max_messages: int = 4096,
-          sock=None, aliases: list[str] | None = None, limits: Limits | None = None) -> None:
+          sock=None, aliases: list[str] | None = None, limits: Limits | None = None,
+          generation_config: str = "auto", reasoning_parser: str = "auto") -> None:
     """Serve until interrupted; on ``sock`` (bound by the caller, ``serve_flags.bind``) when
     given, else on host:port."""
     import uvicorn
 
     limits = limits or Limits()
     server = Server(engine, model_name, api_key=api_key, max_body_bytes=max_body_bytes, max_messages=max_messages,
-                    aliases=aliases, limits=limits)
+                    aliases=aliases, limits=limits, generation_config=generation_config,
+                    reasoning_parser=reasoning_parser)
     server.offload.warm()                      # the helper for large inputs is up before the first one
     config = uvicorn.Config(server.app, host=host, port=port, loop="uvloop", log_level=log_level,
                             http=protocol_class(limits))

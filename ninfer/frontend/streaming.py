@@ -4,8 +4,10 @@ calls parsed out of the text as they complete, and the tokens (and logprobs) cou
 stop.
 
     engine tokens -> TextDecoder (per token, UTF-8 safe) -> StopScan (hold back a partial stop)
-                  -> ToolStream (hold back a partial "<tool_call>", parse closed blocks)
-                  -> Piece(content, calls, logprobs) ... Finish(reason, completion_tokens)
+                  -> reasoning split (frontend/reasoning.py: <think> ... </think> apart, when on)
+                  -> ToolStream (hold back a partial "<tool_call>", parse closed blocks; the
+                     answer only, never the reasoning)
+                  -> Piece(content, calls, logprobs, reasoning) ... Finish(reason, completion_tokens)
 
 A stop string ends the choice at the token that completed it: that token is the last one
 counted, the text ends before the stop string, and the engine request is cancelled.
@@ -128,6 +130,8 @@ class Piece:
     content: str = ""
     calls: list[dict] = field(default_factory=list)
     logprobs: list = field(default_factory=list)      # TokenLogprob per counted token
+    token_ids: list[int] = field(default_factory=list)  # the counted tokens this piece adds
+    reasoning: str = ""                                 # the model's thinking (a reasoning parser)
 
 
 @dataclass
@@ -142,8 +146,16 @@ class Finish:
 class ChoiceStream:
     """Feeds a request's events through decoding, stop strings and tool parsing."""
 
-    def __init__(self, decode: Callable[[list[int]], str], stop: list[str], parse_tools: bool):
+    def __init__(self, decode: Callable[[list[int]], str], stop: list[str], parse_tools: bool,
+                 include_stop: bool = False, stop_ids: frozenset[int] = frozenset(), min_tokens: int = 0,
+                 reasoning=None):
         self.text = TextDecoder(decode)
+        self.reasoning = reasoning            # a reasoning split (reasoning.ThinkSplit) or None
+        self.include_stop = include_stop     # include_stop_str_in_output: the text ends after it
+        # the token that stops the request (a stop id or EOS, at or past min_tokens) is counted
+        # but, as in vLLM, not part of the text unless include_stop_str_in_output
+        self.stop_ids = frozenset() if include_stop else stop_ids
+        self.min_tokens = min_tokens
         self.stop = [s for s in stop if s]
         self.longest = max((len(s) for s in self.stop), default=0)
         self.tools = ToolStream() if parse_tools else None
@@ -153,19 +165,26 @@ class ChoiceStream:
         self.stop_hit: str | None = None     # ... and which one
         self.ncalls = 0
 
-    def _release(self, text: str, logprobs: list) -> Piece:
+    def _release(self, text: str, logprobs: list, token_ids: list[int], final: bool = False) -> Piece:
+        thought = ""
+        if self.reasoning is not None:
+            thought, text = self.reasoning.feed(text)
+            if final:
+                more, rest = self.reasoning.flush()
+                thought, text = thought + more, text + rest
         if self.tools is None:
-            return Piece(text, [], logprobs)
+            return Piece(text, [], logprobs, token_ids, thought)
         content, calls = self.tools.feed(text)
         self.ncalls += len(calls)
-        return Piece(content, calls, logprobs)
+        return Piece(content, calls, logprobs, token_ids, thought)
 
     def feed(self, token_ids: list[int], logprobs: list | None = None) -> Piece:
         if self.stopped_at is not None:
             return Piece()
         first = len(self.lens)
         for t in token_ids:
-            self.text.add(t)
+            if not (t in self.stop_ids and len(self.lens) + 1 >= self.min_tokens):
+                self.text.add(t)
             self.lens.append(len(self.text.text))
         text = self.text.text
         if self.stop:
@@ -176,23 +195,26 @@ class ChoiceStream:
                 end = i + n
                 k = next(j for j in range(first, len(self.lens)) if self.lens[j] >= end) + 1
                 self.stopped_at = k
-                piece = self._release(text[self.sent:i], list(logprobs or [])[:k - first])
-                self.sent = i
+                cut = end if self.include_stop else i
+                piece = self._release(text[self.sent:cut], list(logprobs or [])[:k - first],
+                                      list(token_ids[:k - first]))
+                self.sent = cut
                 return piece
             upto = len(text) - partial_suffix(text, self.stop)
         else:
             upto = len(text)
-        piece = self._release(text[self.sent:upto], list(logprobs or []))
+        piece = self._release(text[self.sent:upto], list(logprobs or []), list(token_ids))
         self.sent = max(self.sent, upto)
         return piece
 
     def finish(self, out) -> tuple[Piece, Finish]:
         """The held-back tail (no stop can complete now) and the choice's end."""
-        tail = Piece()
         if self.stopped_at is None:
             self.text.flush()
-            tail = self._release(self.text.text[self.sent:], [])
+            tail = self._release(self.text.text[self.sent:], [], [], final=True)
             self.sent = len(self.text.text)
+        else:
+            tail = self._release("", [], [], final=True)
         if self.tools is not None:
             tail.content += self.tools.flush()
         if out.finish_reason == "error":
@@ -215,7 +237,7 @@ async def run_choice(handle, stream: ChoiceStream) -> AsyncIterator[Piece | Fini
     first = True
     async for ev in handle.aiter():
         piece = stream.feed(ev.token_ids, getattr(ev, "logprobs", None))
-        if first or piece.content or piece.calls or piece.logprobs:
+        if first or piece.content or piece.calls or piece.logprobs or piece.token_ids or piece.reasoning:
             first = False
             yield piece
         if stream.stopped_at is not None:
@@ -223,6 +245,6 @@ async def run_choice(handle, stream: ChoiceStream) -> AsyncIterator[Piece | Fini
             break
     out = await handle.result_async()
     tail, fin = stream.finish(out)
-    if tail.content or tail.calls:
+    if tail.content or tail.calls or tail.reasoning:
         yield tail
     yield fin

@@ -117,6 +117,9 @@ class Sequence:
     draft_frontier: int = 0
     drafts: list[int] = field(default_factory=list)   # MTP drafts the next decode row verifies
     media: object | None = None             # media.SeqMedia: the prompt's images and MRoPE rows
+    grammar: object | None = None           # structured.GrammarState of a constrained request: a
+    #                                          function of the committed output (dropped with the
+    #                                          execution state, rebuilt from the ledger on demand)
 
     @property
     def ledger_frontier(self) -> int:

@@ -184,6 +184,7 @@ class Program:
         self.exec_identity = hashlib.blake2b(
             (repr(model.cfg) + str(model.dtype) + model.path.name).encode(), digest_size=16).digest()
         self._ids = count(1)
+        self.grammar_stats = None                    # structured.GrammarStats once a grammar ran
         self.sequences: dict[int, Sequence] = {}
         self.checkpoints: dict[int, Checkpoint] = {}
         self.blocks: dict[int, KvBlock] = {}
@@ -530,6 +531,11 @@ class Program:
             taps = self.spec.taps if self.spec is not None else ()
             out = (self.graphs.forward(batch, embeds, taps) if self.graphs is not None
                    else self.model.forward(batch, self.mem.cache, embeds, taps))
+            # the grammar masks of the rows about to sample, on the CPU while the device runs
+            # the forward (its launches are asynchronous; sampling reads the logits after this)
+            for r in compute:
+                if r.seq.params.structured is not None and r.seq.frontier + r.n_tokens == len(r.seq.ledger):
+                    self._grammar(r.seq).allowed()
             li = 0                                # the row of out.logits of the sequence's first logits row
             for i, r in enumerate(compute):
                 seq, d, res = r.seq, drafts[i], results[r.seq.sid]
@@ -585,7 +591,9 @@ class Program:
         if logits is None:       # exact hit: sample from the continuation hidden
             logits = self.model.logits(self.mem.hidden[seq.slot][None])[0]
         pos = len(seq.ledger)
-        tok = sample_token(logits, seq.params, pos, seq.ledger[:seq.prompt_len], seq.outputs)
+        g = self._grammar(seq) if seq.params.structured is not None else None
+        allowed = g.allowed().to(logits.device) if g is not None else None
+        tok = sample_token(logits, seq.params, pos, seq.ledger[:seq.prompt_len], seq.outputs, seq.eos_ids, allowed)
         seq.ledger.append(tok)
         res.committed.append(tok)
         if seq.params.logprobs is not None:
@@ -593,8 +601,31 @@ class Program:
             # as inputs and never samples them again, so each token's logprob is made once
             res.logprobs.append(token_logprobs(logits, tok, seq.params.logprobs))
         seq.finished = stop_reason(tok, seq.n_generated, seq.params, seq.eos_ids)
+        if g is not None:
+            g.accept(tok)
+            if g.complete and seq.finished is None:
+                seq.finished = "stop"            # the grammar is done: nothing else may follow
         res.finish_reason = seq.finished
         return tok
+
+    def _model_dir(self):
+        if self.model.source is None:
+            raise NativeError("structured outputs need the model's directory (its tokenizer.json)")
+        return self.model.source
+
+    def _grammar(self, seq: Sequence):
+        """The sequence's grammar state, rebuilt from its committed output when it has none (a
+        destructive pause dropped it, or the sequence came with outputs): never sampled again."""
+        if seq.grammar is None:
+            from ninfer.structured import GrammarState, GrammarStats, book_for
+            book = book_for(self._model_dir(), self.model.cfg.vocab_size, seq.eos_ids)
+            if self.grammar_stats is None:
+                self.grammar_stats = GrammarStats()
+            seq.grammar = GrammarState.rebuilt(seq.params.structured, book, seq.ledger[:seq.prompt_len],
+                                               seq.outputs, self.grammar_stats)
+        else:
+            seq.grammar.sync(seq.outputs)
+        return seq.grammar
 
     def _trim(self, seq: Sequence) -> None:
         """Pages past the frontier's last (a verify row's rejected tail) go back to the pool."""
@@ -1112,6 +1143,7 @@ class Program:
         seq.blocks = self._dirs()
         seq.drafts = []
         seq.draft_base = seq.draft_frontier = 0
+        seq.grammar = None                 # execution state too: Replay rebuilds it from the ledger
 
     def release(self, seq: Sequence) -> None:
         """Cancel / error / done without saving: free everything the sequence holds. While its

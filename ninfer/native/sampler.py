@@ -65,20 +65,71 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: li
     return logits
 
 
+def _barred(params: SamplingParams, output_ids: list[int]) -> list[int]:
+    """Last tokens of ``bad_words`` sequences whose other tokens end the output so far."""
+    n = len(output_ids)
+    return [w[-1] for w in params.bad_words
+            if len(w) - 1 <= n and (len(w) == 1 or output_ids[n - len(w) + 1:] == list(w[:-1]))]
+
+
+def constrain(x: torch.Tensor, params: SamplingParams, output_ids: list[int],
+              eos_ids: tuple[int, ...] = (), allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [V] float64 logits. Returns them with what may not be drawn at -inf and the logit bias
+    added, in vLLM's order: the allowed set (``allowed_token_ids``, and ``allowed`` [V] bool: a
+    grammar's mask), bad words, min_tokens (stop ids barred only while something else is left),
+    logit bias. The input is never modified; with nothing to do it is returned as is."""
+    mask = None
+    if params.allowed_token_ids:
+        mask = torch.zeros_like(x, dtype=torch.bool)
+        mask[list(params.allowed_token_ids)] = True
+    if allowed is not None:
+        mask = allowed if mask is None else mask & allowed
+    barred = _barred(params, output_ids) if params.bad_words else []
+    stops = []
+    if len(output_ids) < params.min_tokens:
+        stops = [t for t in (*params.stop_token_ids, *(() if params.ignore_eos else eos_ids)) if t < x.shape[-1]]
+    if mask is None and not barred and not stops and not params.logit_bias:
+        return x
+    if mask is None:
+        mask = torch.ones_like(x, dtype=torch.bool)
+    else:
+        mask = mask.clone()
+    if barred:
+        mask[barred] = False
+    if stops:
+        kept = mask.clone()
+        kept[stops] = False
+        if bool(kept.any()):            # min_tokens never leaves nothing to draw
+            mask = kept
+    x = x.masked_fill(~mask, float("-inf"))
+    if params.logit_bias:
+        ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long, device=x.device)
+        x[ids] += torch.tensor([b for _, b in params.logit_bias], dtype=x.dtype, device=x.device)
+    return x
+
+
 def sample_token(logits: torch.Tensor, params: SamplingParams, position: int,
-                 prompt_ids: list[int], output_ids: list[int]) -> int:
+                 prompt_ids: list[int], output_ids: list[int], eos_ids: tuple[int, ...] = (),
+                 allowed: torch.Tensor | None = None) -> int:
     """Choose the token at logical ``position`` from one row of logits [V].
 
-    Greedy picks the lowest id among the maxima. Otherwise candidates are ordered by
-    (probability desc, id asc) — a total order, so ties cannot make two runs differ — then
-    filtered by top-k and top-p, and the keyed uniform selects by inverse CDF.
+    ``constrain`` first (allowed ids, a grammar's ``allowed`` mask, bad words, min_tokens
+    against ``eos_ids``, logit bias), then the penalties. Greedy picks the lowest id among the
+    maxima. Otherwise candidates are ordered by (probability desc, id asc) — a total order, so
+    ties cannot make two runs differ — then filtered by min_p (and renormalised), top-k and
+    top-p, and the keyed uniform selects by inverse CDF.
     """
-    x = apply_penalties(logits.to(torch.float64), params, prompt_ids, output_ids)
+    x = constrain(logits.to(torch.float64), params, output_ids, eos_ids, allowed)
+    x = apply_penalties(x, params, prompt_ids, output_ids)
     if params.temperature == 0.0:
         return int(torch.argmax(x))
     probs = torch.softmax(x / params.temperature, dim=-1)
     order = torch.sort(probs, descending=True, stable=True)
     p, ids = order.values, order.indices
+    if params.min_p > 0.0:
+        keep = int((p >= params.min_p * p[0]).sum())        # p is sorted: a prefix survives
+        p, ids = p[:keep], ids[:keep]
+        p = p / p.sum()
     if params.top_k and params.top_k < p.numel():
         p, ids = p[: params.top_k], ids[: params.top_k]
     if params.top_p < 1.0:
@@ -115,9 +166,11 @@ def token_logprobs(logits: torch.Tensor, token: int, k: int) -> TokenLogprob:
 def stop_reason(token: int, n_generated: int, params: SamplingParams, eos_ids: tuple[int, ...]) -> str | None:
     """'stop' if ``token`` ends the request, 'length' if the budget is spent, else None.
 
-    ``n_generated`` counts ``token`` itself. The stop token stays in the output ids.
+    ``n_generated`` counts ``token`` itself. The stop token stays in the output ids. Before
+    ``min_tokens`` outputs no stop id ends the request (as in vLLM).
     """
-    if token in params.stop_token_ids or (not params.ignore_eos and token in eos_ids):
+    if n_generated >= params.min_tokens and (
+            token in params.stop_token_ids or (not params.ignore_eos and token in eos_ids)):
         return "stop"
     if n_generated >= params.max_tokens:
         return "length"

@@ -70,7 +70,7 @@ _TOOLS_OUTRO = (
 
 # Jinja string literals understand backslash escapes, so the template is kept as a
 # raw string: the file on disk then reads like Qwen's own template.
-CHAT_TEMPLATE: str = r"""{#- ChatML in the style of Qwen2.5, without a default system prompt. -#}
+CHAT_TEMPLATE: str = r"""{#- ChatML in the style of Qwen2.5 with Qwen3's thinking, without a default system prompt. -#}
 {%- macro render_content(content) -%}
     {#- A string, null/missing (empty), or a list of {"type": "text", "text": ...} parts. -#}
     {%- if content is string -%}
@@ -107,12 +107,35 @@ CHAT_TEMPLATE: str = r"""{#- ChatML in the style of Qwen2.5, without a default s
     {{- "<|im_start|>system\n" + system_message + "<|im_end|>\n" -}}
 {%- endif -%}
 
+{#- Thinking as Qwen3's template: an assistant's reasoning (reasoning_content, or a <think> block
+    at the start of its content) is rendered only after the last user message; earlier turns keep
+    their answer alone. -#}
+{%- set ns = namespace(last_query=-1) -%}
+{%- for message in loop_messages -%}
+    {%- if message.role == "user" -%}
+        {%- set ns.last_query = loop.index0 -%}
+    {%- endif -%}
+{%- endfor -%}
+
 {%- for message in loop_messages -%}
     {%- set role = "system" if message.role == "developer" else message.role -%}
-    {%- if role in ["user", "system"] or (role == "assistant" and not message.tool_calls) -%}
+    {%- if role in ["user", "system"] -%}
         {{- "<|im_start|>" + role + "\n" + render_content(message.content) + "<|im_end|>\n" -}}
     {%- elif role == "assistant" -%}
         {%- set content = render_content(message.content) -%}
+        {%- set reasoning = "" -%}
+        {%- if message.reasoning_content is string -%}
+            {%- set reasoning = message.reasoning_content -%}
+        {%- elif "</think>" in content -%}
+            {%- set reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n") -%}
+            {%- set content = content.split("</think>")[-1].lstrip("\n") -%}
+        {%- endif -%}
+        {%- if loop.index0 > ns.last_query and reasoning -%}
+            {%- set content = "<think>\n" + reasoning.strip("\n") + "\n</think>\n\n" + content.lstrip("\n") -%}
+        {%- endif -%}
+        {%- if not message.tool_calls -%}
+            {{- "<|im_start|>assistant\n" + content + "<|im_end|>\n" -}}
+        {%- else -%}
         {{- "<|im_start|>assistant" -}}
         {%- if content -%}
             {{- "\n" + content -}}
@@ -130,6 +153,7 @@ CHAT_TEMPLATE: str = r"""{#- ChatML in the style of Qwen2.5, without a default s
             {{- "}\n</tool_call>" -}}
         {%- endfor -%}
         {{- "<|im_end|>\n" -}}
+        {%- endif -%}
     {%- elif role == "tool" -%}
         {#- Consecutive tool results share one user block. -#}
         {%- if loop.first or loop.previtem.role != "tool" -%}
@@ -146,6 +170,9 @@ CHAT_TEMPLATE: str = r"""{#- ChatML in the style of Qwen2.5, without a default s
 
 {%- if add_generation_prompt -%}
     {{- "<|im_start|>assistant\n" -}}
+    {%- if enable_thinking is defined and enable_thinking is false -%}
+        {{- "<think>\n\n</think>\n\n" -}}
+    {%- endif -%}
 {%- endif -%}
 """
 
@@ -198,9 +225,23 @@ def _tool_call_text(tool_call: Mapping) -> str:
     return f'\n<tool_call>\n{{"name": "{call["name"]}", "arguments": {args}}}\n</tool_call>'
 
 
-def _assistant_with_calls(message: Mapping) -> str:
-    """An assistant block whose tool calls follow its (optional) text."""
+def _assistant_content(message: Mapping, after_last_query: bool) -> str:
+    """Qwen3's thinking: the reasoning (``reasoning_content``, or a leading ``<think>`` block of
+    the content) is kept only after the last user message."""
     content = _content_text(message.get("content"))
+    reasoning = ""
+    if isinstance(message.get("reasoning_content"), str):
+        reasoning = message["reasoning_content"]
+    elif "</think>" in content:
+        reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+        content = content.split("</think>")[-1].lstrip("\n")
+    if after_last_query and reasoning:
+        content = "<think>\n" + reasoning.strip("\n") + "\n</think>\n\n" + content.lstrip("\n")
+    return content
+
+
+def _assistant_with_calls(message: Mapping, content: str) -> str:
+    """An assistant block whose tool calls follow its (optional) text."""
     body = "\n" + content if content else ""
     calls = "".join(_tool_call_text(tc) for tc in message["tool_calls"])
     return f"<|im_start|>assistant{body}{calls}<|im_end|>\n"
@@ -214,6 +255,7 @@ def render_reference(
     messages: list[Mapping],
     tools: list[Mapping] | None = None,
     add_generation_prompt: bool = True,
+    enable_thinking: bool | None = None,
 ) -> str:
     """Render `messages` exactly as `CHAT_TEMPLATE` does, in plain Python.
 
@@ -226,13 +268,16 @@ def render_reference(
         system = _content_text(messages[0].get("content"))
         messages = messages[1:]
     parts = [_system_block(system, tools)]
+    last_query = max((i for i, m in enumerate(messages) if _role_of(m) == "user"), default=-1)
     for i, message in enumerate(messages):
         role = _role_of(message)
         role = "system" if role == "developer" else role
-        if role in ("user", "system") or (role == "assistant" and not message.get("tool_calls")):
+        if role in ("user", "system"):
             parts.append(_block(role, _content_text(message.get("content"))))
         elif role == "assistant":
-            parts.append(_assistant_with_calls(message))
+            content = _assistant_content(message, i > last_query)
+            parts.append(_assistant_with_calls(message, content) if message.get("tool_calls")
+                         else _block("assistant", content))
         elif role == "tool":
             if i == 0 or _role_of(messages[i - 1]) != "tool":
                 parts.append("<|im_start|>user")
@@ -243,6 +288,8 @@ def render_reference(
             raise ValueError(f"Unknown message role: {role}")
     if add_generation_prompt:
         parts.append("<|im_start|>assistant\n")
+        if enable_thinking is False:
+            parts.append("<think>\n\n</think>\n\n")
     return "".join(parts)
 
 

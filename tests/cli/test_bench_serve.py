@@ -57,6 +57,19 @@ def test_bench_serve_against_a_running_server(server, tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_serve_reports_the_grammars_cost_beside_the_unconstrained_run(server, tmp_path):
+    out = tmp_path / "structured.json"
+    r = _bench("--base-url", server, "--api-key", KEY, "--clients", "4", "--rounds", "1", "--max-tokens", "48",
+               "--structured", "both", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    rows = {row["round"]: row for row in data["rows"]}
+    assert rows["plain total"]["requests"] == rows["json total"]["requests"] == 4
+    assert rows["json total"]["mask_us_per_token"] > 0 and data["grammar"]["masks"] > 0
+    assert data["config"]["structured"] == "both" and "mask_us_per_token" in r.stdout
+
+
+@pytest.mark.slow
 def test_bench_serve_fails_on_request_errors(server):
     r = _bench("--base-url", server, "--model", "tiny", "--api-key", "wrong", "--clients", "2", "--rounds", "1",
                "--max-tokens", "4")

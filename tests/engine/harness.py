@@ -102,12 +102,7 @@ class Harness:
 
 @functools.lru_cache(maxsize=4096)
 def _oracle(model_dir: str, prompt: tuple, dtype: str, params: SamplingParams) -> tuple:
-    return tuple(reference_generate(
-        model_dir, list(prompt), max_tokens=params.max_tokens, temperature=params.temperature,
-        top_p=params.top_p, top_k=params.top_k, seed=params.seed, dtype=dtype,
-        stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
-        presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
-        repetition_penalty=params.repetition_penalty))
+    return tuple(reference_generate(model_dir, list(prompt), dtype=dtype, params=params))
 
 
 def oracle(model_dir: str, prompt: list[int], dtype: str = "float64", **params) -> list[int]:
@@ -118,12 +113,7 @@ def oracle(model_dir: str, prompt: list[int], dtype: str = "float64", **params) 
 
 @functools.lru_cache(maxsize=1024)
 def _oracle_logprobs(model_dir: str, prompt: tuple, dtype: str, params: SamplingParams) -> tuple:
-    ids, lps = reference_generate(
-        model_dir, list(prompt), max_tokens=params.max_tokens, temperature=params.temperature,
-        top_p=params.top_p, top_k=params.top_k, seed=params.seed, dtype=dtype,
-        stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
-        presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
-        repetition_penalty=params.repetition_penalty, logprobs=params.logprobs, return_logprobs=True)
+    ids, lps = reference_generate(model_dir, list(prompt), dtype=dtype, params=params, return_logprobs=True)
     return tuple(ids), tuple(lps)
 
 

@@ -48,7 +48,44 @@ def _faults(rng: random.Random) -> list[dict]:
     return out
 
 
-def _workload(seed: int):
+def sampling_options(rng: random.Random, n: int, temperature: float, vocab: int = 2048) -> dict:
+    """Random sampling options of the kinds vLLM users send (each on for some requests), chosen
+    so that they change the draw on the random tiny model: a small allowed set with stop ids
+    inside it (so stops really happen), min_tokens, logit bias, bad words, min_p, and a grammar
+    (structured outputs: a JSON schema, a regex, a choice, a GBNF grammar)."""
+    out: dict = {}
+    allowed = sorted(rng.sample(range(vocab), rng.randint(24, 200))) if rng.random() < 0.5 else None
+    if allowed:
+        out["allowed_token_ids"] = tuple(allowed)
+    pool = allowed or range(vocab)
+    if rng.random() < 0.6:
+        out["stop_token_ids"] = tuple(rng.sample(pool, rng.randint(1, 3)))
+        if rng.random() < 0.6:
+            out["min_tokens"] = rng.randint(1, n)
+    if rng.random() < 0.5:
+        out["logit_bias"] = tuple(sorted({t: rng.choice([-100.0, -5.0, 3.0, 8.0]) for t in rng.sample(pool, 3)}.items()))
+    if rng.random() < 0.4:
+        a, b, c = rng.sample(pool, 3)
+        out["bad_words"] = ((a,), (b, c))
+    if temperature > 0 and rng.random() < 0.6:
+        out["min_p"] = rng.choice([0.02, 0.1, 0.3])
+    if not allowed and rng.random() < 0.35:                 # structured outputs (a grammar)
+        out["structured"] = _constraint(rng.randrange(4))
+    return out
+
+
+def _constraint(k: int):
+    from ninfer import structured as st
+    return [lambda: st.json_schema({"type": "object", "properties": {"a": {"type": "string", "maxLength": 6},
+                                                                     "b": {"type": "integer"}}}),
+            lambda: st.regex(r"([a-z]{2,5} ){1,40}"),
+            lambda: st.choice(["alpha", "beta gamma", "delta"]),
+            lambda: st.grammar('root ::= ("(" [0-9]+ ")")+')][k]()
+
+
+def _workload(seed: int, options: bool = False):
+    """``options``: each request also draws sampling options (``sampling_options``) from its
+    own random stream — the requests, arrivals and configs of a seed stay those without."""
     rng = random.Random(seed)
     c = rng.choice([1, 2, 2, 3, 3, 4, 6, 8])
     snap = 431104 + 3 * 262144            # a snapshot of the tiny model (float64): image + 3 pages
@@ -70,6 +107,8 @@ def _workload(seed: int):
         lp = random.Random(seed * 1009 + i)     # its own stream: the seeds above keep their workloads
         if lp.random() < 0.3:
             params["logprobs"] = lp.choice([0, 1, 5])
+        if options:
+            params.update(sampling_options(random.Random(seed * 7919 + i), n, params["temperature"]))
         extra = {}
         if rng.random() < 0.4:
             extra["recovery_frontier"] = rng.randint(1, len(p))
@@ -103,7 +142,10 @@ def _check_final(model_dir: str, h: Harness, rid: str, prompt, params, seed: int
         assert f.error["type"] in allowed, f"seed {seed}: {rid} failed without its fault: {f.error}"
         TOTALS["failed_by_fault"] += 1
         return
-    assert f.finish_reason == "length", f.error
+    assert f.finish_reason == "length" or (f.finish_reason == "stop" and (
+        params.get("stop_token_ids") or params.get("structured"))), f.error
+    TOTALS["stopped"] += f.finish_reason == "stop"
+    TOTALS["constrained"] += params.get("structured") is not None
     if k is None:
         assert f.token_ids == oracle(model_dir, prompt, **params), f"seed {seed}: {rid} differs from the oracle"
         return
@@ -119,9 +161,10 @@ def _preempt(h: Harness, rng: random.Random) -> None:
         force_pause(h, req.rid)
 
 
-def run_workload(model_dir: str, seed: int, **overrides) -> dict:
-    """One seeded workload; ``overrides`` change its engine config (e.g. ``speculative``)."""
-    cfg, reqs, follow, preempts = _workload(seed)
+def run_workload(model_dir: str, seed: int, options: bool = False, **overrides) -> dict:
+    """One seeded workload; ``overrides`` change its engine config (e.g. ``speculative``);
+    ``options``: its requests carry sampling options (``sampling_options``)."""
+    cfg, reqs, follow, preempts = _workload(seed, options)
     h = Harness(model_dir, **{**cfg, **overrides})
     rng = random.Random(seed + 1)
     try:
@@ -237,6 +280,22 @@ def test_random_workloads_match_the_oracle(tiny_model):
     """200 seeded workloads (the regression seeds first), every completed request against the
     oracle (``run_workload``), on every core."""
     run_workloads(tiny_model, SWEEP_SEEDS)
+
+
+OPTION_SEEDS = [8000 + s for s in range(40)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sampling_options_under_pressure_match_the_oracle(tiny_model):
+    """The same workloads with vLLM's sampling options on their requests (allowed ids, stop ids
+    with min_tokens, logit bias, bad words, min_p, grammars): under the same pressure and faults, every
+    completed request equals the oracle that applies the same options to the request alone —
+    across Snapshot and Replay pauses (both happen here) and stops by stop id."""
+    before = Counter(TOTALS)
+    run_workloads(tiny_model, OPTION_SEEDS, lambda seed: {"options": True})
+    seen = Counter(TOTALS) - before
+    assert seen["snapshot"] and seen["replay"] and seen["stopped"] and seen["constrained"], dict(seen)
 
 
 def test_a_failed_unit_keeps_the_retirements_of_its_prepared_save(tiny_model):

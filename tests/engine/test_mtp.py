@@ -37,6 +37,17 @@ def test_random_workloads_with_mtp_match_the_oracle(tiny_model):
 
 
 @pytest.mark.slow
+def test_sampling_options_with_mtp_match_the_oracle(tiny_model):
+    """The sampling-options sweep (allowed ids, stop ids with min_tokens, logit bias, bad words,
+    min_p) with MTP drafts: a draft is kept only where the constrained, seeded sampler draws it,
+    so every completed request still equals the oracle without speculation."""
+    totals: Counter = Counter()
+    count_speculation(totals, run_workloads(tiny_model, [8100 + s for s in range(12)],
+                                            lambda seed: {**_mtp(seed), "options": True}))
+    assert totals["accepted"] and totals["rejected"] and totals["pauses"], dict(totals)
+
+
+@pytest.mark.slow
 def test_the_mtp_workloads_really_speculated(tiny_model):
     """Run after the sweep above: drafts were both accepted and rejected, with pauses and hits."""
     seed = 5100

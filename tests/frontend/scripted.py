@@ -54,14 +54,17 @@ class ScriptedEngine:
 
     def __init__(self, tok: ChatTokenizer):
         self._intake = SimpleNamespace(tokenizer=tok)
-        self.info = SimpleNamespace(max_context=4096, vocab_size=tok.tokenizer.get_vocab_size(), vision_merge=0)
+        self.info = SimpleNamespace(max_context=4096, vocab_size=tok.tokenizer.get_vocab_size(), vision_merge=0,
+                                    eos_ids=[tok.tokenizer.token_to_id(t) for t in ("<|im_end|>", "<|endoftext|>")])
         self.handles: list[ScriptedHandle] = []
+        self.kwargs: list[dict] = []            # what each chat was asked (sampling, structured, ...)
         self.delay = 0.002
         self.chunk = 1
         self.gate = OPEN_GATE
         self.error: dict | None = None
 
     def chat(self, messages, tools=None, **kw) -> ScriptedHandle:
+        self.kwargs.append(kw)
         return self._handle(self._intake.tokenizer.encode(messages[-1]["content"]))
 
     def generate(self, prompt_token_ids, **kw) -> ScriptedHandle:

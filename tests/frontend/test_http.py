@@ -212,6 +212,17 @@ def test_serve_through_the_ray_actors(tiny_model):
         msgs += [{"role": "assistant", "content": r1.choices[0].message.content}, {"role": "user", "content": "again"}]
         r2 = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0)
         assert r2.usage.prompt_tokens_details.cached_tokens >= r1.usage.prompt_tokens + 6 - 1
+        # a grammar, template options and the prompt's ids cross the actors too
+        schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+                  "required": ["n"], "additionalProperties": False}
+        r3 = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=40, temperature=1.0, seed=1,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "n", "schema": schema}},
+                                       extra_body={"return_token_ids": True,
+                                                   "chat_template_kwargs": {"enable_thinking": False}})
+        assert 0 <= json.loads(r3.choices[0].message.content)["n"] <= 99
+        tail = httpx.post(f"{base}/detokenize", json={"tokens": r3.model_extra["prompt_token_ids"][-6:]}).json()
+        assert tail["prompt"].endswith("<think>\n\n</think>\n\n")
     finally:
         proc.terminate()
         proc.wait(timeout=60)

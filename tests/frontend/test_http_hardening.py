@@ -190,7 +190,6 @@ REJECTED = [
     ("tool-choice-unknown-function", _chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "x"}}),
      400, "not among the tools"),
     ("tool-choice-required-without-tools", _chat(tool_choice="required"), 400, "requires tools"),
-    ("response-format-json-object", _chat(response_format={"type": "json_object"}), 400, "response_format"),
     ("response-format-json-schema", _chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
      400, "response_format"),
     ("image-part", {"model": "tiny", "messages": [{"role": "user", "content": [
@@ -358,7 +357,7 @@ def _hostile() -> list[tuple[str, str, object, dict]]:
                              ("resp-item-role", "POST /v1/responses", {"input": [{"role": "wizard", "content": "x"}]}),
                              ("resp-item-type", "POST /v1/responses", {"input": [{"type": "reasoning"}]}),
                              ("resp-unknown-previous", "POST /v1/responses", {"input": "x", "previous_response_id": "r"}),
-                             ("resp-text-format", "POST /v1/responses", {"input": "x", "text": {"format": {"type": "json_object"}}}),
+                             ("resp-text-format", "POST /v1/responses", {"input": "x", "text": {"format": {"type": "json_schema"}}}),
                              ("resp-tool-type", "POST /v1/responses", {"input": "x", "tools": [{"type": "web_search"}]}),
                              ("resp-call-output-id", "POST /v1/responses", {"input": [{"type": "function_call_output"}]}),
                              ("cmpl-prompt-empty", "POST /v1/completions", {"prompt": []}),

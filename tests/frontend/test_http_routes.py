@@ -102,6 +102,23 @@ def test_messages_errors_are_in_anthropics_shape(routed):
     assert r.status_code == 400 and "nope" in r.json()["error"]["message"]
 
 
+def test_messages_tool_choice_any_and_tool_reach_the_engine_as_the_tool_call_grammar(routed):
+    """Anthropic's ``any`` / ``tool`` are chat's ``required`` / named: the engine gets the
+    tool-call grammar (so the call is always made, no verification afterwards);
+    ``disable_parallel_tool_use`` allows one call only; ``auto`` constrains nothing."""
+    engine, base = routed
+    m = _msg(base, tools=TOOLS, tool_choice={"type": "any"}, messages=[{"role": "user", "content": CALL}]).json()
+    assert m["stop_reason"] == "tool_use" and m["content"][0]["name"] == "get_weather"
+    many = engine.kwargs[-1]["structured"]
+    assert many.kind == "tool_calls"
+    _msg(base, tools=TOOLS, tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
+         messages=[{"role": "user", "content": CALL}])
+    one = engine.kwargs[-1]["structured"]
+    assert one.kind == "tool_calls" and one.grammar != many.grammar
+    _msg(base, tools=TOOLS, tool_choice={"type": "auto"}, messages=[{"role": "user", "content": CALL}])
+    assert "structured" not in engine.kwargs[-1]
+
+
 def test_messages_convert_to_the_chat_input():
     req = A.convert({"max_tokens": 5, "system": [{"type": "text", "text": "sys", "cache_control": {"type": "ephemeral"}}],
                      "tools": TOOLS, "tool_choice": {"type": "any"},

@@ -1,8 +1,8 @@
 """The HTTP layer against a scripted engine, over real HTTP with the official client: what the
 tiny random model cannot be made to say — a tool call, a stop string split across tokens —
 is scripted here (the last user message is the answer, tokenised with the real tokenizer and
-streamed token by token), so streamed tool calls, stop-string hold-back, tool_choice
-verification and disconnect cancellation are pinned exactly."""
+streamed token by token), so streamed tool calls, stop-string hold-back, the tool_choice
+grammar handed to the engine, reasoning splits and disconnect cancellation are pinned exactly."""
 
 from __future__ import annotations
 
@@ -95,20 +95,25 @@ def test_tool_calls_stream_as_delta_tool_calls(scripted):
     assert r.choices[0].finish_reason == "tool_calls"
 
 
-def test_tool_choice_required_and_named_are_verified(scripted):
+def test_tool_choice_required_and_named_constrain_the_answer(scripted):
+    """``required`` and a named function reach the engine as the tool-call grammar (the engine
+    draws only calls: tests/engine/test_structured.py, tests/frontend/test_http_structured.py) —
+    no verification, no 422; named streams only the call; ``none`` renders no tools."""
     c = scripted.client
     r = c.chat.completions.create(model="tiny", messages=_say(CALL), tools=TOOLS, tool_choice="required")
     assert r.choices[0].message.tool_calls[0].function.name == "get_weather"
-    with pytest.raises(openai.UnprocessableEntityError, match="required"):
-        c.chat.completions.create(model="tiny", messages=_say("no call here"), tools=TOOLS, tool_choice="required")
+    sent = scripted.engine.kwargs[-1]["structured"]
+    assert sent.kind == "tool_calls"
     named = {"type": "function", "function": {"name": "get_time"}}
-    with pytest.raises(openai.UnprocessableEntityError, match="get_time"):
-        c.chat.completions.create(model="tiny", messages=_say(CALL), tools=TOOLS, tool_choice=named)
+    c.chat.completions.create(model="tiny", messages=_say(CALL), tools=TOOLS, tool_choice=named)
+    assert scripted.engine.kwargs[-1]["structured"].kind == "tool_calls"
+    assert scripted.engine.kwargs[-1]["structured"] != sent                      # only get_time's calls
     text, calls, _ = _stream(c, messages=_say("words " + CALL), tools=TOOLS,
                              tool_choice={"type": "function", "function": {"name": "get_weather"}})
     assert text == "" and calls[0].function.name == "get_weather"     # named: only the call is streamed
     r = c.chat.completions.create(model="tiny", messages=_say(CALL), tools=TOOLS, tool_choice="none")
     assert r.choices[0].message.tool_calls is None and "<tool_call>" in r.choices[0].message.content
+    assert "structured" not in scripted.engine.kwargs[-1]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
@@ -237,3 +242,69 @@ def test_an_engine_loss_is_a_503_with_its_kind_and_a_retry_hint(scripted, kind):
         assert any(e.get("choices") and e["choices"][0]["delta"].get("content") for e in events)
     finally:
         scripted.engine.error = None
+
+
+# ---- reasoning (the Qwen3 parser: the tiny template knows <think>, so `auto` turns it on) ------------
+
+THOUGHT = "<think>\nThe user says hi. A tool? <tool_call>no</tool_call>\n</think>\n\nHello there!"
+
+
+def test_reasoning_content_apart_from_the_answer_stream_and_not(scripted):
+    c = scripted.client
+    r = c.chat.completions.create(model="tiny", messages=_say(THOUGHT))
+    msg = r.choices[0].message
+    assert msg.content == "Hello there!" and not msg.tool_calls          # no call parsed from thinking
+    assert msg.model_extra["reasoning_content"] == "The user says hi. A tool? <tool_call>no</tool_call>"
+    assert msg.model_extra["reasoning"] == msg.model_extra["reasoning_content"]       # vLLM's newer name
+    thought, text = "", ""
+    for ch in c.chat.completions.create(model="tiny", messages=_say(THOUGHT), stream=True):
+        for choice in ch.choices:
+            thought += choice.delta.model_extra.get("reasoning_content") or ""
+            text += choice.delta.content or ""
+    assert (thought, text) == (msg.model_extra["reasoning_content"], "Hello there!")
+    plain = c.chat.completions.create(model="tiny", messages=_say("No thinking."))
+    assert plain.choices[0].message.content == "No thinking."
+    assert plain.choices[0].message.model_extra["reasoning_content"] is None
+
+
+def test_include_reasoning_false_leaves_the_reasoning_out(scripted):
+    r = scripted.client.chat.completions.create(model="tiny", messages=_say(THOUGHT),
+                                                extra_body={"include_reasoning": False})
+    assert r.choices[0].message.content == "Hello there!"
+    assert "reasoning_content" not in r.choices[0].message.model_extra
+
+
+def test_a_tool_call_after_the_thinking_is_parsed(scripted):
+    r = scripted.client.chat.completions.create(model="tiny", messages=_say("<think>call it</think>" + CALL),
+                                                tools=TOOLS)
+    m = r.choices[0].message
+    assert m.model_extra["reasoning_content"] == "call it" and m.tool_calls[0].function.name == "get_weather"
+
+
+def test_responses_carry_a_reasoning_item(scripted):
+    c = scripted.client
+    r = c.responses.create(model="tiny", input=THOUGHT)
+    assert [o.type for o in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text.startswith("The user says hi.") and r.output_text == "Hello there!"
+    tok = scripted.engine._intake.tokenizer
+    ids = tok.encode(THOUGHT)
+    end = tok.tokenizer.token_to_id("</think>")
+    assert r.usage.output_tokens_details.reasoning_tokens == ids.index(end) + 1
+    kinds, deltas = [], ""
+    for ev in c.responses.create(model="tiny", input=THOUGHT, stream=True):
+        kinds.append(ev.type)
+        if ev.type == "response.reasoning_text.delta":
+            deltas += ev.delta
+        if ev.type == "response.completed":
+            final = ev.response
+    assert deltas == r.output[0].content[0].text
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    assert [o.type for o in final.output] == ["reasoning", "message"] and final.output[0].id != final.output[1].id
+    # the reasoning goes back as an input item (and into the stored history)
+    again = c.responses.create(model="tiny", input=[
+        {"type": "message", "role": "user", "content": "hi"},
+        {"type": "reasoning", "id": r.output[0].id, "summary": [],
+         "content": [{"type": "reasoning_text", "text": "The user says hi."}]},
+        {"type": "message", "role": "assistant", "content": "Hello there!"},
+        {"type": "message", "role": "user", "content": "No thinking now."}])
+    assert again.output_text == "No thinking now."

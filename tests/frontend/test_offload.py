@@ -60,6 +60,25 @@ def test_the_helpers_tokens_equal_the_tokenizers(tiny_model, helper):
     assert isinstance(over, offload.Refusal) and over.param == "prompt" and "but the prompt has" in over.message
 
 
+def test_the_helper_renders_with_the_requests_template_options(tiny_model, helper):
+    """A large chat is planned (and a large /tokenize input rendered) with the same template
+    options as inline: chat_template_kwargs, no generation prompt, a continued final message."""
+    from ninfer.protocol import TemplateOptions
+    tok = ChatTokenizer(tiny_model)
+    cont = CHAT + [{"role": "assistant", "content": "It will be"}]
+    for messages, opts in [(CHAT, TemplateOptions(kwargs={"enable_thinking": False})),
+                           (CHAT, TemplateOptions(add_generation_prompt=False)),
+                           (cont, TemplateOptions(add_generation_prompt=False, continue_final_message=True))]:
+        inline = plan_chat(tok, messages, TOOLS, OutputMemory(), opts)
+        assert helper.run(offload.plan_chat_job, tiny_model, messages, TOOLS, {}, 4096, opts) == inline
+        assert inline != plan_chat(tok, messages, TOOLS, OutputMemory())          # the options mattered
+    thinking_off = tok.encode(tok.render(CHAT, TOOLS, True, {"enable_thinking": False}))
+    assert helper.run(offload.tokenize_job, tiny_model, None, CHAT, TOOLS, True, False, 4096,
+                      {"enable_thinking": False}) == thinking_off
+    assert helper.run(offload.tokenize_job, tiny_model, None, cont, None, False, False, 4096, None, True) == \
+        tok.encode(tok.render(cont, None, False, None, True))
+
+
 def test_a_lost_helper_fails_only_its_request(tiny_model):
     pool = offload.Offload()
     try:

@@ -24,9 +24,9 @@ class CountingTokenizer(ChatTokenizer):
             self.chat_template = template
         self.renders: list[int] = []                 # messages per render
 
-    def render(self, messages, tools=None, add_generation_prompt=True):
+    def render(self, messages, tools=None, add_generation_prompt=True, *options):
         self.renders.append(len(messages))
-        return super().render(messages, tools, add_generation_prompt)
+        return super().render(messages, tools, add_generation_prompt, *options)
 
 
 def agent_conversation(n: int) -> list[dict]:

@@ -121,6 +121,81 @@ def test_bad_sampling_values_name_the_field(field, value):
         SamplingParams(**{field: value}).validate()
 
 
+# ---- vLLM's other sampling options --------------------------------------------------------
+
+def test_allowed_token_ids_limit_the_draw_greedy_and_sampled():
+    logits = torch.tensor([5.0, 1.0, 0.5, 0.2, 3.0], dtype=torch.float64)
+    p = SamplingParams(allowed_token_ids=(2, 3))
+    assert sample_token(logits, p, 0, [], []) == 2
+    drawn = {sample_token(logits, SamplingParams(temperature=2.0, allowed_token_ids=(1, 3), seed=s), 0, [], [])
+             for s in range(200)}
+    assert drawn == {1, 3}
+
+
+def test_min_tokens_bars_stop_ids_and_eos_until_reached_unless_nothing_else_is_left():
+    logits = torch.tensor([0.0, 9.0, 8.0, 1.0], dtype=torch.float64)      # 1: eos, 2: a stop id
+    p = SamplingParams(max_tokens=8, min_tokens=2, stop_token_ids=(2,))
+    assert sample_token(logits, p, 0, [], [], eos_ids=(1,)) == 3
+    assert sample_token(logits, p, 0, [], [7, 7], eos_ids=(1,)) == 1      # reached: eos again
+    ign = SamplingParams(max_tokens=8, min_tokens=2, ignore_eos=True)
+    assert sample_token(logits, ign, 0, [], [], eos_ids=(1,)) == 1        # eos is no stop id here
+    only_stops = SamplingParams(max_tokens=8, min_tokens=2, stop_token_ids=(2,), allowed_token_ids=(1, 2))
+    assert sample_token(logits, only_stops, 0, [], [], eos_ids=(1,)) == 1  # never nothing to draw
+    assert stop_reason(1, 1, p, eos_ids=(1,)) is None                     # no stop before min_tokens
+    assert stop_reason(2, 2, p, eos_ids=(1,)) == "stop"
+
+
+def test_logit_bias_is_added_and_minus_100_bans():
+    logits = torch.tensor([2.0, 1.0, 0.0], dtype=torch.float64)
+    assert sample_token(logits, SamplingParams(logit_bias=((2, 2.5),)), 0, [], []) == 2
+    assert sample_token(logits, SamplingParams(logit_bias=((0, -100.0),)), 0, [], []) == 1
+
+
+def test_bad_words_bar_the_last_token_of_a_sequence_whose_start_was_generated():
+    logits = torch.tensor([0.0, 5.0, 4.0, 3.0], dtype=torch.float64)
+    p = SamplingParams(bad_words=((2, 1), (3,)))
+    assert sample_token(logits, p, 0, [], [0]) == 1           # "2 1" not started: 1 allowed
+    assert sample_token(logits, p, 0, [], [0, 2]) == 2        # after 2, 1 is barred (3 always)
+
+
+def test_min_p_keeps_tokens_within_a_fraction_of_the_most_likely():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64))
+    drawn = Counter(sample_token(logits, SamplingParams(temperature=1.0, min_p=0.5, seed=s), 0, [], [])
+                    for s in range(3000))
+    assert set(drawn) == {0, 1}                               # 0.15 < 0.5 x 0.5
+    assert abs(drawn[0] / 3000 - 0.5 / 0.8) < 0.03           # renormalised over what is kept
+    assert {sample_token(logits, SamplingParams(temperature=1.0, min_p=0.0, seed=s), 0, [], [])
+            for s in range(400)} == {0, 1, 2, 3}
+    # top_p then sees the renormalised mass: 0.5 / 0.8 = 0.625 >= 0.6 keeps token 0 alone
+    assert {sample_token(logits, SamplingParams(temperature=1.0, min_p=0.5, top_p=0.6, seed=s), 0, [], [])
+            for s in range(400)} == {0}
+
+
+def test_logprobs_stay_raw_under_every_option():
+    logits = torch.tensor([1.0, 3.0, 2.0], dtype=torch.float64)
+    p = SamplingParams(allowed_token_ids=(0,), logit_bias=((0, 5.0),), logprobs=1)
+    tok = sample_token(logits, p, 0, [], [])
+    assert tok == 0 and token_logprobs(logits, tok, 1).logprob == float(torch.log_softmax(logits, -1)[0])
+
+
+@pytest.mark.parametrize("field,value", [
+    ("min_p", -0.1), ("min_p", 1.5), ("min_tokens", -1), ("min_tokens", 17),
+    ("logit_bias", ((1, 101.0),)), ("bad_words", ((),)),
+])
+def test_bad_option_values_name_the_field(field, value):
+    with pytest.raises(RequestError, match=f"{field}="):
+        SamplingParams(**{field: value}).validate()
+
+
+@pytest.mark.parametrize("field,value", [
+    ("logit_bias", ((99999, 1.0),)), ("allowed_token_ids", (99999,)), ("bad_words", ((1, 99999),)),
+    ("stop_token_ids", (99999,)),
+])
+def test_option_token_ids_outside_the_vocabulary_name_the_field(field, value):
+    with pytest.raises(RequestError, match=f"{field}=99999"):
+        SamplingParams(**{field: value}).validate(vocab_size=100)
+
+
 # ---- the oracle --------------------------------------------------------------------------
 
 def test_same_request_gives_same_tokens_twice(tiny_model):

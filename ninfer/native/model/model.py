@@ -162,6 +162,7 @@ class HybridModel:
     interpreter, ``paths.KERNELS`` on the CPU."""
 
     path: ForwardPath = BATCHED
+    source: Path | None = None              # the model directory it was loaded from (its tokenizer)
 
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device | str = "cpu", consume: bool = False):
@@ -212,7 +213,9 @@ class HybridModel:
         if not cfg.mtp_num_hidden_layers:
             # Qwen3-Next checkpoints ship mtp.* weights without a config key.
             cfg = msgspec.structs.replace(cfg, mtp_num_hidden_layers=count_mtp_layers(files))
-        return HybridModel(cfg, load_tensors(path, cfg, tdtype, files), tdtype, device, consume=True)
+        model = HybridModel(cfg, load_tensors(path, cfg, tdtype, files), tdtype, device, consume=True)
+        model.source = path
+        return model
 
     def new_cache(self, num_pages: int, num_slots: int) -> ModelCache:
         return ModelCache.allocate(self.cfg, num_pages, num_slots, self.dtype, self.device)
