@@ -16,12 +16,20 @@ from ninfer.errors import ConfigError
 
 @pytest.fixture
 def restore():
+    """The ``ninfer`` logger as the test leaves it is put back; its children start at NOTSET (an
+    in-process ``ninfer`` command earlier in this worker quiets some of them)."""
+    from ninfer.cli import QUIET_UNLESS_ASKED
     logger = logging.getLogger("ninfer")
     saved = (list(logger.handlers), logger.level, logger.propagate)
+    children = {name: logging.getLogger(name).level for name in QUIET_UNLESS_ASKED}
+    for name in children:
+        logging.getLogger(name).setLevel(logging.NOTSET)
     yield logger
     logger.handlers[:] = saved[0]
     logger.setLevel(saved[1])
     logger.propagate = saved[2]
+    for name, level in children.items():
+        logging.getLogger(name).setLevel(level)
 
 
 def test_json_lines_carry_the_structured_fields(restore):

@@ -223,7 +223,7 @@ class EngineCore:
             # once the window would hold it all (a Host placement ranks every candidate of its
             # quote for every victim it adds: over the whole directory that cost grows with the
             # cache — 48 s cycles with a full 256 MiB Host in the trace bench)
-            k *= WIDEN
+            k = max(k, 1) * WIDEN
             window = self._host_window(k) if k < len(self.rm.host_order) else None
             self.stats.wide_quotes += 1
             reply = self._send(P.StepPlan(next(self._steps), quote=True, demands=plan.queries(), host_window=window))

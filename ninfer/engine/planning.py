@@ -26,7 +26,7 @@ from ninfer import protocol as P
 from ninfer.engine.request import Request
 from ninfer.engine.units import Unit, next_unit
 from ninfer.policy.pressure import CHUNK, FRESH, RESUME, ROW, ItemKind, Need
-from ninfer.policy.resources import Admission, SaveKind, SavePoint
+from ninfer.policy.resources import OPTIONAL_CUTS, Admission, SaveKind, SavePoint
 from ninfer.protocol import BindMode, SnapshotOwner, unit_pages
 
 if TYPE_CHECKING:
@@ -308,7 +308,8 @@ class CyclePlanner:
 
 def _cuts(save_points: list[SavePoint], recovery: bool) -> list[SavePoint]:
     """The save points a unit may end on: while a full recovery permit is active no optional save
-    is taken, and a divergence position — no input boundary of this request — then cuts nothing."""
+    is taken, and a divergence or anticipated position — no input boundary of this request — then
+    cuts nothing."""
     if not recovery:
         return save_points
-    return [sp for sp in save_points if set(sp.kinds) != {SaveKind.DIVERGENCE}]
+    return [sp for sp in save_points if not set(sp.kinds) <= OPTIONAL_CUTS]

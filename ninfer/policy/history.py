@@ -32,7 +32,7 @@ BLOCK = 16
 class _Node:
     block: tuple[int, ...] = ()                              # the tokens of the edge into it
     children: dict[bytes, "_Node"] = field(default_factory=dict)
-    tails: dict[Hashable, tuple[int, ...]] = field(default_factory=dict)   # histories ending in the next block
+    tails: dict[Hashable, tuple[int, ...]] = field(default_factory=dict)   # histories ending here or in the next block
     refs: int = 0                                            # histories through this node
     live: set[str] = field(default_factory=set)              # live requests through it
 
@@ -106,9 +106,7 @@ class HistoryTrie:
                 child = node.children[h] = _Node(block=blk)
             node = child
             self._add(node, key, live)
-        rest = tokens[len(tokens) - len(tokens) % BLOCK:]
-        if rest:
-            node.tails[key] = rest
+        node.tails[key] = tokens[len(tokens) - len(tokens) % BLOCK:]      # () when it ends right here
 
     @staticmethod
     def _add(node: _Node, key: Hashable, live: bool) -> None:
@@ -157,6 +155,25 @@ class HistoryTrie:
                     refs += r
                     live |= lv
         return Match(base + best, frozenset(live), refs > len(live), steps)
+
+    def sample(self, tokens: Sequence[int], length: int, k: int) -> list[Hashable]:
+        """Up to ``k`` held histories whose first ``length`` tokens equal ``tokens[:length]`` (any
+        ``k`` of them): the walk down to ``length``, then a search below it that stops at ``k``."""
+        node, h = self.root, b""
+        full = length // BLOCK
+        for d in range(full):
+            h = _chain(h, tokens[d * BLOCK:(d + 1) * BLOCK])
+            node = node.children.get(h)
+            if node is None:
+                return []
+        part = tuple(tokens[full * BLOCK:length])
+        out = [key for key, t in node.tails.items() if t[:len(part)] == part and len(t) >= len(part)][:k]
+        stack = [ch for ch in node.children.values() if ch.block[:len(part)] == part]
+        while stack and len(out) < k:
+            n = stack.pop()
+            out += list(n.tails)[: k - len(out)]
+            stack.extend(n.children.values())
+        return out
 
     def check(self) -> str | None:
         """The invariants above, recomputed from the held histories (tests, integrity)."""

@@ -30,6 +30,7 @@ class SaveKind(StrEnum):
     ANCHOR = "a"              # an explicit private anchor
     MARKER = "m"              # a caller's shared marker: a public entry
     DIVERGENCE = "d"          # where it parts from a known history: a public entry
+    ANTICIPATED = "t"         # its end less a frequently observed divergence tail: a public entry
 
 
 @dataclass
@@ -113,7 +114,11 @@ class CacheStats:
     pending_abandoned: int = 0        # waits whose point never came (producer gone, save skipped)
 
 
-PUBLIC = (SaveKind.MARKER, SaveKind.DIVERGENCE)    # kinds whose owner is a public entry
+PUBLIC = (SaveKind.MARKER, SaveKind.DIVERGENCE, SaveKind.ANTICIPATED)    # kinds whose owner is a public entry
+OPTIONAL_CUTS = {SaveKind.DIVERGENCE, SaveKind.ANTICIPATED}   # no input boundary of the request itself
+ANTICIPATE = 3             # anticipated positions a request offers: its end less the most frequent tails
+TAIL_KINDS = 64            # distinct tail lengths remembered (the least frequent goes)
+TAIL_SAMPLE = 4            # earlier histories whose tail a divergence records
 MAX_DIVERGENCE = 4          # divergence positions one request offers at most (as MAX_MARKERS)
 HISTORY_OBSERVER = "<history>"   # the earlier request that computed across a divergence position
 
@@ -123,6 +128,7 @@ class ResourceManager:
         self.info = info
         self.cost = cost or CostModel()
         self.divergence_min = divergence_min    # None: no divergence positions
+        self.tails: dict[int, int] = {}         # divergence tail (tokens from a prompt end back to where it parted) -> times seen
         self.table = RecordTable()
         self.stats = CacheStats()
         self.summary = DemandSummary(256, info.exec_identity)
@@ -444,6 +450,18 @@ class ResourceManager:
         if self.divergence_min is not None and len(hist):
             m = hist.match(req.prompt)
             x = m.length
+            if self.divergence_min <= x < len(req.prompt):
+                # the tails on both sides: this prompt's, and the earlier prompts' it parts from
+                # (a live one's prompt; a cache point's record's input point)
+                self._note_tail(len(req.prompt) - x)
+                ends = {len(q.prompt) for rid in m.live if (q := live.get(rid)) is not None and q is not req}
+                for key in hist.sample(req.prompt, x, TAIL_SAMPLE):
+                    if isinstance(key, tuple):
+                        ends.update(self.table.ckpts[ip].frontier for rec, _ in self.table.record_of(key[1])
+                                    if (ip := rec.input_point) is not None and ip in self.table.ckpts)
+                for end in sorted(ends):
+                    if end > x:
+                        self._note_tail(end - x)
             if x < len(req.prompt) and self._divergence_gain(req.prompt, x) >= max(1, self.divergence_min):
                 self._offer(req, x)
                 self.book(req).diverged_from.add(x)
@@ -452,6 +470,25 @@ class ResourceManager:
                     if q is not None and q is not req and q.live and q.ticket < req.ticket:
                         self._offer(q, x)
         hist.insert(req.rid, req.prompt, live=True)
+
+    def _note_tail(self, d: int) -> None:
+        self.tails[d] = self.tails.get(d, 0) + 1
+        if len(self.tails) > TAIL_KINDS:
+            del self.tails[min(self.tails, key=lambda k: (self.tails[k], -k))]
+
+    # rule: anticipated-divergence
+    def anticipated(self, req: Request) -> list[int]:
+        """Where this prompt will likely part from a later one, before any later one exists
+        (issue 30; the placement rule of the docs): its end less each of the ANTICIPATE tail
+        lengths seen most often at real divergences — prompts that share a document and differ
+        in their last part (a question, a tool result, a user turn) part that far before their
+        end, so the first request to share this prompt's body restores it instead of recomputing.
+        Only a tail seen at two divergences or more (a pattern, not a one-off); optional cache:
+        the save goes through the admission table like any capture without demand of its own."""
+        if self.divergence_min is None:
+            return []
+        top = sorted((d for d, n in self.tails.items() if n >= 2), key=lambda d: (-self.tails[d], d))[:ANTICIPATE]
+        return sorted(len(req.prompt) - d for d in top if len(req.prompt) - d >= self.divergence_min)
 
     def _divergence_gain(self, prompt: list[int], x: int) -> int:
         """What a restore point at ``x`` adds over the deepest one below it."""
@@ -542,6 +579,12 @@ class ResourceManager:
             if start < x < P_len and x not in points and not self._has_entry(req.prompt, x):
                 ent = self.table.new_entry(-1, x, insert=False)
                 add(x, ent.owner, SaveKind.DIVERGENCE, ent)
+        for x in self.anticipated(req):
+            # only where it adds at least divergence_min over every point around it
+            if start < x < P_len and all(abs(x - f) >= self.divergence_min for f in (start, *points)) \
+                    and not self._has_entry(req.prompt, x):
+                ent = self.table.new_entry(-1, x, insert=False)
+                add(x, ent.owner, SaveKind.ANTICIPATED, ent)
         return [points[f] for f in sorted(points)]
 
     def _carried(self, cid: int | None, prompt: list[int], r: int) -> bool:

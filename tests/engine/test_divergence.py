@@ -104,3 +104,28 @@ def test_a_close_divergence_is_not_offered(make_harness):
     assert h.finals[rid].usage["cached_tokens"] == 100
     assert not [e for e in h.core.rm.table.entries.values() if e.frontier == 110]
     h.check_clean()
+
+
+def test_the_first_request_to_share_a_document_restores_it_where_prompts_tend_to_part(make_harness, tiny_model):
+    """Prompts that share a document and differ in a 32-token question: once two divergences
+    have shown that tail, a new document's first request saves 32 tokens before its end, and the
+    first request to share that document restores it there — no second computation of it (the
+    anticipated position). With divergence positions off nothing is anticipated."""
+    def asked(doc, q_seed):
+        q = random_prompt(32, seed=q_seed)
+        q[0] = 5 + q_seed % 50                   # every question starts differently
+        return doc + q
+
+    for on in (True, False):
+        h = _harness(make_harness, **({} if on else {"divergence_min_tokens": None}))
+        d1, d2 = random_prompt(SHARED, seed=21), random_prompt(SHARED, seed=22)
+        for i, p in enumerate([asked(d1, 1), asked(d1, 2), asked(d1, 3)]):     # tails of 32, twice or more
+            rid = h.submit(p, max_tokens=2)
+            h.run(until=lambda: h.done(rid))
+        first, second = asked(d2, 4), asked(d2, 5)
+        for p in (first, second):
+            rid = h.submit(p, max_tokens=2)
+            h.run(until=lambda: h.done(rid))
+            assert h.finals[rid].token_ids == oracle(tiny_model, p, max_tokens=2)
+        assert h.finals[rid].usage["cached_tokens"] == (SHARED if on else 0), h.finals[rid].usage
+        h.check_clean()

@@ -51,6 +51,11 @@ def test_the_trie_finds_the_longest_shared_prefix_and_who_shares_it(hist, drop, 
     assert m.length == best
     assert set(m.live) == {k for k, live in sharing if live}
     assert m.cached == any(not live for _, live in sharing)
+    through = [key for key, (t, _) in held.items() if _lcp(t, q) >= best]
+    for k in (1, 3):
+        got = trie.sample(q, best, k)
+        assert len(got) == min(k, len(through)) and len(set(got)) == len(got)
+        assert all(_lcp(held[key][0], q) >= best for key in got)
     for k in list(held):
         trie.remove(k)
     assert len(trie) == 0 and trie.root.refs == 0 and not trie.root.children and not trie.root.tails
@@ -216,3 +221,46 @@ def test_the_trie_follows_the_cache_and_the_queue():
     rm.forget(r)
     rm.table.forget_ckpt(1)
     assert rm.check(set()) is None and len(rm.table.histories) == 0
+
+
+def test_anticipated_positions_follow_the_tails_seen_most_often():
+    """A prompt's end less each of the two tail lengths seen at two real divergences or more; a
+    tail seen once is no pattern; the counts stay bounded."""
+    from ninfer.policy.resources import ANTICIPATE, TAIL_KINDS
+    rm = _rm()
+    assert rm.anticipated(_Req("a", 0, S)) == []
+    for d, n in ((32, 3), (48, 2), (80, 1)):
+        for _ in range(n):
+            rm._note_tail(d)
+    assert ANTICIPATE == 3 and rm.anticipated(_Req("a", 0, S)) == [200 - 48, 200 - 32]
+    assert rm.anticipated(_Req("b", 0, S[:40])) == []                 # past the start: none
+    for d in range(1000, 1000 + 2 * TAIL_KINDS):
+        rm._note_tail(d)
+    assert len(rm.tails) <= TAIL_KINDS and rm.tails[32] == 3
+    off = _rm(divergence_min=None)
+    off._note_tail(32), off._note_tail(32)
+    assert off.anticipated(_Req("a", 0, S)) == []
+
+
+def test_a_divergence_records_both_tails_and_the_save_plan_offers_the_anticipated_position():
+    rm, live = _rm(), {}
+    _point(rm, 1, S[:150] + [7] * 30)
+    for i in range(2):
+        _enqueue(rm, live, _Req(f"r{i}", i, S[:150] + [9 + i] * 50))   # tail 50 each
+    assert rm.tails == {50: 3}          # r0 and r1 from the cached history, r0 again as r1's live sharer
+    h = _Req("h", 5, list(range(500, 800)))
+    _enqueue(rm, live, h)
+    sps = rm.save_plan(h, 0, rm.table.new_record(None, insert=False))
+    assert [(sp.frontier, sp.kinds) for sp in sps] == [(250, ["t"]), (300, ["in"])]
+    assert rm.save_plan(h, 240, rm.table.new_record(None, insert=False))[0].frontier == 300   # too close to start
+
+
+def test_a_divergence_records_the_tail_of_the_cached_prompt_it_parts_from():
+    """The earlier side's tail comes from its record's input point: H's prompt ends at 180, the
+    new prompt parts from it at 150 — tails 30 (H) and 50 (the new one)."""
+    rm, live = _rm(), {}
+    rec = rm.table.new_record(None)
+    rm.table.add_ckpt(P.CkptRef(1, 1, 180, P.CkptKind.CACHE, True, False), tuple(S[:180]), rec.owner(P.Role.INPUT))
+    rec.input_point = 1
+    _enqueue(rm, live, _Req("r", 1, S[:150] + [7] * 50))
+    assert rm.tails == {30: 1, 50: 1}
