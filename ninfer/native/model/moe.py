@@ -56,12 +56,25 @@ def sparse_moe(x: torch.Tensor, w: MoeWeights, dense: bool = False) -> torch.Ten
             h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
             out = out + linear(h, w.down[e]) * route[:, e:e + 1]
         return _with_shared(out, x, w)
-    for e in torch.unique(top_i).tolist():
-        tok, slot = torch.where(top_i == e)
-        gate_up = linear(x[tok], w.gate_up[e])
-        h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        y = linear(h, w.down[e]) * top_w[tok, slot, None]
-        out.index_add_(0, tok, y)
+    # (token, slot) pairs grouped by expert with one stable sort and one host read of the counts:
+    # each expert sees its tokens in ascending order (as a per-expert torch.where would give), and
+    # one index_add_ in that order sums each token's experts in ascending expert order
+    if x.shape[0] == 0:
+        return _with_shared(out, x, w)
+    flat = top_i.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w.gate_up.shape[0]).tolist()
+    tok = order // w.top_k
+    xs = x.index_select(0, tok)
+    ys, lo = [], 0
+    for e, n in enumerate(counts):
+        if n:
+            gate_up = linear(xs[lo:lo + n], w.gate_up[e])
+            h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+            ys.append(linear(h, w.down[e]))
+            lo += n
+    y = torch.cat(ys) * top_w.reshape(-1).index_select(0, order)[:, None]
+    out.index_add_(0, tok, y)
     return _with_shared(out, x, w)
 
 
