@@ -5,7 +5,8 @@ the worker and publishes outputs. It decides no rule itself:
     who runs, in which order, with which bounds      Scheduler        (policy/scheduler.py)
     sources, records, save points, evidence          ResourceManager  (policy/resources.py)
     remedies of a short permit, victims, pause       Pressure         (policy/pressure.py)
-      routes, the capacity contract
+      routes, the capacity contract, when a cycle
+      needs a quote, where each save's room comes from
     reclaim ranking and admission                    Planner          (policy/reclaim.py)
     the next unit of a request                       units.py
     the cycle's intents                              planning.py
@@ -188,20 +189,9 @@ class EngineCore:
         self.stats.cycle_s += time.perf_counter() - t0
         return self._guard_progress(progressed)
 
-    # rule: quote-trigger
     def _needs_quote(self, plan: Plan) -> bool:
-        """Pressure needs facts: a take-back, a need that may not fit, a save without room."""
-        if plan.take_back is not None or not self.pressure.fits(plan.needs(), self.pools):
-            return True
-        caps = plan.captures()
-        if not caps:
-            return False
-        avail = {k: v.available for k, v in self.pools.items()}
-        for n in plan.needs():
-            for k, v in (n.demand or {}).items():
-                avail[k] = avail.get(k, 0) - v
-        slots = avail.get(P.STATE, 0)
-        return len(caps) > slots and (len(caps) - max(0, slots) > 1 or self.host_largest < self.info.image_bytes)
+        return self.pressure.needs_quote(plan.needs(), len(plan.captures()), self.pools, self.host_largest,
+                                         plan.take_back is not None)
 
     def _quote_and_settle(self, plan: Plan, cmds) -> tuple[list[tuple[P.Command, object]], bool]:
         """The quote step (it runs the lifecycle commands first) and the pressure settle on
@@ -259,22 +249,12 @@ class EngineCore:
             to_host, host_victims = self.pressure.pause_route(victim, planner, facts)
             cmds.append((P.Pause(victim.sid, to_host, host_victims),
                          lambda out, v=victim, d=host_victims: self.outcomes.paused(v, out, d, "lane_take_back")))
-        # rule: save-room-order
-        # saves: a Device slot left after the intents, else Host room, else admitted room
-        slots = facts.pools[P.STATE].available - sum(
-            reply.demands.get(i.iid, i.need.demand or {}).get(P.STATE, 0) for i in plan.items)
-        host_ok = any(size >= facts.image_bytes for _, size in facts.host_free)
-        for item in plan.captures():
-            item.spec.capture.room, item.room_refused = [], False
-            if slots > 0:
-                slots -= 1
-            elif host_ok:
-                host_ok = False
-            else:
-                rec = item.adm.record if item.adm is not None else None
-                room, item.room_refused = self.pressure.capture_room(item.req, item.sp, last, facts,
-                                                                     plan.sources | plan.keep, rec)
-                item.spec.capture.room = room or []
+        caps = plan.captures()
+        used = sum(reply.demands.get(i.iid, i.need.demand or {}).get(P.STATE, 0) for i in plan.items)
+        rooms = self.pressure.save_rooms([(i.req, i.sp, i.adm.record if i.adm is not None else None) for i in caps],
+                                         used, facts, last, plan.sources | plan.keep)
+        for item, (room, refused) in zip(caps, rooms):
+            item.spec.capture.room, item.room_refused = room, refused
         return cmds
 
     def _send(self, plan: P.StepPlan) -> P.StepReply:

@@ -111,6 +111,23 @@ class Pressure:
                 avail[k] = avail.get(k, 0) - v
         return True
 
+    # rule: quote-trigger
+    def needs_quote(self, needs: list[Need], captures: int, pools: dict[str, P.PoolState], host_largest: int,
+                    take_back: bool) -> bool:
+        """Whether the cycle needs facts before it is sent: a lane take-back, a need that may not
+        fit, or saves beyond the Device slots the needs leave — more than one beyond, or one
+        whose image no Host extent holds."""
+        if take_back or not self.fits(needs, pools):
+            return True
+        if not captures:
+            return False
+        avail = {k: v.available for k, v in pools.items()}
+        for n in needs:
+            for k, v in (n.demand or {}).items():
+                avail[k] = avail.get(k, 0) - v
+        slots = avail.get(P.STATE, 0)
+        return captures > slots and (captures - max(0, slots) > 1 or host_largest < self.info.image_bytes)
+
     # ---- rights -----------------------------------------------------------------------
     # rule: preemption-rights
     def rights(self, n: Need) -> Rights:
@@ -317,6 +334,28 @@ class Pressure:
                 f"others ({detail})")
 
     # ---- captures ---------------------------------------------------------------------
+    # rule: save-room-order
+    def save_rooms(self, saves: list[tuple[Request, object, object]], slots_used: int, facts: P.Facts,
+                   planner: Planner | None, protect: set[int] = frozenset()) -> list[tuple[list[P.Action], bool]]:
+        """Each save's room, in plan order (``saves``: request, save point, the record it saves
+        for): a Device slot the intents leave, else the Host (one save: it takes an extent that
+        holds an image), else what the admission table admits (``capture_room``). Returns the
+        room's conditional actions and whether the table refused, per save."""
+        slots = facts.pools[P.STATE].available - slots_used
+        host_ok = any(size >= facts.image_bytes for _, size in facts.host_free)
+        out: list[tuple[list[P.Action], bool]] = []
+        for req, sp, rec in saves:
+            if slots > 0:
+                slots -= 1
+                out.append(([], False))
+            elif host_ok:
+                host_ok = False
+                out.append(([], False))
+            else:
+                room, refused = self.capture_room(req, sp, planner, facts, protect, rec)
+                out.append((room or [], refused))
+        return out
+
     def capture_room(self, req: Request, sp, planner: Planner | None, facts: P.Facts,
                      protect: set[int] = frozenset(), rec=None) -> tuple[list[P.Action] | None, bool]:
         """An optional save that will find neither a Device slot nor Host room: what the
