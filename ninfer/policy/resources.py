@@ -450,10 +450,12 @@ class ResourceManager:
         if self.divergence_min is not None and len(hist):
             m = hist.match(req.prompt)
             x = m.length
-            if self.divergence_min <= x < len(req.prompt):
+            if self.divergence_min <= x <= len(req.prompt):
                 # the tails on both sides: this prompt's, and the earlier prompts' it parts from
-                # (a live one's prompt; a cache point's record's input point)
-                self._note_tail(len(req.prompt) - x)
+                # (a live one's prompt; a cache point's record's input point) — theirs too when
+                # this whole prompt is a prefix of theirs (a shorter copy of a document)
+                if x < len(req.prompt):
+                    self._note_tail(len(req.prompt) - x)
                 ends = {len(q.prompt) for rid in m.live if (q := live.get(rid)) is not None and q is not req}
                 for key in hist.sample(req.prompt, x, TAIL_SAMPLE):
                     if isinstance(key, tuple):
