@@ -112,6 +112,7 @@ def _oracle(model_dir: str, prompt: tuple, dtype: str, params: SamplingParams) -
 def oracle(model_dir: str, prompt: list[int], dtype: str = "float64", **params) -> list[int]:
     params.setdefault("ignore_eos", True)
     params.pop("logprobs", None)                 # they never change the tokens
+    params.pop("prompt_logprobs", None)
     return list(_oracle(model_dir, tuple(prompt), dtype, SamplingParams(**params)))
 
 
@@ -125,6 +126,7 @@ def oracle_logprobs(model_dir: str, prompt: list[int], logprobs: int, dtype: str
                     **params) -> tuple[list[int], list[P.TokenLogprob]]:
     """The isolated run's tokens and their logprob entries (top ``logprobs`` alternatives)."""
     params.setdefault("ignore_eos", True)
+    params.pop("prompt_logprobs", None)          # they never change the tokens
     ids, lps = _oracle_logprobs(model_dir, tuple(prompt), dtype, SamplingParams(**params, logprobs=logprobs))
     return list(ids), list(lps)
 
