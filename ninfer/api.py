@@ -294,10 +294,10 @@ class Engine:
         typed R, the restore position and the markers (cache_control on messages or parts).
         ``fill_max_tokens``: treat max_tokens as a cap on the remaining context. ``logprobs``
         and the other sampling options (``prompt_logprobs`` too: of the rendered prompt): as in
-        ``generate`` (OpenAI's ``logprobs=true, top_logprobs=k``). ``add_generation_prompt`` / ``continue_final_message`` (the final
-        message left open for the model to continue; the two exclude each other) and
-        ``chat_template_kwargs`` (extra template variables, e.g. ``{"enable_thinking": False}``)
-        as in vLLM. ``handle.prompt_token_ids`` is the rendered prompt once this returns."""
+        ``generate`` (OpenAI's ``logprobs=true, top_logprobs=k``). ``add_generation_prompt`` /
+        ``continue_final_message`` (the final message left open for the model to continue; the
+        two exclude each other) and ``chat_template_kwargs`` (extra template variables, e.g.
+        ``{"enable_thinking": False}``) as in vLLM. ``handle.prompt_token_ids`` is the rendered prompt once this returns."""
         temperature, top_p, top_k, min_p, repetition_penalty = self._defaults(
             temperature, top_p, top_k, min_p, repetition_penalty)
         params = _params(max_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos,
@@ -433,7 +433,8 @@ def _params(max_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_
             prompt_logprobs=prompt_logprobs)
     except (TypeError, ValueError) as exc:
         raise RequestError(f"sampling options: {exc}") from None
-    if logprobs is not None or prompt_logprobs is not None or logit_bias or allowed_token_ids or bad_words or min_tokens or min_p:
+    if (logprobs is not None or prompt_logprobs is not None or logit_bias or allowed_token_ids or bad_words
+            or min_tokens or min_p):
         # here, not only at the intake: over Ray a value of the wrong type would otherwise
         # fail to decode instead of giving this request a clear RequestError
         params.validate()

@@ -113,8 +113,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
         if self.prompt_logprobs is not None and (
                 not isinstance(self.prompt_logprobs, int) or isinstance(self.prompt_logprobs, bool)
                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
-            bad("prompt_logprobs", self.prompt_logprobs,
-                f"None or 0..{MAX_LOGPROBS} (top alternatives per prompt token; -1, the whole vocabulary, is not offered)")
+            bad("prompt_logprobs", self.prompt_logprobs, f"None or 0..{MAX_LOGPROBS} (top alternatives per prompt "
+                "token; -1, the whole vocabulary, is not offered)")
         if not math.isfinite(self.min_p) or not 0 <= self.min_p <= 1:
             bad("min_p", self.min_p, "[0, 1]")
         if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) \

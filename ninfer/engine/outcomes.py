@@ -331,9 +331,9 @@ class Outcomes:
         if ok and (not u.committed or req.outputs or len(req.prompt_logprobs) >= len(req.prompt) - 1):
             return True
         have = len(req.prompt_logprobs)
-        self.core.fail(req, IntegrityError(
-            f"prompt_logprobs: the entries of prompt tokens {have + 1}..{u.prompt_from - 1 if not ok else len(req.prompt) - 1}"
-            " were never computed (a restored prefix skipped them)"), "prompt_logprobs")
+        last = u.prompt_from - 1 if not ok else len(req.prompt) - 1
+        self.core.fail(req, IntegrityError(f"prompt_logprobs: the entries of prompt tokens {have + 1}..{last} were "
+                                           "never computed (a restored prefix skipped them)"), "prompt_logprobs")
         return False
 
     def _save_prepared(self, req: Request, item: Item, u: P.UnitOut) -> None:

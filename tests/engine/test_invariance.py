@@ -315,7 +315,8 @@ def test_prompt_logprobs_under_pressure_match_the_oracle(tiny_model):
     before = Counter(TOTALS)
     run_workloads(tiny_model, PROMPT_LOGPROB_SEEDS, lambda seed: {"prompt_lps": True})
     seen = Counter(TOTALS) - before
-    assert seen["prompt_logprobs"] and seen["prompt_logprobs_paused"] and seen["snapshot"] and seen["replay"], dict(seen)
+    assert seen["prompt_logprobs"] and seen["prompt_logprobs_paused"], dict(seen)
+    assert seen["snapshot"] and seen["replay"], dict(seen)
 
 
 @pytest.mark.slow

@@ -411,7 +411,8 @@ def _prompt_entry_ok(item: dict, token: int, k: int) -> None:
     assert str(token) in item and len(item) in (k, k + 1), item
     assert sorted(v["rank"] for v in item.values() if v["rank"] <= k) == list(range(1, k + 1)), item
     for t, v in item.items():
-        assert set(v) == {"logprob", "rank", "decoded_token"} and v["logprob"] <= 0 and isinstance(v["decoded_token"], str)
+        assert set(v) == {"logprob", "rank", "decoded_token"} and v["logprob"] <= 0
+        assert isinstance(v["decoded_token"], str)
     top = sorted(item.values(), key=lambda v: v["rank"])
     assert all(a["logprob"] >= b["logprob"] for a, b in zip(top, top[1:]))
 
