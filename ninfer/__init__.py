@@ -18,9 +18,11 @@ _LAZY = {
     "Engine": "ninfer.api",
     "connect": "ninfer.api",
     "reference_generate": "ninfer.reference",
+    "reference_prompt_logprobs": "ninfer.reference",
     "render_chat": "ninfer.frontend.render",
     "make_tiny_model": "ninfer.tiny.build",
     "TokenLogprob": "ninfer.protocol",
+    "PromptLogprob": "ninfer.protocol",
 }
 
 __all__ = [

@@ -21,7 +21,7 @@ import msgspec
 from ninfer import protocol as P
 from ninfer.config import EngineConfig
 from ninfer.lifecycle import as_dict
-from ninfer.protocol import RequestSpec, TokenLogprob
+from ninfer.protocol import PromptLogprob, RequestSpec, TokenLogprob
 from ninfer.errors import RequestError, lost_error
 from ninfer.sampling_params import SamplingParams
 
@@ -57,7 +57,9 @@ class TimingsView:
 class Output:
     """A terminal result (API.md: out.token_ids, text, finish_reason, error, usage, timings,
     pauses). ``logprobs``: one ``TokenLogprob`` per output token when the request asked
-    (``logprobs=k``), else None."""
+    (``logprobs=k``), else None. ``prompt_logprobs`` (vLLM's ``RequestOutput.prompt_logprobs``):
+    when the request asked (``prompt_logprobs=k``), one entry per prompt token — None for the
+    first, then a ``PromptLogprob`` (token_id, logprob, rank, top) — else None."""
 
     rid: str
     token_ids: list[int]
@@ -69,18 +71,21 @@ class Output:
     pauses: list[dict] = field(default_factory=list)
     prompt_token_ids: list[int] = field(default_factory=list)   # exactly what the engine computed
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
 
 @dataclass
 class StreamEvent:
     """Newly committed tokens of one request; no event is ever repeated. ``logprobs``: one
-    entry per token in ``token_ids`` when the request asked, else None."""
+    entry per token in ``token_ids`` when the request asked, else None. ``prompt_logprobs``:
+    on the first event only, when the request asked (as ``Output.prompt_logprobs``)."""
 
     rid: str
     index: int
     token_ids: list[int]
     text: str = ""
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
 
 class RequestHandle:
@@ -244,9 +249,14 @@ class Engine:
                  recovery_frontier: int | None = None, request_id: str | None = None,
                  logprobs: int | None = None, min_p: float | None = None, min_tokens: int = 0,
                  logit_bias: dict[int, float] | None = None, allowed_token_ids: list[int] | None = None,
-                 bad_words: list[list[int]] | None = None, structured: P.Constraint | None = None) -> RequestHandle:
+                 bad_words: list[list[int]] | None = None, structured: P.Constraint | None = None,
+                 prompt_logprobs: int | None = None) -> RequestHandle:
         """``logprobs=k``: every output token's raw log-probability and its k most likely
-        alternatives (0..20), on the stream events and the Output; None: none. ``min_p``,
+        alternatives (0..20), on the stream events and the Output; None: none.
+        ``prompt_logprobs=k`` (vLLM's): every prompt token's raw log-probability given the tokens
+        before it, its rank and the k most likely tokens there (0..20), on the first stream event
+        and the Output; such a request restores no cached prefix (it computes its whole prompt,
+        as in vLLM) but still saves points for others. ``min_p``,
         ``min_tokens``, ``logit_bias`` ({token id: bias}), ``allowed_token_ids`` and
         ``bad_words`` (token-id sequences) shape the draw as in vLLM (``SamplingParams``);
         ``structured``: a grammar the output follows (``ninfer.structured.json_schema(...)``,
@@ -257,7 +267,7 @@ class Engine:
             temperature, top_p, top_k, min_p, repetition_penalty)
         params = _params(max_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos,
                          presence_penalty, frequency_penalty, repetition_penalty, logprobs,
-                         min_p, min_tokens, logit_bias, allowed_token_ids, bad_words, structured)
+                         min_p, min_tokens, logit_bias, allowed_token_ids, bad_words, structured, prompt_logprobs)
         spec = RequestSpec(prompt=list(prompt_token_ids) if isinstance(prompt_token_ids, (list, tuple)) else prompt_token_ids,
                            params=params, session_id=session_id, anchors=list(anchors or []),
                            markers=list(cache_markers or []), recovery_frontier=recovery_frontier,
@@ -278,20 +288,21 @@ class Engine:
              logit_bias: dict[int, float] | None = None, allowed_token_ids: list[int] | None = None,
              bad_words: list[list[int]] | None = None, structured: P.Constraint | None = None,
              add_generation_prompt: bool = True,
-             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> RequestHandle:
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+             prompt_logprobs: int | None = None) -> RequestHandle:
         """OpenAI-style chat input: rendered with the model's template; the frontend finds the
         typed R, the restore position and the markers (cache_control on messages or parts).
         ``fill_max_tokens``: treat max_tokens as a cap on the remaining context. ``logprobs``
-        and the other sampling options: as in ``generate`` (OpenAI's ``logprobs=true,
-        top_logprobs=k``). ``add_generation_prompt`` / ``continue_final_message`` (the final
-        message left open for the model to continue; the two exclude each other) and
-        ``chat_template_kwargs`` (extra template variables, e.g. ``{"enable_thinking": False}``)
-        as in vLLM. ``handle.prompt_token_ids`` is the rendered prompt once this returns."""
+        and the other sampling options (``prompt_logprobs`` too: of the rendered prompt): as in
+        ``generate`` (OpenAI's ``logprobs=true, top_logprobs=k``). ``add_generation_prompt`` /
+        ``continue_final_message`` (the final message left open for the model to continue; the
+        two exclude each other) and ``chat_template_kwargs`` (extra template variables, e.g.
+        ``{"enable_thinking": False}``) as in vLLM. ``handle.prompt_token_ids`` is the rendered prompt once this returns."""
         temperature, top_p, top_k, min_p, repetition_penalty = self._defaults(
             temperature, top_p, top_k, min_p, repetition_penalty)
         params = _params(max_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos,
                          presence_penalty, frequency_penalty, repetition_penalty, logprobs,
-                         min_p, min_tokens, logit_bias, allowed_token_ids, bad_words, structured)
+                         min_p, min_tokens, logit_bias, allowed_token_ids, bad_words, structured, prompt_logprobs)
         template = None
         if not add_generation_prompt or continue_final_message or chat_template_kwargs:
             template = P.TemplateOptions(add_generation_prompt=add_generation_prompt,
@@ -342,7 +353,7 @@ class Engine:
             return
         if isinstance(ev, P.TokensEvent):
             handle._deliver(StreamEvent(ev.rid, ev.index, list(ev.token_ids), self._text(ev.token_ids),
-                                        ev.logprobs))
+                                        ev.logprobs, ev.prompt_logprobs))
             return
         if isinstance(ev, P.LifecycleEvent):
             handle._note(as_dict(ev))
@@ -362,7 +373,8 @@ class Engine:
             rid=ev.rid, token_ids=list(ev.token_ids), text=self._text(ev.token_ids),
             finish_reason=str(ev.finish_reason), error=ev.error, usage=UsageView(**usage),
             timings=TimingsView(**timings, **extra),
-            pauses=list(ev.pauses), prompt_token_ids=list(ev.prompt_token_ids), logprobs=ev.logprobs))
+            pauses=list(ev.pauses), prompt_token_ids=list(ev.prompt_token_ids), logprobs=ev.logprobs,
+            prompt_logprobs=ev.prompt_logprobs))
 
     def _text(self, ids: list[int]) -> str:
         return self._intake.text(ids) if self._intake is not None else ""
@@ -408,7 +420,7 @@ PY_DEFAULTS = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repe
 
 def _params(max_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos, presence_penalty,
             frequency_penalty, repetition_penalty, logprobs, min_p=0.0, min_tokens=0, logit_bias=None,
-            allowed_token_ids=None, bad_words=None, structured=None) -> SamplingParams:
+            allowed_token_ids=None, bad_words=None, structured=None, prompt_logprobs=None) -> SamplingParams:
     try:
         params = SamplingParams(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
@@ -417,10 +429,12 @@ def _params(max_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_
             repetition_penalty=repetition_penalty, logprobs=logprobs, min_p=min_p, min_tokens=min_tokens,
             logit_bias=tuple(sorted((int(t), float(b)) for t, b in (logit_bias or {}).items())),
             allowed_token_ids=tuple(allowed_token_ids or ()),
-            bad_words=tuple(tuple(w) for w in bad_words or ()), structured=structured)
+            bad_words=tuple(tuple(w) for w in bad_words or ()), structured=structured,
+            prompt_logprobs=prompt_logprobs)
     except (TypeError, ValueError) as exc:
         raise RequestError(f"sampling options: {exc}") from None
-    if logprobs is not None or logit_bias or allowed_token_ids or bad_words or min_tokens or min_p:
+    if (logprobs is not None or prompt_logprobs is not None or logit_bias or allowed_token_ids or bad_words
+            or min_tokens or min_p):
         # here, not only at the intake: over Ray a value of the wrong type would otherwise
         # fail to decode instead of giving this request a clear RequestError
         params.validate()

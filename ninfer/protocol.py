@@ -600,6 +600,20 @@ class TokenLogprob(msgspec.Struct, array_like=True, frozen=True, gc=False):
     top: tuple[tuple[int, float], ...] = ()
 
 
+class PromptLogprob(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """One prompt token's entry of vLLM's ``prompt_logprobs``: its raw log-probability given
+    the tokens before it (log_softmax in float64 of the logits at the position before it, as
+    ``TokenLogprob``), its ``rank`` as vLLM counts it (how many vocabulary entries have a
+    logprob >= its own: 1 = the most likely) and the ``top`` k most likely tokens at that
+    position — (token_id, logprob) pairs ordered by logprob desc, ties by id asc, whose ranks are
+    1..k; empty when the request asked for 0."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
+
+
 class UnitOut(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     sid: int
     ran: bool
@@ -612,6 +626,11 @@ class UnitOut(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     facts: SeqFacts | None = None
     error: str | None = None       # the forward failed: the sequence was released
     logprobs: list[TokenLogprob] = []   # one per committed token, when the request asked
+    # prompt_logprobs (when the request asked): the entries of prompt tokens prompt_from,
+    # prompt_from + 1, ... that this unit's rows computed (the logits of position i give token
+    # i + 1's entry; a position recomputed by Replay is not sent again)
+    prompt_logprobs: list[PromptLogprob] = []
+    prompt_from: int = 0
 
 
 class Settled(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -800,6 +819,9 @@ class TokensEvent(msgspec.Struct, tag="tokens", array_like=True, gc=False):
     index: int
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None
+    # vLLM's prompt_logprobs, on the event of the first output token only (when the request
+    # asked): one entry per prompt token, the first None (nothing comes before it)
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
 
 class FinalEvent(msgspec.Struct, tag="final", array_like=True):
@@ -812,6 +834,9 @@ class FinalEvent(msgspec.Struct, tag="final", array_like=True):
     error: dict | None = None
     prompt_token_ids: list[int] = []   # the exact prompt the engine computed
     logprobs: list[TokenLogprob] | None = None   # one per output token, when the request asked
+    # vLLM's prompt_logprobs when the request asked: [None, entry of prompt token 1, ...] (complete
+    # once a token was committed; a request that ended before holds the positions computed)
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
 
 class Life(IntEnum):

@@ -16,8 +16,8 @@ from ninfer.errors import RequestError
 from ninfer.native.model.config import PAGE_SIZE, load_eos_ids
 from ninfer.native.model.forward import ForwardBatch, SeqInput
 from ninfer.native.model.model import HybridModel, parse_dtype
-from ninfer.native.sampler import sample_token, stop_reason, token_logprobs
-from ninfer.protocol import TokenLogprob
+from ninfer.native.sampler import PROMPT_ROWS, prompt_logprobs, sample_token, stop_reason, token_logprobs
+from ninfer.protocol import PromptLogprob, TokenLogprob
 from ninfer.sampling_params import SamplingParams
 
 _LOCK = threading.Lock()
@@ -115,6 +115,34 @@ def reference_generate(model_dir: str | Path, prompt_token_ids: list[int], max_t
     lps: list[TokenLogprob] = []
     ids = generate_with_model(model, eos, list(prompt_token_ids), params, lps if return_logprobs else None)
     return (ids, lps) if return_logprobs else ids
+
+
+def reference_prompt_logprobs(model_dir: str | Path, prompt_token_ids: list[int], k: int = 0,
+                              dtype: str = "float32") -> list[PromptLogprob | None]:
+    """The oracle of vLLM's ``prompt_logprobs``: the whole prompt in one isolated, uncached
+    forward; the logits of position i give prompt token i + 1's entry (its raw log-probability,
+    rank and the ``k`` most likely tokens there). Returns ``[None, entry of token 1, ...]``, one
+    per prompt token, as the engine reports them."""
+    import torch
+
+    model, _ = load_cached(model_dir, dtype)
+    prompt = list(prompt_token_ids)
+    vocab = model.cfg.vocab_size
+    if not prompt:
+        raise RequestError("prompt_token_ids must not be empty")
+    bad = next((t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab), None)
+    if bad is not None:
+        raise RequestError(f"prompt token id {bad!r} is out of range: allowed 0..{vocab - 1}")
+    pages = list(range((len(prompt) + PAGE_SIZE - 1) // PAGE_SIZE))
+    cache = model.new_cache(len(pages), 1)
+    step = SeqInput(token_ids=prompt, start=0, page_table=pages, logits="none")
+    with torch.no_grad():
+        hidden = model.forward(ForwardBatch.build([step], model.device), cache).all_hidden
+        out: list[PromptLogprob | None] = [None]
+        for a in range(0, len(prompt) - 1, PROMPT_ROWS):
+            b = min(len(prompt) - 1, a + PROMPT_ROWS)
+            out += prompt_logprobs(model.logits(hidden[a:b]), prompt[a + 1:b + 1], k)
+    return out
 
 
 def reference_generate_multimodal(model_dir: str | Path, prompt_token_ids: list[int], media: list,

@@ -40,6 +40,13 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     float64, before penalties, temperature and top-k/top-p. They are computed only when asked
     and only read the logits: they never change which token is drawn.
 
+    ``prompt_logprobs`` (vLLM's): None computes none; k >= 0 returns, for every prompt token
+    after the first, its raw log-probability given the tokens before it, its rank in the
+    vocabulary and the k most likely tokens at that position (0 <= k <= 20, vLLM's default
+    ``max_logprobs``; vLLM's -1, the whole vocabulary, exceeds that bound there too). Such a
+    request restores no cached prefix at admission (vLLM v1 skips prefix-cache reads for it the
+    same way): every prompt position is computed by the request itself.
+
     What shapes the draw beyond those (vLLM's meaning and order, applied in float64 before the
     penalties: allowed ids, bad words, min_tokens, logit bias; min_p after the temperature):
 
@@ -76,6 +83,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     allowed_token_ids: tuple[int, ...] = ()
     bad_words: tuple[tuple[int, ...], ...] = ()
     structured: Constraint | None = None
+    prompt_logprobs: int | None = None
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         """Raise RequestError naming the field and its allowed range; return self."""
@@ -102,6 +110,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", self.logprobs, f"None or 0..{MAX_LOGPROBS} (top alternatives per token)")
+        if self.prompt_logprobs is not None and (
+                not isinstance(self.prompt_logprobs, int) or isinstance(self.prompt_logprobs, bool)
+                or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            bad("prompt_logprobs", self.prompt_logprobs, f"None or 0..{MAX_LOGPROBS} (top alternatives per prompt "
+                "token; -1, the whole vocabulary, is not offered)")
         if not math.isfinite(self.min_p) or not 0 <= self.min_p <= 1:
             bad("min_p", self.min_p, "[0, 1]")
         if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) \

@@ -443,7 +443,8 @@ class _StepRun:
             u = P.UnitOut(seq.sid, ran=True, committed=r.committed,
                           finish=P.FinishReason[r.finish_reason.upper()] if r.finish_reason else None,
                           capture=result, captured=ckpt_ref(r.captured), capture_tid=r.capture_tid,
-                          room_applied=room, facts=self.w.seq_facts(seq), logprobs=r.logprobs)
+                          room_applied=room, facts=self.w.seq_facts(seq), logprobs=r.logprobs,
+                          prompt_logprobs=r.prompt_logprobs, prompt_from=r.prompt_from)
             self.reply.units.append(u)
 
     def _capture(self, cap: P.Capture) -> tuple[CaptureDest | None, P.CaptureResult, P.CommitResult | None]:

@@ -394,7 +394,8 @@ class EngineCore:
                    "replay_tokens": u.replay_tokens},
             timings=timings,
             pauses=list(req.pauses), error=req.error, prompt_token_ids=list(req.prompt),
-            logprobs=list(req.logprobs) if req.params.logprobs is not None else None))
+            logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
+            prompt_logprobs=[None, *req.prompt_logprobs] if req.params.prompt_logprobs is not None else None))
 
     def fail(self, req: Request, exc: Exception, kind: str | None = None) -> None:
         """Fail one request with a clear error (it alone); its books close next cycle."""

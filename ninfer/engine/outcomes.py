@@ -21,7 +21,7 @@ from ninfer import protocol as P
 from ninfer.engine.planning import Item, Plan
 from ninfer.engine.request import Request
 from ninfer.engine.units import account
-from ninfer.errors import CapacityContractError
+from ninfer.errors import CapacityContractError, IntegrityError
 from ninfer.policy.pressure import ItemKind
 from ninfer.protocol import CaptureResult, Life, Outcome, Phase, Refusal, UnitKind
 
@@ -300,6 +300,8 @@ class Outcomes:
             req.replay_target = None
         if item.sp is not None:
             self._saved(req, item, u, host_room)
+        if req.params.prompt_logprobs is not None and not self._prompt_logprobs(req, u):
+            return True
         if u.committed:
             index, now = len(req.outputs), time.monotonic()
             core.telemetry.token_gap(req.note_tokens(u.committed, now, u.logprobs))
@@ -307,7 +309,9 @@ class Outcomes:
             if index == 0:
                 core.life.publish(req, Life.FIRST_TOKEN, now)
             core.sink(P.TokensEvent(req.rid, index, list(u.committed),
-                                    list(u.logprobs) if req.params.logprobs is not None else None))
+                                    list(u.logprobs) if req.params.logprobs is not None else None,
+                                    [None, *req.prompt_logprobs]
+                                    if index == 0 and req.params.prompt_logprobs is not None else None))
         # rule: recovery-ends-on-progress
         if req.recovery_pending and (u.committed or unit.kind is UnitKind.PREFILL):
             self._recovered(req)                   # only new progress ends the recovery permit
@@ -317,6 +321,20 @@ class Outcomes:
         if unit.n_tokens > 1:
             core.sched.rotate(req)
         return True
+
+    def _prompt_logprobs(self, req: Request, u: P.UnitOut) -> bool:
+        """Keep the prompt logprobs a unit computed (vLLM's prompt_logprobs), each position once.
+        Every prompt position must have its entry by the first output token; a restore that
+        skipped positions (which ResourceManager.restore_limit rules out) fails the request
+        rather than answer with holes."""
+        ok = not u.prompt_logprobs or req.note_prompt_logprobs(u.prompt_from, u.prompt_logprobs)
+        if ok and (not u.committed or req.outputs or len(req.prompt_logprobs) >= len(req.prompt) - 1):
+            return True
+        have = len(req.prompt_logprobs)
+        last = u.prompt_from - 1 if not ok else len(req.prompt) - 1
+        self.core.fail(req, IntegrityError(f"prompt_logprobs: the entries of prompt tokens {have + 1}..{last} were "
+                                           "never computed (a restored prefix skipped them)"), "prompt_logprobs")
+        return False
 
     def _save_prepared(self, req: Request, item: Item, u: P.UnitOut) -> None:
         """The unit failed after its save was prepared: the worker had given up the retired

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from ninfer.protocol import CkptRef, FinishReason, Phase, RequestSpec, SeqFacts  # noqa: F401  (re-exported)
-from ninfer.protocol import Life, LifecycleEvent, TokenLogprob
+from ninfer.protocol import Life, LifecycleEvent, PromptLogprob, TokenLogprob
 from ninfer.sampling_params import SamplingParams
 
 
@@ -37,6 +37,9 @@ class Request:
     sid: int | None = None
     outputs: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)   # one per output, when asked
+    # prompt_logprobs, when asked: the entries of prompt tokens 1, 2, ... in order, each once
+    # (kept across pauses; ``len`` = prompt positions whose entry it holds)
+    prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     error: dict | None = None
     cancel_requested: bool = False
@@ -80,6 +83,15 @@ class Request:
     def live(self) -> bool:
         """Neither terminal nor being cancelled."""
         return self.finish_reason is None and not self.cancel_requested
+
+    def note_prompt_logprobs(self, first: int, entries: list[PromptLogprob]) -> bool:
+        """Keep the entries of prompt tokens ``first``, ``first + 1``, ... that it does not hold
+        yet (a repeat is dropped). False when they would leave a gap: positions were skipped."""
+        have = len(self.prompt_logprobs)
+        if first > have + 1:
+            return False
+        self.prompt_logprobs.extend(entries[have + 1 - first:])
+        return True
 
     def note_tokens(self, tokens: list[int], now: float, logprobs: list[TokenLogprob] = ()) -> float | None:
         """Record committed tokens; the gap since the previous token event (None for the first)."""

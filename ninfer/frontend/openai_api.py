@@ -99,6 +99,50 @@ def completion_logprobs(entries: list, token_str, offset: int) -> dict:
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
+def _finite(lp: float) -> float:
+    """-inf as the JSON-safe number vLLM and OpenAI use."""
+    return max(lp, -9999.0)
+
+
+def echo_logprobs(prompt_ids: list[int], entries: list | None, token_str, top: int) -> dict:
+    """The echoed prompt's part of completions ``choices[].logprobs`` (echo with logprobs), from
+    the engine's prompt logprobs ([None, PromptLogprob, ...]): the first token has none (nothing
+    comes before it); text offsets count from the prompt's start."""
+    tokens, lps, tops, offsets, offset = [], [], [], [], 0
+    for tid, e in zip(prompt_ids, entries or [None] * len(prompt_ids)):
+        s = token_str(tid)
+        tokens.append(s)
+        lps.append(None if e is None else _finite(e.logprob))
+        tops.append(None if e is None else {token_str(t): _finite(lp) for t, lp in e.top[:top]})
+        offsets.append(offset)
+        offset += len(s)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def joined_logprobs(first: dict, then: dict) -> dict:
+    """Two completions logprobs objects one after the other (the echoed prompt, then the answer)."""
+    return {k: first[k] + then[k] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+
+
+def prompt_logprobs(entries: list | None, decoded) -> list | None:
+    """The engine's prompt logprobs as vLLM's ``prompt_logprobs``: one item per prompt token, the
+    first null, each other ``{"<token id>": {"logprob", "rank", "decoded_token"}}`` — the prompt
+    token itself (its rank in the vocabulary) first, then the top k (ranks 1..k); a prompt token
+    among the top k appears once, with its rank there (vLLM builds the dict in that order)."""
+    if entries is None:
+        return None
+    out: list = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        d = {str(e.token_id): {"logprob": _finite(e.logprob), "rank": e.rank, "decoded_token": decoded(e.token_id)}}
+        for rank, (t, lp) in enumerate(e.top, 1):
+            d[str(t)] = {"logprob": _finite(lp), "rank": rank, "decoded_token": decoded(t)}
+        out.append(d)
+    return out
+
+
 # ---- chat completions -----------------------------------------------------------------------
 
 def chat_message(content: str, calls: list[dict]) -> dict:

@@ -26,7 +26,7 @@ from ninfer import protocol as P
 from ninfer.errors import ConfigError, RequestError
 from ninfer.frontend import schema as S
 from ninfer.frontend.openai_api import bad
-from ninfer.sampling_params import MAX_SEED, SamplingParams
+from ninfer.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParams
 
 MAX_N = 16
 
@@ -59,7 +59,6 @@ def _true(v) -> bool:
 
 
 REFUSED_ALWAYS: dict[str, tuple[Any, str]] = {
-    "prompt_logprobs": (_none, "prompt logprobs are not computed by NInfer"),
     "use_beam_search": (_falsy, "beam search is not supported"),
     "length_penalty": (_one, "length_penalty applies to beam search, which is not supported"),
     "spaces_between_special_tokens": (_true, "only the tokenizer's own spacing is supported (true)"),
@@ -97,6 +96,7 @@ REFUSED_RESPONSES: dict[str, tuple[Any, str]] = {
     "truncate_prompt_tokens": (_none, "truncating a rendered conversation would cut its template structure"),
     "response_format": (_none, "Responses take the output format as text.format"),
     "bad_words": (_falsy, "bad_words belongs to chat completions"),
+    "prompt_logprobs": (_none, "prompt_logprobs belongs to chat completions and completions"),
 }
 
 
@@ -254,6 +254,25 @@ def sampling(req: S.Sampling, facts: ModelFacts, max_tokens: int | None, default
     if words:
         out["bad_words"] = words
     return out
+
+
+def prompt_logprobs(req: S.Sampling, implied: int | None = None) -> int | None:
+    """vLLM's ``prompt_logprobs`` (chat completions and completions): None, or 0..20 top tokens
+    per prompt position (vLLM's default ``max_logprobs``; its -1, the whole vocabulary, exceeds
+    that and is refused as vLLM refuses it then). ``implied``: what the request asks without
+    the field (completions' ``echo`` with ``logprobs``: the echoed prompt's logprobs, as vLLM
+    computes them). As in vLLM, an explicit value cannot be streamed."""
+    k = req.prompt_logprobs
+    if k is None:
+        return implied
+    if k == -1:
+        raise bad(f"prompt_logprobs=-1 (the whole vocabulary) is not offered: at most {MAX_LOGPROBS} tokens per "
+                  f"prompt position (vLLM's default max_logprobs refuses it too)", "prompt_logprobs")
+    if not 0 <= k <= MAX_LOGPROBS:
+        raise bad(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS} (got {k})", "prompt_logprobs")
+    if req.stream:
+        raise bad("prompt_logprobs are not available when stream=true (as in vLLM)", "prompt_logprobs")
+    return k
 
 
 # ---- structured outputs ------------------------------------------------------------------------

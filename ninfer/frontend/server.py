@@ -502,6 +502,9 @@ class Server:
         self.params_n.observe(req.n or 1)
         if req.logprobs:
             sampling["logprobs"] = req.top_logprobs or 0
+        plp = O.prompt_logprobs(req)
+        if plp is not None:
+            sampling["prompt_logprobs"] = plp
         stop = self._stop(req)
         session = req.prompt_cache_key or req.user
         n, shape = req.n or 1, O.shaping(req, self.eos_ids)
@@ -533,6 +536,8 @@ class Server:
                 out[-1]["token_ids"] = g.token_ids
         usage = oa.usage_block(got[0].fin.out.usage, sum(g.fin.completion_tokens for g in got))
         obj = oa.chat_completion(rid, self.model, created, out, usage)
+        if plp is not None:               # vLLM's: the prompt's, once for the response
+            obj["prompt_logprobs"] = oa.prompt_logprobs(got[0].fin.out.prompt_logprobs, self._token_str)
         if shape.return_token_ids:
             obj["prompt_token_ids"] = _prompt_ids(choices[0].handle)
         return JSONResponse(obj)
@@ -645,8 +650,8 @@ class Server:
         req: S.CompletionRequest = S.convert(body, S.CompletionRequest)
         self._check_model(req.model)
         O.refuse_unsupported(req, False, self.facts)
-        if req.echo and req.logprobs is not None:
-            raise oa.bad("echo with logprobs needs prompt logprobs, which NInfer does not compute", "echo")
+        # echo with logprobs: the echoed prompt's logprobs are prompt logprobs (as in vLLM)
+        plp = O.prompt_logprobs(req, req.logprobs if req.echo else None)
         if req.best_of is not None and req.best_of != (req.n or 1):
             raise oa.bad("best_of must equal n (NInfer returns every sample)", "best_of")
         if req.truncate_prompt_tokens == 0:
@@ -656,6 +661,8 @@ class Server:
         self.params_n.observe(req.n or 1)
         if req.logprobs is not None:
             sampling["logprobs"] = req.logprobs
+        if plp is not None:
+            sampling["prompt_logprobs"] = plp
         sampling.update(await self._off_loop(partial(self._constraint, req, think=False)))
         stop, n, shape = self._stop(req), req.n or 1, O.shaping(req, self.eos_ids)
         prompts = await self._prompts(req.prompt, req.add_special_tokens is not False, req.truncate_prompt_tokens)
@@ -673,14 +680,29 @@ class Server:
             return Response(status_code=499)
         token_str = self._token_str_of(shape)
         out = [{"index": i, "text": echo[i] + g.text, "finish_reason": g.fin.reason,
-                "logprobs": oa.completion_logprobs(g.logprobs, token_str, len(echo[i]))
-                if req.logprobs is not None else None} for i, g in enumerate(got)]
+                "logprobs": self._completion_logprobs(req, c, g.fin.out, g.logprobs, token_str, len(echo[i]))}
+               for i, (c, g) in enumerate(zip(choices, got))]
+        if plp is not None:               # vLLM's: each choice carries its prompt's
+            for o, g in zip(out, got):
+                o["prompt_logprobs"] = oa.prompt_logprobs(g.fin.out.prompt_logprobs, self._token_str)
         if shape.return_token_ids:
             for o, c, g in zip(out, choices, got):
                 o.update(prompt_token_ids=_prompt_ids(c.handle), token_ids=g.token_ids)
         firsts = [got[k * n].fin.out for k in range(len(prompts))]
         usage = oa.usage_block(oa.prompt_usage(firsts), sum(g.fin.completion_tokens for g in got))
         return JSONResponse(oa.completion(rid, self.model, created, out, usage))
+
+    @staticmethod
+    def _completion_logprobs(req: S.CompletionRequest, choice: Choice, out, entries: list, token_str,
+                             offset: int) -> dict | None:
+        """A choice's ``logprobs``: its answer's, after the echoed prompt's (echo with logprobs)."""
+        if req.logprobs is None:
+            return None
+        answer = oa.completion_logprobs(entries, token_str, offset)
+        if not req.echo:
+            return answer
+        prompt = oa.echo_logprobs(_prompt_ids(choice.handle), out.prompt_logprobs, token_str, req.logprobs)
+        return oa.joined_logprobs(prompt, answer)
 
     async def _completion_stream(self, choices, rid, created, req: S.CompletionRequest, echo, request):
         fins: list[Finish | None] = [None] * len(choices)
@@ -707,7 +729,11 @@ class Server:
             async for i, item in self._drive(choices, request):
                 if not echoed[i] and not (isinstance(item, Finish) and item.reason == "error"):
                     echoed[i] = True
-                    yield part(i, echo[i], first=True)
+                    lps = None
+                    if echo[i] and req.logprobs is not None:       # the echoed prompt's logprobs
+                        entries = item.out.prompt_logprobs if isinstance(item, Finish) else item.prompt_logprobs
+                        lps = oa.echo_logprobs(_prompt_ids(choices[i].handle), entries, token_str, req.logprobs)
+                    yield part(i, echo[i], lps=lps, first=True)
                 if isinstance(item, Finish):
                     fins[i] = item
                     if item.reason == "error":

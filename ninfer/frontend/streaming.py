@@ -132,6 +132,7 @@ class Piece:
     logprobs: list = field(default_factory=list)      # TokenLogprob per counted token
     token_ids: list[int] = field(default_factory=list)  # the counted tokens this piece adds
     reasoning: str = ""                                 # the model's thinking (a reasoning parser)
+    prompt_logprobs: list | None = None                 # the first piece: the prompt's, when asked
 
 
 @dataclass
@@ -237,6 +238,8 @@ async def run_choice(handle, stream: ChoiceStream) -> AsyncIterator[Piece | Fini
     first = True
     async for ev in handle.aiter():
         piece = stream.feed(ev.token_ids, getattr(ev, "logprobs", None))
+        if first:
+            piece.prompt_logprobs = getattr(ev, "prompt_logprobs", None)
         if first or piece.content or piece.calls or piece.logprobs or piece.token_ids or piece.reasoning:
             first = False
             yield piece

@@ -21,6 +21,9 @@ def validate_spec(spec: RequestSpec, info: P.WorkerInfo) -> None:
     if bad is not None:
         raise RequestError(f"prompt token id {bad!r} is out of range: allowed 0..{info.vocab_size - 1}")
     spec.params.validate(info.vocab_size)
+    if spec.params.prompt_logprobs is not None and spec.media:
+        raise RequestError("prompt_logprobs is not supported for a prompt with images (their positions hold no "
+                           "vocabulary token)")
     total = len(p) + spec.params.max_tokens
     if total > info.max_context:
         raise RequestError(

@@ -120,6 +120,8 @@ class Sequence:
     grammar: object | None = None           # structured.GrammarState of a constrained request: a
     #                                          function of the committed output (dropped with the
     #                                          execution state, rebuilt from the ledger on demand)
+    prompt_next: int = 0                    # prompt_logprobs: the next position whose entry is due
+    #                                          (kept across pauses: Replay does not report one twice)
 
     @property
     def ledger_frontier(self) -> int:

@@ -48,7 +48,7 @@ from ninfer.native.objects import (
     next_generation,
     pages_for,
 )
-from ninfer.native.sampler import sample_token, stop_reason, token_logprobs
+from ninfer.native.sampler import PROMPT_ROWS, prompt_logprobs, sample_token, stop_reason, token_logprobs
 from ninfer.native.dflash import DFlashBackend
 from ninfer.native.speculative import MtpBackend, Pending
 from ninfer.native.stores import (
@@ -69,6 +69,7 @@ from ninfer.protocol import (
     Delete,
     Owner,
     Phase,
+    PromptLogprob,
     Refusal,
     SnapshotOwner,
     TokenLogprob,
@@ -112,6 +113,8 @@ class RowResult:
     committed: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)   # one per committed token, when asked
     finish_reason: str | None = None
+    prompt_logprobs: list[PromptLogprob] = field(default_factory=list)   # prompt tokens prompt_from.. (asked)
+    prompt_from: int = 0
     captured: Checkpoint | None = None
     capture_tid: int | None = None
 
@@ -553,6 +556,8 @@ class Program:
                 self._trim(seq)
                 self.mem.hidden[seq.slot] = out.all_hidden[lo + keep - 1]
                 res.frontier = seq.frontier
+                if not d and seq.params.prompt_logprobs is not None:
+                    self._prompt_logprobs(seq, res, out.all_hidden[lo:lo + keep], f0)
                 if not d and seq.frontier == len(seq.ledger) and not seq.finished:
                     self._sample(seq, res, out.logits[li - 1])
                 if self.spec is not None:
@@ -576,6 +581,21 @@ class Program:
                 r.capture = None
             out_rows.append(res)
         return out_rows
+
+    def _prompt_logprobs(self, seq: Sequence, res: RowResult, hidden: torch.Tensor, f0: int) -> None:
+        """vLLM's prompt_logprobs from the rows this call computed (positions f0 ..): the logits
+        of position i give prompt token i + 1's entry. Each position's entry is made once: a
+        Replay recomputing positions this sequence already reported skips them
+        (``seq.prompt_next``)."""
+        a, b = max(f0, seq.prompt_next), min(f0 + hidden.shape[0], seq.prompt_len - 1)
+        if a >= b:
+            return
+        res.prompt_from = a + 1
+        for i in range(a, b, PROMPT_ROWS):
+            e = min(b, i + PROMPT_ROWS)
+            logits = self.model.logits(hidden[i - f0:e - f0])
+            res.prompt_logprobs += prompt_logprobs(logits, seq.ledger[i + 1:e + 1], seq.params.prompt_logprobs)
+        seq.prompt_next = b
 
     def _verify(self, seq: Sequence, res: RowResult, drafts: list[int], logits: torch.Tensor) -> int:
         """Sample every verified position in order (the seeded per-position sampler, as without

@@ -5,9 +5,9 @@ committed history and (seed, position, purpose) — never on batch composition, 
 position was recomputed, or on any global RNG. Replay after a pause therefore re-derives the
 same token, and the oracle (an isolated run) draws the same numbers as the engine.
 
-Log-probabilities (``token_logprobs``) are read from the same logits only when a request asks;
-they are the raw distribution (vLLM's default "raw_logprobs"), so they never feed back into the
-draw.
+Log-probabilities (``token_logprobs``, and ``prompt_logprobs`` for the prompt's positions) are
+read from the same logits only when a request asks; they are the raw distribution (vLLM's
+default "raw_logprobs"), so they never feed back into the draw.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from enum import IntEnum
 
 import torch
 
-from ninfer.protocol import TokenLogprob
+from ninfer.protocol import PromptLogprob, TokenLogprob
 from ninfer.sampling_params import SamplingParams
 
 MASK64 = (1 << 64) - 1
@@ -152,15 +152,37 @@ def token_logprobs(logits: torch.Tensor, token: int, k: int) -> TokenLogprob:
     tied with the k-th value (not a sort of the vocabulary).
     """
     lp = torch.log_softmax(logits.to(torch.float64), dim=-1)
-    chosen = float(lp[token])
+    return TokenLogprob(token, float(lp[token]), _top(lp, k))
+
+
+def _top(lp: torch.Tensor, k: int) -> tuple[tuple[int, float], ...]:
+    """The ``k`` most likely (id, logprob) of one row [V] of logprobs, (logprob desc, id asc)."""
     k = min(k, lp.numel())
     if k <= 0:
-        return TokenLogprob(token, chosen)
+        return ()
     kth = torch.topk(lp, k).values[-1]
     cand = torch.nonzero(lp >= kth).flatten()          # ascending ids, ties with the k-th included
     vals = lp[cand]
     order = torch.sort(vals, descending=True, stable=True).indices[:k]
-    return TokenLogprob(token, chosen, tuple(zip(cand[order].tolist(), vals[order].tolist())))
+    return tuple(zip(cand[order].tolist(), vals[order].tolist()))
+
+
+PROMPT_ROWS = 128      # rows of logits made at once for prompt logprobs (bounds [rows, V] in memory)
+
+
+def prompt_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[PromptLogprob]:
+    """vLLM's prompt_logprobs entries from logits [m, V] whose row i predicts ``tokens[i]``:
+    each token's raw log-probability (log_softmax in float64, as ``token_logprobs``), its rank
+    as vLLM counts it (vocabulary entries with a logprob >= its own; 1 = the most likely) and
+    the ``k`` most likely tokens in the sampler's total order."""
+    if not tokens:
+        return []
+    lp = torch.log_softmax(logits.to(torch.float64), dim=-1)
+    ids = torch.tensor(tokens, dtype=torch.long, device=lp.device)[:, None]
+    chosen = lp.gather(1, ids)
+    ranks = (lp >= chosen).sum(dim=1).tolist()
+    return [PromptLogprob(t, v, r, _top(lp[i], k))
+            for i, (t, v, r) in enumerate(zip(tokens, chosen[:, 0].tolist(), ranks))]
 
 
 def stop_reason(token: int, n_generated: int, params: SamplingParams, eos_ids: tuple[int, ...]) -> str | None:

@@ -219,7 +219,24 @@ class ResourceManager:
         return (self.cost.source_cost(h2d, target - info.frontier), h2d, -info.frontier,
                 not session, not recs, -order, info.cid)
 
+    # rule: prompt-logprobs-restore
+    def restore_limit(self, req: Request, limit: int) -> int:
+        """The deepest restore point ``req`` may use, ``limit`` at most. A request asking for
+        prompt logprobs (vLLM's ``prompt_logprobs``) needs the logits of every prompt position,
+        and a restored prefix has none: it restores no point past the positions whose entries it
+        already holds — a fresh one no point at all (vLLM v1 skips prefix-cache reads for such a
+        request the same way: ``get_computed_blocks`` returns nothing), a Replay after a pause
+        any point up to its paused frontier (it computed everything below). It still saves
+        points for others."""
+        if req.spec.params.prompt_logprobs is None:
+            return limit
+        held = len(req.prompt_logprobs)
+        return limit if held >= len(req.prompt) - 1 else min(limit, held)
+
     def choose(self, req: Request, target: int, limit: int) -> CkptInfo | None:
+        limit = self.restore_limit(req, limit)
+        if limit <= 0:
+            return None
         cands = self.candidates(req.ledger, limit, req.rid)
         book = self.books.get(req.rid)
         if book is not None and book.unfit:
@@ -338,12 +355,13 @@ class ResourceManager:
         book = self.book(req)
         prompt = req.prompt
         best: tuple[str, int] | None = None
+        usable = self.restore_limit(req, len(prompt))      # a point it may not restore is no reason to wait
         for producer, now, points in producers:
             if producer is req or producer.rid in book.waited or not producer.live:
                 continue
             for sp in points:
                 f = sp.frontier
-                if f <= max(base, now) or f > len(prompt) or (best is not None and f <= best[1]):
+                if f <= max(base, now) or f > usable or (best is not None and f <= best[1]):
                     continue
                 if f - now > f - base:
                     continue                  # computing it oneself costs less than the wait
@@ -730,8 +748,10 @@ class ResourceManager:
 
     # ==== bookkeeping ==================================================================
     def on_bound(self, req: Request, adm: Admission, save_points: list[SavePoint]) -> None:
-        """A fresh admission succeeded: count the query, take over or branch, note demand."""
-        self._count_query(req, adm.source)
+        """A fresh admission succeeded: count the query, take over or branch, note demand. A
+        request that may restore nothing (prompt logprobs) made no query, as in vLLM."""
+        if self.restore_limit(req, len(req.prompt)) > 0:
+            self._count_query(req, adm.source)
         rec = adm.record
         self.table.records.setdefault(rec.id, rec)
         rec.active = req.rid

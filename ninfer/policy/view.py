@@ -22,6 +22,7 @@ class RequestView(Protocol):
     recovery_pending: bool            # holds the full recovery permit
     finish_reason: object
     cancel_requested: bool
+    prompt_logprobs: list             # prompt_logprobs entries it holds (tokens 1, 2, ...)
 
     @property
     def prompt(self) -> list[int]: ...

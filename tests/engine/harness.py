@@ -16,7 +16,7 @@ from ninfer.faults import Fault
 from ninfer.frontend.validate import validate_spec
 from ninfer.lifecycle import TIMINGS, as_dict, derive_timings
 from ninfer.protocol import RequestSpec
-from ninfer.reference import reference_generate
+from ninfer.reference import reference_generate, reference_prompt_logprobs
 from ninfer.sampling_params import SamplingParams
 
 
@@ -30,6 +30,7 @@ class Harness:
         self.finals: dict[str, P.FinalEvent] = {}
         self.streams: dict[str, list[int]] = {}
         self.logprobs: dict[str, list[P.TokenLogprob]] = {}     # streamed, for requests that asked
+        self.prompt_logprobs: dict[str, list] = {}              # streamed with the first token, when asked
         self.events: dict[str, list[dict]] = {}                 # lifecycle, public form
         self.dtype = dtype
 
@@ -41,6 +42,9 @@ class Harness:
             if ev.logprobs is not None:
                 assert len(ev.logprobs) == len(ev.token_ids), "a token without its logprob entry (or two)"
                 self.logprobs.setdefault(ev.rid, []).extend(ev.logprobs)
+            if ev.prompt_logprobs is not None:
+                assert ev.index == 0 and ev.rid not in self.prompt_logprobs, "prompt logprobs sent twice"
+                self.prompt_logprobs[ev.rid] = ev.prompt_logprobs
         elif isinstance(ev, P.LifecycleEvent):
             self.events.setdefault(ev.rid, []).append(as_dict(ev))
         else:       # the public spelling of the finish reason ("stop", "length", ...)
@@ -108,6 +112,7 @@ def _oracle(model_dir: str, prompt: tuple, dtype: str, params: SamplingParams) -
 def oracle(model_dir: str, prompt: list[int], dtype: str = "float64", **params) -> list[int]:
     params.setdefault("ignore_eos", True)
     params.pop("logprobs", None)                 # they never change the tokens
+    params.pop("prompt_logprobs", None)
     return list(_oracle(model_dir, tuple(prompt), dtype, SamplingParams(**params)))
 
 
@@ -121,8 +126,31 @@ def oracle_logprobs(model_dir: str, prompt: list[int], logprobs: int, dtype: str
                     **params) -> tuple[list[int], list[P.TokenLogprob]]:
     """The isolated run's tokens and their logprob entries (top ``logprobs`` alternatives)."""
     params.setdefault("ignore_eos", True)
+    params.pop("prompt_logprobs", None)          # they never change the tokens
     ids, lps = _oracle_logprobs(model_dir, tuple(prompt), dtype, SamplingParams(**params, logprobs=logprobs))
     return list(ids), list(lps)
+
+
+@functools.lru_cache(maxsize=256)
+def _oracle_prompt_logprobs(model_dir: str, prompt: tuple, k: int, dtype: str) -> tuple:
+    return tuple(reference_prompt_logprobs(model_dir, list(prompt), k, dtype=dtype))
+
+
+def oracle_prompt_logprobs(model_dir: str, prompt: list[int], k: int, dtype: str = "float64") -> list:
+    """The isolated run's prompt_logprobs: [None, entry of prompt token 1, ...]."""
+    return list(_oracle_prompt_logprobs(model_dir, tuple(prompt), k, dtype))
+
+
+def assert_prompt_logprobs_close(got, want, tol: float = 1e-9) -> None:
+    """One entry per prompt token (the first None); same tokens, ranks and alternatives, values
+    equal up to ``tol`` (chunking changes float64 logits only in the last bits)."""
+    assert got is not None and len(got) == len(want), (got and len(got), len(want))
+    assert got[0] is None and want[0] is None
+    for i, (g, w) in enumerate(zip(got[1:], want[1:]), 1):
+        assert (g.token_id, g.rank) == (w.token_id, w.rank), f"prompt token {i}: {g} vs {w}"
+        assert abs(g.logprob - w.logprob) <= tol, f"prompt token {i}: {g.logprob} vs {w.logprob}"
+        assert [t for t, _ in g.top] == [t for t, _ in w.top], f"prompt token {i}: alternatives differ"
+        assert all(abs(a - b) <= tol for (_, a), (_, b) in zip(g.top, w.top)), f"prompt token {i}"
 
 
 def force_pause(h: Harness, rid: str) -> None:

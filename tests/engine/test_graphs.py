@@ -58,3 +58,21 @@ def test_enforce_eager_captures_nothing(tiny_model, monkeypatch):
     monkeypatch.setenv("NINFER_GRAPHS", "replay")
     stats = run_workloads(tiny_model, [7200], lambda seed: {"enforce_eager": True})
     assert stats[0]["graphs"] is None
+
+
+def test_prompt_logprobs_from_padded_chunk_graphs_match_the_oracle(make, tiny_model, monkeypatch):
+    """prompt_logprobs read every real row of a chunk that replayed its (padded) "chunk" graph
+    beside a decode row: the entries equal the isolated forward's."""
+    from tests.engine.harness import assert_prompt_logprobs_close, oracle_prompt_logprobs
+    from tests.factories import random_prompt
+
+    monkeypatch.setenv("NINFER_GRAPHS", "replay")
+    h = make(max_concurrency=2, prefill_chunk_tokens=64)
+    p = random_prompt(150, seed=31)                          # chunks of 64, 64 and 22 (padded)
+    a = h.submit(random_prompt(40, seed=32), max_tokens=30)
+    b = h.submit(p, max_tokens=3, prompt_logprobs=2)
+    h.run(until=lambda: h.done(a, b))
+    assert_prompt_logprobs_close(h.finals[b].prompt_logprobs, oracle_prompt_logprobs(tiny_model, p, 2))
+    g = h.core.stats_dict()["graphs"]
+    assert g["chunk_replays"] > 0 and g["padded"] > 0 and g["eager"] == 0
+    h.check_clean()

@@ -22,11 +22,13 @@ import pytest
 from tests.engine.harness import (
     Harness,
     assert_logprobs_close,
+    assert_prompt_logprobs_close,
     assert_timings_derived,
     check_lifecycle,
     force_pause,
     oracle,
     oracle_logprobs,
+    oracle_prompt_logprobs,
 )
 from tests.factories import random_prompt
 
@@ -83,9 +85,11 @@ def _constraint(k: int):
             lambda: st.grammar('root ::= ("(" [0-9]+ ")")+')][k]()
 
 
-def _workload(seed: int, options: bool = False):
+def _workload(seed: int, options: bool = False, prompt_lps: bool = False):
     """``options``: each request also draws sampling options (``sampling_options``) from its
-    own random stream — the requests, arrivals and configs of a seed stay those without."""
+    own random stream — the requests, arrivals and configs of a seed stay those without.
+    ``prompt_lps``: some requests also ask vLLM's prompt_logprobs (from the same own stream,
+    after everything else it draws)."""
     rng = random.Random(seed)
     c = rng.choice([1, 2, 2, 3, 3, 4, 6, 8])
     snap = 431104 + 3 * 262144            # a snapshot of the tiny model (float64): image + 3 pages
@@ -107,6 +111,8 @@ def _workload(seed: int, options: bool = False):
         lp = random.Random(seed * 1009 + i)     # its own stream: the seeds above keep their workloads
         if lp.random() < 0.3:
             params["logprobs"] = lp.choice([0, 1, 5])
+        if prompt_lps and lp.random() < 0.5:
+            params["prompt_logprobs"] = lp.choice([0, 2])
         if options:
             params.update(sampling_options(random.Random(seed * 7919 + i), n, params["temperature"]))
         extra = {}
@@ -133,6 +139,18 @@ def _check_final(model_dir: str, h: Harness, rid: str, prompt, params, seed: int
         assert h.logprobs.get(rid, []) == f.logprobs
     else:
         assert f.logprobs is None and rid not in h.logprobs
+    kp = params.get("prompt_logprobs")
+    if kp is not None:          # the prompt's entries so far (all once a token came), none restored
+        plp = f.prompt_logprobs
+        assert plp is not None and plp[0] is None and len(plp) <= len(prompt)
+        assert f.usage["cached_tokens"] == 0, f"seed {seed}: {rid} restored a prefix"
+        if f.token_ids:
+            assert len(plp) == len(prompt) and h.prompt_logprobs[rid] == plp
+        assert_prompt_logprobs_close(plp, oracle_prompt_logprobs(model_dir, prompt, kp)[:len(plp)])
+        TOTALS["prompt_logprobs"] += 1
+        TOTALS["prompt_logprobs_paused"] += bool(f.pauses)
+    else:
+        assert f.prompt_logprobs is None and rid not in h.prompt_logprobs
     if f.finish_reason == "cancelled":
         TOTALS["cancelled"] += 1
         return
@@ -161,10 +179,11 @@ def _preempt(h: Harness, rng: random.Random) -> None:
         force_pause(h, req.rid)
 
 
-def run_workload(model_dir: str, seed: int, options: bool = False, **overrides) -> dict:
+def run_workload(model_dir: str, seed: int, options: bool = False, prompt_lps: bool = False, **overrides) -> dict:
     """One seeded workload; ``overrides`` change its engine config (e.g. ``speculative``);
-    ``options``: its requests carry sampling options (``sampling_options``)."""
-    cfg, reqs, follow, preempts = _workload(seed, options)
+    ``options``: its requests carry sampling options (``sampling_options``); ``prompt_lps``:
+    some ask prompt_logprobs."""
+    cfg, reqs, follow, preempts = _workload(seed, options, prompt_lps)
     h = Harness(model_dir, **{**cfg, **overrides})
     rng = random.Random(seed + 1)
     try:
@@ -283,6 +302,21 @@ def test_random_workloads_match_the_oracle(tiny_model):
 
 
 OPTION_SEEDS = [8000 + s for s in range(40)]
+PROMPT_LOGPROB_SEEDS = [8500 + s for s in range(12)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_prompt_logprobs_under_pressure_match_the_oracle(tiny_model):
+    """The same workloads with half the requests asking vLLM's prompt_logprobs: under the same
+    pressure, pauses and faults, each such request restores no cached prefix (cached_tokens 0)
+    and reports one entry per prompt position, equal to an isolated forward over its prompt —
+    those paused and resumed (Snapshot or Replay) too."""
+    before = Counter(TOTALS)
+    run_workloads(tiny_model, PROMPT_LOGPROB_SEEDS, lambda seed: {"prompt_lps": True})
+    seen = Counter(TOTALS) - before
+    assert seen["prompt_logprobs"] and seen["prompt_logprobs_paused"], dict(seen)
+    assert seen["snapshot"] and seen["replay"], dict(seen)
 
 
 @pytest.mark.slow

@@ -364,7 +364,7 @@ def _hostile() -> list[tuple[str, str, object, dict]]:
                              ("cmpl-prompt-mixed", "POST /v1/completions", {"prompt": ["a", [1, 2]]}),
                              ("cmpl-prompt-token-range", "POST /v1/completions", {"prompt": [10 ** 9]}),
                              ("cmpl-suffix", "POST /v1/completions", {"prompt": "a", "suffix": "b"}),
-                             ("cmpl-echo-logprobs", "POST /v1/completions", {"prompt": "a", "echo": True, "logprobs": 1}),
+                             ("cmpl-prompt-logprobs-vocab", "POST /v1/completions", {"prompt": "a", "prompt_logprobs": -1}),
                              ("tokenize-both", "POST /tokenize", {"prompt": "a", "messages": USER}),
                              ("tokenize-neither", "POST /tokenize", {}),
                              ("detokenize-strings", "POST /detokenize", {"tokens": ["a"]}),

@@ -58,7 +58,7 @@ CHAT_CASES: dict[str, tuple] = {
     "skip_special_tokens": (False, OK, {}),
     "spaces_between_special_tokens": (False, NO, {}),
     "truncate_prompt_tokens": (5, NO, {}),
-    "prompt_logprobs": (1, NO, {}),
+    "prompt_logprobs": (1, OK, {}),
     "allowed_token_ids": ([17, 18, 19], OK, {}),
     "bad_words": (["sea"], OK, {}),
     "echo": (True, OK, {}),
@@ -114,7 +114,7 @@ COMPLETION_CASES: dict[str, tuple] = {
     "spaces_between_special_tokens": (False, NO, {}),
     "truncate_prompt_tokens": (2, OK, {}),
     "allowed_token_ids": ([17, 18, 19], OK, {}),
-    "prompt_logprobs": (1, NO, {}),
+    "prompt_logprobs": (1, OK, {}),
     "prompt_embeds": ("AAAA", NO, {}),
     "add_special_tokens": (False, OK, {}),
     "response_format": ({"type": "json_object"}, OK, {}),
@@ -405,6 +405,87 @@ def test_streamed_token_ids_add_up_to_the_answer(server):
     assert streamed == _chat(server, max_tokens=5)["choices"][0]["token_ids"]
 
 
+def _prompt_entry_ok(item: dict, token: int, k: int) -> None:
+    """vLLM's prompt_logprobs item: the prompt token (its rank in the vocabulary) and the top k
+    (ranks 1..k), each {"logprob", "rank", "decoded_token"}."""
+    assert str(token) in item and len(item) in (k, k + 1), item
+    assert sorted(v["rank"] for v in item.values() if v["rank"] <= k) == list(range(1, k + 1)), item
+    for t, v in item.items():
+        assert set(v) == {"logprob", "rank", "decoded_token"} and v["logprob"] <= 0
+        assert isinstance(v["decoded_token"], str)
+    top = sorted(item.values(), key=lambda v: v["rank"])
+    assert all(a["logprob"] >= b["logprob"] for a, b in zip(top, top[1:]))
+
+
+def test_prompt_logprobs_come_in_vllms_shape_and_equal_a_full_computation(server, served):
+    """Completions: each choice's ``prompt_logprobs``; chat: the response's. One item per prompt
+    token, the first null; the values are those of an isolated forward over the whole prompt
+    (the request restores no cached prefix: cached_tokens 0 even for a prompt seen before)."""
+    from ninfer.reference import reference_prompt_logprobs
+    body = dict(prompt="Once upon a time there was a sea", max_tokens=2, prompt_logprobs=2)
+    _complete(server, prompt=body["prompt"], max_tokens=2)                 # the same prompt, cached
+    r = _complete(server, **body)
+    c = r["choices"][0]
+    ids, plp = c["prompt_token_ids"], c["prompt_logprobs"]
+    assert len(plp) == len(ids) and plp[0] is None
+    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    want = reference_prompt_logprobs(served.model, ids, 2, dtype="float32")
+    for j in range(1, len(ids)):
+        _prompt_entry_ok(plp[j], ids[j], 2)
+        assert plp[j][str(ids[j])]["rank"] == want[j].rank
+        assert abs(plp[j][str(ids[j])]["logprob"] - want[j].logprob) < 1e-3
+        assert [int(t) for t, v in sorted(plp[j].items(), key=lambda kv: kv[1]["rank"]) if v["rank"] <= 2] \
+            == [t for t, _ in want[j].top]
+    assert "prompt_logprobs" not in _complete(server, prompt="Once upon a time", max_tokens=2)["choices"][0]
+    chat = _chat(server, max_tokens=2, prompt_logprobs=0)
+    ids = chat["prompt_token_ids"]
+    assert len(chat["prompt_logprobs"]) == len(ids) and chat["prompt_logprobs"][0] is None
+    for j in range(1, len(ids)):
+        _prompt_entry_ok(chat["prompt_logprobs"][j], ids[j], 0)
+    assert "prompt_logprobs" not in _chat(server, max_tokens=2)
+
+
+def test_echo_with_logprobs_covers_the_prompt_then_the_answer(server):
+    """OpenAI's / vLLM's echo with logprobs: tokens, token_logprobs, top_logprobs and
+    text_offset run over the echoed prompt (its first token without a logprob) and then the
+    answer; streamed, the echo chunk carries the prompt's part."""
+    prompt = "Once upon a time there was"
+    r = _complete(server, prompt=prompt, max_tokens=4, echo=True, logprobs=2)
+    c = r["choices"][0]
+    ids, lp = c["prompt_token_ids"], c["logprobs"]
+    n = len(ids) + 4
+    assert c["text"].startswith(prompt) and all(len(lp[k]) == n for k in lp)
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(isinstance(x, float) for x in lp["token_logprobs"][1:])
+    assert all(len(t) == 2 for t in lp["top_logprobs"][1:])
+    assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][0] == 0
+    for j in range(1, len(ids)):         # the echoed part is the prompt logprobs (implied, as in vLLM)
+        assert lp["token_logprobs"][j] == c["prompt_logprobs"][j][str(ids[j])]["logprob"]
+    plain = _complete(server, prompt=prompt, max_tokens=4, logprobs=2)["choices"][0]["logprobs"]
+    assert lp["tokens"][len(ids):] == plain["tokens"]
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, "echo": True, "logprobs": 2,
+            "stream": True}
+    chunks = [json.loads(line[6:]) for line in _post(server, "/v1/completions", body).text.splitlines()
+              if line.startswith("data: {")]
+    streamed = [ch["logprobs"] for k in chunks for ch in k["choices"] if ch.get("logprobs")]
+    assert streamed[0]["token_logprobs"][0] is None and len(streamed[0]["tokens"]) == len(ids)
+    assert [t for s in streamed for t in s["tokens"]] == lp["tokens"]
+    got = [x for s in streamed for x in s["token_logprobs"]]
+    assert got[0] is None and all(abs(a - b) < 1e-5 for a, b in zip(got[1:], lp["token_logprobs"][1:]))
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("value,extra", [(-1, {}), (-2, {}), (21, {}), (1, {"stream": True}), (0, {"stream": True})])
+def test_bad_prompt_logprobs_are_refused_by_name(server, path, value, extra):
+    base = {"messages": USER} if "chat" in path else {"prompt": "Once upon a time"}
+    r = _post(server, path, {"model": "tiny", "max_tokens": 2, **base, **extra, "prompt_logprobs": value})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "prompt_logprobs" and "prompt_logprobs" in err["message"], err
+    r = _post(server, "/v1/responses", {"model": "tiny", "input": "hi", "max_output_tokens": 2, "prompt_logprobs": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+
+
 def test_options_through_the_openai_client(server):
     client = openai.OpenAI(base_url=f"{server}/v1", api_key=KEY)
     r = client.chat.completions.create(model="tiny", messages=USER, max_tokens=4, temperature=0,
@@ -413,9 +494,14 @@ def test_options_through_the_openai_client(server):
     # 17 is forced, but as a stop id it is barred for the first two tokens; the third stops
     assert r.model_extra["prompt_token_ids"] and r.usage.completion_tokens == 3
     assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["token_ids"][2] == 17
+    r = client.chat.completions.create(model="tiny", messages=USER, max_tokens=2,
+                                       extra_body={"prompt_logprobs": 1, "return_token_ids": True})
+    plp = r.model_extra["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(r.model_extra["prompt_token_ids"])
+    c = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=2, echo=True, logprobs=1)
+    assert c.choices[0].logprobs.token_logprobs[0] is None and c.choices[0].text.startswith("Once upon a time")
     with pytest.raises(openai.BadRequestError) as exc:
-        client.chat.completions.create(model="tiny", messages=USER, max_tokens=2,
-                                       extra_body={"prompt_logprobs": 1})
+        client.chat.completions.create(model="tiny", messages=USER, max_tokens=2, extra_body={"prompt_logprobs": 21})
     assert "prompt_logprobs" in str(exc.value)
 
 

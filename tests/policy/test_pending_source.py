@@ -8,6 +8,13 @@ from dataclasses import dataclass, field
 
 from ninfer import protocol as P
 from ninfer.policy.resources import ResourceManager, SavePoint
+from ninfer.sampling_params import SamplingParams
+
+
+@dataclass
+class _Spec:
+    session_id: str | None = None
+    params: SamplingParams = SamplingParams()
 
 
 @dataclass
@@ -15,8 +22,9 @@ class _Req:
     rid: str
     prompt: list[int]
     live: bool = True
-    spec: object = None
+    spec: _Spec = field(default_factory=_Spec)
     outputs: list = field(default_factory=list)
+    prompt_logprobs: list = field(default_factory=list)
 
     @property
     def ledger(self) -> list[int]:
@@ -49,11 +57,6 @@ def test_wait_only_while_the_producers_remaining_work_is_no_more_than_computing_
 
 
 @dataclass
-class _Spec:
-    session_id: str | None = None
-
-
-@dataclass
 class _Facts:
     frontier: int
 
@@ -75,3 +78,20 @@ def test_a_wait_ends_when_a_source_as_deep_appears_elsewhere():
     assert not rm.pending_holds(waiter, producer, resident=True)
     assert rm.book(waiter).pending is None and rm.book(waiter).pending_base == 0
     assert rm.stats.pending_abandoned == 0
+
+
+def test_a_request_asking_prompt_logprobs_restores_and_awaits_no_point_it_has_not_computed():
+    """vLLM's prompt_logprobs need every prompt position's logits: a fresh request restores no
+    point and waits for none; after a pause (a Replay) it may restore up to the positions whose
+    entries it holds, anything once it holds them all."""
+    rm = _rm()
+    x = list(range(1, 601))
+    pts = [SavePoint(300, [], [])]
+    waiter = _Req("w", x[:500], spec=_Spec(params=SamplingParams(prompt_logprobs=0)))
+    assert rm.restore_limit(waiter, 500) == 0
+    assert rm.pending_source(waiter, 0, [(_Req("a", x), 0, pts)]) is None
+    assert rm.restore_limit(_Req("plain", x[:500]), 500) == 500
+    waiter.prompt_logprobs = [None] * 128                    # entries of prompt tokens 1..128
+    assert rm.restore_limit(waiter, 200) == 128
+    waiter.prompt_logprobs = [None] * 499                    # all of them
+    assert rm.restore_limit(waiter, 500) == 500
