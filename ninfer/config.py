@@ -61,6 +61,11 @@ class ContextCacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     # offered as a save when it lies at least this many tokens beyond the restore point below it
     # (docs/api.md "Where restore points are"); None: no divergence positions
     divergence_min_tokens: int | None = 16
+    # offer saves at anticipated positions too: a prompt's end less a doubling ladder of tails
+    # (divergence_min_tokens x 1, 2, 4, 8, 16) and less the longer tails real divergences showed
+    # most often — each an optional save (admission table) and a unit cut; false: only where a
+    # second request really parted (divergence positions) and at input boundaries
+    anticipate: bool = True
 
     def __post_init__(self) -> None:
         if self.divergence_min_tokens is not None and self.divergence_min_tokens < 1:

@@ -86,7 +86,8 @@ class EngineCore:
         self.sink = sink
         self.chunk = self.info.prefill_chunk_tokens
         self.sched = Scheduler(self.info.max_concurrency)
-        self.rm = ResourceManager(self.info, divergence_min=config.context_cache.divergence_min_tokens)
+        self.rm = ResourceManager(self.info, divergence_min=config.context_cache.divergence_min_tokens,
+                                  anticipate=config.context_cache.anticipate)
         if self.info.h2d_bytes_per_s or self.info.prefill_s_per_token:   # measured by the worker at start
             self.rm.cost.calibrate(self.info.h2d_bytes_per_s, self.info.prefill_s_per_token)
         self.pressure = Pressure(self.sched, self.rm, self.info)

@@ -116,7 +116,8 @@ class CacheStats:
 
 PUBLIC = (SaveKind.MARKER, SaveKind.DIVERGENCE, SaveKind.ANTICIPATED)    # kinds whose owner is a public entry
 OPTIONAL_CUTS = {SaveKind.DIVERGENCE, SaveKind.ANTICIPATED}   # no input boundary of the request itself
-ANTICIPATE = 3             # anticipated positions a request offers: its end less the most frequent tails
+LADDER = 5                # anticipated positions at its end less divergence_min x 1, 2, 4, 8, 16 ...
+ANTICIPATE = 3            # ... and less up to 3 longer tails seen most often at real divergences
 TAIL_KINDS = 64            # distinct tail lengths remembered (the least frequent goes)
 TAIL_SAMPLE = 4            # earlier histories whose tail a divergence records
 MAX_DIVERGENCE = 4          # divergence positions one request offers at most (as MAX_MARKERS)
@@ -124,10 +125,12 @@ HISTORY_OBSERVER = "<history>"   # the earlier request that computed across a di
 
 
 class ResourceManager:
-    def __init__(self, info: P.WorkerInfo, cost: CostModel | None = None, divergence_min: int | None = 16):
+    def __init__(self, info: P.WorkerInfo, cost: CostModel | None = None, divergence_min: int | None = 16,
+                 anticipate: bool = True):
         self.info = info
         self.cost = cost or CostModel()
         self.divergence_min = divergence_min    # None: no divergence positions
+        self.anticipate = anticipate            # anticipated positions too (the ladder, frequent long tails)
         self.tails: dict[int, int] = {}         # divergence tail (tokens from a prompt end back to where it parted) -> times seen
         self.table = RecordTable()
         self.stats = CacheStats()
@@ -499,16 +502,22 @@ class ResourceManager:
     # rule: anticipated-divergence
     def anticipated(self, req: Request) -> list[int]:
         """Where this prompt will likely part from a later one, before any later one exists
-        (issue 30; the placement rule of the docs): its end less each of the ANTICIPATE tail
-        lengths seen most often at real divergences — prompts that share a document and differ
-        in their last part (a question, a tool result, a user turn) part that far before their
-        end, so the first request to share this prompt's body restores it instead of recomputing.
-        Only a tail seen at two divergences or more (a pattern, not a one-off); optional cache:
-        the save goes through the admission table like any capture without demand of its own."""
-        if self.divergence_min is None:
+        (issue 30; the placement rule of the docs). Prompts that share a document or a
+        conversation differ in their last part (a question, a tool result, a user turn), so they
+        part some tail before the end: the request offers saves at its end less a doubling ladder
+        of tails — ``divergence_min`` × 1, 2, 4, … (LADDER rungs: 16 … 256 tokens by default) —
+        so that a later request parting anywhere in that range restores at most half its tail
+        short of where it parts; and at its end less each of the ANTICIPATE tail lengths longer
+        than the ladder seen most often at real divergences (twice or more: a pattern, not a
+        one-off), which the ladder would cover only far short. Optional cache: each save goes
+        through the admission table like any capture without demand of its own."""
+        if self.divergence_min is None or not self.anticipate:
             return []
-        top = sorted((d for d, n in self.tails.items() if n >= 2), key=lambda d: (-self.tails[d], d))[:ANTICIPATE]
-        return sorted(len(req.prompt) - d for d in top if len(req.prompt) - d >= self.divergence_min)
+        ladder = [self.divergence_min << i for i in range(LADDER)]
+        top = sorted((d for d, n in self.tails.items() if n >= 2 and d > ladder[-1]),
+                     key=lambda d: (-self.tails[d], d))[:ANTICIPATE]
+        n = len(req.prompt)
+        return sorted({n - d for d in (*ladder, *top) if n - d >= self.divergence_min})
 
     def _divergence_gain(self, prompt: list[int], x: int) -> int:
         """What a restore point at ``x`` adds over the deepest one below it."""

@@ -13,6 +13,9 @@ SHARED = 160
 
 
 def _harness(make_harness, **cc):
+    """Divergence positions alone unless ``anticipate`` is asked (the anticipated ones would
+    place points below the divergences these tests look at)."""
+    cc = {"anticipate": False, **cc}
     return make_harness(max_concurrency=4, max_context=512, kv_capacity=4 * 8 * 64, prefill_chunk_tokens=64,
                         context_cache={"device_state_slots": 8, "host_capacity_bytes": 16 << 20, **cc})
 
@@ -106,26 +109,46 @@ def test_a_close_divergence_is_not_offered(make_harness):
     h.check_clean()
 
 
-def test_the_first_request_to_share_a_document_restores_it_where_prompts_tend_to_part(make_harness, tiny_model):
-    """Prompts that share a document and differ in a 32-token question: once two divergences
-    have shown that tail, a new document's first request saves 32 tokens before its end, and the
-    first request to share that document restores it there — no second computation of it (the
-    anticipated position). With divergence positions off nothing is anticipated."""
-    def asked(doc, q_seed):
-        q = random_prompt(32, seed=q_seed)
-        q[0] = 5 + q_seed % 50                   # every question starts differently
-        return doc + q
+def _asked(doc: list[int], n: int, q_seed: int) -> list[int]:
+    q = random_prompt(n, seed=q_seed)
+    q[0] = 5 + q_seed % 50                       # every question starts differently
+    return doc + q
 
-    for on in (True, False):
-        h = _harness(make_harness, **({} if on else {"divergence_min_tokens": None}))
-        d1, d2 = random_prompt(SHARED, seed=21), random_prompt(SHARED, seed=22)
-        for i, p in enumerate([asked(d1, 1), asked(d1, 2), asked(d1, 3)]):     # tails of 32, twice or more
-            rid = h.submit(p, max_tokens=2)
-            h.run(until=lambda: h.done(rid))
-        first, second = asked(d2, 4), asked(d2, 5)
-        for p in (first, second):
-            rid = h.submit(p, max_tokens=2)
-            h.run(until=lambda: h.done(rid))
-            assert h.finals[rid].token_ids == oracle(tiny_model, p, max_tokens=2)
-        assert h.finals[rid].usage["cached_tokens"] == (SHARED if on else 0), h.finals[rid].usage
+
+def _first_two(h, tiny_model, doc: list[int], n: int) -> dict:
+    """A document's first two requests, each with its own ``n``-token question: the second's usage."""
+    for p in (_asked(doc, n, 4), _asked(doc, n, 5)):
+        rid = h.submit(p, max_tokens=2)
+        h.run(until=lambda: h.done(rid))
+        assert h.finals[rid].token_ids == oracle(tiny_model, p, max_tokens=2)
+    return h.finals[rid].usage
+
+
+def test_the_first_request_to_share_a_document_restores_it_where_prompts_tend_to_part(make_harness, tiny_model):
+    """Prompts that share a document and differ in a 32-token question: the document's first
+    request saves 32 tokens before its end (a rung of the anticipated ladder), and the first
+    request to share the document restores it there — no second computation of it. With
+    anticipated positions off (or divergence positions off) it computes the document again."""
+    for cc, want in (({}, SHARED), ({"anticipate": False}, 0), ({"divergence_min_tokens": None}, 0)):
+        h = _harness(make_harness, **{"anticipate": True, **cc})
+        usage = _first_two(h, tiny_model, random_prompt(SHARED, seed=22), 32)
+        assert usage["cached_tokens"] == want, (cc, usage)
+        h.check_clean()
+
+
+def test_a_tail_longer_than_the_ladder_is_anticipated_once_real_divergences_showed_it(make_harness, tiny_model):
+    """A 300-token question after a 160-token document parts beyond the ladder's longest rung
+    (256): a new document's second request restores nothing — until three requests sharing
+    another document have shown that tail twice or more; then the first request of a new
+    document saves at its end less 300 and the second restores the document."""
+    for learn, want in ((False, 0), (True, SHARED)):
+        h = _harness(make_harness, anticipate=True)
+        if learn:
+            d1 = random_prompt(SHARED, seed=21)
+            for i in (1, 2, 3):
+                rid = h.submit(_asked(d1, 300, i), max_tokens=1)
+                h.run(until=lambda: h.done(rid))
+            assert h.core.rm.tails.get(300, 0) >= 2, h.core.rm.tails
+        usage = _first_two(h, tiny_model, random_prompt(SHARED, seed=22), 300)
+        assert usage["cached_tokens"] == want, (learn, usage)
         h.check_clean()

@@ -128,7 +128,8 @@ def test_the_position_where_a_prompt_parts_from_a_cached_history_is_offered():
     assert 150 in rm.candidate_positions(r)
     [sp] = [sp for sp in rm.save_plan(r, 0, rm.table.new_record(None, insert=False)) if sp.frontier == 150]
     assert sp.kinds == ["d"] and len(sp.entries) == 1
-    assert rm.save_plan(r, 150, rm.table.new_record(None, insert=False))[0].frontier == 200  # past it: none
+    past = rm.save_plan(r, 150, rm.table.new_record(None, insert=False))        # past it: none
+    assert [sp.frontier for sp in past if "d" in sp.kinds] == [] and past[-1].frontier == 200
 
 
 def test_no_position_at_the_prompt_end_or_close_to_the_point_below():
@@ -223,26 +224,41 @@ def test_the_trie_follows_the_cache_and_the_queue():
     assert rm.check(set()) is None and len(rm.table.histories) == 0
 
 
-def test_anticipated_positions_follow_the_tails_seen_most_often():
-    """A prompt's end less each of the two tail lengths seen at two real divergences or more; a
-    tail seen once is no pattern; the counts stay bounded."""
-    from ninfer.policy.resources import ANTICIPATE, TAIL_KINDS
+def test_anticipated_positions_are_a_doubling_ladder_of_tails_and_the_longer_tails_seen_most_often():
+    """A prompt's end less divergence_min x 1, 2, 4, 8, 16 (16 ... 256 tokens), and less each of
+    the 3 tails longer than the ladder seen at two real divergences or more (a tail seen once is
+    no pattern; a tail inside the ladder adds nothing); none closer than divergence_min to the
+    start; the counts stay bounded; nothing with divergence positions off."""
+    from ninfer.policy.resources import ANTICIPATE, LADDER, TAIL_KINDS
+    long = list(range(1, 1001))
     rm = _rm()
-    assert rm.anticipated(_Req("a", 0, S)) == []
-    for d, n in ((32, 3), (48, 2), (80, 1)):
+    assert LADDER == 5 and ANTICIPATE == 3
+    assert rm.anticipated(_Req("a", 0, S)) == [200 - 128, 200 - 64, 200 - 32, 200 - 16]   # 200 - 256 < 16
+    assert rm.anticipated(_Req("a", 0, long)) == [1000 - d for d in (256, 128, 64, 32, 16)]
+    ladder = [1000 - d for d in (256, 128, 64, 32, 16)]
+    for d, n in ((300, 3), (800, 1), (48, 5)):
         for _ in range(n):
             rm._note_tail(d)
-    assert ANTICIPATE == 3 and rm.anticipated(_Req("a", 0, S)) == [200 - 48, 200 - 32]
-    assert rm.anticipated(_Req("b", 0, S[:40])) == []                 # past the start: none
+    # 800 seen once is no pattern, 48 lies inside the ladder
+    assert rm.anticipated(_Req("a", 0, long)) == sorted([1000 - 300, *ladder])
+    for d, n in ((600, 2), (400, 2), (900, 2)):
+        for _ in range(n):
+            rm._note_tail(d)
+    # the ladder, then 300 (seen 3 times), 400 and 600 (twice; shorter first); 900 is the 4th
+    # (twice, longest), 800 is seen once and 48 lies inside the ladder
+    assert rm.anticipated(_Req("a", 0, long)) == sorted(1000 - d for d in (600, 400, 300, 256, 128, 64, 32, 16))
+    assert rm.anticipated(_Req("b", 0, S[:40])) == [40 - 16]                             # past the start: none
     for d in range(1000, 1000 + 2 * TAIL_KINDS):
         rm._note_tail(d)
-    assert len(rm.tails) <= TAIL_KINDS and rm.tails[32] == 3
+    assert len(rm.tails) <= TAIL_KINDS and rm.tails[300] == 3
     off = _rm(divergence_min=None)
-    off._note_tail(32), off._note_tail(32)
-    assert off.anticipated(_Req("a", 0, S)) == []
+    off._note_tail(300), off._note_tail(300)
+    assert off.anticipated(_Req("a", 0, long)) == []
+    wide = _rm(divergence_min=64)                                      # the ladder scales with it
+    assert wide.anticipated(_Req("a", 0, long)) == [1000 - d for d in (1024, 512, 256, 128, 64) if 1000 - d >= 64]
 
 
-def test_a_divergence_records_both_tails_and_the_save_plan_offers_the_anticipated_position():
+def test_a_divergence_records_both_tails_and_the_save_plan_offers_the_anticipated_positions():
     rm, live = _rm(), {}
     _point(rm, 1, S[:150] + [7] * 30)
     for i in range(2):
@@ -251,8 +267,21 @@ def test_a_divergence_records_both_tails_and_the_save_plan_offers_the_anticipate
     h = _Req("h", 5, list(range(500, 800)))
     _enqueue(rm, live, h)
     sps = rm.save_plan(h, 0, rm.table.new_record(None, insert=False))
-    assert [(sp.frontier, sp.kinds) for sp in sps] == [(250, ["t"]), (300, ["in"])]
-    assert rm.save_plan(h, 240, rm.table.new_record(None, insert=False))[0].frontier == 300   # too close to start
+    assert [(sp.frontier, sp.kinds) for sp in sps] == [(300 - d, ["t"]) for d in (256, 128, 64, 32, 16)] + [(300, ["in"])]
+    # none closer than divergence_min to where the request starts (its restore point)
+    assert [sp.frontier for sp in rm.save_plan(h, 240, rm.table.new_record(None, insert=False))] == [268, 284, 300]
+
+
+def test_a_prompt_inside_an_earlier_one_records_the_earlier_ones_tail():
+    """A shorter copy of a cached prompt (it ends inside it) parts from it at its own end: the
+    earlier prompt's tail (its input point less that end) is recorded — where the next shorter
+    copy will need a restore point — and the new prompt has no tail of its own."""
+    rm, live = _rm(), {}
+    rec = rm.table.new_record(None)
+    rm.table.add_ckpt(P.CkptRef(1, 1, 180, P.CkptKind.CACHE, True, False), tuple(S[:180]), rec.owner(P.Role.INPUT))
+    rec.input_point = 1
+    _enqueue(rm, live, _Req("r", 1, S[:150]))
+    assert rm.tails == {30: 1}
 
 
 def test_a_divergence_records_the_tail_of_the_cached_prompt_it_parts_from():
