@@ -181,7 +181,9 @@ def test_a_hung_worker_is_replaced_after_step_timeout_s(tiny_model, deployment):
     the controller treats it as lost — the request in flight fails with ``worker_lost`` naming
     the timeout, the hung process is killed and replaced (without that fault) — and it serves on."""
     eng = ninfer.Engine.start(tiny_model, config={**CFG, "step_timeout_s": 2.0, "faults": [
-        {"kind": "worker_hang", "point": "before_execute", "skip": 3, "seconds": 120}]},
+        # the 7th step: past the prompt's units (with its anticipated saves), so the request has
+        # its first token and fails (one without a token yet would be resubmitted and complete)
+        {"kind": "worker_hang", "point": "before_execute", "skip": 6, "seconds": 120}]},
         dtype="float64", transport="ray", deployment=deployment)
     try:
         hung_pid = ray.get(_actor(deployment, "worker").pid.remote())
