@@ -9,7 +9,7 @@ it on its event loop; tests drive it with fabricated summaries.
     score_r  = depth_r - queue_tokens * wait_r
 
 and sends it to the highest score; ties go to the session's last replica, then the replica with
-fewer outstanding requests, then in rotation. A restore position saves exactly ``depth_r``
+fewer outstanding requests, then the one chosen least recently. A restore position saves exactly ``depth_r``
 tokens of prefill there (the seed: reusable only where a StateImage and KV exist for that exact
 position); a request in flight that shares the prefix will save it there (the replica's
 pending-point wait and divergence positions compute a shared prefix once), so requests arriving
@@ -47,7 +47,7 @@ class Reason(StrEnum):
     RESTORE = "restore"          # the deepest published restore position, net of load
     INFLIGHT = "inflight"        # a prefix shared with a request in flight there
     SESSION = "session"          # no prefix to reuse: the session's last replica
-    LOAD = "load"                # no prefix to reuse: the least loaded (then rotation)
+    LOAD = "load"                # no prefix to reuse: the least loaded (then least recently chosen)
     STICKY = "sticky"            # session routing: the session's replica
     ROUND_ROBIN = "round_robin"
 
@@ -172,12 +172,14 @@ class Router:
         self.route_s = 0.0
         self.route_max_s = 0.0
         self._turn = 0
+        self._chosen: dict[int, int] = {}          # replica -> the decision that last chose it
 
     # ---- replicas ----------------------------------------------------------------------------
     def add(self, replica: int, lanes: int) -> None:
         """A replica is live (new or replaced: its summary starts empty)."""
         self.table.drop(replica)
         self.loads[replica] = Load(lanes)
+        self._chosen[replica] = -1
 
     def remove(self, replica: int) -> list[str]:
         """A replica is gone: it takes no request and steers none; returns the requests that
@@ -190,6 +192,7 @@ class Router:
             self.inflight.remove(replica, p.keys)
         for s in [s for s, r in self.sessions.items() if r == replica]:
             del self.sessions[s]
+        self._chosen.pop(replica, None)
         return rids
 
     def apply(self, replica: int, ev: P.SummaryEvent) -> bool:
@@ -211,6 +214,7 @@ class Router:
             d = self._sticky(session)
         else:
             d = self._rotate()
+        self._chosen[d.replica] = self._turn
         self._turn += 1
         load = self.loads[d.replica]
         load.outstanding += 1
@@ -230,10 +234,14 @@ class Router:
         return d
 
     def _order(self) -> list[int]:
-        """Live replicas in this decision's rotation (the tie-break of last resort)."""
+        """Live replicas in this decision's rotation (round-robin)."""
         live = sorted(self.loads)
         k = self._turn % len(live)
         return live[k:] + live[:k]
+
+    def _idle_key(self, r: int) -> tuple:
+        """Among equals: fewer outstanding requests, then chosen least recently, then lower id."""
+        return (-self.loads[r].outstanding, -self._chosen.get(r, -1), -r)
 
     def _exact(self, hashes: PromptHashes, session: str | None) -> Decision:
         live = self.loads.keys()
@@ -241,12 +249,11 @@ class Router:
         flying = self.inflight.match(hashes, live)
         mine = self.sessions.get(session) if session is not None else None
         best, best_key = None, None
-        for rank, r in enumerate(self._order()):
-            load = self.loads[r]
+        for r, load in self.loads.items():
             depth = max(restore.get(r, 0), flying.get(r, 0))
             wait = max(0, load.outstanding + 1 - load.lanes)
             score = depth - self.config.queue_tokens * wait
-            key = (score, r == mine, -load.outstanding, -rank)
+            key = (score, r == mine, *self._idle_key(r))
             if best_key is None or key > best_key:
                 best_key = key
                 best = Decision(r, Reason.LOAD, depth, score)
@@ -258,8 +265,7 @@ class Router:
         return best
 
     def _least_loaded(self) -> int:
-        order = self._order()
-        return max(order, key=lambda r: (-self.loads[r].outstanding, -order.index(r)))
+        return max(self.loads, key=self._idle_key)
 
     def _sticky(self, session: str | None) -> Decision:
         mine = self.sessions.get(session) if session is not None else None

@@ -223,11 +223,13 @@ class SummaryTable:
     def apply(self, replica: int, ev: P.SummaryEvent, now: float | None = None) -> bool:
         """Apply one delta in order. False: it does not follow the last one (another epoch
         without a reset, or a gap): the caller resynchronises with a snapshot."""
-        view = self.views.setdefault(replica, ReplicaView())
+        view = self.views.get(replica)
+        if view is not None and ev.epoch == view.epoch and ev.seq <= view.seq:
+            return True                          # older than a snapshot already applied
         if ev.reset:
             self.drop(replica)
             view = self.views[replica] = ReplicaView(epoch=ev.epoch)
-        elif ev.epoch != view.epoch or ev.seq != view.seq + 1:
+        elif view is None or ev.epoch != view.epoch or ev.seq != view.seq + 1:
             return False
         for depth, dig in ev.removed:
             self._unindex(replica, view, (depth, bytes(dig)))
