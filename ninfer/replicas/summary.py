@@ -34,7 +34,7 @@ import hashlib
 import threading
 import time
 import uuid
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from ninfer import protocol as P
@@ -85,6 +85,20 @@ class PromptHashes:
     def buckets(self) -> list[tuple[int, bytes]]:
         """(b, digest of the first b tokens) for b = 0, B, 2B, ... <= length, shallowest first."""
         return [(i * self.block, d) for i, d in enumerate(self.digests)]
+
+    def exacts(self, depths: list[int]) -> dict[int, bytes]:
+        """The digests at ``depths`` (ascending, within one bucket): one pass from its state."""
+        out: dict[int, bytes] = {}
+        if not depths:
+            return out
+        i = depths[0] // self.block
+        h, pos = self.states[i].copy(), i * self.block
+        for d in depths:
+            if d > pos:
+                h.update(self.data[4 * pos:4 * d])
+                pos = d
+            out[d] = h.digest()
+        return out
 
     def exact(self, depth: int) -> bytes:
         """The digest of the first ``depth`` tokens (depth <= length)."""
@@ -207,17 +221,52 @@ class ReplicaView:
     events: int = 0
 
 
+class _Bucket:
+    """The published entries whose first ``b`` tokens are one bucket's.
+
+    Invariant: ``by_key`` holds exactly the (depth, digest) entries some replica publishes here,
+    each with exactly those replicas; ``depths`` and ``holders`` count them by depth and by
+    replica. Depths lie in [b, b + B), so a prompt is checked at <= B distinct depths here, however
+    many entries share the bucket (a hot system prompt followed by thousands of sessions)."""
+
+    __slots__ = ("by_key", "depths", "holders")
+
+    def __init__(self):
+        self.by_key: dict[Key, set[int]] = {}
+        self.depths: Counter = Counter()
+        self.holders: Counter = Counter()
+
+    def add(self, key: Key, replica: int) -> None:
+        reps = self.by_key.setdefault(key, set())
+        if not reps:
+            self.depths[key[0]] += 1
+        reps.add(replica)
+        self.holders[replica] += 1
+
+    def remove(self, key: Key, replica: int) -> None:
+        reps = self.by_key[key]
+        reps.discard(replica)
+        self.holders[replica] -= 1
+        if not self.holders[replica]:
+            del self.holders[replica]
+        if not reps:
+            del self.by_key[key]
+            self.depths[key[0]] -= 1
+            if not self.depths[key[0]]:
+                del self.depths[key[0]]
+
+
 class SummaryTable:
     """Every replica's published restore positions, indexed by bucket:
 
-        (b, digest of the first b tokens) -> {(depth, digest): {replica, ...}}
+        (b, digest of the first b tokens) -> _Bucket {(depth, digest): {replica, ...}}
 
     Invariant: an entry is in the bucket index exactly when some replica's ``ReplicaView``
     holds it, with exactly those replicas."""
 
     def __init__(self, block: int = BLOCK):
         self.block = block
-        self._buckets: dict[tuple[int, bytes], dict[Key, set[int]]] = {}
+        self._buckets: dict[tuple[int, bytes], _Bucket] = {}
         self.views: dict[int, ReplicaView] = {}
 
     def apply(self, replica: int, ev: P.SummaryEvent, now: float | None = None) -> bool:
@@ -239,7 +288,10 @@ class SummaryTable:
                 continue
             bkey = (bucket_of(depth, self.block), bytes(bucket))
             view.entries[key] = bkey
-            self._buckets.setdefault(bkey, {}).setdefault(key, set()).add(replica)
+            at = self._buckets.get(bkey)
+            if at is None:
+                at = self._buckets[bkey] = _Bucket()
+            at.add(key, replica)
         view.seq, view.events = ev.seq, view.events + 1
         view.updated = time.monotonic() if now is None else now
         return True
@@ -249,12 +301,9 @@ class SummaryTable:
         if bkey is None:
             return
         at = self._buckets[bkey]
-        holders = at[key]
-        holders.discard(replica)
-        if not holders:
-            del at[key]
-            if not at:
-                del self._buckets[bkey]
+        at.remove(key, replica)
+        if not at.by_key:
+            del self._buckets[bkey]
 
     def drop(self, replica: int) -> None:
         """Forget a replica (lost, replaced): its positions steer nothing any more."""
@@ -269,19 +318,25 @@ class SummaryTable:
 
     def match(self, prompt: PromptHashes, replicas=None) -> dict[int, int]:
         """{replica: the deepest published restore position that is a prefix of the prompt}
-        (replicas without one are absent). ``replicas``: only these count."""
+        (replicas without one are absent). ``replicas``: only these count. Buckets deepest
+        first; a bucket whose replicas all have a deeper match is skipped; inside one, each
+        distinct depth is hashed once (from the bucket's state) and looked up."""
         best: dict[int, int] = {}
+        want = None if replicas is None else set(replicas)
         for b, dig in reversed(prompt.buckets()):
             at = self._buckets.get((b, dig))
-            if not at:
+            if at is None:
                 continue
-            for (depth, exact), holders in sorted(at.items(), key=lambda kv: -kv[0][0]):
-                if depth > prompt.length:
-                    continue
-                fresh = [r for r in holders if r not in best and (replicas is None or r in replicas)]
-                if fresh and prompt.exact(depth) == exact:
-                    for r in fresh:
-                        best[r] = depth
-            if replicas is not None and len(best) >= len(replicas):
+            if not any(r not in best and (want is None or r in want) for r in at.holders):
+                continue
+            depths = sorted(d for d in at.depths if d <= prompt.length)
+            digests = prompt.exacts(depths)
+            for depth in reversed(depths):
+                holders = at.by_key.get((depth, digests[depth]))
+                if holders:
+                    for r in holders:
+                        if r not in best and (want is None or r in want):
+                            best[r] = depth
+            if want is not None and len(best) >= len(want):
                 break                            # every replica has its deepest already
         return best

@@ -28,6 +28,7 @@ def test_prompt_hashes_agree_with_the_prefix_index_digest():
     ph = PromptHashes(toks, block=64)
     for d in (0, 1, 63, 64, 65, 128, 200, 299, 300):
         assert ph.exact(d) == digest(toks[:d])
+    assert ph.exacts([130, 140, 191]) == {d: digest(toks[:d]) for d in (130, 140, 191)}
     assert [b for b, _ in ph.buckets()] == [0, 64, 128, 192, 256]
     assert ph.buckets()[2][1] == bucket_digest(toks, 150, 64) == digest(toks[:128])
 
@@ -104,7 +105,7 @@ def test_the_router_copy_equals_the_summary_after_any_changes(ops, cap, every):
     if (ev := s.take()) is not None:
         assert table.apply(7, ev)
     assert _router_copy(table, 7) == set(s.entries())
-    indexed = {k for at in table._buckets.values() for k, holders in at.items() if 7 in holders}
+    indexed = {k for at in table._buckets.values() for k, holders in at.by_key.items() if 7 in holders}
     assert indexed == set(s.entries())
     table.drop(7)
     assert not table._buckets
