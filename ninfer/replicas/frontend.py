@@ -152,6 +152,7 @@ class ReplicatedFrontend(Frontend):
         except Exception:
             pass
         loop = asyncio.get_running_loop()
+        # rule: replica-loss
         for rid in self.router.remove(rep.slot):
             if rid in self.unstarted:
                 loop.create_task(self._redispatch(rid))

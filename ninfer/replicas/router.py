@@ -249,6 +249,7 @@ class Router:
         flying = self.inflight.match(hashes, live)
         mine = self.sessions.get(session) if session is not None else None
         best, best_key = None, None
+        # rule: replica-score
         for r, load in self.loads.items():
             depth = max(restore.get(r, 0), flying.get(r, 0))
             wait = max(0, load.outstanding + 1 - load.lanes)
