@@ -234,7 +234,9 @@ class Engine:
             log.warning("%s", note)
         if not isinstance(replicas, int) or replicas < 1:
             raise ConfigError(f"replicas={replicas!r} is out of range: allowed >= 1")
-        if replicas > 1 or router is not None:
+        if router is not None and replicas == 1:
+            raise ConfigError("router= (--routing) chooses among replicas: give replicas >= 2 (--replicas N) with it")
+        if replicas > 1:
             if transport != "ray":
                 raise ConfigError(f"replicas={replicas} needs transport='ray' (each replica is a controller and a "
                                   "GPU worker actor)")
