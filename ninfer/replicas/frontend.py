@@ -227,12 +227,12 @@ class ReplicatedFrontend(Frontend):
                 self._pending.append(rid)
                 return
             rep = self.replicas[decision.replica]
-            try:
-                await rep.controller.submit.remote(data)
+            try:               # never wait on a replica that does not answer: it is lost (and killed)
+                await asyncio.wait_for(rep.controller.submit.remote(data), PING_TIMEOUT_S)
                 return
-            except RayActorError:
+            except (RayActorError, asyncio.TimeoutError) as exc:
                 self.router.finished(rid)
-                self._lost(rep, "it died")
+                self._lost(rep, "it died" if isinstance(exc, RayActorError) else "it stopped answering")
                 rerouted = True
 
     async def _redispatch(self, rid: str) -> None:
@@ -256,9 +256,13 @@ class ReplicatedFrontend(Frontend):
             return
         rep = self.replicas[slot]
         try:
-            await rep.controller.cancel.remote(rid)
-        except RayActorError:
-            self._lost(rep, "it died")
+            await asyncio.wait_for(rep.controller.cancel.remote(rid), PING_TIMEOUT_S)
+        except (RayActorError, asyncio.TimeoutError) as exc:
+            self._lost(rep, "it died" if isinstance(exc, RayActorError) else "it stopped answering")
+            if self.unstarted.pop(rid, None) is not None:      # it would have been re-routed: it ends here
+                self.router.finished(rid)
+                self._fail(rid, "cancelled", None)
+                self._push()
 
     # ---- events -------------------------------------------------------------------------------------
     async def event_address(self, source: str | None = None) -> tuple[str | None, str]:
