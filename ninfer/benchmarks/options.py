@@ -241,6 +241,10 @@ def _serve(b: argparse.ArgumentParser) -> None:
                         "the clients can; vLLM's --request-rate)")
     b.add_argument("--transport", choices=["inproc", "ray"], default="inproc",
                    help="the built-in server's transport (without --base-url)")
+    b.add_argument("--replicas", type=_positive, default=1, metavar="N",
+                   help="the built-in server runs N engine replicas over Ray behind its router (without --base-url)")
+    b.add_argument("--routing", choices=["exact", "session", "round-robin"], default="exact",
+                   help="the built-in server's routing with --replicas")
     b.add_argument("--rounds", type=_positive, default=4, metavar="N", help="turns per user, one after another")
     b.add_argument("--max-tokens", type=_positive, default=32, metavar="N", help="max_tokens of every request")
     b.add_argument("--prompt-words", type=_positive, default=None, metavar="N",
@@ -423,7 +427,8 @@ def run_serve(args: argparse.Namespace) -> int:
     result = serve.run(args.base_url, args.model, args.api_key or os.environ.get("OPENAI_API_KEY"), args.clients,
                        args.rounds, args.max_tokens, args.prompt_words, args.temperature, args.ignore_eos,
                        args.timeout, model_dir=args.model_dir, out=args.out, plot=args.plot,
-                       request_rate=args.request_rate, transport=args.transport, structured=args.structured)
+                       request_rate=args.request_rate, transport=args.transport, structured=args.structured,
+                       replicas=args.replicas, routing=args.routing)
     return 1 if result["errors"] else 0
 
 
