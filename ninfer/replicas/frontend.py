@@ -34,7 +34,7 @@ from collections import deque
 
 import msgspec
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayError
 
 from ninfer import protocol as P
 from ninfer.actors.ray_actors import NAMESPACE, EngineControllerActor, Frontend, _normal_priority, names
@@ -92,18 +92,29 @@ class ReplicatedFrontend(Frontend):
     def _launch(self, slot: int, gen: int) -> Replica:
         """A replica's placement group and controller (which creates its worker inside the
         group): it is STARTING until its controller answers ``info``."""
-        from ray.util.placement_group import placement_group
+        from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        key = f"{slot}.{gen}"
         gpu = ray.cluster_resources().get("GPU", 0) >= 1
-        group = placement_group([{"GPU": 1} if gpu else {"CPU": CPU_SHARE}], strategy="STRICT_PACK",
-                                name=f"{self._deployment}-r{key}")
-        controller = EngineControllerActor.options(
-            name=names(self._deployment, key)["controller"], namespace=NAMESPACE, max_restarts=0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)).remote(
-            self._model_dir, self._config, self._deployment, key,
-            (self.router_config.summary_cap, self.router_config.block_tokens))
-        return Replica(slot, gen, controller, group)
+        for _ in range(1000):      # a name still held (a restarted frontend's old replicas): the next generation
+            key = f"{slot}.{gen}"
+            try:
+                group = placement_group([{"GPU": 1} if gpu else {"CPU": CPU_SHARE}], strategy="STRICT_PACK",
+                                        name=f"{self._deployment}-r{key}")
+            except RayError:
+                gen += 1
+                continue
+            try:
+                controller = EngineControllerActor.options(
+                    name=names(self._deployment, key)["controller"], namespace=NAMESPACE, max_restarts=0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
+                ).remote(self._model_dir, self._config, self._deployment, key,
+                         (self.router_config.summary_cap, self.router_config.block_tokens))
+            except ValueError:
+                remove_placement_group(group)
+                gen += 1
+                continue
+            return Replica(slot, gen, controller, group)
+        raise NInferError(f"no free name for replica {slot} of deployment {self._deployment!r}")
 
     async def _await_live(self, rep: Replica) -> bytes:
         """Wait until a starting replica serves; it then joins the router with an empty summary."""
@@ -184,7 +195,7 @@ class ReplicatedFrontend(Frontend):
                 except Exception:
                     pass
                 await asyncio.sleep(delay)
-                delay, gen = min(delay * 2, 30.0), gen + 1
+                delay, gen = min(delay * 2, 30.0), rep.gen + 1
 
     def live(self) -> list[Replica]:
         return [r for r in self.replicas.values() if r.state == LIVE]
