@@ -118,3 +118,17 @@ def test_a_replica_killed_under_load_loses_nothing_queued(tiny_model, deployment
         eng.shutdown()
     assert not [g for g in ray.util.placement_group_table().values()
                 if g["name"].startswith(f"{deployment}-r") and g["state"] != "REMOVED"]
+
+
+def test_a_replicated_start_that_fails_in_the_workers_is_one_error_and_leaves_nothing(tiny_model, deployment,
+                                                                                       ray_session):
+    """A layout no worker can build: the start raises the worker's own error, and neither the
+    replicas' actors nor their placement groups are left on the cluster."""
+    ray = ray_session
+    with pytest.raises(ninfer.ConfigError, match="memory budget"):
+        ninfer.Engine.start(tiny_model, config={**CFG, "memory_budget_bytes": 4096}, transport="ray",
+                            deployment=deployment, replicas=2)
+    left = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(deployment)]
+    assert not left
+    assert not [g for g in ray.util.placement_group_table().values()
+                if (g["name"] or "").startswith(f"{deployment}-r") and g["state"] != "REMOVED"]
