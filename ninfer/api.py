@@ -407,6 +407,16 @@ class Engine:
     def check_integrity(self) -> None:
         self._rt.call("check_integrity")
 
+    def drain_replica(self, slot: int, replace: bool = True) -> dict:
+        """A replicated deployment (``replicas=N``): replica ``slot`` takes no new request, stops
+        once what it holds has finished, and (``replace``) a fresh replica takes its slot — a
+        rolling restart that fails nothing. Returns the slot's replica (``stats()["replicas"]``'s
+        fields). RequestError on an engine without replicas."""
+        drain = getattr(self._rt, "drain", None)
+        if drain is None:
+            raise RequestError("this engine has no replicas (Engine.start(..., transport='ray', replicas=N))")
+        return drain(slot, replace)
+
     def drop_caches(self) -> None:
         self._rt.call("drop_caches")
 

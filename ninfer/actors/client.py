@@ -215,6 +215,19 @@ class RayClientRuntime:
     def call(self, what: str):
         return ray.get(self.frontend.call.remote(what))
 
+    def drain(self, slot: int, replace: bool) -> dict:
+        """A replicated deployment's ``ReplicatedFrontend.drain``."""
+        try:
+            method = self.frontend.drain
+        except AttributeError:
+            raise RequestError("this deployment serves one engine: there is no replica to drain") from None
+        try:
+            return ray.get(method.remote(slot, replace))
+        except RayError as exc:
+            from ninfer.actors.startup import original_cause
+            cause = original_cause(exc)
+            raise (cause if isinstance(cause, RequestError) else RequestError(str(exc).splitlines()[0])) from None
+
     def shutdown(self) -> None:
         if self._stop:
             return

@@ -216,12 +216,13 @@ class _StatsCollector:
         states: dict = {}
         for rep in replicas:
             states[rep["state"]] = states.get(rep["state"], 0) + 1
-        yield self._labelled(gauge, "ninfer_replicas", "Engine replicas by state (live, starting, lost)", "state",
+        yield self._labelled(gauge, "ninfer_replicas", "Engine replicas by state (live, draining, starting, lost)",
+                             "state",
                              states)
         yield self._labelled(counter, "ninfer_replica_events", "Replicas lost and replaced, requests failed or "
                              "re-routed with them, summaries resynchronised", "event",
-                             {k: front.get(k, 0) for k in ("replicas_lost", "replicas_replaced", "failed_in_flight",
-                                                           "rerouted", "summary_resyncs")})
+                             {k: front.get(k, 0) for k in ("replicas_lost", "replicas_replaced", "replicas_drained",
+                                                           "failed_in_flight", "rerouted", "summary_resyncs")})
 
 
 def prometheus(stats: dict, stored_responses: int = 0, model: str = "ninfer", info=None,

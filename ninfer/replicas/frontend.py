@@ -39,13 +39,13 @@ from ray.exceptions import RayActorError, RayError
 from ninfer import protocol as P
 from ninfer.actors.ray_actors import NAMESPACE, EngineControllerActor, Frontend, _normal_priority, names
 from ninfer.config import decode_config
-from ninfer.errors import NInferError
+from ninfer.errors import NInferError, RequestError
 from ninfer.replicas.router import NoReplica, Router, RouterConfig
 from ninfer.replicas.stats import merge
 
 log = logging.getLogger("ninfer.replicas")
 
-STARTING, LIVE, LOST = "starting", "live", "lost"
+STARTING, LIVE, DRAINING, LOST = "starting", "live", "draining", "lost"
 PING_TIMEOUT_S = 5.0
 CPU_SHARE = 0.001            # a CPU replica's bundle: placement only, no real reservation
 
@@ -148,7 +148,7 @@ class ReplicatedFrontend(Frontend):
         token yet is re-routed, the rest fails (retryable); a replacement starts."""
         if rep.state == LOST:
             return
-        was_live, rep.state = rep.state == LIVE, LOST
+        was_live, rep.state = rep.state in (LIVE, DRAINING), LOST
         self.counters["replicas_lost"] += 1
         self._sources.pop(rep.key, None)
         log.warning("replica %s was lost (%s): re-routing its queued requests, failing the generating ones",
@@ -198,7 +198,42 @@ class ReplicatedFrontend(Frontend):
                 delay, gen = min(delay * 2, 30.0), rep.gen + 1
 
     def live(self) -> list[Replica]:
-        return [r for r in self.replicas.values() if r.state == LIVE]
+        """The replicas serving (a draining one still finishes what it holds)."""
+        return [r for r in self.replicas.values() if r.state in (LIVE, DRAINING)]
+
+    async def drain(self, slot: int, replace: bool = True) -> dict:
+        """Replica ``slot`` takes no new request; once what it holds has finished it stops, and
+        (``replace``) a fresh replica takes its slot and joins with an empty summary — a rolling
+        restart that fails nothing. New requests go to the other replicas meanwhile (with none
+        left, they wait for the replacement). Returns the slot's replica as it is then."""
+        rep = self.replicas.get(slot)
+        if rep is None or rep.state != LIVE:
+            raise RequestError(f"replica {slot} is not serving (replicas: {sorted(self.replicas)})")
+        if not replace and not [r for r in self.live() if r.state == LIVE and r is not rep]:
+            raise RequestError(f"replica {slot} is the last one serving: drain it with replace=True")
+        rep.state = DRAINING
+        self.router.drain(slot)
+        log.info("draining replica %s (%d requests to finish)", rep.key, self.router.loads[slot].outstanding)
+        while rep.state == DRAINING and self.router.loads[slot].outstanding > 0:
+            await asyncio.sleep(0.05)
+        if rep.state != DRAINING:                  # lost meanwhile: its loss handled it
+            return self._describe(self.replicas[slot], None)
+        rep.state = LOST
+        self._sources.pop(rep.key, None)
+        self.router.remove(slot)
+        self.counters["replicas_drained"] += 1
+        try:
+            ray.kill(rep.controller, no_restart=True)
+            from ray.util.placement_group import remove_placement_group
+            remove_placement_group(rep.group)
+        except Exception:
+            pass
+        if replace:
+            await self._replace(slot, rep.gen + 1)
+        else:
+            del self.replicas[slot]
+            return self._describe(rep, None)
+        return self._describe(self.replicas[slot], None)
 
     # ---- startup ----------------------------------------------------------------------------------
     async def ready(self) -> bytes:

@@ -173,6 +173,7 @@ class Router:
         self.route_max_s = 0.0
         self._turn = 0
         self._chosen: dict[int, int] = {}          # replica -> the decision that last chose it
+        self.draining: set[int] = set()            # live, finishing what they hold, taking nothing new
 
     # ---- replicas ----------------------------------------------------------------------------
     def add(self, replica: int, lanes: int) -> None:
@@ -181,10 +182,22 @@ class Router:
         self.loads[replica] = Load(lanes)
         self._chosen[replica] = -1
 
+    def drain(self, replica: int) -> None:
+        """A replica takes no new request from now on (what it holds finishes there); its
+        positions steer nothing."""
+        if replica in self.loads:
+            self.draining.add(replica)
+            self.table.drop(replica)
+
+    def open(self) -> dict[int, Load]:
+        """The replicas a new request may go to."""
+        return {r: load for r, load in self.loads.items() if r not in self.draining}
+
     def remove(self, replica: int) -> list[str]:
         """A replica is gone: it takes no request and steers none; returns the requests that
         were placed on it (the caller re-routes or fails them)."""
         self.loads.pop(replica, None)
+        self.draining.discard(replica)
         self.table.drop(replica)
         rids = [rid for rid, p in self.placed.items() if p.replica == replica]
         for rid in rids:
@@ -197,23 +210,24 @@ class Router:
 
     def apply(self, replica: int, ev: P.SummaryEvent) -> bool:
         """One summary delta of a live replica (False: out of order; resynchronise)."""
-        if replica not in self.loads:
+        if replica not in self.loads or replica in self.draining:
             return True
         return self.table.apply(replica, ev)
 
     # ---- requests ----------------------------------------------------------------------------
     def route(self, rid: str, prompt, session: str | None = None, rerouted: bool = False) -> Decision:
         """Choose a live replica for request ``rid`` and account it there (in flight, load)."""
-        if not self.loads:
+        live = self.open()
+        if not live:
             raise NoReplica("no replica is serving (replacements are starting): retry shortly")
         t0 = time.perf_counter()
         hashes = PromptHashes(prompt, self.config.block_tokens) if self.mode is Routing.EXACT else None
         if self.mode is Routing.EXACT:
-            d = self._exact(hashes, session)
+            d = self._exact(hashes, session, live)
         elif self.mode is Routing.SESSION:
-            d = self._sticky(session)
+            d = self._sticky(session, live)
         else:
-            d = self._rotate()
+            d = self._rotate(live)
         self._chosen[d.replica] = self._turn
         self._turn += 1
         load = self.loads[d.replica]
@@ -233,9 +247,9 @@ class Router:
         self.route_max_s = max(self.route_max_s, dt)
         return d
 
-    def _order(self) -> list[int]:
-        """Live replicas in this decision's rotation (round-robin)."""
-        live = sorted(self.loads)
+    def _order(self, live) -> list[int]:
+        """Open replicas in this decision's rotation (round-robin)."""
+        live = sorted(live)
         k = self._turn % len(live)
         return live[k:] + live[:k]
 
@@ -243,14 +257,13 @@ class Router:
         """Among equals: fewer outstanding requests, then chosen least recently, then lower id."""
         return (-self.loads[r].outstanding, -self._chosen.get(r, -1), -r)
 
-    def _exact(self, hashes: PromptHashes, session: str | None) -> Decision:
-        live = self.loads.keys()
+    def _exact(self, hashes: PromptHashes, session: str | None, live: dict[int, Load]) -> Decision:
         restore = self.table.match(hashes, live)
         flying = self.inflight.match(hashes, live)
         mine = self.sessions.get(session) if session is not None else None
         best, best_key = None, None
         # rule: replica-score
-        for r, load in self.loads.items():
+        for r, load in live.items():
             depth = max(restore.get(r, 0), flying.get(r, 0))
             wait = max(0, load.outstanding + 1 - load.lanes)
             score = depth - self.config.queue_tokens * wait
@@ -265,17 +278,17 @@ class Router:
             best.reason = Reason.SESSION
         return best
 
-    def _least_loaded(self) -> int:
-        return max(self.loads, key=self._idle_key)
+    def _least_loaded(self, live) -> int:
+        return max(live, key=self._idle_key)
 
-    def _sticky(self, session: str | None) -> Decision:
+    def _sticky(self, session: str | None, live) -> Decision:
         mine = self.sessions.get(session) if session is not None else None
-        if mine is not None and mine in self.loads:
+        if mine is not None and mine in live:
             return Decision(mine, Reason.STICKY)
-        return Decision(self._least_loaded(), Reason.LOAD)
+        return Decision(self._least_loaded(live), Reason.LOAD)
 
-    def _rotate(self) -> Decision:
-        return Decision(self._order()[0], Reason.ROUND_ROBIN)
+    def _rotate(self, live) -> Decision:
+        return Decision(self._order(live)[0], Reason.ROUND_ROBIN)
 
     def admitted(self, rid: str) -> None:
         """The replica admitted it (a lane): running from now on."""
@@ -307,6 +320,7 @@ class Router:
         for r, load in sorted(self.loads.items()):
             view = self.table.views.get(r)
             reps[str(r)] = {"lanes": load.lanes, "outstanding": load.outstanding, "running": load.running,
+                            "draining": r in self.draining,
                             "summary_entries": self.table.size(r),
                             "summary_events": view.events if view else 0,
                             "summary_age_s": None if view is None or view.updated is None else now - view.updated}

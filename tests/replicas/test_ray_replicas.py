@@ -132,3 +132,35 @@ def test_a_replicated_start_that_fails_in_the_workers_is_one_error_and_leaves_no
     assert not left
     assert not [g for g in ray.util.placement_group_table().values()
                 if (g["name"] or "").startswith(f"{deployment}-r") and g["state"] != "REMOVED"]
+
+
+def test_draining_a_replica_under_load_fails_nothing_and_replaces_it(tiny_model, deployment):
+    """``drain_replica(1)`` while both replicas hold work: replica 1 takes nothing new, finishes
+    what it holds, and a fresh replica takes its slot; every request completes exactly."""
+    import threading
+    cfg = {**CFG, "max_concurrency": 1}
+    eng = ninfer.Engine.start(tiny_model, config=cfg, dtype="float64", transport="ray", deployment=deployment,
+                              replicas=2)
+    try:
+        prompts = [random_prompt(30, seed=120 + i) for i in range(6)]
+        hs = [eng.generate(p, max_tokens=20) for p in prompts]
+        assert eng.stats()["router"]["replicas"]["1"]["outstanding"] >= 2
+        done: dict = {}
+        t = threading.Thread(target=lambda: done.update(eng.drain_replica(1)))
+        t.start()
+        later = [random_prompt(25, seed=140 + i) for i in range(3)]
+        time.sleep(0.2)
+        hl = [eng.generate(p, max_tokens=5) for p in later]      # while draining: replica 0 (or queued)
+        for p, h in zip(prompts, hs):
+            assert h.result(300).token_ids == oracle(tiny_model, p, max_tokens=20)
+        for p, h in zip(later, hl):
+            assert h.result(300).token_ids == oracle(tiny_model, p, max_tokens=5)
+        t.join(300)
+        assert done["key"] == "1.1" and done["state"] == "live", done
+        s = eng.stats()
+        assert s["frontend"].get("replicas_drained") == 1 and not s["frontend"].get("failed_in_flight")
+        assert {r["key"] for r in s["replicas"]} == {"0.0", "1.1"}
+        with pytest.raises(ninfer.RequestError, match="not serving"):
+            eng.drain_replica(7)
+    finally:
+        eng.shutdown()

@@ -147,3 +147,20 @@ def test_config_is_checked():
         RouterConfig(block_tokens=0)
     assert RouterConfig.coerce("session").routing == "session"
     assert RouterConfig.coerce({"queue_tokens": 5}).queue_tokens == 5
+
+
+def test_a_draining_replica_takes_nothing_new_and_keeps_its_load():
+    r = _router()
+    doc = _toks(15, 300)
+    _publish(r, 1, doc, 200)
+    r.route("held", doc[:250])
+    assert r.replica_of("held") == 1
+    r.drain(1)
+    d = r.route("new", doc[:250])
+    assert d.replica == 0 and d.depth == 0            # its positions steer nothing any more
+    assert r.loads[1].outstanding == 1 and r.snapshot()["replicas"]["1"]["draining"]
+    r.finished("held")
+    assert r.loads[1].outstanding == 0
+    r.drain(0)
+    with pytest.raises(NoReplica):
+        r.route("none", doc)
