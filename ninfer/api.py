@@ -202,7 +202,7 @@ class Engine:
     def start(model: str | Path, config: EngineConfig | str | Path | dict | None = None,
               dtype: str | None = None, transport: str = "inproc", address: str | None = None,
               deployment: str = "ninfer", detached: bool = False, generation_config: str = "vllm",
-              **kw) -> "Engine":
+              replicas: int = 1, router: str | dict | None = None, **kw) -> "Engine":
         """Start an engine on ``model``. transport="inproc": one process; "ray": the three
         actors on the Ray cluster at ``address``, else on the cluster this machine runs (as a
         plain ``ray.init()`` finds it), else on a private local Ray.
@@ -215,8 +215,15 @@ class Engine:
         The config is checked against the model here, before any actor starts: a bad model
         directory or config value is one ModelLoadError / ConfigError; values above what the
         model can use (a generic file's max_context) are lowered with a warning on the
-        ``ninfer`` logger (``EngineConfig.fit_to_model``)."""
+        ``ninfer`` logger (``EngineConfig.fit_to_model``).
+
+        ``replicas`` (Ray only): N whole engines behind one frontend, each placed on its own GPU
+        (a placement group per replica; none needed on a CPU cluster); ``router``: how requests
+        are routed to them — ``"exact"`` (default: the deepest exact restore position, net of
+        load), ``"session"`` or ``"round-robin"``, or a dict of ``ninfer.replicas.router.RouterConfig``
+        fields (docs/api.md, "Replicas")."""
         from ninfer import logs
+        from ninfer.errors import ConfigError
         from ninfer.native.model.config import load_config
 
         cfg = EngineConfig.coerce(config)
@@ -230,6 +237,17 @@ class Engine:
         cfg, notes = cfg.fit_to_model(load_config(model).max_position_embeddings)
         for note in notes:
             log.warning("%s", note)
+        if not isinstance(replicas, int) or replicas < 1:
+            raise ConfigError(f"replicas={replicas!r} is out of range: allowed >= 1")
+        if router is not None and replicas == 1:
+            raise ConfigError("router= (--routing) chooses among replicas: give replicas >= 2 (--replicas N) with it")
+        if replicas > 1:
+            if transport != "ray":
+                raise ConfigError(f"replicas={replicas} needs transport='ray' (each replica is a controller and a "
+                                  "GPU worker actor)")
+            from ninfer.replicas.router import RouterConfig
+            RouterConfig.coerce(router)            # a bad routing is one ConfigError before anything starts
+            kw.update(replicas=replicas, router=router)
         if transport == "inproc":
             from ninfer.actors.runtime import InprocRuntime
             return Engine(InprocRuntime(str(model), cfg), str(model), transport, cfg.media_budget_bytes,
@@ -400,6 +418,16 @@ class Engine:
 
     def check_integrity(self) -> None:
         self._rt.call("check_integrity")
+
+    def drain_replica(self, slot: int, replace: bool = True) -> dict:
+        """A replicated deployment (``replicas=N``): replica ``slot`` takes no new request, stops
+        once what it holds has finished, and (``replace``) a fresh replica takes its slot — a
+        rolling restart that fails nothing. Returns the slot's replica (``stats()["replicas"]``'s
+        fields). RequestError on an engine without replicas."""
+        drain = getattr(self._rt, "drain", None)
+        if drain is None:
+            raise RequestError("this engine has no replicas (Engine.start(..., transport='ray', replicas=N))")
+        return drain(slot, replace)
 
     def drop_caches(self) -> None:
         self._rt.call("drop_caches")

@@ -3,7 +3,8 @@
     ninfer make-tiny-model DIR [--seed N] [--arch qwen3_next|qwen3|qwen3_5_vision] [--no-fit-mtp]
     ninfer make-tiny-dflash TARGET DIR [--kind dflash|dflash2] [--seed N] [--window W] [--no-fit]
     ninfer demo [--model DIR]
-    ninfer serve MODEL [--config FILE] [--host 127.0.0.1] [--port 8000] [--address auto] [vLLM's flags]
+    ninfer serve MODEL [--config FILE] [--host 127.0.0.1] [--port 8000] [--address auto] [--replicas N
+                 [--routing exact|session|round-robin]] [vLLM's flags]
     ninfer bench controller|agent|actors|cache-scale|serve|trace [options] [--out FILE.json] [--plot FILE.png]
     ninfer bench NAME --help             (each bench's options: ninfer/benchmarks/options.py)
     ninfer report FILE [--stall-s S]    the seed's evaluation order over a JSON log or bench JSON
@@ -67,7 +68,8 @@ def _serve(args: argparse.Namespace) -> int:
             engine = connect(address=args.address or "auto", deployment=args.deployment, model_dir=model)
         else:                                  # with --address: attaches to the same deployment if it runs
             engine = Engine.start(model, config=config, transport=args.transport, address=args.address,
-                                  deployment=args.deployment, detached=bool(args.address))
+                                  deployment=args.deployment, detached=bool(args.address),
+                                  replicas=args.replicas, router=_router(args))
         try:
             names = args.served_model_name or [Path(model or engine.model_dir).name]
             print(f"serving {names[0]} on http://{args.host}:{args.port}/v1 (transport={engine.transport})",
@@ -83,6 +85,16 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         sock.close()
     return 0
+
+
+def _router(args: argparse.Namespace) -> dict | None:
+    """``--routing`` / ``--router-queue-tokens`` as the router config (None: the defaults)."""
+    if args.routing is None and args.router_queue_tokens is None:
+        return None
+    out = {"routing": args.routing or "exact"}
+    if args.router_queue_tokens is not None:
+        out["queue_tokens"] = args.router_queue_tokens
+    return out
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -169,6 +181,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "private Ray) and stopped on exit. An address where no cluster answers is one line")
     p.add_argument("--transport", choices=["ray", "inproc"], default="ray")
     p.add_argument("--deployment", default="ninfer", help="deployment name on the Ray cluster")
+    p.add_argument("--replicas", type=int, default=1, metavar="N",
+                   help="N whole engines (controller + GPU worker each, one GPU each on a GPU cluster) behind one "
+                        "endpoint (default 1; needs --transport ray)")
+    p.add_argument("--routing", choices=["exact", "session", "round-robin"], default=None,
+                   help="how requests reach the replicas: exact = the deepest exact restore position, net of load "
+                        "(default); session = a session stays on its replica; round-robin")
+    p.add_argument("--router-queue-tokens", type=int, default=None, metavar="N",
+                   help="prompt tokens one place in a replica's queue is worth to exact routing (default 1024)")
     p.add_argument("--connect", action="store_true", help="attach to a deployment that is already running")
     p.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` on /v1 and /tokenize (or set NINFER_API_KEY)")

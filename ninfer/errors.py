@@ -56,7 +56,7 @@ class MediaError(RequestError):
 
 
 RETRY_HINT = "; nothing else was lost and the engine serves on: retry the request"
-LOST_KINDS = ("worker_lost", "controller_lost", "connection_lost")
+LOST_KINDS = ("worker_lost", "controller_lost", "connection_lost", "replica_lost")
 
 
 def lost_error(kind: str, message: str) -> dict:

@@ -881,7 +881,28 @@ class LifecycleEvent(msgspec.Struct, tag="life", array_like=True, omit_defaults=
     source_wait_s: float | None = None
 
 
-Event = TokensEvent | FinalEvent | LifecycleEvent
+class SummaryEvent(msgspec.Struct, tag="summary", array_like=True, gc=False):
+    """A replica's exact restore positions changed since its previous SummaryEvent (issue 34;
+    ``ninfer/replicas/summary.py``). Only a replica's controller publishes it, on the same path
+    as its request events, so the router sees a request's E no later than its final event.
+
+        epoch    the publishing summary's identity (a new one after a restart: ``reset``)
+        seq      0, 1, 2, ... within an epoch: a gap means a lost event (resynchronise)
+        reset    forget everything of this replica first (its caches started empty)
+        added    (depth, digest of tokens[:depth], digest of tokens[:depth // B * B])
+        removed  (depth, digest)
+        size     entries the replica publishes after this event
+    """
+
+    epoch: str
+    seq: int
+    reset: bool
+    added: list[tuple[int, bytes, bytes]]
+    removed: list[tuple[int, bytes]]
+    size: int
+
+
+Event = TokensEvent | FinalEvent | LifecycleEvent | SummaryEvent
 _event_dec = msgspec.msgpack.Decoder(Event)
 _events_dec = msgspec.msgpack.Decoder(list[Event])
 

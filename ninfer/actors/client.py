@@ -34,8 +34,10 @@ class RayClientRuntime:
     """One client of a deployment's frontend (``attached``: a deployment this process found
     running rather than started)."""
 
-    def __init__(self, frontend, info: bytes, owns: bool, model_dir: str, attached: bool = False):
+    def __init__(self, frontend, info: bytes, owns: bool, model_dir: str, attached: bool = False,
+                 deployment: str | None = None):
         self.frontend = frontend
+        self.deployment = deployment
         self.owns = owns
         self.attached = attached
         self.model_dir = model_dir
@@ -50,7 +52,8 @@ class RayClientRuntime:
 
     @classmethod
     def start(cls, model_dir: str, config: EngineConfig, address: str | None, deployment: str,
-              detached: bool = False, client_timeout: float = 10.0) -> "RayClientRuntime":
+              detached: bool = False, client_timeout: float = 10.0, replicas: int = 1,
+              router=None) -> "RayClientRuntime":
         """A new deployment named ``deployment`` (detached: it outlives this process).
 
         What already runs under the name decides: a deployment that failed to start (or whose
@@ -62,9 +65,17 @@ class RayClientRuntime:
         init_ray(address)
         model_dir = os.path.abspath(model_dir)        # the actors may run in another directory
         encoded = P.encode(config)
+        routing = None
+        if replicas > 1:                              # N engines behind one frontend (ninfer/replicas)
+            from ninfer.replicas.frontend import identity
+            from ninfer.replicas.router import RouterConfig
+            routing = msgspec.msgpack.encode(RouterConfig.coerce(router))
+            wanted = identity(encoded, replicas, routing)
+        else:
+            wanted = encoded
         found = find_deployment(deployment)
         if found is not None and found.error is None:
-            if detached and found.serves(model_dir, encoded):
+            if detached and found.serves(model_dir, wanted):
                 log.info("attached to the running deployment %r (same model and engine config)", deployment)
                 return cls(found.frontend, found.info, owns=False, model_dir=model_dir, attached=True)
             raise found.conflict(deployment, model_dir, detached)
@@ -72,23 +83,28 @@ class RayClientRuntime:
             log.warning("replacing the deployment %r that a failed start left on this Ray cluster (%s)",
                         deployment, found.error)
             remove_deployment(deployment)
-        wait_for_free_gpu()
-        frontend = cls._create_frontend(model_dir, encoded, deployment, detached, client_timeout)
+        wait_for_free_gpu(max(1, replicas))
+        frontend = cls._create_frontend(model_dir, encoded, deployment, detached, client_timeout, replicas, routing)
         try:
             info = ray.get(frontend.ready.remote())
         except RayError as exc:
             remove_deployment(deployment)
             raise startup_error(exc) from None
-        return cls(frontend, info, owns=not detached, model_dir=model_dir)
+        return cls(frontend, info, owns=not detached, model_dir=model_dir, deployment=deployment)
 
     @staticmethod
-    def _create_frontend(model_dir: str, config: bytes, deployment: str, detached: bool, client_timeout: float):
+    def _create_frontend(model_dir: str, config: bytes, deployment: str, detached: bool, client_timeout: float,
+                         replicas: int = 1, routing: bytes | None = None):
         opts = dict(name=names(deployment)["frontend"], namespace=NAMESPACE)
         if detached:
             opts["lifetime"] = "detached"
         if os.environ.get("NINFER_RAY_STEP_CHANNEL"):       # the actors it creates inherit it
             opts["runtime_env"] = {"env_vars": {"NINFER_RAY_STEP_CHANNEL": os.environ["NINFER_RAY_STEP_CHANNEL"]}}
         try:
+            if replicas > 1:
+                from ninfer.replicas.frontend import ReplicatedFrontendActor
+                return ReplicatedFrontendActor.options(**opts).remote(model_dir, config, deployment, client_timeout,
+                                                                      replicas, routing)
             return FrontendActor.options(**opts).remote(model_dir, config, deployment, client_timeout)
         except ActorAlreadyExistsError:
             raise DeploymentError(f"another start of deployment {deployment!r} is under way on this Ray cluster: "
@@ -199,6 +215,19 @@ class RayClientRuntime:
     def call(self, what: str):
         return ray.get(self.frontend.call.remote(what))
 
+    def drain(self, slot: int, replace: bool) -> dict:
+        """A replicated deployment's ``ReplicatedFrontend.drain``."""
+        try:
+            method = self.frontend.drain
+        except AttributeError:
+            raise RequestError("this deployment serves one engine: there is no replica to drain") from None
+        try:
+            return ray.get(method.remote(slot, replace))
+        except RayError as exc:
+            from ninfer.actors.startup import original_cause
+            cause = original_cause(exc)
+            raise (cause if isinstance(cause, RequestError) else RequestError(str(exc).splitlines()[0])) from None
+
     def shutdown(self) -> None:
         if self._stop:
             return
@@ -214,6 +243,9 @@ class RayClientRuntime:
                 ray.kill(self.frontend)          # the controller and worker go with their owner
             except Exception:
                 pass
+            if self.deployment is not None:      # replicas' placement groups outlive their creator
+                from ninfer.actors.deployment import remove_replica_groups
+                remove_replica_groups(self.deployment)
 
 
 INT64 = (-(2 ** 63), 2 ** 63 - 1)

@@ -41,8 +41,9 @@ ITERATION_BUCKETS = tuple(2 ** k for k in range(15))     # 1 .. 16384 tokens per
 class ControlLoop:
     def __init__(self, make_client: Callable[..., object], config: EngineConfig,
                  sink: Callable[[P.Event], None], flush: Callable[[], None] | None = None,
-                 on_restart: Callable[[], None] | None = None, restarted: bool = False):
+                 on_restart: Callable[[], None] | None = None, restarted: bool = False, summary=None):
         self._make_client = make_client
+        self.summary = summary           # a replica's RestoreSummary (ninfer/replicas): published per cycle
         self.config = config
         self._sink = sink
         self._flush = flush or (lambda: None)
@@ -55,6 +56,7 @@ class ControlLoop:
         self._stop = False
         self.client = make_client(self._worker_faults.remaining())
         self.core = EngineCore(self.client, config, sink)
+        self._watch_index()
         self.info = self.core.info
         self.recoveries = 0
         self.restarts = 0
@@ -108,6 +110,7 @@ class ControlLoop:
                 log.exception("engine cycle failed")
                 self._fail_all("internal error in the engine cycle")
                 worked = True
+            self._publish()
             self._flush()
             if not worked and not self._stop:
                 self.wake.wait(0.05 if self.core.tx_busy else 1.0)
@@ -234,3 +237,16 @@ class ControlLoop:
         self._worker_faults = FaultPlan(faults)
         self.client = self._make_client(faults)
         self.core = EngineCore(self.client, self.config, self._sink)
+        self._watch_index()
+
+    # ---- a replica's restore summary ----------------------------------------------------------
+    def _watch_index(self) -> None:
+        """A new core starts with empty caches: so does the summary the router sees."""
+        if self.summary is not None:
+            self.summary.reset()
+            self.core.rm.table.index.observer = self.summary.observe
+
+    def _publish(self) -> None:
+        """What changed in the summary this cycle goes out with the cycle's events."""
+        if self.summary is not None and (ev := self.summary.take()) is not None:
+            self._sink(ev)

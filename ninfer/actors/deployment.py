@@ -183,14 +183,44 @@ def _describe(frontend) -> tuple[str, bytes]:
         return "", b""
 
 
+def _replica_names(deployment: str) -> list[str]:
+    """The controllers and workers of a replicated deployment's replicas (``<name>-r<slot>.<gen>-...``)."""
+    import re
+    pattern = re.compile(rf"^{re.escape(deployment)}-r\d+\.\d+-(controller|worker)$")
+    try:
+        found = ray.util.list_named_actors(all_namespaces=True)
+    except Exception:                          # noqa: BLE001 — an older Ray: only the three names
+        return []
+    return [a["name"] for a in found if a.get("namespace") == NAMESPACE and pattern.match(a["name"])]
+
+
+def remove_replica_groups(deployment: str) -> None:
+    """The placement groups of a replicated deployment's replicas (they hold its GPUs)."""
+    import re
+
+    from ray.util.placement_group import get_placement_group, remove_placement_group
+    try:
+        table = ray.util.placement_group_table()
+    except Exception:                          # noqa: BLE001
+        return
+    pattern = re.compile(rf"^{re.escape(deployment)}-r\d+\.\d+$")
+    for row in table.values():
+        if pattern.match(row.get("name") or "") and row.get("state") != "REMOVED":
+            try:
+                remove_placement_group(get_placement_group(row["name"]))
+            except Exception:                  # noqa: BLE001 — gone meanwhile
+                pass
+
+
 def remove_deployment(deployment: str, timeout: float = 10.0) -> None:
     """Kill the deployment's named actors and wait until the names are free, so that a start
     right after does not collide with them."""
-    for name in names(deployment).values():
+    for name in list(names(deployment).values()) + _replica_names(deployment):
         try:
             ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
         except ValueError:                     # not there (never created, or already gone)
             pass
+    remove_replica_groups(deployment)
     deadline = time.monotonic() + timeout
     while any(_exists(name) for name in names(deployment).values()):
         if time.monotonic() > deadline:
@@ -204,18 +234,23 @@ def find_named(deployment: str) -> bool:
     return any(_exists(name) for name in names(deployment).values())
 
 
-def wait_for_free_gpu(timeout: float = 10.0) -> None:
-    """On a cluster with GPUs, wait until one is free for the new worker (a deployment just
-    removed releases its GPU a moment later); none free is an error, not a start that would
-    wait forever for the GPU another deployment holds."""
-    if ray.cluster_resources().get("GPU", 0) < 1:
-        return                                 # the worker asks for no GPU here
+def wait_for_free_gpu(count: int = 1, timeout: float = 10.0) -> None:
+    """On a cluster with GPUs, wait until ``count`` are free for the new workers (one per
+    replica; a deployment just removed releases its GPU a moment later); too few free is an
+    error, not a start that would wait forever for the GPU another deployment holds."""
+    total = ray.cluster_resources().get("GPU", 0)
+    if total < 1:
+        return                                 # the workers ask for no GPU here
+    if total < count:
+        raise DeploymentError(f"{count} replicas need {count} GPUs, and this Ray cluster has {total:g}: add GPU "
+                              "nodes (ray start --address HEAD) or serve fewer replicas (--replicas)")
     deadline = time.monotonic() + timeout
-    while ray.available_resources().get("GPU", 0) < 1:
+    while ray.available_resources().get("GPU", 0) < count:
         if time.monotonic() > deadline:
             raise DeploymentError(
-                "no GPU is free on this Ray cluster for the new deployment's worker: stop the deployment that "
-                "holds it (deploy/stop.sh NAME) or attach to it (ninfer serve --address auto --deployment NAME)")
+                f"no {'GPU is' if count == 1 else f'{count} GPUs are'} free on this Ray cluster for the new "
+                "deployment's workers: stop the deployment that holds them (deploy/stop.sh NAME) or attach to it "
+                "(ninfer serve --address auto --deployment NAME)")
         time.sleep(0.1)
 
 

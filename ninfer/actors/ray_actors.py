@@ -45,8 +45,12 @@ log = logging.getLogger("ninfer.ray")
 NAMESPACE = "ninfer"
 
 
-def names(deployment: str) -> dict[str, str]:
-    return {k: f"{deployment}-{k}" for k in ("frontend", "controller", "worker")}
+def names(deployment: str, replica: str | None = None) -> dict[str, str]:
+    """The actors' names; a replica's controller and worker carry its key (``ninfer/replicas``)."""
+    out = {k: f"{deployment}-{k}" for k in ("frontend", "controller", "worker")}
+    if replica is not None:
+        out.update(controller=f"{deployment}-r{replica}-controller", worker=f"{deployment}-r{replica}-worker")
+    return out
 
 
 def _gpus() -> int:
@@ -207,10 +211,19 @@ class EngineControllerActor:
     one line, for ``info`` to raise; a worker that failed is killed at once (it holds the GPU),
     the client that started the deployment removes the rest."""
 
-    def __init__(self, model_dir: str, config: bytes, deployment: str):
+    def __init__(self, model_dir: str, config: bytes, deployment: str, replica: str | None = None,
+                 summary: tuple[int, int] | None = None):
+        """``replica``: this engine is one replica of a replicated deployment (its key, e.g.
+        ``"0.1"``): it publishes its restore summary (``summary``: (cap, block)) with its events
+        and names itself as their source."""
         from ninfer.actors.control import ControlLoop
         _normal_priority("engine controller")
-        self.names = names(deployment)
+        self.names = names(deployment, replica)
+        self._source = () if replica is None else (replica,)
+        restore_summary = None
+        if replica is not None:
+            from ninfer.replicas.summary import RestoreSummary
+            restore_summary = RestoreSummary(*(summary or ()))
         self._config = config
         self._model_dir = model_dir
         self._events: list[P.Event] = []
@@ -226,7 +239,8 @@ class EngineControllerActor:
             configure_logging(cfg.log_format)
         try:
             self.loop = ControlLoop(self._make_client, cfg, self._sink, self._flush,
-                                    on_restart=lambda: os._exit(1), restarted=_was_restarted())
+                                    on_restart=lambda: os._exit(1), restarted=_was_restarted(),
+                                    summary=restore_summary)
         except Exception as exc:              # RayTaskError(ConfigError) from the worker, too
             failure = exc if isinstance(exc, RayError) else _kept_startup_failure(exc, "engine controller")
             self._failed = startup_error(failure)
@@ -238,10 +252,14 @@ class EngineControllerActor:
             ray.kill(ray.get_actor(name, namespace=NAMESPACE))
         except Exception:
             pass
+        opts = dict(name=name, namespace=NAMESPACE, num_gpus=_gpus(), max_restarts=0)
+        group = ray.util.get_current_placement_group()
+        if group is not None:                  # a replica: its worker in its bundle (its GPU, its node)
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
         for _ in range(100):
             try:
-                actor = GpuWorkerActor.options(name=name, namespace=NAMESPACE, num_gpus=_gpus(),
-                                               max_restarts=0).remote(
+                actor = GpuWorkerActor.options(**opts).remote(
                     self._model_dir, self._config, self.names["controller"], P.encode(faults or []))
                 break
             except ValueError:                 # the old name is still being released
@@ -271,7 +289,7 @@ class EngineControllerActor:
         if out is not None and out.send(data):
             return
         self._events_out = None
-        self._frontend.deliver.remote(data)
+        self._frontend.deliver.remote(data, *self._source)
 
     def _connect_events(self):
         now = time.monotonic()
@@ -280,7 +298,7 @@ class EngineControllerActor:
         self._events_retry_at = now + 1.0                  # a frontend that restarts: try again later
         try:
             from ninfer.actors.channel import FrameSender
-            address, node = ray.get(self._frontend.event_address.remote(), timeout=10)
+            address, node = ray.get(self._frontend.event_address.remote(*self._source), timeout=10)
             if address is not None and node == ray.get_runtime_context().get_node_id():
                 self._events_out = FrameSender(address)
         except Exception as exc:
@@ -305,6 +323,13 @@ class EngineControllerActor:
     def notify(self) -> None:
         self.loop.wake.set()
 
+    def summary_snapshot(self) -> bytes:
+        """A replica's whole restore summary as one reset event (the router resynchronises)."""
+        return P.encode(self.loop.summary.snapshot())
+
+    def node(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
     def ping(self) -> float:
         return self.started
 
@@ -320,9 +345,10 @@ class _ClientState:
         self.writer = None              # a client on this node streams events over a socket
 
 
-@ray.remote(num_cpus=0, max_concurrency=1000, max_restarts=1)
-class FrontendActor:
-    """Request intake and output streams for many clients; watches the controller."""
+class Frontend:
+    """Request intake and output streams for many clients; watches the controller. The actor
+    is ``FrontendActor``; ``ninfer/replicas/frontend.py`` serves N engines behind the same
+    client methods."""
 
     def __init__(self, model_dir: str, config: bytes, deployment: str, client_timeout: float = 10.0):
         _normal_priority("frontend")
@@ -335,8 +361,7 @@ class FrontendActor:
         self.client_timeout = client_timeout
         self.clients: dict[str, _ClientState] = {}
         self.owner: dict[str, str] = {}            # rid -> client id
-        self.controller = EngineControllerActor.options(
-            name=self.names["controller"], namespace=NAMESPACE).remote(model_dir, config, deployment)
+        self.controller = self._create_engine()
         self.controller_epoch = None
         self.info_bytes: bytes | None = None
         self.intake = None
@@ -351,6 +376,11 @@ class FrontendActor:
         self._recovering: asyncio.Task | None = None
         self._resubmitted: set[str] = set()
         self.counters: Counter = Counter()           # controller restarts, resubmissions, failures
+
+    def _create_engine(self):
+        """The engine behind this frontend: one controller (which creates its worker)."""
+        return EngineControllerActor.options(name=self.names["controller"], namespace=NAMESPACE).remote(
+            self._model_dir, self._config, self._deployment)
 
     async def ready(self) -> bytes:
         if self.info_bytes is None:
@@ -550,21 +580,27 @@ class FrontendActor:
         clearly when the controller restarts (then keeps serving through the new one)."""
         while True:
             await asyncio.sleep(0.5)
-            now = time.monotonic()
-            for cid, state in list(self.clients.items()):
-                if state.live and state.writer is None and now - state.last_seen > self.client_timeout:
-                    log.info("client %s disconnected: cancelling %d requests", cid, len(state.live))
-                    await self.close_client(cid)
-            if self._recovering is not None:
-                continue
-            try:
-                epoch = await asyncio.wait_for(self.controller.ping.remote(), 5.0)
-            except (RayActorError, asyncio.TimeoutError):
-                self._start_recovery("the engine controller stopped responding")
-                continue
-            self._controller_seen = time.monotonic()
-            if epoch != self.controller_epoch:
-                self._start_recovery("the engine controller was restarted", epoch)
+            await self._watch_clients()
+            await self._watch_engine()
+
+    async def _watch_clients(self) -> None:
+        now = time.monotonic()
+        for cid, state in list(self.clients.items()):
+            if state.live and state.writer is None and now - state.last_seen > self.client_timeout:
+                log.info("client %s disconnected: cancelling %d requests", cid, len(state.live))
+                await self.close_client(cid)
+
+    async def _watch_engine(self) -> None:
+        if self._recovering is not None:
+            return
+        try:
+            epoch = await asyncio.wait_for(self.controller.ping.remote(), 5.0)
+        except (RayActorError, asyncio.TimeoutError):
+            self._start_recovery("the engine controller stopped responding")
+            return
+        self._controller_seen = time.monotonic()
+        if epoch != self.controller_epoch:
+            self._start_recovery("the engine controller was restarted", epoch)
 
     # ---- a lost controller ---------------------------------------------------------------------
     def _start_recovery(self, message: str, epoch: float | None = None) -> None:
@@ -648,3 +684,6 @@ class FrontendActor:
     async def config(self) -> bytes:
         """The engine config it was started with: a later start attaches only to the same one."""
         return self._config
+
+
+FrontendActor = ray.remote(num_cpus=0, max_concurrency=1000, max_restarts=1)(Frontend)

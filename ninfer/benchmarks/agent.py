@@ -101,20 +101,23 @@ def trace(seed: int = 0, sessions: int = 8, turns: int = 6, system_len: int = 15
 
 def run_trace(model_dir: str, transport: str = "inproc", sessions: int = 8, turns: int = 6,
               out_tokens: int = 32, dtype: str = "float32", check=None, system_tokens: int = 1500,
-              lanes: int | None = None, seed: int = 0, progress=None) -> dict:
+              lanes: int | None = None, seed: int = 0, progress=None, replicas: int = 1,
+              routing: str | None = None) -> dict:
     """Round by round: every session's turn t is submitted together once every turn t-1 is
     done. Computed prompt tokens (prefill + replay) against the floor with the shared prefix
     charged once (each prompt's tokens beyond its longest common prefix with everything
     submitted or generated before it), and TTFT mean / max; per round the computed, cached and
     floor tokens, and every request's TTFT and end-to-end time (for the plot). ``lanes``:
     max_concurrency (default: one per session, at most 8). ``check(prompt, tokens)`` may
-    compare outputs with the reference; ``progress.update()`` is called per finished request."""
+    compare outputs with the reference; ``progress.update()`` is called per finished request.
+    ``replicas`` > 1: that many engines over Ray, routed by ``routing`` (issue 34)."""
     system, segments = trace(seed, sessions, turns, system_tokens)
     longest = system_tokens + sum(max(len(segments[s][t]) for s in range(sessions)) for t in range(turns))
     cfg = {"max_concurrency": lanes or min(sessions, 8), "max_context": max(4096, longest + turns * out_tokens),
            "prefill_chunk_tokens": 256,
            "context_cache": {"host_capacity_bytes": 256 << 20, "device_state_slots": 2 * sessions}}
-    eng = Engine.start(model_dir, config=cfg, dtype=dtype, transport=transport)
+    extra = {} if replicas == 1 else {"replicas": replicas, "router": routing}
+    eng = Engine.start(model_dir, config=cfg, dtype=dtype, transport=transport, **extra)
     computed: list[list[int]] = []
     prompts = [system + segments[s][0] for s in range(sessions)]
     floor = work = 0
@@ -151,7 +154,10 @@ def run_trace(model_dir: str, transport: str = "inproc", sessions: int = 8, turn
     stats = eng.stats()
     eng.shutdown()
     c = stats["cache"]
-    return {"transport": transport, "requests": sessions * turns, "computed": work, "floor": floor,
+    name = transport if replicas == 1 else f"{transport} x{replicas} {routing}"
+    spread = "/".join(str(x.get("finished", 0)) for x in sorted(stats.get("replicas", []), key=lambda x: x["slot"]))
+    return {"transport": name, "requests": sessions * turns, "computed": work, "floor": floor, "spread": spread,
+            "routed_by_reason": (stats.get("router") or {}).get("routed_by_reason"),
             "over_floor": round(work / max(1, floor), 3),
             "ttft_mean_ms": round(1e3 * sum(ttft) / max(1, len(ttft)), 1), "ttft_max_ms": round(1e3 * max(ttft, default=0), 1),
             "pending_waits": c.get("pending_waits", 0), "pending_saved_tokens": c.get("pending_saved_tokens", 0),
@@ -161,7 +167,8 @@ def run_trace(model_dir: str, transport: str = "inproc", sessions: int = 8, turn
 
 def run(model_dir: str, out: str | None = None, plot: str | None = None, transports=("inproc", "ray"),
         sessions: int = 8, turns: int = 6, system_tokens: int = 1500, out_tokens: int = 32,
-        lanes: int | None = None, capacities=((16, 2), (64, 64)), dtype: str = "float32", seed: int = 0) -> dict:
+        lanes: int | None = None, capacities=((16, 2), (64, 64)), dtype: str = "float32", seed: int = 0,
+        replicas: int = 1, routings=("exact",)) -> dict:
     """The agent trace on each of ``transports`` (outputs checked against the reference), then
     the multi-turn workload at each (KV pages, Host MiB) of ``capacities`` (either may be empty);
     the defaults are the committed measurement."""
@@ -189,15 +196,22 @@ def run(model_dir: str, out: str | None = None, plot: str | None = None, transpo
     if transports:
         print(f"agent trace: {sessions} sessions x {turns} turns, {system_tokens:,}-token shared system prompt, "
               "rounds submitted together", file=sys.stderr)
-    for transport in transports:
+    runs = [(t, 1, None) for t in transports]
+    if replicas > 1:                            # one engine first: the replicated rows compare with it
+        runs = (runs or [("inproc", 1, None)]) + [("ray", replicas, r) for r in routings]
+    for transport, n, routing in runs:
         mismatches.clear()
-        with bar(total=sessions * turns, desc=f"trace ({transport})", unit="req") as progress:
+        desc = transport if n == 1 else f"{transport} x{n} {routing}"
+        with bar(total=sessions * turns, desc=f"trace ({desc})", unit="req") as progress:
             traces.append(run_trace(model_dir, transport, sessions, turns, out_tokens, dtype, check, system_tokens,
-                                    lanes, seed, progress))
+                                    lanes, seed, progress, n, routing))
         traces[-1]["outputs_exact"] = not mismatches
+        traces[-1]["vs_one"] = round(traces[-1]["computed"] / max(1, traces[0]["computed"]), 4)
     if traces:
-        print(table(traces, ["transport", "requests", "computed", "floor", "over_floor", "ttft_mean_ms",
-                             "ttft_max_ms", "pending_waits", "pending_saved_tokens", "wall_s", "outputs_exact"]))
+        print(table(traces, ["transport", "requests", "computed", "floor", "over_floor"]
+                    + (["vs_one", "spread"] if replicas > 1 else [])
+                    + ["ttft_mean_ms", "ttft_max_ms", "pending_waits", "pending_saved_tokens", "wall_s",
+                       "outputs_exact"]))
         print(file=sys.stderr)
     w_sessions, w_turns = 6, 5
     rows = []
@@ -207,7 +221,8 @@ def run(model_dir: str, out: str | None = None, plot: str | None = None, transpo
                                      turns=w_turns, dtype=dtype, seed=seed, progress=progress))
     result = {"workload": f"{w_sessions} agent sessions x {w_turns} turns, shared 150-token system prompt, "
                           "30% tool-call normalisation",
-              "config": {"transports": list(transports), "sessions": sessions, "turns": turns,
+              "config": {"transports": list(transports), "replicas": replicas,
+                         "routings": list(routings) if replicas > 1 else [], "sessions": sessions, "turns": turns,
                          "system_tokens": system_tokens, "out_tokens": out_tokens, "lanes": lanes or min(sessions, 8),
                          "capacities": [list(c) for c in capacities], "dtype": dtype, "seed": seed},
               "trace": traces}

@@ -151,6 +151,7 @@ def _agent(b: argparse.ArgumentParser) -> None:
                    help="the multi-turn workload (6 sessions x 5 turns, 4 lanes), one run per KV pages:Host MiB "
                         "pair (comma list; none skips)")
     b.add_argument("--seed", type=int, default=0, help="seed of the trace's and the workload's token RNG")
+    _replicas(b)
     _common(b)
 
 
@@ -169,6 +170,16 @@ def _actors(b: argparse.ArgumentParser) -> None:
 def _cache_scale(b: argparse.ArgumentParser) -> None:
     b.add_argument("--records", type=_positives, default="100,1000,10000", metavar="N,...",
                    help="cache sizes to fill and measure at (comma list; the 10k fill takes most of the time)")
+    _common(b)
+
+
+def _router(b: argparse.ArgumentParser) -> None:
+    b.add_argument("--entries", type=_positives, default="100,1000,10000", metavar="N,...",
+                   help="restore positions each replica publishes (comma list)")
+    b.add_argument("--replicas", type=_positive, default=2, metavar="N", help="replicas the router scores")
+    b.add_argument("--prompt-tokens", type=_positives, default="512,2048,4096", metavar="N,...",
+                   help="prompt lengths routed (comma list)")
+    b.add_argument("--queries", type=_positive, default=300, metavar="N", help="requests routed per length and size")
     _common(b)
 
 
@@ -230,6 +241,10 @@ def _serve(b: argparse.ArgumentParser) -> None:
                         "the clients can; vLLM's --request-rate)")
     b.add_argument("--transport", choices=["inproc", "ray"], default="inproc",
                    help="the built-in server's transport (without --base-url)")
+    b.add_argument("--replicas", type=_positive, default=1, metavar="N",
+                   help="the built-in server runs N engine replicas over Ray behind its router (without --base-url)")
+    b.add_argument("--routing", choices=["exact", "session", "round-robin"], default="exact",
+                   help="the built-in server's routing with --replicas")
     b.add_argument("--rounds", type=_positive, default=4, metavar="N", help="turns per user, one after another")
     b.add_argument("--max-tokens", type=_positive, default=32, metavar="N", help="max_tokens of every request")
     b.add_argument("--prompt-words", type=_positive, default=None, metavar="N",
@@ -302,7 +317,24 @@ def _trace(b: argparse.ArgumentParser) -> None:
                                                    "(or set OPENAI_API_KEY)")
     b.add_argument("--timeout", type=_seconds, default=600.0, metavar="S",
                    help="the longest a request may take (over HTTP: the longest read)")
+    _replicas(b)
     _common(b)
+
+
+def _replicas(b: argparse.ArgumentParser) -> None:
+    b.add_argument("--replicas", type=_positive, default=1, metavar="N",
+                   help="also replay on N engine replicas over Ray (each with the run's capacity), one run per "
+                        "--routing mode; each row then reports computed prompt tokens vs one engine (vs_one)")
+    b.add_argument("--routing", type=_routings, default=("exact",), metavar="MODE[,MODE]",
+                   help="with --replicas: exact (restore points, net of load), session, round-robin; comma list")
+
+
+def _routings(text: str) -> tuple[str, ...]:
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    bad = [m for m in modes if m not in ("exact", "session", "round-robin")]
+    if bad or not modes:
+        raise argparse.ArgumentTypeError(f"must be exact, session or round-robin (comma list), not {text!r}")
+    return modes
 
 
 BENCHES = {
@@ -315,6 +347,8 @@ BENCHES = {
     "cache-scale": (_cache_scale, "controller cost against the number of cached records: decode cycle, "
                                   "admission, admission with reclaim, per request while filling and with the "
                                   "Host full"),
+    "router": (_router, "the replica router's cost per request against the restore positions each replica "
+                        "publishes (model-free: fabricated summaries)"),
     "speculative": (_speculative, "speculative decoding (MTP, DFlash, DFlash2) on vs off on the same machine "
                                   "in one run: decode tok/s and their ratio per C, tokens per target step, "
                                   "accepted length per block, acceptance by draft position; outputs checked "
@@ -365,12 +399,14 @@ def run_bench(args: argparse.Namespace) -> int:
     elif args.name == "agent":
         kw.update(transports=args.transport, sessions=args.sessions, turns=args.turns,
                   system_tokens=args.system_tokens, out_tokens=args.out_tokens, lanes=args.lanes,
-                  capacities=args.capacity, seed=args.seed)
+                  capacities=args.capacity, seed=args.seed, replicas=args.replicas, routings=args.routing)
     elif args.name == "actors":
         kw.update(transports=args.transport, concurrency=args.concurrency, max_tokens=args.max_tokens,
                   prompt_tokens=args.prompt_tokens, lanes=args.lanes)
     elif args.name == "cache-scale":
         kw.update(sizes=args.records)
+    elif args.name == "router":
+        kw.update(sizes=args.entries, replicas=args.replicas, lengths=args.prompt_tokens, queries=args.queries)
     elif args.name == "speculative":
         kw.update(drafts=args.drafts, concurrency=args.concurrency, max_tokens=args.max_tokens,
                   prompt_tokens=args.prompt_tokens, temperature=args.temperature, method=args.method,
@@ -391,7 +427,8 @@ def run_serve(args: argparse.Namespace) -> int:
     result = serve.run(args.base_url, args.model, args.api_key or os.environ.get("OPENAI_API_KEY"), args.clients,
                        args.rounds, args.max_tokens, args.prompt_words, args.temperature, args.ignore_eos,
                        args.timeout, model_dir=args.model_dir, out=args.out, plot=args.plot,
-                       request_rate=args.request_rate, transport=args.transport, structured=args.structured)
+                       request_rate=args.request_rate, transport=args.transport, structured=args.structured,
+                       replicas=args.replicas, routing=args.routing)
     return 1 if result["errors"] else 0
 
 
@@ -410,5 +447,6 @@ def run_trace(args: argparse.Namespace) -> int:
                      api_key=args.api_key or os.environ.get("OPENAI_API_KEY"), capacities=capacities,
                      lanes=args.lanes, chunk=args.chunk, max_context=args.max_context, state_slots=args.state_slots,
                      check_n=args.check, dtype=args.dtype, seed=args.seed, timeout=args.timeout,
-                     save=args.save_tokens, last_block=args.last_block)
+                     save=args.save_tokens, last_block=args.last_block, replicas=args.replicas,
+                     routings=args.routing)
     return 1 if trace.failed(data) else 0

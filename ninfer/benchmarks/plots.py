@@ -210,8 +210,22 @@ def trace(data: dict, path: str | Path) -> None:
     _save(plt, fig, path)
 
 
+def router(data: dict, path: str | Path) -> None:
+    """Routing cost per request (p50, p99) against the entries each replica publishes, per prompt length."""
+    plt, fig, (ax,) = _figure(1, "ninfer bench router: cost per request vs summary entries per replica", width=8.4)
+    for k, length in enumerate(dict.fromkeys(r["prompt_tokens"] for r in data["rows"])):
+        rows = [r for r in data["rows"] if r["prompt_tokens"] == length]
+        xs = [r["entries_per_replica"] for r in rows]
+        ax.plot(xs, [r["route_us_p50"] for r in rows], marker="o", color=f"C{k}", label=f"{length} tokens, p50")
+        ax.plot(xs, [r["route_us_p99"] for r in rows], marker="x", linestyle="--", color=f"C{k}",
+                label=f"{length} tokens, p99")
+    ax.axhline(1000, color="k", linewidth=1, label="1 ms")
+    ax.set(xscale="log", xlabel="summary entries per replica", ylabel="µs per routed request", ylim=(0, None))
+    _save(plt, fig, path)
+
+
 PLOTS = {"controller": controller, "agent": agent, "actors": actors, "cache-scale": cache_scale, "serve": serve,
-         "decode": decode, "speculative": speculative, "trace": trace}
+         "decode": decode, "speculative": speculative, "trace": trace, "router": router}
 
 
 def draw(data: dict, path: str | Path) -> None:

@@ -46,8 +46,10 @@ COLUMNS = ["round", "requests", "errors", "ttft_p50_ms", "ttft_p90_ms", "ttft_p9
 class LocalServer:
     """``ninfer serve`` on the tiny model in a child process, for ``with``: yields the base URL."""
 
-    def __init__(self, model_dir: str, name: str = "tiny", transport: str = "inproc"):
+    def __init__(self, model_dir: str, name: str = "tiny", transport: str = "inproc", replicas: int = 1,
+                 routing: str | None = None):
         self.model_dir, self.name, self.transport = model_dir, name, transport
+        self.replicas = ["--replicas", str(replicas), "--routing", routing or "exact"] if replicas > 1 else []
         self.tmp = tempfile.TemporaryDirectory(prefix="ninfer-bench-serve-")
         self.log = Path(self.tmp.name) / "server.log"
         self.proc: subprocess.Popen | None = None
@@ -61,7 +63,7 @@ class LocalServer:
             self.proc = subprocess.Popen([sys.executable, "-m", "ninfer.cli", "serve", "--model", self.model_dir,
                                           "--config", str(cfg), "--port", str(port), "--transport", self.transport,
                                           "--deployment", f"bench-serve-{port}",
-                                          "--served-model-name", self.name],
+                                          "--served-model-name", self.name, *self.replicas],
                                          stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 300
@@ -150,20 +152,24 @@ def run(base_url: str | None = None, model: str | None = None, api_key: str | No
         rounds: int = 4, max_tokens: int = 32, prompt_words: int | None = None, temperature: float = 0.0,
         ignore_eos: bool = False, timeout: float = 120.0, model_dir: str = "models/tiny", out: str | None = None,
         plot: str | None = None, request_rate: float | None = None, transport: str = "inproc",
-        structured: str = "none") -> dict:
+        structured: str = "none", replicas: int = 1, routing: str = "exact") -> dict:
     """Run the load, print the table (and the JSON unless ``out``), write ``out`` / ``plot``.
 
     ``structured``: "none"; "json" (every request carries ``RESPONSE_FORMAT``); "both" (the same
     load unconstrained, then constrained, one after the other on the same server: the rows of
     each, and the grammar's cost per constrained token from the server's /metrics when it is
-    NInfer's)."""
+    NInfer's). ``replicas`` > 1: the built-in server runs that many engines over Ray behind its
+    router (``routing``)."""
     from contextlib import nullcontext
 
     from ninfer.benchmarks.common import ensure_model
     local = base_url is None
     runs = {"none": [""], "json": ["json"], "both": ["", "json"]}[structured]
     loads = []
-    with LocalServer(ensure_model(model_dir), transport=transport) if local else nullcontext(base_url) as url:
+    if replicas > 1:
+        transport = "ray"
+    with LocalServer(ensure_model(model_dir), transport=transport, replicas=replicas, routing=routing) if local \
+            else nullcontext(base_url) as url:
         model = model or first_model(url, api_key)
         sampling = {"max_tokens": max_tokens, "temperature": temperature} | ({"ignore_eos": True} if ignore_eos else {})
         workload = f"--prompt-words {prompt_words}" if prompt_words else "built-in chat mix"
@@ -179,7 +185,9 @@ def run(base_url: str | None = None, model: str | None = None, api_key: str | No
     config = {"clients": clients, "rounds": rounds, "max_tokens": max_tokens, "prompt_words": prompt_words,
               "temperature": temperature, "ignore_eos": ignore_eos, "timeout_s": timeout, "base_url": url,
               "model": model, "request_rate": request_rate, "structured": structured,
-              "server": f"built in: ninfer serve --transport {transport}, tiny model" if local else "external"}
+              "server": f"built in: ninfer serve --transport {transport}"
+                        + (f" --replicas {replicas} --routing {routing}" if replicas > 1 else "") + ", tiny model"
+                        if local else "external"}
     if local:
         config["engine_config"] = LOCAL_CONFIG
     return _report(loads, config, out, plot)

@@ -17,6 +17,11 @@ and lost hits by cause (``engine.stats()``). On an engine, a sample of outputs i
 
 A capacity is ``ample`` (the largest Main-KV pool the layout allows, C full contexts, and a
 2 GiB Host tier) or ``(pages, host MiB)``: a Main-KV budget of 64-token pages and a Host tier.
+
+``replicas`` N > 1 (issue 34) adds, per capacity, one run of N engine replicas over Ray per
+routing mode (``exact``, ``session``, ``round-robin``), each engine with that capacity; every row
+then reports ``vs_one``: its computed prompt tokens ÷ those of the first one-engine run of the
+same capacity (how much reuse the routing lost), and how the requests were spread and why.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ AMPLE_HOST_MIB = 2048
 COLUMNS = ["run", "requests", "errors", "prompt", "cached", "computed", "ideal", "ends", "over_ideal", "over_ends",
            "hit", "ideal_hit", "ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "pauses", "h2d_MiB",
            "d2h_MiB", "hit_losses", "checked", "outputs_exact", "integrity", "wall_s"]
+REPLICA_COLUMNS = ["vs_one", "spread", "routed"]      # with --replicas: after "over_ends"
 
 
 @dataclass
@@ -116,12 +122,14 @@ def engine_config(lanes: int, chunk: int, max_context: int, capacity, state_slot
 
 
 def run_engine(model_dir: str, reqs, arrival: Arrival, transport: str, cfg: dict, dtype: str, timeout: float,
-               desc: str) -> tuple[list[Served], dict, str, float]:
-    """One replay on a fresh engine: outcomes, ``stats()``, the integrity verdict after
-    ``drop_caches()`` ("ok" or the error), wall seconds."""
+               desc: str, replicas: int = 1, routing: str | None = None) -> tuple[list[Served], dict, str, float]:
+    """One replay on a fresh engine (``replicas`` > 1: that many over Ray, routed by ``routing``):
+    outcomes, ``stats()``, the integrity verdict after ``drop_caches()`` ("ok" or the error),
+    wall seconds."""
     from ninfer.api import Engine
     from ninfer.progress import bar
-    eng = Engine.start(model_dir, config=cfg, dtype=dtype, transport=transport)
+    extra = {} if replicas == 1 else {"replicas": replicas, "router": routing}
+    eng = Engine.start(model_dir, config=cfg, dtype=dtype, transport=transport, **extra)
     try:
         t0 = time.perf_counter()
         with bar(total=len(reqs), desc=desc, unit="req") as progress:
@@ -250,7 +258,8 @@ def run(trace_file: str, model_dir: str = "models/tiny", out: str | None = None,
         base_url: str | None = None, served_model: str | None = None, api_key: str | None = None,
         capacities=(AMPLE,), lanes: int = 4, chunk: int = 2048, max_context: int | None = None,
         state_slots: int | None = None, check_n: int = 4, dtype: str = "float32", seed: int = 0,
-        timeout: float = 600.0, save: str | None = None, last_block: str = "drop") -> dict:
+        timeout: float = 600.0, save: str | None = None, last_block: str = "drop", replicas: int = 1,
+        routings=("exact",)) -> dict:
     """Load and convert the trace, compute its floors, replay it once per (transport, capacity)
     or once against ``base_url``; the table, the JSON (with the floors and every request's
     numbers per run, as columns, when ``out`` is given) and the plot."""
@@ -282,7 +291,9 @@ def run(trace_file: str, model_dir: str = "models/tiny", out: str | None = None,
         rows = [summarise(f"http {model}", served, fl, None, wall)]
         series = {rows[0]["run"]: served}
     else:
-        runs = [(t, c) for t in transports for c in capacities]
+        runs = [(t, c, 1, None) for t in transports for c in capacities]
+        if replicas > 1:
+            runs += [("ray", c, replicas, routing) for c in capacities for routing in routings]
         rows, series = engine_runs(model_dir, reqs, fl, arrival, runs, lanes, chunk, max_context, state_slots,
                                    check_n, dtype, timeout)
     result = {"trace": info,
@@ -290,13 +301,18 @@ def run(trace_file: str, model_dir: str = "models/tiny", out: str | None = None,
                          "capacities": [c if c == AMPLE else list(c) for c in capacities],
                          "ample": {"kv_pages": "C full contexts (the layout's most)", "host_MiB": AMPLE_HOST_MIB},
                          "lanes": lanes, "prefill_chunk_tokens": chunk, "state_slots": state_slots, "check": check_n,
-                         "dtype": dtype, "seed": seed, "limit": limit, "window_s": window_s, "time_scale": time_scale}}
+                         "dtype": dtype, "seed": seed, "limit": limit, "window_s": window_s, "time_scale": time_scale,
+                         "replicas": replicas, "routings": list(routings) if replicas > 1 else []}}
     every = {"floors": {"line": [r.line for r in reqs], "prompt": [len(r.prompt) for r in reqs], "ideal": fl.ideal,
                         "ends": fl.ends},
              "requests": {name: _columns(ss) for name, ss in series.items()}}
     if out:
         result.update(every)
-    return report("trace", result, rows, COLUMNS, out, plot, plot_only=every)
+    columns = COLUMNS
+    if replicas > 1:
+        at = COLUMNS.index("over_ends") + 1
+        columns = COLUMNS[:at] + REPLICA_COLUMNS + COLUMNS[at:]
+    return report("trace", result, rows, columns, out, plot, plot_only=every)
 
 
 def _check_capacities(capacities, max_context: int, lanes: int) -> None:
@@ -333,17 +349,40 @@ def engine_runs(model_dir: str, reqs: list[TraceRequest], fl: Floors, arrival: A
     refs: dict = {}
     idx = sample(len(reqs), check_n)
     rows, series = [], {}
-    for transport, cap in runs:
-        name = f"{transport} " + (AMPLE if cap == AMPLE else f"{cap[0]}:{cap[1]}")
+    one: dict = {}                                  # capacity -> computed by the first one-engine run
+    for transport, cap, replicas, routing in runs:
+        size = AMPLE if cap == AMPLE else f"{cap[0]}:{cap[1]}"
+        name = f"{transport} {size}" if replicas == 1 else f"{transport} x{replicas} {routing} {size}"
         cfg = engine_config(lanes, chunk, max_context, cap, state_slots)
-        served, stats, integrity, wall = run_engine(model_dir, reqs, arrival, transport, cfg, dtype, timeout, name)
+        served, stats, integrity, wall = run_engine(model_dir, reqs, arrival, transport, cfg, dtype, timeout, name,
+                                                    replicas, routing)
         bad = check(model_dir, reqs, served, idx, dtype, refs)
-        rows.append({"transport": transport, **summarise(name, served, fl, stats, wall),
-                     "kv_pages": stats["occupancy"].get("main", {}).get("total"),
-                     "host_MiB": cfg["context_cache"]["host_capacity_bytes"] >> 20, "checked": len(idx),
-                     "outputs_exact": not bad, "mismatched_lines": bad, "integrity": integrity})
+        row = {"transport": transport, **summarise(name, served, fl, stats, wall),
+               "kv_pages": stats["occupancy"].get("main", {}).get("total") // replicas,
+               "host_MiB": cfg["context_cache"]["host_capacity_bytes"] >> 20, "checked": len(idx),
+               "outputs_exact": not bad, "mismatched_lines": bad, "integrity": integrity,
+               "replicas": replicas, "routing": routing}
+        if replicas == 1:
+            one.setdefault(size, row["computed"])
+        elif stats.get("router"):
+            row.update(_routing_columns(stats))
+        if one.get(size) and row["computed"] is not None:
+            row["vs_one"] = round(row["computed"] / one[size], 4)
+        rows.append(row)
         series[name] = served
     return rows, series
+
+
+def _routing_columns(stats: dict) -> dict:
+    """How a replicated run spread its requests (finished per replica) and why (routed by reason)."""
+    r = stats["router"]
+    per = sorted(stats.get("replicas", []), key=lambda x: x["slot"])
+    reasons = {k: v for k, v in r["routed_by_reason"].items() if v}
+    return {"spread": "/".join(str(x.get("finished", 0)) for x in per),
+            "routed": ",".join(f"{k}:{v}" for k, v in reasons.items()),
+            "routed_by_reason": r["routed_by_reason"], "route_us_mean": round(1e6 * r["route_s"] / max(1, r["decisions"]), 1),
+            "route_us_max": round(1e6 * r["route_max_s"], 1),
+            "replica_prefill": [x.get("prefill_tokens") for x in per]}
 
 
 def _columns(served: list[Served]) -> dict:

@@ -188,6 +188,41 @@ class _StatsCollector:
                 yield self._histogram(name, help_, h)
         yield from self._faults()
         yield from self._vllm_requests()
+        if s.get("router"):
+            yield from self._router(s["router"], s.get("frontend") or {}, s.get("replicas") or [])
+
+    def _router(self, r: dict, front: dict, replicas: list):
+        """A replicated deployment (issue 34): where requests went and why, and what the router
+        knows of each replica (its published restore positions, how old they are, its load)."""
+        counter, gauge = CounterMetricFamily, GaugeMetricFamily
+        yield self._labelled(counter, "ninfer_router_routed", "Requests routed, by what decided the replica "
+                             "(restore: a published restore position; inflight: a prefix in flight there; "
+                             "session / load: no prefix to reuse)", "reason", r["routed_by_reason"])
+        yield self._one(counter, "ninfer_router_rerouted", "Requests routed again after their replica was lost",
+                        r["rerouted"])
+        yield self._one(counter, "ninfer_router_decision_seconds", "Time spent choosing replicas", r["route_s"])
+        yield self._one(gauge, "ninfer_router_decision_max_seconds", "The longest single routing decision",
+                        r["route_max_s"])
+        per = r.get("replicas", {})
+        for key, name, help_ in (("summary_entries", "ninfer_router_summary_entries",
+                                  "Restore positions a replica publishes (as the router holds them)"),
+                                 ("summary_age_s", "ninfer_router_summary_age_seconds",
+                                  "Seconds since a replica's summary last changed"),
+                                 ("outstanding", "ninfer_router_outstanding", "Requests routed to a replica, not finished"),
+                                 ("running", "ninfer_router_running", "Requests a replica has admitted, not finished"),
+                                 ("lanes", "ninfer_router_lanes", "A replica's execution lanes")):
+            yield self._labelled(gauge, name, help_, "replica",
+                                 {k: v[key] for k, v in per.items() if v.get(key) is not None})
+        states: dict = {}
+        for rep in replicas:
+            states[rep["state"]] = states.get(rep["state"], 0) + 1
+        yield self._labelled(gauge, "ninfer_replicas", "Engine replicas by state (live, draining, starting, lost)",
+                             "state",
+                             states)
+        yield self._labelled(counter, "ninfer_replica_events", "Replicas lost and replaced, requests failed or "
+                             "re-routed with them, summaries resynchronised", "event",
+                             {k: front.get(k, 0) for k in ("replicas_lost", "replicas_replaced", "replicas_drained",
+                                                           "failed_in_flight", "rerouted", "summary_resyncs")})
 
 
 def prometheus(stats: dict, stored_responses: int = 0, model: str = "ninfer", info=None,

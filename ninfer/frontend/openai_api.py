@@ -34,7 +34,7 @@ def not_found(message: str, param: str | None = None, code: str | None = None) -
 
 # An engine that lost a worker, a controller or its connection, or a device or copy that
 # failed, serves on: the request that met it is a 503 with its kind, and a retry is served.
-RETRYABLE = ("worker_lost", "controller_lost", "connection_lost", "device_error", "copy_failed")
+RETRYABLE = ("worker_lost", "controller_lost", "connection_lost", "replica_lost", "device_error", "copy_failed")
 RETRY_AFTER = {"retry-after": "1"}
 
 

@@ -34,9 +34,10 @@ LANES = ("NInfer's max_concurrency is its C execution lanes, 1..8 (each lane bin
          "of clients may connect)")
 DTYPES = {"auto": None, "bfloat16": "bfloat16", "float32": "float32", "float": "float32", "float64": "float64"}
 ONE_GPU = "NInfer serves one model on one GPU"
+REPLICAS = "use --replicas N: N whole engines, one GPU each, behind one endpoint and a router"
 NOT_TAKEN = {   # vLLM flags a user brings: why NInfer has no such flag
     "--tensor-parallel-size": ONE_GPU, "-tp": ONE_GPU, "--pipeline-parallel-size": ONE_GPU, "-pp": ONE_GPU,
-    "--data-parallel-size": ONE_GPU, "-dp": ONE_GPU, "--distributed-executor-backend": ONE_GPU,
+    "--data-parallel-size": REPLICAS, "-dp": REPLICAS, "--distributed-executor-backend": ONE_GPU,
     "--quantization": "the checkpoint's weights are loaded as they are (--dtype chooses bfloat16 or float32)",
     "-q": "the checkpoint's weights are loaded as they are (--dtype chooses bfloat16 or float32)",
     "--kv-cache-dtype": "the KV cache has the model's dtype (--dtype)",

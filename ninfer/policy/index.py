@@ -37,12 +37,17 @@ def digest(tokens: list[int] | tuple[int, ...]) -> bytes:
 
 
 class PrefixIndex:
-    """(frontier, digest) -> checkpoint ids, for every live cache checkpoint."""
+    """(frontier, digest) -> checkpoint ids, for every live cache checkpoint.
+
+    ``observer`` (optional): called ``observer(True, key, tokens)`` when a key gets its first
+    checkpoint and ``observer(False, key)`` when its last one goes — a replica publishes these
+    keys as its restore positions (``ninfer/replicas/summary.py``)."""
 
     def __init__(self):
         self._by_key: dict[tuple[int, bytes], set[int]] = {}
         self._key_of: dict[int, tuple[int, bytes]] = {}
         self._frontiers: dict[int, int] = {}     # frontier -> number of entries using it
+        self.observer = None
 
     def __len__(self) -> int:
         return len(self._key_of)
@@ -51,9 +56,12 @@ class PrefixIndex:
         if cid in self._key_of:
             return
         key = (len(tokens), digest(tokens))
+        first = key not in self._by_key
         self._by_key.setdefault(key, set()).add(cid)
         self._key_of[cid] = key
         self._frontiers[key[0]] = self._frontiers.get(key[0], 0) + 1
+        if first and self.observer is not None:
+            self.observer(True, key, tokens)
 
     def remove(self, cid: int) -> None:
         key = self._key_of.pop(cid, None)
@@ -63,6 +71,8 @@ class PrefixIndex:
         ids.discard(cid)
         if not ids:
             del self._by_key[key]            # empty branches are deleted promptly
+            if self.observer is not None:
+                self.observer(False, key)
         n = self._frontiers[key[0]] - 1
         if n:
             self._frontiers[key[0]] = n

@@ -20,15 +20,17 @@ OPTIONS = {
     "controller": ["--concurrency", "--pressure", "--prompt-tokens", "--decode-tokens", "--dtype", "--model",
                    "--out", "--plot"],
     "agent": ["--transport", "--sessions", "--turns", "--system-tokens", "--out-tokens", "--lanes", "--capacity",
-              "--seed", "--dtype", "--model", "--out", "--plot"],
+              "--seed", "--replicas", "--routing", "--dtype", "--model", "--out", "--plot"],
     "actors": ["--transport", "--concurrency", "--prompt-tokens", "--max-tokens", "--lanes", "--dtype", "--model",
                "--out", "--plot"],
     "cache-scale": ["--records", "--dtype", "--model", "--out", "--plot"],
-    "serve": ["--base-url", "--clients", "--rounds", "--max-tokens", "--prompt-words", "--out", "--plot"],
+    "router": ["--entries", "--replicas", "--prompt-tokens", "--queries", "--out", "--plot"],
+    "serve": ["--base-url", "--clients", "--rounds", "--max-tokens", "--prompt-words", "--replicas", "--routing",
+              "--out", "--plot"],
     "trace": ["FILE", "--format", "--block-tokens", "--last-block", "--limit", "--offset", "--window-s",
               "--time-scale", "--transport", "--capacity", "--lanes", "--chunk", "--max-context", "--state-slots",
-              "--check", "--seed", "--save-tokens", "--base-url", "--served-model", "--timeout", "--dtype", "--model",
-              "--out", "--plot"],
+              "--check", "--seed", "--save-tokens", "--base-url", "--served-model", "--timeout", "--replicas",
+              "--routing", "--dtype", "--model", "--out", "--plot"],
 }
 
 
@@ -46,7 +48,7 @@ def test_each_bench_has_its_own_help(name):
         assert opt in r.stdout, opt
 
 
-@pytest.mark.parametrize("name", ["controller", "agent", "actors", "cache-scale"])
+@pytest.mark.parametrize("name", ["controller", "agent", "actors", "cache-scale", "router"])
 def test_defaults_are_the_committed_settings(name, monkeypatch):
     """A run without options calls the bench's run() with exactly run()'s own defaults (the
     committed measurement's settings)."""
@@ -66,7 +68,8 @@ def test_defaults_are_the_committed_settings(name, monkeypatch):
     (["bench", "agent", "--capacity", "16"], "PAGES:HOST_MIB"),
     (["bench", "actors", "--lanes", "9"], "must be 1..8"),
     (["bench", "controller", "--concurrency", "1,x"], "must be a positive integer"),
-], ids=["transport", "capacity", "lanes", "list"])
+    (["bench", "trace", "t.jsonl", "--routing", "random"], "must be exact, session or round-robin"),
+], ids=["transport", "capacity", "lanes", "list", "routing"])
 def test_bad_options_are_usage_errors(argv, needle, capsys):
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(argv)
@@ -141,3 +144,15 @@ def test_cache_scale_small_run_with_progress_forced_on(tiny_model, tmp_path):
     for key in ("decode_us", "admit_ms", "reclaim_ms", "settle_ms", "fill_first_ms", "host_full_ms", "wide_quotes"):
         assert all(row[key] is not None for row in data["rows"]), key
     _png(tmp_path / "cs.png")
+
+
+def test_router_small_run(tmp_path):
+    """Model-free: the routing cost per request at each summary size, a row per prompt length."""
+    out = tmp_path / "router.json"
+    r = _ninfer("bench", "router", "--entries", "50,200", "--prompt-tokens", "256", "--queries", "20",
+                "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    assert [(row["entries_per_replica"], row["prompt_tokens"]) for row in data["rows"]] == [(50, 256), (200, 256)]
+    assert all(row["route_us_p50"] > 0 and row["restore_routed"] > 0 for row in data["rows"])
+    _png(tmp_path / "router.png")
