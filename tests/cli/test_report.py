@@ -107,17 +107,25 @@ def test_the_cli_command(tmp_path):
 
 @pytest.fixture
 def json_log(tmp_path):
-    """The ``ninfer`` logger written as JSON lines to a file (what NINFER_LOG_FORMAT=json gives)."""
+    """The ``ninfer`` logger written as JSON lines to a file (what NINFER_LOG_FORMAT=json gives);
+    its children start at NOTSET (an in-process ``ninfer`` command earlier in this xdist worker
+    quiets some of them: the request records would not reach the file)."""
+    from ninfer.cli import QUIET_UNLESS_ASKED
     path = tmp_path / "engine.jsonl"
     logger = logging.getLogger("ninfer")
     handler = logging.FileHandler(path)
     handler.setFormatter(JsonFormatter())
     level = logger.level
+    children = {name: logging.getLogger(name).level for name in QUIET_UNLESS_ASKED}
+    for name in children:
+        logging.getLogger(name).setLevel(logging.NOTSET)
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     yield path
     logger.removeHandler(handler)
     logger.setLevel(level)
+    for name, lvl in children.items():
+        logging.getLogger(name).setLevel(lvl)
     handler.close()
 
 
