@@ -109,6 +109,8 @@ class Planner:
         self.host_used: list[tuple[int, int]] = list(prior.host_used) if prior else []
         self.dup_dropped: set[int] = set(prior.dup_dropped) if prior else set()   # Host duplicates released
         self.dup_pages: set[int] = set(prior.dup_pages) if prior else set()       # ... of these blocks
+        self._holes_version: tuple | None = None       # _holes' memo and the state it was taken on
+        self._holes_memo: dict = {}
         self.cands: dict[int, Candidate] = {}
         self._prefix_cache: dict[int, list[tuple[int, int]]] = {}
         for cid, c in facts.checkpoints.items():
@@ -312,6 +314,32 @@ class Planner:
         return self.f.blocks[bid].host and bid not in self.dup_pages
 
     def _holes(self, extra_victims: set[int], dups: set[int] = frozenset()) -> list[tuple[int, int]]:
+        """The Host's free extents once ``extra_victims`` (and the plan's victims) are deleted and
+        ``dups`` released, less what this plan already placed. Memoised: a Host placement ranks
+        every candidate for every victim it adds, and each demotion option of a need places an
+        image of the same size on the same state — the same sets come back many times. What it
+        reads besides its arguments (the victims, the released duplicates, the placed extents)
+        only grows inside a planner, so their sizes name its state; the memo starts afresh when
+        one grows. Callers do not mutate the list."""
+        version = (len(self.victims), len(self.host_used), len(self.dup_dropped), len(self.dup_pages))
+        if self._holes_version != version:
+            self._holes_version, self._holes_memo = version, {}
+        key = (frozenset(extra_victims), frozenset(dups))
+        got = self._holes_memo.get(key)
+        if got is None:
+            got = self._holes_memo[key] = self._holes_now(extra_victims, dups)
+        return got
+
+    def _fits(self, extra_victims: set[int], dups: set[int], sizes: list[int]) -> bool:
+        """``sizes`` place first-fit into ``_holes(extra_victims, dups)`` (memoised with it)."""
+        holes = self._holes(extra_victims, dups)
+        key = (frozenset(extra_victims), frozenset(dups), tuple(sizes))
+        got = self._holes_memo.get(key)
+        if got is None:
+            got = self._holes_memo[key] = place_first_fit(holes, sizes) is not None
+        return got
+
+    def _holes_now(self, extra_victims: set[int], dups: set[int]) -> list[tuple[int, int]]:
         dup = [e for cid in dups for e in self._dup_extents(cid)]
         dup += [c.image_at for cid in self.dup_dropped
                 if (c := self.f.checkpoints[cid]).image_device and c.image_at and not c.leased]
@@ -336,7 +364,7 @@ class Planner:
         """Reclaim order for the next Host victim: normal before reuse content; an action that
         lets the request fit before one that only adds free bytes; normal content by loss per
         useful freed byte (capped), reuse content oldest demand first."""
-        fits = place_first_fit(self._holes(chosen | {c.cid}, dups), sizes) is not None
+        fits = self._fits(chosen | {c.cid}, dups, sizes)
         gain = min(cap, max(1, sum(s for _, s in self._host_freed_by(chosen | {c.cid})) - base))
         loss = self.loss(chosen | {c.cid}) - self.loss(chosen) if chosen else self.loss({c.cid})
         order = loss / gain if c.cls is Cls.NORMAL else c.demand_time
