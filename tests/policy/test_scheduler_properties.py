@@ -86,7 +86,7 @@ def test_scheduler_decisions_follow_the_rules_in_any_state(C, ops):
             ticket += 1
             reqs.append(r)
             s.enqueue(r)
-        elif op == "admit" and s.lanes_free > 0 and (live_fresh or s.paused):
+        elif op == "admit" and s.lanes_free > 0 and (live_fresh or any(q.live for q in s.paused)):
             pool = live_fresh + [r for r in s.paused if r.live]
             r = pool[x % len(pool)]
             r.phase = Phase.RUNNING
