@@ -39,16 +39,20 @@ def load_cached(model_dir: str | Path, dtype: str) -> tuple[HybridModel, tuple[i
         return _MODELS[key]
 
 
-def generate_with_model(model: HybridModel, eos_ids: tuple[int, ...], prompt: list[int],
-                        params: SamplingParams, logprobs_out: list[TokenLogprob] | None = None) -> list[int]:
-    """Prefill ``prompt`` in one call, then decode until a stop rule fires. When
-    ``params.logprobs`` is set, one entry per output token is appended to ``logprobs_out``."""
-    vocab = model.cfg.vocab_size
+def _check_prompt(prompt: list[int], vocab: int) -> None:
     if not prompt:
         raise RequestError("prompt_token_ids must not be empty")
     bad = next((t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab), None)
     if bad is not None:
         raise RequestError(f"prompt token id {bad!r} is out of range: allowed 0..{vocab - 1}")
+
+
+def generate_with_model(model: HybridModel, eos_ids: tuple[int, ...], prompt: list[int],
+                        params: SamplingParams, logprobs_out: list[TokenLogprob] | None = None) -> list[int]:
+    """Prefill ``prompt`` in one call, then decode until a stop rule fires. When
+    ``params.logprobs`` is set, one entry per output token is appended to ``logprobs_out``."""
+    vocab = model.cfg.vocab_size
+    _check_prompt(prompt, vocab)
     params.validate(vocab)
     total = len(prompt) + params.max_tokens
     pages = list(range((total + PAGE_SIZE - 1) // PAGE_SIZE))
@@ -128,11 +132,7 @@ def reference_prompt_logprobs(model_dir: str | Path, prompt_token_ids: list[int]
     model, _ = load_cached(model_dir, dtype)
     prompt = list(prompt_token_ids)
     vocab = model.cfg.vocab_size
-    if not prompt:
-        raise RequestError("prompt_token_ids must not be empty")
-    bad = next((t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab), None)
-    if bad is not None:
-        raise RequestError(f"prompt token id {bad!r} is out of range: allowed 0..{vocab - 1}")
+    _check_prompt(prompt, vocab)
     pages = list(range((len(prompt) + PAGE_SIZE - 1) // PAGE_SIZE))
     cache = model.new_cache(len(pages), 1)
     step = SeqInput(token_ids=prompt, start=0, page_table=pages, logits="none")
