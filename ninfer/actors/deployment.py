@@ -167,6 +167,8 @@ def find_deployment(deployment: str) -> Found | None:
         frontend = ray.get_actor(names(deployment)["frontend"], namespace=NAMESPACE)
     except ValueError:
         return None
+    except Exception as exc:                   # noqa: BLE001 — named, but its class went with its dead starter
+        return Found(None, None, DeploymentError(f"its frontend cannot be reached ({type(exc).__name__})"), "", b"")
     try:
         info, error = ray.get(frontend.ready.remote()), None
     except RayError as exc:
@@ -216,10 +218,7 @@ def remove_deployment(deployment: str, timeout: float = 10.0) -> None:
     """Kill the deployment's named actors and wait until the names are free, so that a start
     right after does not collide with them."""
     for name in list(names(deployment).values()) + _replica_names(deployment):
-        try:
-            ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
-        except ValueError:                     # not there (never created, or already gone)
-            pass
+        _kill_named(name)
     remove_replica_groups(deployment)
     deadline = time.monotonic() + timeout
     while any(_exists(name) for name in names(deployment).values()):
@@ -227,6 +226,29 @@ def remove_deployment(deployment: str, timeout: float = 10.0) -> None:
             raise DeploymentError(f"the actors of deployment {deployment!r} were killed but still hold their "
                                   f"names after {timeout:g} s; try again, or stop Ray (deploy/stop.sh)")
         time.sleep(0.05)
+
+
+def _kill_named(name: str) -> None:
+    """Kill one named actor of ours. A handle by name needs the actor's class from GCS's
+    function table, and that entry goes with the job that created it: an actor a dead starter
+    left (its driver gone) can be named but not handled (Ray raises an AssertionError deep in
+    ``get_actor``). Such an actor is killed by its id from the GCS actor table instead."""
+    try:
+        handle = ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:                         # not there (never created, or already gone)
+        return
+    except Exception:                          # noqa: BLE001 — named, but no handle can be made
+        _kill_by_id(name)
+        return
+    ray.kill(handle, no_restart=True)
+
+
+def _kill_by_id(name: str) -> None:
+    from ray._private import state
+    from ray._private.worker import global_worker
+    for info in state.actors().values():
+        if info.get("Name") == name and info.get("State") != "DEAD":
+            global_worker.core_worker.kill_actor(ray.ActorID.from_hex(info["ActorID"]), True)
 
 
 def find_named(deployment: str) -> bool:
@@ -260,4 +282,6 @@ def _exists(name: str) -> bool:
         return True
     except ValueError:
         return False
+    except Exception:                          # noqa: BLE001 — named, though no handle can be made
+        return True
 

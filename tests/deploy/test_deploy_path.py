@@ -211,9 +211,10 @@ def _python(head: Head, script: str, *args: str, address: bool = True) -> subpro
 def _assert_one_line_error(rc: int, lines: list[str], needle: str) -> None:
     """Every stderr line is NInfer's own (no traceback, no actor log, no native dump), the last
     one the error, and the exit status non-zero."""
-    assert rc == 2, lines
-    assert lines and lines[-1].startswith("ninfer: error: ") and needle in lines[-1], lines
-    assert all(line.startswith("ninfer: ") for line in lines), lines
+    shown = "\n".join(lines)                  # whole, so that a failure in CI shows the traceback
+    assert rc == 2, shown
+    assert lines and lines[-1].startswith("ninfer: error: ") and needle in lines[-1], shown
+    assert all(line.startswith("ninfer: ") for line in lines), shown
 
 
 def test_an_invalid_config_value_stops_the_start_in_one_line(head, tiny):
