@@ -14,19 +14,36 @@ def place_first_fit(free: list[tuple[int, int]], sizes: list[int]
                     ) -> tuple[list[int], list[tuple[int, int]]] | None:
     """Place ``sizes`` in order, each into the lowest-offset free extent (offset, size) large
     enough. Returns (offsets, the free extents left) or None if one does not fit."""
-    holes = [list(h) for h in free]
+    placed = _first_fit(free, sizes)
+    if placed is None:
+        return None
+    offsets, changed = placed
+    return offsets, [h for i, h0 in enumerate(free) if (h := changed.get(i, h0))[1] > 0]
+
+
+def fits_first_fit(free: list[tuple[int, int]], sizes: list[int]) -> bool:
+    """Whether ``place_first_fit(free, sizes)`` places them (without building what is left)."""
+    return _first_fit(free, sizes) is not None
+
+
+def _first_fit(free: list[tuple[int, int]], sizes: list[int]
+               ) -> tuple[list[int], dict[int, tuple[int, int]]] | None:
+    """(offsets, the extents it shrank by index): ``free`` is not copied — a planner asks this
+    of a long, fragmented extent list many times, for a few sizes each."""
+    changed: dict[int, tuple[int, int]] = {}
     offsets = []
     for s in sizes:
         need = align(max(s, 1))
-        for h in holes:
+        for i, h in enumerate(free):
+            if changed and i in changed:
+                h = changed[i]
             if h[1] >= need:
                 offsets.append(h[0])
-                h[0] += need
-                h[1] -= need
+                changed[i] = (h[0] + need, h[1] - need)
                 break
         else:
             return None
-    return offsets, [(o, n) for o, n in holes if n > 0]
+    return offsets, changed
 
 
 def merge_extents(extents: list[tuple[int, int]]) -> list[tuple[int, int]]:

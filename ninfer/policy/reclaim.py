@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 from ninfer import protocol as P
-from ninfer.placement import merge_extents, place_first_fit
+from ninfer.placement import fits_first_fit, merge_extents, place_first_fit
 from ninfer.policy.records import Level, RecordTable
 from ninfer.protocol import EntryOwner, Owner, RecordOwner, SnapshotOwner, WaiterOwner
 
@@ -321,22 +321,35 @@ class Planner:
         reads besides its arguments (the victims, the released duplicates, the placed extents)
         only grows inside a planner, so their sizes name its state; the memo starts afresh when
         one grows. Callers do not mutate the list."""
+        key = (frozenset(extra_victims), frozenset(dups))
+        got = self._memo().get(key)
+        if got is None:
+            got = self._holes_memo[key] = self._holes_now(extra_victims, dups)
+        return got
+
+    def _memo(self) -> dict:
+        """The Host placement memo of this planner's current state (see ``_holes``); emptied
+        when the victims, the placed extents or the released duplicates grow."""
         version = (len(self.victims), len(self.host_used), len(self.dup_dropped), len(self.dup_pages))
         if self._holes_version != version:
             self._holes_version, self._holes_memo = version, {}
-        key = (frozenset(extra_victims), frozenset(dups))
-        got = self._holes_memo.get(key)
+        return self._holes_memo
+
+    def _host_freed_bytes(self, gone: frozenset[int]) -> int:
+        """Bytes of ``_host_freed_by(gone)`` as the ranking counts them (memoised like ``_holes``)."""
+        key = ("freed", gone)
+        got = self._memo().get(key)
         if got is None:
-            got = self._holes_memo[key] = self._holes_now(extra_victims, dups)
+            got = self._holes_memo[key] = sum(s for _, s in self._host_freed_by(set(gone)))
         return got
 
     def _fits(self, extra_victims: set[int], dups: set[int], sizes: list[int]) -> bool:
         """``sizes`` place first-fit into ``_holes(extra_victims, dups)`` (memoised with it)."""
         holes = self._holes(extra_victims, dups)
         key = (frozenset(extra_victims), frozenset(dups), tuple(sizes))
-        got = self._holes_memo.get(key)
+        got = self._memo().get(key)
         if got is None:
-            got = self._holes_memo[key] = place_first_fit(holes, sizes) is not None
+            got = self._holes_memo[key] = fits_first_fit(holes, sizes)
         return got
 
     def _holes_now(self, extra_victims: set[int], dups: set[int]) -> list[tuple[int, int]]:
@@ -358,6 +371,17 @@ class Planner:
         need = sum(sizes)
         return need - free if free < need else max(sizes)
 
+    def _ranked(self, c: Candidate, chosen: set[int], sizes: list[int], cap: int, base: int,
+                dups: set[int]):
+        """``_host_rank``, memoised on the planner's state: the demotion options of one need each
+        run a placement of their own, and their rankings mostly repeat (the same candidates
+        against the same victims chosen so far); ``cap`` and ``base`` follow from the key."""
+        key = ("rank", c.cid, frozenset(chosen), tuple(sizes), frozenset(dups))
+        got = self._memo().get(key)
+        if got is None:
+            got = self._holes_memo[key] = self._host_rank(c, chosen, sizes, cap, base, dups)
+        return got
+
     # rule: host-fit-first
     def _host_rank(self, c: Candidate, chosen: set[int], sizes: list[int], cap: int, base: int,
                    dups: set[int] = frozenset()):
@@ -365,7 +389,7 @@ class Planner:
         lets the request fit before one that only adds free bytes; normal content by loss per
         useful freed byte (capped), reuse content oldest demand first."""
         fits = self._fits(chosen | {c.cid}, dups, sizes)
-        gain = min(cap, max(1, sum(s for _, s in self._host_freed_by(chosen | {c.cid})) - base))
+        gain = min(cap, max(1, self._host_freed_bytes(frozenset(chosen | {c.cid})) - base))
         loss = self.loss(chosen | {c.cid}) - self.loss(chosen) if chosen else self.loss({c.cid})
         order = loss / gain if c.cls is Cls.NORMAL else c.demand_time
         return (c.cls, not fits, order, c.cid)
@@ -381,7 +405,7 @@ class Planner:
         ``keep``: blocks this allocation demotes — their Host copies are not released."""
         if not sizes:
             return [], 0
-        if place_first_fit(self._holes(set()), sizes) is not None:
+        if fits_first_fit(self._holes(set()), sizes):
             return [], 0
         migrating = self._migrating()
         spare: list[int] = []
@@ -393,7 +417,7 @@ class Planner:
                            key=lambda cid: (-sum(s for _, s in self._dup_extents(cid)), cid))
         taken: list[int] = []
         for cid in spare:
-            if place_first_fit(self._holes(set(), set(taken)), sizes) is not None:
+            if fits_first_fit(self._holes(set(), set(taken)), sizes):
                 break
             taken.append(cid)
         pool = [c for c in self.cands.values()
@@ -408,7 +432,7 @@ class Planner:
         chosen: list[int] = []
         while True:
             holes = self._holes(set(chosen), set(taken))
-            if place_first_fit(holes, sizes) is not None:
+            if fits_first_fit(holes, sizes):
                 break
             rest = [c for c in pool if c.cid not in chosen]
             if not rest:
@@ -416,17 +440,17 @@ class Planner:
                     self.window_short()
                 return None
             cap = self.host_gain_cap(holes, sizes)
-            base = sum(s for _, s in self._host_freed_by(set(chosen)))
-            chosen.append(min(rest, key=lambda c: self._host_rank(c, set(chosen), sizes, cap, base, set(taken))).cid)
+            base = self._host_freed_bytes(frozenset(chosen))
+            chosen.append(min(rest, key=lambda c: self._ranked(c, set(chosen), sizes, cap, base, set(taken))).cid)
         # rule: host-prune
         for cid in list(chosen):                     # drop actions no longer needed
             rest = [x for x in chosen if x != cid]
-            if place_first_fit(self._holes(set(rest), set(taken)), sizes) is not None:
+            if fits_first_fit(self._holes(set(rest), set(taken)), sizes):
                 chosen = rest
         taken = [c for c in taken if c not in chosen]    # a deleted one frees its copies anyway
         for cid in list(taken):
             rest = [x for x in taken if x != cid]
-            if place_first_fit(self._holes(set(chosen), set(rest)), sizes) is not None:
+            if fits_first_fit(self._holes(set(chosen), set(rest)), sizes):
                 taken = rest
         loss = self.loss(set(chosen))
         if budget is not None and loss >= (budget() if callable(budget) else budget):

@@ -371,3 +371,27 @@ def test_a_deletion_counts_nothing_for_pages_a_chosen_demotion_already_frees():
     pl.demoted_blocks.update(shared)                        # a chosen demotion moves them
     assert pl.freed_by_delete(frozenset({2}), P.MAIN) == 0
     assert pl.freed_by_delete(frozenset({1, 2}), P.MAIN) == 0
+
+
+def test_host_placement_cost_is_bounded_with_a_full_fragmented_host(monkeypatch):
+    """Bounded policy cost (issue 30): with the Host full of small images, every demotion option
+    of a State gap places its image by ranking Host victims. The rankings of one planner state
+    repeat across those options (the same candidates against the same victims chosen so far)
+    and are computed once: a 128:256 trace replay spent 93 % of its time re-ranking them, each
+    option ranking every candidate for every victim it added (options × candidates × victims)."""
+    n = 24
+    half = IMG // 2
+    q = Quote(main=64, slots=n, host=n * IMG)
+    for i in range(n):                               # Device images that may demote
+        q.ckpt(1 + i, 100)
+    for j in range(2 * n):                           # a full Host of half-size images
+        _host_point(q, 100 + j, 1 + j % 5, (j * half, half))
+    calls = []
+    rank = Planner._host_rank
+    monkeypatch.setattr(Planner, "_host_rank", lambda self, c, *a: calls.append(c.cid) or rank(self, c, *a))
+    pl = q.planner()
+    actions, covered = pl.plan({P.STATE: 1})
+    assert covered and any(isinstance(a, P.DemoteState) for a in actions), actions
+    assert sum(isinstance(a, P.Delete) for a in actions) == 2, actions     # two adjacent halves make room
+    host_cands = 2 * n
+    assert len(calls) <= 3 * host_cands, len(calls)                        # not n options × 2n × victims
