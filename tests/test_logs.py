@@ -68,3 +68,36 @@ def test_bad_formats():
         EngineConfig(log_stats_interval_s=-1)
     with pytest.raises(ConfigError, match="log_format='yaml'"):
         logs.formatter("yaml")
+
+
+def _snapshot(prefill: int, busy: bool = True):
+    from ninfer.engine.throughput import EngineSnapshot
+    counters = {"prefill": prefill, "replay": 0, "generated": prefill // 2, "hits": 1, "queries": 2,
+                "hit_losses": 0, "h2d": 0, "d2h": 4096, "preemptions": 0, "finished": 1,
+                "controller_s": 0.01, "round_trips": 3, "protocol_bytes": 100}
+    return EngineSnapshot(counters, busy, 2, 1, 0, 1 << 20, 1 << 19, {}, 0)
+
+
+def test_the_engine_summary_reports_a_windows_rates_from_snapshots(monkeypatch, caplog):
+    """The periodic summary reads the engine through snapshots only (no reference to the core):
+    a closed window logs its differences as rates; an idle gap closes the window where the last
+    cycle ran, so idle time never dilutes them."""
+    from ninfer.engine import throughput
+    clock = [100.0]
+    monkeypatch.setattr(throughput.time, "monotonic", lambda: clock[0])
+    summary = throughput.EngineSummary(1.0, _snapshot(0))
+    caplog.set_level(logging.INFO, logger="ninfer.stats")
+    clock[0] = 100.5
+    summary.tick(lambda: _snapshot(50))
+    assert not caplog.records                                  # the window is still open
+    clock[0] = 101.0
+    summary.tick(lambda: _snapshot(100))
+    (rec,) = caplog.records
+    assert rec.ninfer["prefill_tps"] == 100.0 and rec.ninfer["running"] == 2 and rec.ninfer["host_use"] == 0.5
+    caplog.clear()
+    clock[0] = 101.5                                            # busy until 101.5, then idle until 111.5
+    summary.tick(lambda: _snapshot(150))
+    clock[0] = 111.5
+    summary.tick(lambda: _snapshot(200, busy=False))
+    (rec,) = caplog.records
+    assert rec.ninfer["interval_s"] == 0.5 and rec.ninfer["prefill_tps"] == 200.0   # 100 tokens in 0.5 s

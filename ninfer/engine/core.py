@@ -38,7 +38,7 @@ from ninfer.engine.outcomes import Outcomes
 from ninfer.engine.planning import CyclePlanner, Plan
 from ninfer.engine.request import Request
 from ninfer.engine.telemetry import Telemetry
-from ninfer.engine.throughput import EngineSummary
+from ninfer.engine.throughput import EngineSnapshot, EngineSummary
 from ninfer.errors import CapacityContractError, IntegrityError, RequestError
 from ninfer.policy.pressure import Pressure, Verdict
 from ninfer.policy.reclaim import Planner
@@ -117,7 +117,7 @@ class EngineCore:
         self.graphs: P.GraphStats | None = None
         self.structured: P.StructuredStats | None = None
         self._stuck = 0
-        self.summary = EngineSummary(self, config.log_stats_interval_s)
+        self.summary = EngineSummary(config.log_stats_interval_s, self.snapshot())
         # the seed's rules as invariants, checked every cycle (the test suite turns it on)
         self.monitor = RuleMonitor() if os.environ.get("NINFER_RULE_MONITOR") == "1" else None
 
@@ -162,7 +162,7 @@ class EngineCore:
     def cycle(self) -> bool:
         """One engine cycle; returns False when there was nothing to do (the caller waits for
         the next real event: a transfer completion, a new request) — never a silent stall."""
-        self.summary.tick()
+        self.summary.tick(self.snapshot)
         if self.monitor is not None:
             self.monitor.begin(self)
         cmds = self._lifecycle()
@@ -407,6 +407,18 @@ class EngineCore:
         req.finish_reason = FinishReason.ERROR
 
     # ==== test seam ======================================================================
+    def snapshot(self) -> EngineSnapshot:
+        """The engine's counters and state for the periodic summary."""
+        s, c = self.stats, self.rm.stats
+        counters = {"prefill": s.tokens_prefilled, "replay": s.tokens_replayed, "generated": s.tokens_generated,
+                    "hits": c.hits, "queries": c.queries, "hit_losses": c.lost_hits,
+                    "h2d": self.bytes[0], "d2h": self.bytes[1], "preemptions": s.preemptions,
+                    "finished": s.finished, "controller_s": s.cycle_s - s.worker_s, "round_trips": s.steps,
+                    "protocol_bytes": self.protocol_bytes()}
+        return EngineSnapshot(counters, bool(self.requests), len(self.sched.resident), len(self.sched.fresh),
+                              len(self.sched.paused), self.info.host_capacity, self.host_free,
+                              dict(c.lost_by_cause), s.stalls)
+
     def protocol_bytes(self) -> int:
         """Bytes of protocol messages to and from the worker so far (when the transport counts)."""
         return getattr(self.client, "bytes_out", 0) + getattr(self.client, "bytes_in", 0)

@@ -12,70 +12,78 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Callable
+
+import msgspec
 
 from ninfer.logs import fmt_bytes
-
-if TYPE_CHECKING:
-    from ninfer.engine.core import EngineCore
 
 log = logging.getLogger("ninfer.stats")
 
 
+class EngineSnapshot(msgspec.Struct, frozen=True):
+    """What the summary reads of the engine: cumulative counters and the current state. The
+    core builds one when a window closes (``EngineCore.snapshot``); the summary keeps no
+    reference to the core."""
+
+    counters: dict[str, float]        # cumulative: differences over a window are its rates
+    busy: bool                        # requests are open
+    running: int
+    waiting: int
+    paused: int
+    host_capacity: int
+    host_free: int
+    lost_by_cause: dict[str, int]
+    stalls: int
+
+
 class EngineSummary:
-    def __init__(self, core: EngineCore, interval_s: float):
-        self.core = core
+    def __init__(self, interval_s: float, first: EngineSnapshot):
         self.interval = interval_s
         self._at = self._seen = time.monotonic()     # window start; the last cycle
-        self._last = self._counters()
+        self._last = first.counters
 
-    def tick(self) -> None:
-        """Once per cycle. An idle engine runs no cycles: a gap longer than the interval since
-        the last one closes the window at that cycle, so idle time never dilutes the rates."""
+    def tick(self, snapshot: Callable[[], EngineSnapshot]) -> None:
+        """Once per cycle (``snapshot`` is called only when a window closes). An idle engine
+        runs no cycles: a gap longer than the interval since the last one closes the window at
+        that cycle, so idle time never dilutes the rates."""
         if self.interval <= 0:
             return
         now = time.monotonic()
         if now - self._seen > self.interval:
-            self._close(self._seen, busy=False)
+            self._close(self._seen, snapshot(), busy=False)
             self._at = now
         self._seen = now
         if now - self._at >= self.interval:
-            self._close(now, busy=bool(self.core.requests))
+            snap = snapshot()
+            self._close(now, snap, busy=snap.busy)
 
-    def _close(self, end: float, busy: bool) -> None:
-        cur = self._counters()
+    def _close(self, end: float, snap: EngineSnapshot, busy: bool) -> None:
+        cur = snap.counters
         if end > self._at and (cur != self._last or busy) and log.isEnabledFor(logging.INFO):
-            self._emit(end - self._at, cur, self._last)
+            self._emit(end - self._at, snap, self._last)
         self._at, self._last = end, cur
 
-    def _counters(self) -> dict:
-        core = self.core
-        s, c = core.stats, core.rm.stats
-        return {"prefill": s.tokens_prefilled, "replay": s.tokens_replayed, "generated": s.tokens_generated,
-                "hits": c.hits, "queries": c.queries, "hit_losses": c.lost_hits,
-                "h2d": core.bytes[0], "d2h": core.bytes[1], "preemptions": s.preemptions,
-                "finished": s.finished, "controller_s": s.cycle_s - s.worker_s, "round_trips": s.steps,
-                "protocol_bytes": core.protocol_bytes()}
-
-    def _emit(self, dt: float, cur: dict, last: dict) -> None:
-        core = self.core
+    @staticmethod
+    def _emit(dt: float, snap: EngineSnapshot, last: dict) -> None:
+        cur = snap.counters
         d = {k: cur[k] - last[k] for k in cur}
 
         def rate(k: str) -> float:
             return round(d[k] / dt, 1)
-        host_cap = core.info.host_capacity
-        host_used = max(0, host_cap - core.host_free) if host_cap else 0
+        host_cap = snap.host_capacity
+        host_used = max(0, host_cap - snap.host_free) if host_cap else 0
         fields = {
             "event": "engine", "interval_s": round(dt, 3),
             "prefill_tps": rate("prefill"), "replay_tps": rate("replay"), "generation_tps": rate("generated"),
-            "running": len(core.sched.resident), "waiting": len(core.sched.fresh), "paused": len(core.sched.paused),
+            "running": snap.running, "waiting": snap.waiting, "paused": snap.paused,
             "finished": d["finished"], "cache_hits": d["hits"], "cache_queries": d["queries"],
             "cache_hit_rate": round(d["hits"] / d["queries"], 3) if d["queries"] else None,
-            "hit_losses": d["hit_losses"], "hit_losses_by_cause": dict(core.rm.stats.lost_by_cause),
+            "hit_losses": d["hit_losses"], "hit_losses_by_cause": dict(snap.lost_by_cause),
             "bytes_h2d": d["h2d"], "bytes_d2h": d["d2h"], "bytes_h2d_total": cur["h2d"], "bytes_d2h_total": cur["d2h"],
             "host_used_bytes": host_used, "host_capacity_bytes": host_cap,
             "host_use": round(host_used / host_cap, 3) if host_cap else None,
-            "preemptions": d["preemptions"], "stalls": core.stats.stalls,
+            "preemptions": d["preemptions"], "stalls": snap.stalls,
             "controller_s": round(d["controller_s"], 6), "round_trips": d["round_trips"],
             "protocol_bytes": d["protocol_bytes"],
         }
