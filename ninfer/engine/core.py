@@ -91,10 +91,10 @@ class EngineCore:
         if self.info.h2d_bytes_per_s or self.info.prefill_s_per_token:   # measured by the worker at start
             self.rm.cost.calibrate(self.info.h2d_bytes_per_s, self.info.prefill_s_per_token)
         self.pressure = Pressure(self.sched, self.rm, self.info)
-        self.planner = CyclePlanner(self)
+        self.requests: dict[str, Request] = {}
+        self.planner = CyclePlanner(self.sched, self.rm, self.chunk, self.requests)
         self.outcomes = Outcomes(self)
         self.life = Lifecycle(sink)
-        self.requests: dict[str, Request] = {}
         self.by_sid: dict[int, Request] = {}
         self.stats = EngineStats()
         self.telemetry = Telemetry()           # latency histograms and token counters
@@ -168,7 +168,7 @@ class EngineCore:
         cmds = self._lifecycle()
         if self._overdue():
             cmds.append((P.Overdue(), None))
-        plan = self.planner.build()
+        plan = self.planner.build(self.host_kv_pages)
         if self.monitor is not None:
             self.monitor.planned(self, plan)
         cmds += plan.commands

@@ -30,7 +30,8 @@ from ninfer.policy.resources import OPTIONAL_CUTS, Admission, SaveKind, SavePoin
 from ninfer.protocol import BindMode, SnapshotOwner, unit_pages
 
 if TYPE_CHECKING:
-    from ninfer.engine.core import EngineCore
+    from ninfer.policy.resources import ResourceManager
+    from ninfer.policy.scheduler import Scheduler
 
 
 @dataclass
@@ -89,13 +90,20 @@ class Plan:
 
 
 class CyclePlanner:
-    def __init__(self, core: "EngineCore"):
-        self.core = core
+    """Builds each cycle's plan from the Scheduler's and the ResourceManager's decisions. It
+    holds those two and the open requests (to find a pending save's producer), never the core;
+    what the last reply said that planning needs comes in as an argument of ``build``."""
+
+    def __init__(self, sched: "Scheduler", rm: "ResourceManager", chunk: int, requests: dict[str, Request]):
+        self.sched, self.rm, self.chunk, self.requests = sched, rm, chunk, requests
+        self.host_kv_pages = 0
         self._iids = itertools.count(1)
 
-    def build(self) -> Plan:
-        core = self.core
-        sched, plan = core.sched, Plan()
+    def build(self, host_kv_pages: int) -> Plan:
+        """``host_kv_pages``: Main KV pages on the Host in the last reply (a bind's demand is then
+        only known from a quote)."""
+        self.host_kv_pages = host_kv_pages
+        sched, plan = self.sched, Plan()
         self.keep = plan.keep
         lanes = sched.lanes_free
         resume = sched.resume_candidate()
@@ -148,7 +156,7 @@ class CyclePlanner:
         if recovery:
             unit.declined = True             # a full recovery permit is active: no optional save
             return None, sp
-        rm = self.core.rm
+        rm = self.rm
         retire = rm.retire_for(req, sp, rec)
         replace: list[P.Retire] = []
         if SaveKind.ANCHOR in sp.kinds:
@@ -169,9 +177,9 @@ class CyclePlanner:
         return P.Capture(sp.owners[0], retire, replace=replace), sp
 
     def _resident(self, req: Request, kind: ItemKind, recovery: bool) -> Item:
-        core, f = self.core, req.facts
-        points = _cuts(core.rm.book(req).save_points, recovery)
-        unit = next_unit(req, f.frontier, f.ledger_len, core.chunk, points)
+        f = req.facts
+        points = _cuts(self.rm.book(req).save_points, recovery)
+        unit = next_unit(req, f.frontier, f.ledger_len, self.chunk, points)
         if unit.kind is P.UnitKind.DECODE and f.spec:
             unit.kind = P.UnitKind.VERIFY    # the decode row also verifies f.spec drafts (seed: Decode/Verify)
         cap, sp = self._capture(req, unit, points, recovery)
@@ -186,7 +194,6 @@ class CyclePlanner:
     def _resume(self, req: Request) -> Item:
         """Full recovery permit: State, missing KV, tail, rebuild to the old frontier and the
         first real new unit — requested together. Own Snapshot first, else Replay."""
-        core = self.core
         target = req.replay_target or 0
         ledger_len = len(req.ledger)
         adm = None
@@ -195,12 +202,12 @@ class CyclePlanner:
             route, source, mode = "snapshot", req.snapshot, BindMode.MOVE
             mover, start = SnapshotOwner(req.sid), req.snapshot.frontier
         else:
-            route, adm = "replay", core.rm.plan_replay(req)
+            route, adm = "replay", self.rm.plan_replay(req)
             source = adm.source.ref if adm.source else None
             mode, mover, start = BindMode.FORK, None, adm.frontier
-        unit = next_unit(req, start, ledger_len, core.chunk)
+        unit = next_unit(req, start, ledger_len, self.chunk)
         if start < target:
-            after = next_unit(req, target, ledger_len, core.chunk)
+            after = next_unit(req, target, ledger_len, self.chunk)
             first = target - start + after.n_tokens
         else:
             first = unit.n_tokens
@@ -217,7 +224,7 @@ class CyclePlanner:
         of the source may be on the Host)."""
         if source is None:
             return {P.STATE: 1, P.MAIN: unit_pages(0, first, 0, True)}
-        if self.core.host_kv_pages:
+        if self.host_kv_pages:
             return None
         state = 0 if mode is BindMode.MOVE and source.device else 1
         return {P.STATE: state, P.MAIN: unit_pages(start, first, -(-start // P.PAGE), False)}
@@ -226,23 +233,21 @@ class CyclePlanner:
     def _pending_waits(self) -> None:
         """Fresh requests waiting for another's pending save rejoin the scan once it is
         published, or once it will not come."""
-        core = self.core
-        sched, rm = core.sched, core.rm
+        sched, rm = self.sched, self.rm
         for req in list(sched.waiting.values()):   # O(waiters), not O(queue)
             w = rm.books[req.rid].pending if req.rid in rm.books else None
-            producer = core.requests.get(w.producer) if w is not None else None
+            producer = self.requests.get(w.producer) if w is not None else None
             if not rm.pending_holds(req, producer, producer is not None and producer.rid in sched.resident):
                 sched.wait_pending(req, False)        # it chooses again now
 
     def _producers(self) -> list:
         """Residents with saves still ahead: (request, frontier now, pending save points)."""
-        rm = self.core.rm
-        return [(r, r.facts.frontier, rm.books[r.rid].save_points) for r in self.core.sched.resident.values()
+        rm = self.rm
+        return [(r, r.facts.frontier, rm.books[r.rid].save_points) for r in self.sched.resident.values()
                 if r.live and r.facts is not None and r.rid in rm.books and rm.books[r.rid].save_points]
 
     def _fresh(self, plan: Plan, lanes: int, chunk_taken: bool, recovery: bool) -> None:
-        core = self.core
-        sched, rm = core.sched, core.rm
+        sched, rm = self.sched, self.rm
         self._pending_waits()
         cands = sched.fresh_candidates()
         if not cands:
@@ -275,7 +280,7 @@ class CyclePlanner:
                 plan.commands += [(c, None) for c in rm.end_wait(req)]     # reselected, or moved
             save_points = rm.save_plan(req, adm.frontier, adm.record)
             points = _cuts(save_points, recovery)
-            unit = next_unit(req, adm.frontier, len(req.prompt), core.chunk, points)
+            unit = next_unit(req, adm.frontier, len(req.prompt), self.chunk, points)
             cap, sp = self._capture(req, unit, points, recovery, adm.record)
             iid = next(self._iids)
             spec = P.UnitSpec(unit.n_tokens, unit.kind, capture=cap)

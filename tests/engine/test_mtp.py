@@ -182,7 +182,7 @@ def test_a_verify_unit_reserves_its_speculative_peak(make):
     assert seq.frontier == 61 and len(seq.drafts) == 3 and len(seq.blocks["main"]) == 1
     assert h.worker.prog.seq_demand(seq, 1) == {"main": 1}      # positions 61..64: a second page
     assert req.facts.spec == 3
-    plan = h.core.planner.build()
+    plan = h.core.planner.build(h.core.host_kv_pages)
     [item] = [i for i in plan.items if i.req is req]
     assert item.unit.kind.name == "VERIFY" and item.need.demand == {"main": 1}
 

@@ -314,7 +314,7 @@ def test_a_resume_that_cannot_bind_leaves_the_prefill_turn_to_a_resident(make):
     h.run(until=lambda: (r := _req(h, young)) is not None and r.phase is Phase.PAUSED)
     assert h.req(old).frontier < 199, "the older resident is still prefilling"
     h.core.sched.event()                      # a capacity event: the paused request may try
-    plan = h.core.planner.build()
+    plan = h.core.planner.build(h.core.host_kv_pages)
     [resume] = [i for i in plan.items if i.kind == "resume"]
     [chunk] = [i for i in plan.items if i.kind == "chunk"]
     assert chunk.req is h.req(old) and resume.spec.n_tokens > 1
