@@ -870,4 +870,11 @@ def run(words: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    import signal
+    # a run stopped from outside (timeout, kill) still restores the file it broke: SIGTERM
+    # becomes SystemExit, which passes through the entry's ``finally``
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(__doc__)
+        sys.exit(0)
     sys.exit(run(sys.argv[1:]))
