@@ -4,7 +4,9 @@ bytes travel over the in-process channel and over Ray."""
 from __future__ import annotations
 
 import inspect
+import re
 import typing
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -178,3 +180,10 @@ def test_lost_error_takes_only_a_lost_kind():
     with pytest.raises(ValueError):
         lost_error(P.ErrorKind.DEVICE_ERROR, "x")
 
+
+def test_every_error_kind_is_documented():
+    """docs/api.md "Error types" lists exactly the ErrorKind values."""
+    doc = (Path(__file__).resolve().parent.parent / "docs/api.md").read_text()
+    section = doc.split("### Error types (`Output.error`)", 1)[1].split("\n### ", 1)[0]
+    listed = re.findall(r"^\| `([A-Za-z_]+)` \|", section, flags=re.M)
+    assert sorted(listed) == sorted(k.value for k in P.ErrorKind), listed
