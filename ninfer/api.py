@@ -22,41 +22,25 @@ from ninfer import protocol as P
 from ninfer.config import EngineConfig
 from ninfer.lifecycle import as_dict
 from ninfer.protocol import PromptLogprob, RequestSpec, TokenLogprob
-from ninfer.errors import RequestError, lost_error
+from ninfer.errors import ErrorKind, RequestError, lost_error
 from ninfer.sampling_params import SamplingParams
 
 log = logging.getLogger("ninfer.api")
 
 
-@dataclass
-class UsageView:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    prefill_tokens: int = 0
-    replay_tokens: int = 0
-
-
-@dataclass
-class TimingsView:
-    """Derived from the request's lifecycle events (``ninfer.lifecycle.derive_timings``); times
-    are the controller's time.monotonic()."""
-
-    ttft_s: float | None = None
-    e2e_s: float | None = None
-    max_output_gap_s: float = 0.0
-    queue_s: float | None = None
-    arrival: float | None = None           # the ``queued`` moment
-    admitted_at: float | None = None       # the first admission
-    paused_s: float = 0.0                  # time spent paused (every pause, until its resume)
-    source_wait_s: float = 0.0             # time waiting for a restore point another request
-                                           # was about to publish (a pending source)
+# ``Output.usage`` and ``Output.timings``: the structs the engine's FinalEvent carries (one
+# definition each, in ninfer.protocol), under their public names
+UsageView = P.Usage
+TimingsView = P.Timings
 
 
 @dataclass
 class Output:
     """A terminal result (API.md: out.token_ids, text, finish_reason, error, usage, timings,
-    pauses). ``logprobs``: one ``TokenLogprob`` per output token when the request asked
+    pauses). ``error``: None or ``{"type", "message"}`` (and ``"retryable": True`` when a
+    retry is served), ``type`` an ``ErrorKind`` value; ``pauses``: ``{"route", "frontier",
+    "paused_at", "resumed_at"}`` each (no ``resumed_at`` when it ended paused).
+    ``logprobs``: one ``TokenLogprob`` per output token when the request asked
     (``logprobs=k``), else None. ``prompt_logprobs`` (vLLM's ``RequestOutput.prompt_logprobs``):
     when the request asked (``prompt_logprobs=k``), one entry per prompt token — None for the
     first, then a ``PromptLogprob`` (token_id, logprob, rank, top) — else None."""
@@ -382,16 +366,14 @@ class Engine:
             # ended outside the engine core (rejected at its intake, connection or controller
             # lost): the client marks the end itself, so every handle's lifecycle has one
             handle._note({"event": "finished", "t": time.monotonic(), "wall": time.time(),
-                          "finish_reason": str(ev.finish_reason), **({"error": ev.error.get("type")} if ev.error else {})})
-        usage = {k: ev.usage.get(k, 0) for k in ("prompt_tokens", "completion_tokens", "cached_tokens",
-                                                 "prefill_tokens", "replay_tokens")}
-        timings = {k: ev.timings.get(k) for k in ("ttft_s", "e2e_s", "queue_s", "arrival", "admitted_at")}
-        extra = {k: ev.timings.get(k) or 0.0 for k in ("max_output_gap_s", "paused_s", "source_wait_s")}
+                          "finish_reason": str(ev.finish_reason),
+                          **({"error": ev.error.kind.value} if ev.error is not None else {})})
         handle._deliver(Output(
             rid=ev.rid, token_ids=list(ev.token_ids), text=self._text(ev.token_ids),
-            finish_reason=str(ev.finish_reason), error=ev.error, usage=UsageView(**usage),
-            timings=TimingsView(**timings, **extra),
-            pauses=list(ev.pauses), prompt_token_ids=list(ev.prompt_token_ids), logprobs=ev.logprobs,
+            finish_reason=str(ev.finish_reason), error=None if ev.error is None else ev.error.as_dict(),
+            usage=ev.usage if ev.usage is not None else P.Usage(),        # None: ended outside the engine
+            timings=ev.timings if ev.timings is not None else P.Timings(),
+            pauses=[p.as_dict() for p in ev.pauses], prompt_token_ids=list(ev.prompt_token_ids), logprobs=ev.logprobs,
             prompt_logprobs=ev.prompt_logprobs))
 
     def _text(self, ids: list[int]) -> str:
@@ -400,8 +382,8 @@ class Engine:
     def _fail_outstanding(self, message: str) -> None:
         """The connection to the deployment was lost: no client waits forever."""
         for rid in list(self._handles):
-            self._on_event(P.FinalEvent(rid, P.FinishReason.ERROR, [], {}, {}, [],
-                                        lost_error("connection_lost", message)))
+            self._on_event(P.FinalEvent(rid, P.FinishReason.ERROR, [], None, None, [],
+                                        lost_error(ErrorKind.CONNECTION_LOST, message)))
 
     # ---- engine-wide ----------------------------------------------------------------------
     def alive(self) -> bool:

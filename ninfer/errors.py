@@ -6,6 +6,8 @@ Every error a user can cause carries a one-line message that names the offending
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 
 class NInferError(Exception):
     """Base class of every error NInfer raises on purpose."""
@@ -55,12 +57,35 @@ class MediaError(RequestError):
     """
 
 
+class ErrorKind(StrEnum):
+    """Why one request ended with finish_reason "error": ``Output.error["type"]`` (and the
+    ``finished`` lifecycle event's ``error``). The value is the public spelling (docs/api.md,
+    "Error types"); a failure carries one of these and nothing else (msgspec refuses any other
+    value when it decodes an event)."""
+
+    TIMEOUT = "timeout"                        # not admitted within request_timeout_s
+    CAPACITY_CONTRACT = "capacity_contract"    # the sole remaining request cannot get a legal unit
+    COPY_FAILED = "copy_failed"                # a copy of its content (a read-back) failed
+    DEVICE_ERROR = "device_error"              # the forward call that computed its unit failed
+    PROMPT_LOGPROBS = "prompt_logprobs"        # prompt positions whose entries were never computed
+    REQUEST_ERROR = "RequestError"             # the controller's intake refused its spec
+    RUNTIME_ERROR = "RuntimeError"             # the worker could not execute its intent, or the
+    #                                            engine cycle failed (internal error)
+    WORKER_LOST = "worker_lost"                # LOST_KINDS: retryable, the engine serves on
+    CONTROLLER_LOST = "controller_lost"
+    CONNECTION_LOST = "connection_lost"
+    REPLICA_LOST = "replica_lost"
+
+
 RETRY_HINT = "; nothing else was lost and the engine serves on: retry the request"
-LOST_KINDS = ("worker_lost", "controller_lost", "connection_lost", "replica_lost")
+LOST_KINDS = (ErrorKind.WORKER_LOST, ErrorKind.CONTROLLER_LOST, ErrorKind.CONNECTION_LOST, ErrorKind.REPLICA_LOST)
 
 
-def lost_error(kind: str, message: str) -> dict:
-    """``Output.error`` of a request that a lost worker or controller took down mid-generation
+def lost_error(kind: ErrorKind, message: str):
+    """The ``Failure`` of a request that a lost worker or controller took down mid-generation
     (one that had produced no token yet is resubmitted instead): its kind (``LOST_KINDS``), what
     happened, and that a retry is served (``retryable``; HTTP: 503 with ``Retry-After``)."""
-    return {"type": kind, "message": message + RETRY_HINT, "retryable": True}
+    from ninfer.protocol import Failure        # protocol imports this module
+    if kind not in LOST_KINDS:
+        raise ValueError(f"{kind!r} is not a lost kind ({', '.join(LOST_KINDS)})")
+    return Failure(kind, message + RETRY_HINT, retryable=True)

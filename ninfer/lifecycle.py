@@ -28,6 +28,8 @@ def as_dict(ev: P.LifecycleEvent) -> dict:
         v = getattr(ev, name)
         if v is not None:
             out[name] = v
+    if ev.error is not None:
+        out["error"] = P.ErrorKind(ev.error).value      # its public spelling, a plain str
     if ev.finish_reason is not None:
         out["finish_reason"] = str(P.FinishReason(ev.finish_reason))
     return out

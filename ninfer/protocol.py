@@ -35,6 +35,7 @@ from enum import IntEnum
 
 import msgspec
 
+from ninfer.errors import ErrorKind  # noqa: F401 (a Failure's kind: one vocabulary, re-exported)
 from ninfer.sampling_params import Constraint, SamplingParams  # noqa: F401 (Constraint travels in params)
 
 PROTOCOL_VERSION = 2
@@ -824,14 +825,82 @@ class TokensEvent(msgspec.Struct, tag="tokens", array_like=True, gc=False):
     prompt_logprobs: list[PromptLogprob | None] | None = None
 
 
+# A request's result (FinalEvent): map-encoded, not array_like — their encodings are the dicts
+# a FinalEvent carried before they were typed (an older FinalEvent still decodes; a Failure's
+# bytes are the former error dict's), and Usage and Timings are ``Output.usage`` / ``.timings``.
+
+class Usage(msgspec.Struct, gc=False):
+    """A request's token counts (``Output.usage``; the engine's record keeps it up to date)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0          # prompt tokens served from a reused checkpoint (real reuse)
+    prefill_tokens: int = 0         # prompt tokens computed by initial prefill
+    replay_tokens: int = 0          # tokens recomputed by Replay after a pause
+
+
+class Timings(msgspec.Struct, gc=False):
+    """``Output.timings``: derived from the request's lifecycle events
+    (``ninfer.lifecycle.derive_timings``); times are the controller's time.monotonic()."""
+
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    max_output_gap_s: float = 0.0
+    queue_s: float | None = None
+    arrival: float | None = None           # the ``queued`` moment
+    admitted_at: float | None = None       # the first admission
+    paused_s: float = 0.0                  # time spent paused (every pause, until its resume)
+    source_wait_s: float = 0.0             # time waiting for a restore point another request
+    #                                        was about to publish (a pending source)
+
+
+class PauseEntry(msgspec.Struct, omit_defaults=True, gc=False):
+    """One pause of a request (``Output.pauses``, as ``as_dict()``): its route ("snapshot" |
+    "replay"; the one it resumed by once it has), the frontier it paused at, and when."""
+
+    route: str
+    frontier: int
+    paused_at: float
+    resumed_at: float | None = None        # None: it ended paused
+
+    def as_dict(self) -> dict:
+        out = {"route": self.route, "frontier": self.frontier, "paused_at": self.paused_at}
+        if self.resumed_at is not None:
+            out["resumed_at"] = self.resumed_at
+        return out
+
+
+class Failure(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
+    """Why a request ended with FinishReason.ERROR: ``Output.error`` is its ``as_dict()``
+    (``{"type", "message"}``, and ``"retryable": True`` when a retry is served)."""
+
+    kind: ErrorKind = msgspec.field(name="type")
+    message: str
+    retryable: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, ErrorKind):
+            raise TypeError(f"a failure's kind is an ErrorKind, not {self.kind!r}")
+
+    def as_dict(self) -> dict:
+        out = {"type": self.kind.value, "message": self.message}
+        if self.retryable:
+            out["retryable"] = True
+        return out
+
+
 class FinalEvent(msgspec.Struct, tag="final", array_like=True):
+    """A request's result. ``usage`` and ``timings`` are None when it ended outside the engine
+    (rejected at the controller's intake, or ended by the frontend or client when what held it
+    was lost): no books of its own."""
+
     rid: str
     finish_reason: FinishReason
     token_ids: list[int]
-    usage: dict[str, int]
-    timings: dict[str, float | None]
-    pauses: list[dict]
-    error: dict | None = None
+    usage: Usage | None
+    timings: Timings | None
+    pauses: list[PauseEntry]
+    error: Failure | None = None
     prompt_token_ids: list[int] = []   # the exact prompt the engine computed
     logprobs: list[TokenLogprob] | None = None   # one per output token, when the request asked
     # vLLM's prompt_logprobs when the request asked: [None, entry of prompt token 1, ...] (complete
@@ -863,7 +932,7 @@ class LifecycleEvent(msgspec.Struct, tag="life", array_like=True, omit_defaults=
         paused     route (planned: "snapshot" keeps State/KV, "replay" is destructive), reason
                    (taken_back | lane_take_back | cannot_progress | forced), frontier
         resumed    route (taken: a revoked snapshot resumes by "replay"), frontier
-        finished   finish_reason, error (its type), max_output_gap_s and source_wait_s (measured
+        finished   finish_reason, error (its ErrorKind), max_output_gap_s and source_wait_s (measured
                    on the controller: token commits and pending-source waits are no events)
     """
 
@@ -876,7 +945,7 @@ class LifecycleEvent(msgspec.Struct, tag="life", array_like=True, omit_defaults=
     reason: str | None = None
     frontier: int | None = None
     finish_reason: FinishReason | None = None
-    error: str | None = None
+    error: ErrorKind | None = None
     max_output_gap_s: float | None = None
     source_wait_s: float | None = None
 

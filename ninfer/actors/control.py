@@ -25,7 +25,7 @@ from ninfer import protocol as P
 from ninfer.actors.transport import WorkerLost, WorkerTimeout
 from ninfer.config import EngineConfig
 from ninfer.engine.core import EngineCore
-from ninfer.errors import RequestError, lost_error
+from ninfer.errors import ErrorKind, RequestError, lost_error
 from ninfer.faults import FaultPlan
 from ninfer.frontend.request_stats import Histogram
 from ninfer.protocol import FinishReason, RequestSpec
@@ -128,8 +128,8 @@ class ControlLoop:
                 try:
                     self.core.add(arg, queued_at=fut)
                 except RequestError as exc:
-                    self._sink(P.FinalEvent(arg.rid, FinishReason.ERROR, [], {}, {}, [],
-                                            {"type": "RequestError", "message": str(exc)}))
+                    self._sink(P.FinalEvent(arg.rid, FinishReason.ERROR, [], None, None, [],
+                                            P.Failure(ErrorKind.REQUEST_ERROR, str(exc))))
             elif kind == "cancel":
                 self.core.cancel(arg)
             else:
@@ -181,7 +181,7 @@ class ControlLoop:
 
     def _fail_all(self, message: str) -> None:
         for req in list(self.core.requests.values()):
-            self.core.fail(req, RuntimeError(message))
+            self.core.fail(req, ErrorKind.RUNTIME_ERROR, message)
 
     # ---- supervision ------------------------------------------------------------------------
     def _recover(self, cause: str, hung: bool = False) -> None:
@@ -193,7 +193,7 @@ class ControlLoop:
         self.recoveries += 1
         log.warning("GPU worker lost (%s); recreating it", cause)
         message = f"the GPU worker failed and was restarted ({cause}) while this request was generating"
-        keep = self._end_all("worker_lost", message, keep_unstarted=True)
+        keep = self._end_all(ErrorKind.WORKER_LOST, message, keep_unstarted=True)
         consumed = dict(self.core.faults_fired)
         kind = "worker_hang" if hung else "worker_death"
         if any(f.kind == kind for f in self._worker_faults.faults):
@@ -206,8 +206,8 @@ class ControlLoop:
         tokens fail with ``controller_lost`` (as the frontend reports them over Ray), the ones
         that had not start again on a fresh worker and core (as the frontend resubmits them)."""
         self.restarts += 1
-        keep = self._end_all("controller_lost", "the engine controller was restarted while this request was "
-                                                "generating", keep_unstarted=True)
+        keep = self._end_all(ErrorKind.CONTROLLER_LOST, "the engine controller was restarted while this request "
+                                                        "was generating", keep_unstarted=True)
         self._renew(self._worker_faults.remaining(self.core.faults_fired))
         self._carry(keep)
 
@@ -216,7 +216,7 @@ class ControlLoop:
             self.core.add(req.spec, carry=req)
         self.resubmitted += len(keep)
 
-    def _end_all(self, kind: str, message: str, keep_unstarted: bool) -> list:
+    def _end_all(self, kind: ErrorKind, message: str, keep_unstarted: bool) -> list:
         old, keep = self.core, []
         for req in list(old.requests.values()):
             if keep_unstarted and req.live and not req.outputs:

@@ -36,7 +36,7 @@ from ray.exceptions import RayActorError, RayError
 from ninfer import protocol as P
 from ninfer.config import decode_config
 from ninfer.actors.startup import last_error_line, startup_error
-from ninfer.errors import NInferError, RequestError, lost_error
+from ninfer.errors import ErrorKind, NInferError, RequestError, lost_error
 from ninfer.faults import Fault
 from ninfer.logs import configure as configure_logging
 from ninfer.protocol import FinishReason, RequestSpec
@@ -459,7 +459,7 @@ class Frontend:
 
     async def cancel(self, rid: str) -> None:
         if self._recovering is not None and self.unstarted.pop(rid, None) is not None:
-            self._fail(rid, "cancelled", None)       # never resubmitted: it ends here
+            self._fail(rid, None)                    # cancelled, never resubmitted: it ends here
             return
         try:
             await self.controller.cancel.remote(rid)
@@ -615,7 +615,7 @@ class Frontend:
         log.warning("%s: failing the requests that had produced tokens, resubmitting the others", message)
         try:
             for rid in [r for r in self.owner if r not in self.unstarted]:
-                self._fail(rid, "controller_lost", f"{message} while this request was generating")
+                self._fail(rid, ErrorKind.CONTROLLER_LOST, f"{message} while this request was generating")
             self._push()
             await self._await_controller(epoch)
             while True:                              # new arrivals while it came back go too
@@ -664,12 +664,13 @@ class Frontend:
                 await asyncio.sleep(0.1)
         return await self.controller.ping.remote()
 
-    def _fail(self, rid: str, kind: str, message: str | None) -> None:
-        """End one request here (the controller that had it is gone)."""
-        if message is None:
-            ev = P.FinalEvent(rid, FinishReason.CANCELLED, [], {}, {}, [], None)
+    def _fail(self, rid: str, kind: ErrorKind | None, message: str = "") -> None:
+        """End one request here (the controller that had it is gone): failed with a lost
+        ``kind``, or cancelled (None)."""
+        if kind is None:
+            ev = P.FinalEvent(rid, FinishReason.CANCELLED, [], None, None, [], None)
         else:
-            ev = P.FinalEvent(rid, FinishReason.ERROR, [], {}, {}, [], lost_error(kind, message))
+            ev = P.FinalEvent(rid, FinishReason.ERROR, [], None, None, [], lost_error(kind, message))
         self.intake.observe(ev)                      # counted with the engine's own failures
         self._route(ev)
 

@@ -30,6 +30,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
+
 from ninfer import protocol as P
 from ninfer.config import EngineConfig
 from ninfer.engine.events import Lifecycle
@@ -39,7 +41,7 @@ from ninfer.engine.planning import CyclePlanner, Plan
 from ninfer.engine.request import Request
 from ninfer.engine.telemetry import Telemetry
 from ninfer.engine.throughput import EngineSnapshot, EngineSummary
-from ninfer.errors import CapacityContractError, IntegrityError, RequestError
+from ninfer.errors import ErrorKind, IntegrityError, RequestError
 from ninfer.policy.pressure import Pressure, Verdict
 from ninfer.policy.reclaim import Planner
 from ninfer.policy.resources import ResourceManager
@@ -314,8 +316,8 @@ class EngineCore:
                 self.stats.stalls += 1
                 self.stats.capacity_errors += 1
                 log.warning("no request can progress; failing the oldest (%s)", oldest.rid)
-                self.fail(oldest, CapacityContractError(
-                    f"request {oldest.rid} cannot progress: nothing else holds or will release capacity"))
+                self.fail(oldest, ErrorKind.CAPACITY_CONTRACT,
+                          f"request {oldest.rid} cannot progress: nothing else holds or will release capacity")
                 return True
         return False
 
@@ -330,7 +332,7 @@ class EngineCore:
                     and now - req.arrival > timeout):
                 # ingress timeout: counted from the original arrival until first admission; a
                 # later pause does not restart it
-                req.error = {"type": "timeout", "message": f"not admitted within {timeout} s"}
+                req.error = P.Failure(ErrorKind.TIMEOUT, f"not admitted within {timeout} s")
                 req.finish_reason = FinishReason.ERROR
             if req.cancel_requested and req.finish_reason is None:
                 self._end(req, FinishReason.CANCELLED, cmds)
@@ -374,7 +376,8 @@ class EngineCore:
         wait, lost = costs if costs is not None else self._costs(req)
         req.finished_at = time.monotonic()
         self.life.publish(req, Life.FINISHED, req.finished_at, finish_reason=req.finish_reason,
-                          error=(req.error or {}).get("type"), max_output_gap_s=req.max_gap, source_wait_s=wait)
+                          error=req.error.kind if req.error is not None else None, max_output_gap_s=req.max_gap,
+                          source_wait_s=wait)
         timings = self.life.timings(req)
         self.life.summary(req, timings, lost)
         req.phase = Phase.FINISHED
@@ -390,20 +393,17 @@ class EngineCore:
         self.telemetry.finished_request(req, timings)
         self.sink(P.FinalEvent(
             rid=req.rid, finish_reason=req.finish_reason, token_ids=list(req.outputs),
-            usage={"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-                   "cached_tokens": u.cached_tokens, "prefill_tokens": u.prefill_tokens,
-                   "replay_tokens": u.replay_tokens},
+            usage=msgspec.structs.replace(u),          # a copy: the record's own stays with it
             timings=timings,
             pauses=list(req.pauses), error=req.error, prompt_token_ids=list(req.prompt),
             logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
             prompt_logprobs=[None, *req.prompt_logprobs] if req.params.prompt_logprobs is not None else None))
 
-    def fail(self, req: Request, exc: Exception, kind: str | None = None) -> None:
+    def fail(self, req: Request, kind: ErrorKind, message: str) -> None:
         """Fail one request with a clear error (it alone); its books close next cycle."""
         if req.finish_reason is not None:
             return
-        kind = kind or ("capacity_contract" if isinstance(exc, CapacityContractError) else type(exc).__name__)
-        req.error = {"type": kind, "message": str(exc)}
+        req.error = P.Failure(kind, message)
         req.finish_reason = FinishReason.ERROR
 
     # ==== test seam ======================================================================

@@ -45,34 +45,34 @@ class Lifecycle:
         return True
 
     @staticmethod
-    def timings(req) -> dict:
+    def timings(req) -> P.Timings:
         """``Output.timings`` of this request, derived from its events as any reader would."""
-        return derive_timings([as_dict(e) for e in req.life])
+        return P.Timings(**derive_timings([as_dict(e) for e in req.life]))
 
-    def summary(self, req, timings: dict, lost: dict | None) -> None:
+    def summary(self, req, timings: P.Timings, lost: dict | None) -> None:
         """One line per finished request: work done, user-visible times, pauses, lost restore
         points (seed: 日志 ... 分别报告请求结果、命中与真实工作、物理搬运、抢占恢复和用户可见时延)."""
         if not log.isEnabledFor(logging.INFO):
             return
         u = req.usage
-        routes = Counter(p.get("route", "replay") for p in req.pauses)
+        routes = Counter(p.route for p in req.pauses)
         fields = {
             "event": "request", "rid": req.rid, "finish_reason": str(req.finish_reason),
-            "error": (req.error or {}).get("type"),
+            "error": None if req.error is None else req.error.kind.value,
             "prompt_tokens": u.prompt_tokens, "cached_tokens": u.cached_tokens,
             "prefill_tokens": u.prefill_tokens, "replay_tokens": u.replay_tokens,
             "completion_tokens": len(req.outputs),
-            **{k: timings.get(k) for k in ("ttft_s", "e2e_s", "max_output_gap_s", "queue_s", "paused_s",
-                                           "source_wait_s")},
+            **{k: getattr(timings, k) for k in ("ttft_s", "e2e_s", "max_output_gap_s", "queue_s", "paused_s",
+                                                "source_wait_s")},
             "pauses": {"snapshot": routes.get("snapshot", 0), "replay": routes.get("replay", 0)},
             "lost": lost,
         }
         text = (f"request {req.rid} {fields['finish_reason']}"
                 + (f" ({fields['error']})" if fields["error"] else "")
                 + f": prompt {u.prompt_tokens} (cached {u.cached_tokens}, prefill {u.prefill_tokens}, "
-                  f"replay {u.replay_tokens}), completion {len(req.outputs)}; ttft {fmt_s(timings['ttft_s'])}, "
-                  f"e2e {fmt_s(timings['e2e_s'])}, max gap {fmt_s(timings['max_output_gap_s'])}, "
-                  f"paused {fmt_s(timings['paused_s'])} (snapshot {routes.get('snapshot', 0)}, "
+                  f"replay {u.replay_tokens}), completion {len(req.outputs)}; ttft {fmt_s(timings.ttft_s)}, "
+                  f"e2e {fmt_s(timings.e2e_s)}, max gap {fmt_s(timings.max_output_gap_s)}, "
+                  f"paused {fmt_s(timings.paused_s)} (snapshot {routes.get('snapshot', 0)}, "
                   f"replay {routes.get('replay', 0)})"
                 + (f"; lost restore point at {lost['frontier']} ({lost['cause']}, {lost['tokens']} tokens "
                    f"recomputed)" if lost else ""))

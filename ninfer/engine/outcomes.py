@@ -21,7 +21,7 @@ from ninfer import protocol as P
 from ninfer.engine.planning import Item, Plan
 from ninfer.engine.request import Request
 from ninfer.engine.units import account
-from ninfer.errors import CapacityContractError, IntegrityError
+from ninfer.errors import ErrorKind
 from ninfer.policy.pressure import ItemKind
 from ninfer.protocol import CaptureResult, Life, Outcome, Phase, Refusal, UnitKind
 
@@ -29,14 +29,6 @@ if TYPE_CHECKING:
     from ninfer.engine.core import EngineCore
 
 log = logging.getLogger("ninfer.engine")
-
-
-class CopyFailed(RuntimeError):
-    """A copy of this request's content failed (its read-back could not be completed)."""
-
-
-class DeviceError(RuntimeError):
-    """The forward call that computed this request's unit failed."""
 
 
 class Outcomes:
@@ -101,7 +93,7 @@ class Outcomes:
                 if req is not None:
                     req.sid = None             # the worker released the sequence
                     core.by_sid.pop(sid, None)
-                    core.fail(req, CopyFailed(f"a copy of this request's content failed ({s.error})"), "copy_failed")
+                    core.fail(req, ErrorKind.COPY_FAILED, f"a copy of this request's content failed ({s.error})")
             self._lost(s.lost_cids)
         core.sched.event(causes)               # a transfer completion: capacity may have returned
         return True
@@ -155,7 +147,7 @@ class Outcomes:
         req.recovery_pending = False          # a pause ends the permit it held (its sequence let go)
         now = time.monotonic()
         route = "snapshot" if out.snapshot else "replay"
-        req.pauses.append({"route": route, "frontier": req.frontier, "paused_at": now})
+        req.pauses.append(P.PauseEntry(route, req.frontier, now))
         core.life.publish(req, Life.PAUSED, now, route=route, reason=reason, frontier=req.frontier)
         core.sched.pause(req)
         core.stats.preemptions += 1
@@ -179,7 +171,7 @@ class Outcomes:
         self._applied(item, out)
         req = item.req
         if out.outcome is Outcome.FAILED:
-            self.core.fail(req, RuntimeError(f"execution failed: {out.detail}"))
+            self.core.fail(req, ErrorKind.RUNTIME_ERROR, f"execution failed: {out.detail}")
             return True
         if item.contract is not None and out.outcome is Outcome.SHORT and out.paused is None:
             # the sole request that holds or needs capacity, short after all legal reclaim (the
@@ -192,7 +184,7 @@ class Outcomes:
                 return True
             # the capacity contract, not a wait for nobody
             self.core.stats.capacity_errors += 1
-            self.core.fail(req, CapacityContractError(item.contract))
+            self.core.fail(req, ErrorKind.CAPACITY_CONTRACT, item.contract)
             return True
         if item.kind in (ItemKind.ROW, ItemKind.CHUNK):
             if out.facts is not None and req.phase is Phase.RUNNING:
@@ -242,8 +234,8 @@ class Outcomes:
             core.sched.begin_recovery(req)
             req.recovery_pending = True
             now = time.monotonic()
-            req.pauses[-1]["route"] = item.route
-            req.pauses[-1]["resumed_at"] = now
+            req.pauses[-1].route = item.route
+            req.pauses[-1].resumed_at = now
             core.life.publish(req, Life.RESUMED, now, route=item.route, frontier=req.frontier)
             req.snapshot = None
             core.rm.on_resumed(req, item.adm)
@@ -283,7 +275,7 @@ class Outcomes:
                 self._save_prepared(req, item, u)
             req.sid = None
             core.by_sid.pop(u.sid, None)
-            core.fail(req, DeviceError(f"the forward call failed: {u.error}"), "device_error")
+            core.fail(req, ErrorKind.DEVICE_ERROR, f"the forward call failed: {u.error}")
             return True
         if u.facts is not None:
             req.facts = u.facts
@@ -332,8 +324,8 @@ class Outcomes:
             return True
         have = len(req.prompt_logprobs)
         last = u.prompt_from - 1 if not ok else len(req.prompt) - 1
-        self.core.fail(req, IntegrityError(f"prompt_logprobs: the entries of prompt tokens {have + 1}..{last} were "
-                                           "never computed (a restored prefix skipped them)"), "prompt_logprobs")
+        self.core.fail(req, ErrorKind.PROMPT_LOGPROBS, f"prompt_logprobs: the entries of prompt tokens "
+                       f"{have + 1}..{last} were never computed (a restored prefix skipped them)")
         return False
 
     def _save_prepared(self, req: Request, item: Item, u: P.UnitOut) -> None:

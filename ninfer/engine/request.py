@@ -12,19 +12,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import msgspec
-
-from ninfer.protocol import CkptRef, FinishReason, Phase, RequestSpec, SeqFacts  # noqa: F401  (re-exported)
-from ninfer.protocol import Life, LifecycleEvent, PromptLogprob, TokenLogprob
+from ninfer.protocol import CkptRef, FinishReason, Phase, RequestSpec, SeqFacts, Usage  # noqa: F401  (re-exported)
+from ninfer.protocol import Failure, Life, LifecycleEvent, PauseEntry, PromptLogprob, TokenLogprob
 from ninfer.sampling_params import SamplingParams
-
-
-class Usage(msgspec.Struct):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0          # prompt tokens served from a reused checkpoint (real reuse)
-    prefill_tokens: int = 0         # prompt tokens computed by initial prefill
-    replay_tokens: int = 0          # tokens recomputed by Replay after a pause
 
 
 @dataclass(eq=False)
@@ -41,7 +31,7 @@ class Request:
     # (kept across pauses; ``len`` = prompt positions whose entry it holds)
     prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
     finish_reason: FinishReason | None = None
-    error: dict | None = None
+    error: Failure | None = None
     cancel_requested: bool = False
     facts: SeqFacts | None = None           # mirror of the worker's sequence
     # times (published once: ``life`` holds the published events, ``published`` their kinds)
@@ -53,7 +43,7 @@ class Request:
     finished_at: float | None = None
     max_gap: float = 0.0
     usage: Usage = field(default_factory=Usage)
-    pauses: list[dict] = field(default_factory=list)
+    pauses: list[PauseEntry] = field(default_factory=list)
     # the continuation across pauses
     snapshot: CkptRef | None = None         # its own pause snapshot (Snapshot route)
     replay_target: int | None = None        # frontier to rebuild before new progress

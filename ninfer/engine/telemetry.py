@@ -55,14 +55,14 @@ class Telemetry:
         if gap is not None:
             self.hist["itl_s"].observe(gap)
 
-    def finished_request(self, req, timings: dict) -> None:
-        """``timings``: the request's derived timings (``ninfer.lifecycle``)."""
+    def finished_request(self, req, timings) -> None:
+        """``timings``: the request's derived ``protocol.Timings`` (``ninfer.lifecycle``)."""
         for name in ("ttft_s", "e2e_s", "queue_s"):
-            v = timings.get(name)
+            v = getattr(timings, name)
             if v is not None:
                 self.hist[name].observe(v)
-        self.paused_s += timings.get("paused_s") or 0.0
-        self.source_wait_s += timings.get("source_wait_s") or 0.0
+        self.paused_s += timings.paused_s or 0.0
+        self.source_wait_s += timings.source_wait_s or 0.0
         self.prompt_tokens += req.usage.prompt_tokens
         self.generation_tokens += len(req.outputs)
         self.finished[str(req.finish_reason)] += 1

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
-from ninfer.errors import RequestError
+from ninfer.errors import LOST_KINDS, ErrorKind, RequestError
 
 
 class ApiError(Exception):
@@ -34,7 +34,7 @@ def not_found(message: str, param: str | None = None, code: str | None = None) -
 
 # An engine that lost a worker, a controller or its connection, or a device or copy that
 # failed, serves on: the request that met it is a 503 with its kind, and a retry is served.
-RETRYABLE = ("worker_lost", "controller_lost", "connection_lost", "replica_lost", "device_error", "copy_failed")
+RETRYABLE = tuple(k.value for k in (*LOST_KINDS, ErrorKind.DEVICE_ERROR, ErrorKind.COPY_FAILED))
 RETRY_AFTER = {"retry-after": "1"}
 
 
@@ -58,7 +58,7 @@ def engine_error(out) -> ApiError:
     message = err.get("message", "the request failed")
     if kind in RETRYABLE:
         return ApiError(503, message, kind=kind, code="retryable", headers=RETRY_AFTER)
-    return ApiError(400 if kind == "RequestError" else 500, message, kind=kind)
+    return ApiError(400 if kind == ErrorKind.REQUEST_ERROR else 500, message, kind=kind)
 
 
 # ---- usage ----------------------------------------------------------------------------------

@@ -76,17 +76,17 @@ class RequestStats:
 
     def finished(self, ev) -> None:
         """A ``FinalEvent`` (the engine's, or one the frontend made for a lost request)."""
-        u, t = ev.usage or {}, ev.timings or {}
+        u, t = ev.usage, ev.timings
         with self._lock:
-            if ev.error:
-                self.failures[str(ev.error.get("type", "error"))] += 1
-            if not u:                                # ended outside the engine: no books of its own
+            if ev.error is not None:
+                self.failures[ev.error.kind.value] += 1
+            if u is None or t is None:               # ended outside the engine: no books of its own
                 return
-            n = u.get("completion_tokens", 0)
-            self.hist["prompt_tokens"].observe(u.get("prompt_tokens", 0))
+            n = u.completion_tokens
+            self.hist["prompt_tokens"].observe(u.prompt_tokens)
             self.hist["generation_tokens"].observe(n)
-            self.cached_tokens += u.get("cached_tokens", 0)
-            ttft, e2e, queue = t.get("ttft_s"), t.get("e2e_s"), t.get("queue_s")
+            self.cached_tokens += u.cached_tokens
+            ttft, e2e, queue = t.ttft_s, t.e2e_s, t.queue_s
             if ttft is not None and e2e is not None and n > 1:
                 self.hist["time_per_output_token_s"].observe((e2e - ttft) / (n - 1))
             if ttft is not None and queue is not None:

@@ -39,7 +39,7 @@ from ray.exceptions import RayActorError, RayError
 from ninfer import protocol as P
 from ninfer.actors.ray_actors import NAMESPACE, EngineControllerActor, Frontend, _normal_priority, names
 from ninfer.config import decode_config
-from ninfer.errors import NInferError, RequestError
+from ninfer.errors import ErrorKind, NInferError, RequestError
 from ninfer.replicas.router import NoReplica, Router, RouterConfig
 from ninfer.replicas.stats import merge
 
@@ -169,8 +169,8 @@ class ReplicatedFrontend(Frontend):
                 loop.create_task(self._redispatch(rid))
             else:
                 self.counters["failed_in_flight"] += 1
-                self._fail(rid, "replica_lost", f"engine replica {rep.slot} was lost ({why}) while this "
-                                                "request was generating")
+                self._fail(rid, ErrorKind.REPLICA_LOST, f"engine replica {rep.slot} was lost ({why}) while "
+                                                        "this request was generating")
         self._push()
         if was_live:                               # one that failed to start is retried by its starter
             loop.create_task(self._replace(rep.slot, rep.gen + 1))
@@ -297,7 +297,7 @@ class ReplicatedFrontend(Frontend):
                     self._pending.remove(rid)
                 except ValueError:
                     pass
-                self._fail(rid, "cancelled", None)
+                self._fail(rid, None)                # cancelled
                 self._push()
             return
         rep = self.replicas[slot]
@@ -307,7 +307,7 @@ class ReplicatedFrontend(Frontend):
             self._lost(rep, "it died" if isinstance(exc, RayActorError) else "it stopped answering")
             if self.unstarted.pop(rid, None) is not None:      # it would have been re-routed: it ends here
                 self.router.finished(rid)
-                self._fail(rid, "cancelled", None)
+                self._fail(rid, None)                # cancelled
                 self._push()
 
     # ---- events -------------------------------------------------------------------------------------

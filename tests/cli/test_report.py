@@ -9,6 +9,7 @@ import logging
 import subprocess
 import sys
 
+import msgspec
 import pytest
 
 from ninfer.logs import JsonFormatter
@@ -162,9 +163,10 @@ def test_verdicts_on_a_real_pressure_log(tiny_model, json_log):
     assert set(by_rid) == set(finals)
     for rid, f in finals.items():              # the summary line is the engine's accounting
         r = by_rid[rid]
-        assert {k: r[k] for k in f.usage if k != "completion_tokens"} == {k: v for k, v in f.usage.items()
-                                                                        if k != "completion_tokens"}
-        assert r["ttft_s"] == f.timings["ttft_s"] and r["paused_s"] == f.timings["paused_s"]
+        usage = msgspec.structs.asdict(f.usage)
+        assert {k: r[k] for k in usage if k != "completion_tokens"} == {k: v for k, v in usage.items()
+                                                                      if k != "completion_tokens"}
+        assert r["ttft_s"] == f.timings.ttft_s and r["paused_s"] == f.timings.paused_s
         assert sum(r["pauses"].values()) == len(f.pauses)
     assert by_rid["retry"]["lost"] == {"frontier": 60, "tokens": 60, "cause": "skipped_no_room"}
     engine = [r for r in records if r.get("event") == "engine"]

@@ -197,10 +197,12 @@ LIFECYCLE_ONCE = ("queued", "generation_start", "admitted", "first_token", "fini
 REASONS = {"taken_back", "lane_take_back", "cannot_progress", "forced"}
 
 
-def check_lifecycle(events: list[dict], pauses: list[dict], finish: str | None = None) -> None:
+def check_lifecycle(events: list[dict], pauses: list, finish: str | None = None) -> None:
     """Well-formed: the once-only moments at most once (finished exactly once, last), in their
     order; times never go back; one paused per pause, each followed by its resume (unless it
-    ended paused), the routes and times those of ``Output.pauses``."""
+    ended paused), the routes and times those of ``Output.pauses`` (or of a FinalEvent's
+    ``PauseEntry`` list: compared in their public form)."""
+    pauses = [p if isinstance(p, dict) else p.as_dict() for p in pauses]
     kinds = [e["event"] for e in events]
     assert kinds[:2] == ["queued", "generation_start"], kinds
     assert kinds[-1] == "finished" and kinds.count("finished") == 1, kinds
@@ -228,8 +230,8 @@ def check_lifecycle(events: list[dict], pauses: list[dict], finish: str | None =
 
 
 def assert_timings_derived(events: list[dict], timings) -> None:
-    """``Output.timings`` (a dict from the harness, a TimingsView from the API) are exactly the
-    ones derived from the events."""
+    """``Output.timings`` (a FinalEvent's ``Timings`` from the harness, the same struct from the
+    API, or a dict) are exactly the ones derived from the events."""
     got = derive_timings(events)
     for k in TIMINGS:
         want = timings[k] if isinstance(timings, dict) else getattr(timings, k)

@@ -42,11 +42,11 @@ def test_agent_generation_end_then_tool_call_normalisation(make, tiny_model):
     b = a + t1.token_ids + random_prompt(12, seed=2)              # tool result appended
     r2 = len(b) - 2                                                # R: before the assistant header
     t2 = run(h, b, max_tokens=8, session_id="agent", recovery_frontier=r2)
-    assert t2.usage["cached_tokens"] == len(a) + 8 - 1             # E of turn 1
+    assert t2.usage.cached_tokens == len(a) + 8 - 1             # E of turn 1
     normalised = b[:r2] + random_prompt(8, seed=3) + random_prompt(10, seed=4)
     t3 = run(h, normalised, max_tokens=8, session_id="agent", recovery_frontier=len(normalised) - 2)
-    assert t3.usage["cached_tokens"] == r2                         # the typed-R fallback
-    assert t3.usage["prefill_tokens"] == len(normalised) - r2
+    assert t3.usage.cached_tokens == r2                         # the typed-R fallback
+    assert t3.usage.prefill_tokens == len(normalised) - r2
     assert t3.token_ids == oracle(tiny_model, normalised, max_tokens=8)
     assert h.core.rm.stats.hits == 2
     h.check_clean()
@@ -70,7 +70,7 @@ def test_private_point_equals_public_marker(make, tiny_model):
     # another session with a different suffix still gets the shared prefix
     p3 = shared + random_prompt(20, seed=8)
     f3 = run(h, p3, max_tokens=4, session_id="s2")
-    assert f3.usage["cached_tokens"] == 50
+    assert f3.usage.cached_tokens == 50
     assert f3.token_ids == oracle(tiny_model, p3, max_tokens=4)
     assert n_ckpts >= 2
     h.check_clean()
@@ -84,10 +84,10 @@ def test_alpha_and_alpha_beta_markers_then_alpha_gamma(make, tiny_model):
     run(h, alpha + beta + random_prompt(5, seed=12), max_tokens=3, markers=[40, 70])
     assert {40, 70} <= set(points(h))
     f = run(h, alpha + gamma, max_tokens=5)
-    assert f.usage["cached_tokens"] == 40
+    assert f.usage.cached_tokens == 40
     assert f.token_ids == oracle(tiny_model, alpha + gamma, max_tokens=5)
     f2 = run(h, alpha + beta + gamma, max_tokens=5)
-    assert f2.usage["cached_tokens"] == 70
+    assert f2.usage.cached_tokens == 70
     h.check_clean()
 
 
@@ -100,7 +100,7 @@ def test_hot_predecessor_with_one_off_branches(make, tiny_model):
     hot = random_prompt(64, seed=13)
     branches = [hot + random_prompt(60, seed=100 + i) for i in range(8)]
     outs = [run(h, b, max_tokens=3, markers=[64]) for b in branches]
-    assert all(o.usage["cached_tokens"] == 64 for o in outs[1:]), "the hot prefix was lost"
+    assert all(o.usage.cached_tokens == 64 for o in outs[1:]), "the hot prefix was lost"
     assert all(o.token_ids == oracle(tiny_model, b, max_tokens=3) for o, b in zip(outs, branches))
     kept = {c.frontier for c in facts(h).checkpoints.values()}
     assert 64 in kept
@@ -119,7 +119,7 @@ def test_long_input_without_save_points(make, tiny_model):
     f = run(h, p, max_tokens=4)
     assert h.core.rm.stats.captures == 1
     assert sorted(points(h)) == [300, 300 + 4 - 1]
-    assert f.usage["prefill_tokens"] == 300 and f.token_ids == oracle(tiny_model, p, max_tokens=4)
+    assert f.usage.prefill_tokens == 300 and f.token_ids == oracle(tiny_model, p, max_tokens=4)
     h.check_clean()
 
 
@@ -144,7 +144,7 @@ def test_only_a_few_main_pages_short(make, tiny_model):
     first = h.finals[next(iter(h.finals))]
     cont = long_p + first.token_ids + [5, 6, 7]
     f2 = run(h, cont, max_tokens=3)
-    assert f2.usage["cached_tokens"] == 380 + 2 - 1
+    assert f2.usage.cached_tokens == 380 + 2 - 1
     assert f2.token_ids == oracle(tiny_model, cont, max_tokens=3)
     assert h.core.stats_dict()["bytes_h2d"] > 0
     h.check_clean()
@@ -186,7 +186,7 @@ def test_repeated_computation_builds_demand_evidence(make, tiny_model):
     assert 60 in points(h), "repeat demand should admit the save (row 2)"
     assert h.core.rm.stats.summary_hits >= 1 and h.core.rm.stats.hits == hits_before
     fd = run(h, prompts[3], max_tokens=2, markers=[60], recovery_frontier=60)
-    assert fd.usage["cached_tokens"] == 60 and h.core.rm.stats.hits == hits_before + 1
+    assert fd.usage.cached_tokens == 60 and h.core.rm.stats.hits == hits_before + 1
     for f, p in zip((fa, fb, fc, fd), prompts):
         assert f.token_ids == oracle(tiny_model, p, max_tokens=2)
     h.check_clean()
@@ -217,7 +217,7 @@ def test_session_is_a_hint_and_older_finishes_do_not_overwrite(make):
     rec = h.core.rm.table.records[h.core.rm.table.sessions["s"]]
     assert rec.publication_order == max(r.publication_order for r in h.core.rm.table.records.values())
     f = run(h, base + random_prompt(5, seed=51) + h.finals[old].token_ids + [9], max_tokens=2)
-    assert f.usage["cached_tokens"] == 45 + 40 - 1            # unnamed: reused by exact content
+    assert f.usage.cached_tokens == 45 + 40 - 1            # unnamed: reused by exact content
     h.check_clean()
 
 
@@ -237,7 +237,7 @@ def test_waiting_reference_protects_a_blocked_source(make):
     # the base prompt's input end P = 100 survived (dropping its E lost only one token)
     assert held and held[0].frontier == 100
     h.run(until=lambda: h.done(runner, waiter))
-    assert h.finals[waiter].usage["cached_tokens"] == 100
+    assert h.finals[waiter].usage.cached_tokens == 100
     assert not any(isinstance(o, P.WaiterOwner) for c in facts(h).checkpoints.values() for o in c.owners)
     assert h.core.rm.stats.waits >= 1
     h.check_clean()

@@ -32,7 +32,7 @@ def test_a_raw_prompt_retry_hits_its_input_point(roomy, tiny_model):
     p = random_prompt(90, seed=1)
     run(h, p, max_tokens=4)
     f2 = run(h, p, max_tokens=4, temperature=1.0, seed=7)
-    assert f2.usage["cached_tokens"] == 90 and f2.usage["prefill_tokens"] == 0
+    assert f2.usage.cached_tokens == 90 and f2.usage.prefill_tokens == 0
     assert f2.token_ids == oracle(tiny_model, p, max_tokens=4, temperature=1.0, seed=7)
     h.check_clean()
 
@@ -59,10 +59,10 @@ def test_takeover_respects_publication_order(make_harness, tiny_model):
     h.core.call_commands([P.HoldPages(0)])
     h.core.sched.event()
     h.run(until=lambda: h.done(older))
-    assert h.finals[older].usage["cached_tokens"] == 60        # it did reuse the newer's point
+    assert h.finals[older].usage.cached_tokens == 60        # it did reuse the newer's point
     cont = newer_p + h.finals[newer].token_ids + random_prompt(5, seed=6)
     f = run(h, cont, max_tokens=3, session_id="s")
-    assert f.usage["cached_tokens"] == len(newer_p) + 4 - 1, "the newer publication's E was taken over"
+    assert f.usage.cached_tokens == len(newer_p) + 4 - 1, "the newer publication's E was taken over"
     assert f.token_ids == oracle(tiny_model, cont, max_tokens=3)
     assert h.finals[older].token_ids == oracle(tiny_model, older_p, max_tokens=2)
     h.run(until=lambda: h.done(blocker))
@@ -85,7 +85,7 @@ def test_one_physical_point_per_shared_prefix(roomy, tiny_model, monkeypatch):
     for r, p in zip(rids, prompts):
         assert h.finals[r].token_ids == oracle(tiny_model, p, max_tokens=3)
     f = run(h, shared + random_prompt(9, seed=20), max_tokens=2)
-    assert f.usage["cached_tokens"] == 70
+    assert f.usage.cached_tokens == 70
     h.check_clean()
 
 
@@ -117,7 +117,7 @@ def test_sibling_continuations_fork_the_generation_end(roomy, tiny_model):
     rids = [h.submit(c, max_tokens=3) for c in conts]
     h.run(until=lambda: h.done(*rids))
     for r, c in zip(rids, conts):
-        assert h.finals[r].usage["cached_tokens"] == e, h.finals[r].usage
+        assert h.finals[r].usage.cached_tokens == e, h.finals[r].usage
         assert h.finals[r].token_ids == oracle(tiny_model, c, max_tokens=3)
     h.check_clean()
 
@@ -142,7 +142,7 @@ def test_evidence_is_real_demand_only(roomy, tiny_model):
     f = run(h, p, max_tokens=5)
     e = len(p) + 5 - 1
     g = run(h, p + f.token_ids + random_prompt(3, seed=54), max_tokens=2)
-    assert g.usage["cached_tokens"] == e
+    assert g.usage.cached_tokens == e
     adopted = rm.summary.get(digest((p + f.token_ids)[:e]), e)
     assert adopted is not None and adopted.repeated and len(adopted.requests) == 1
     s = DemandSummary(4, b"model-a")
@@ -168,7 +168,7 @@ def test_lost_hits_are_attributed_to_their_cause(make_harness, tiny_model):
     q = random_prompt(50, seed=61)
     f = run(h2, q, max_tokens=4)
     turn2 = run(h2, q + f.token_ids + random_prompt(5, seed=62), max_tokens=2)   # Moves E
-    assert turn2.usage["cached_tokens"] == 53
+    assert turn2.usage.cached_tokens == 53
     run(h2, q + f.token_ids + random_prompt(7, seed=63), max_tokens=2)           # a later sibling
     s2 = h2.core.stats_dict()["cache"]
     assert s2["hit_losses"] == 0, s2["hit_losses_by_cause"]
@@ -194,7 +194,7 @@ def test_anchors_are_keyed_by_position(roomy, tiny_model):
     assert _anchor_points(h, x) == [20, 60, 70, 80]
     y = x[:50] + random_prompt(50, seed=71)                  # rewritten after 50
     f = run(h, y, max_tokens=2, recovery_frontier=50, anchors=[20, 60, 90], session_id="s")
-    assert f.usage["cached_tokens"] == 50
+    assert f.usage.cached_tokens == 50
     assert f.token_ids == oracle(tiny_model, y, max_tokens=2)
     got = _anchor_points(h, y)
     assert got == [20, 60, 80, 90], got      # 20 kept, 60 in place, the oldest stale (70) replaced
@@ -248,7 +248,7 @@ def test_waiting_references_carry_their_points_and_are_no_public_entry(make_harn
         h.cycle()
     assert _held_by(h, other) == [], "a point only a waiter keeps was offered as a public source"
     h.run(until=lambda: h.done(runner, waiter, other))
-    assert h.finals[waiter].usage["cached_tokens"] == 101              # its own waited source
+    assert h.finals[waiter].usage.cached_tokens == 101              # its own waited source
     assert h.finals[waiter].token_ids == oracle(tiny_model, cont, max_tokens=2)
     h.check_clean()
 
@@ -270,7 +270,7 @@ def test_a_deleted_carried_point_does_not_end_the_wait_on_its_source(make_harnes
     assert _held_by(h, waiter) == [101]
     h.run(until=lambda: h.done(runner, waiter))
     assert h.finals[waiter].finish_reason == "length", h.finals[waiter].error
-    assert h.finals[waiter].usage["cached_tokens"] == 101
+    assert h.finals[waiter].usage.cached_tokens == 101
     assert h.finals[waiter].token_ids == oracle(tiny_model, cont, max_tokens=2)
     assert h.core.stats.stalls == 0
     h.check_clean()
@@ -289,7 +289,7 @@ def test_a_rewrite_retires_the_superseded_generation_end_at_admission(roomy, tin
     h.run(until=lambda: len(h.streams.get(rid, [])) >= 1)
     assert 103 not in cache_points(h) and 50 in cache_points(h)
     h.run(until=lambda: h.done(rid))
-    assert h.finals[rid].usage["cached_tokens"] == 50
+    assert h.finals[rid].usage.cached_tokens == 50
     assert h.finals[rid].token_ids == oracle(tiny_model, y, max_tokens=30)
     h.check_clean()
 
@@ -358,10 +358,10 @@ def test_a_fork_from_a_shallower_point_leaves_the_parents_evidence(roomy, tiny_m
     c_prompt = x[:50] + random_prompt(30, seed=97)
     c = h.submit(c_prompt, max_tokens=2, recovery_frontier=50)        # Forks the input point @50
     h.run(until=lambda: len(h.streams.get(c, [])) >= 1)
-    assert h.finals.get(c) is None or h.finals[c].usage["cached_tokens"] == 50
+    assert h.finals.get(c) is None or h.finals[c].usage.cached_tokens == 50
     assert (rec.evidence.proven_frontier, rec.evidence.demand_time) == (proven, when)
     h.run(until=lambda: h.done(b, c))
-    assert h.finals[c].usage["cached_tokens"] == 50
+    assert h.finals[c].usage.cached_tokens == 50
     assert h.finals[c].token_ids == oracle(tiny_model, c_prompt, max_tokens=2)
     h.check_clean()
 

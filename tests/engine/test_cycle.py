@@ -36,7 +36,7 @@ def _skipped_decode_cycles(h: Harness, *rids: str) -> dict[str, int]:
 
 def _finished_at(h: Harness, rid: str) -> float:
     t = h.finals[rid].timings
-    return t["arrival"] + t["e2e_s"]
+    return t.arrival + t.e2e_s
 
 
 def _check(h: Harness, model: str, rid: str, prompt: list[int], **params) -> None:
@@ -98,12 +98,12 @@ def test_a_failed_read_back_fails_only_its_request(make, tiny_model):
     other = h.submit(other_p, max_tokens=6)
     h.run(until=lambda: h.done(victim, other), max_cycles=2000)
     f = h.finals[victim]
-    assert f.finish_reason == "error" and f.error["type"] == "copy_failed" and "injected copy error" in f.error["message"]
+    assert f.finish_reason == "error" and f.error.kind == "copy_failed" and "injected copy error" in f.error.message
     _check(h, tiny_model, other, other_p, max_tokens=6)
     again = h.submit(victim_p, max_tokens=4)            # the checkpoint (a Fork source) survived
     h.run(until=lambda: h.done(again), max_cycles=2000)
     _check(h, tiny_model, again, victim_p, max_tokens=4)
-    assert h.finals[again].usage["cached_tokens"] == 100
+    assert h.finals[again].usage.cached_tokens == 100
     assert h.core.stats.copy_failures == 1
     h.check_clean()
 
@@ -120,11 +120,11 @@ def test_a_failed_save_copy_loses_only_the_save(make, tiny_model):
     assert h.core.stats.copy_failures == 1
     again = h.submit(p, max_tokens=5)                       # the lost save serves nobody ...
     h.run(until=lambda: h.done(again), max_cycles=2000)
-    assert h.finals[again].usage["cached_tokens"] == 0
+    assert h.finals[again].usage.cached_tokens == 0
     cont = p + h.finals[rid].token_ids                      # ... while its E is intact
     turn = h.submit(cont, max_tokens=3)
     h.run(until=lambda: h.done(turn), max_cycles=2000)
-    assert h.finals[turn].usage["cached_tokens"] == 80 + 5 - 1
+    assert h.finals[turn].usage.cached_tokens == 80 + 5 - 1
     _check(h, tiny_model, turn, cont, max_tokens=3)
     h.check_clean()
 
@@ -148,7 +148,7 @@ def test_no_deletion_for_a_bind_that_does_not_happen(make, tiny_model):
     t2 = t1 + h.finals[r1].token_ids + random_prompt(10, seed=6)
     r2 = h.submit(t2, max_tokens=4, session_id="s")
     h.run(until=lambda: h.done(r2))
-    assert h.finals[r2].usage["cached_tokens"] == 40 + 4 - 1
+    assert h.finals[r2].usage.cached_tokens == 40 + 4 - 1
     _check(h, tiny_model, r2, t2, max_tokens=4)
     h.check_clean()
 
@@ -242,7 +242,7 @@ def test_snapshot_pause_frees_device_memory_and_resume_reads_back(make, tiny_mod
     h.run(until=lambda: h.done(b))
     info = h.core.info
     assert h.core.bytes[0] - h2d >= info.image_bytes + 2 * info.page_bytes
-    assert h.finals[b].pauses[0]["route"] == "snapshot" and h.finals[b].usage["replay_tokens"] == 0
+    assert h.finals[b].pauses[0].route == "snapshot" and h.finals[b].usage.replay_tokens == 0
     _check(h, tiny_model, b, p, max_tokens=30)
     h.check_clean()
 
@@ -262,7 +262,7 @@ def test_pause_without_host_room_is_destructive_and_replays(make, tiny_model):
     h.core.sched.event()
     h.run(until=lambda: h.done(b))
     f = h.finals[b]
-    assert f.pauses[0]["route"] == "replay" and f.usage["replay_tokens"] > 0
+    assert f.pauses[0].route == "replay" and f.usage.replay_tokens > 0
     assert h.core.stats.revocations == 0
     _check(h, tiny_model, b, p, max_tokens=30)
     h.check_clean()
@@ -286,7 +286,7 @@ def test_a_bind_completed_in_the_step_runs_its_unit(make, tiny_model):
         cycles += 1
     assert cycles == 1, "the first token came a cycle late"
     h.run(until=lambda: h.done(r1))
-    assert h.finals[r1].usage["cached_tokens"] == 60 + 5 - 1
+    assert h.finals[r1].usage.cached_tokens == 60 + 5 - 1
     _check(h, tiny_model, r1, cont, max_tokens=4)
     h.check_clean()
 
@@ -313,7 +313,7 @@ def test_a_host_save_is_not_lost_to_a_read_back(make, tiny_model):
     assert s["captures"] >= 1 and s["captures_skipped"] == 0 and s["captures_skipped_with_room"] == 0
     again = h.submit(fresh + [7], max_tokens=3)
     h.run(until=lambda: h.done(again))
-    assert h.finals[again].usage["cached_tokens"] == 100
+    assert h.finals[again].usage.cached_tokens == 100
     _check(h, tiny_model, again, fresh + [7], max_tokens=3)
     h.check_clean()
 

@@ -111,7 +111,7 @@ def test_a_hit_restores_the_dflash_context_without_recomputing_it(make, tiny_dfl
     f = run(h, second, max_tokens=12)
     after = _spec(h)
     assert f.token_ids == oracle(h.model_dir, second, max_tokens=12)
-    hit = f.usage["cached_tokens"]
+    hit = f.usage.cached_tokens
     assert hit > 64, f.usage
     assert after["context_restarts"] == before["context_restarts"] == 0
     assert after["draft_entries"] - before["draft_entries"] == cold_entries - hit
@@ -145,7 +145,7 @@ def test_a_checkpoint_without_dflash_coverage_is_rebuilt_by_prefill(make, tiny_d
     before = _spec(h)
     f = run(h, second, max_tokens=12)
     after = _spec(h)
-    assert f.usage["cached_tokens"] == 0 and f.usage["prefill_tokens"] == len(second), f.usage
+    assert f.usage.cached_tokens == 0 and f.usage.prefill_tokens == len(second), f.usage
     assert f.token_ids == fc.token_ids == oracle(h.model_dir, second, max_tokens=12)
     assert after["accepted"] - before["accepted"] == _spec(cold)["accepted"]      # the same drafts
     assert after["context_restarts"] == before["context_restarts"]
@@ -162,7 +162,7 @@ def test_a_short_draft_pool_drops_coverage_and_the_point_is_not_a_hit(make, tiny
     run(h, b, max_tokens=8)
     assert _spec(h)["coverage_dropped"] > 0
     f = run(h, a, max_tokens=8)
-    assert f.usage["cached_tokens"] < 64 and f.token_ids == oracle(h.model_dir, a, max_tokens=8)
+    assert f.usage.cached_tokens < 64 and f.token_ids == oracle(h.model_dir, a, max_tokens=8)
     h.check_clean()
 
 
@@ -177,7 +177,7 @@ def test_a_pause_drops_the_block_and_the_resume_keeps_the_context_rules(make, ti
     rid, _ = pause_while_drafting(h, prompt, max_tokens=40)
     h.run(until=lambda: h.done(rid))
     f = h.finals[rid]
-    assert [p["route"] for p in f.pauses] == ["snapshot" if host else "replay"]
+    assert [p.route for p in f.pauses] == ["snapshot" if host else "replay"]
     assert f.token_ids == oracle(h.model_dir, prompt, max_tokens=40)
     assert _spec(h)["context_restarts"] == 0
     h.check_clean()
@@ -199,7 +199,7 @@ def test_a_snapshot_without_its_context_resumes_with_a_restarted_context(make, t
     h.worker.prog.spec.drop_coverage(seq.snapshot)
     h.run(until=lambda: h.done(rid))
     f = h.finals[rid]
-    assert [p["route"] for p in f.pauses] == ["snapshot"]
+    assert [p.route for p in f.pauses] == ["snapshot"]
     assert f.token_ids == oracle(h.model_dir, prompt, max_tokens=40)
     assert _spec(h)["context_restarts"] == 1
     h.check_clean()
@@ -223,7 +223,7 @@ def test_dflash2_keeps_only_its_window_of_context(make, tiny_dflash2):
             assert len(seq.blocks["dflash"]) == pages_for(seq.frontier) - first
     assert h.finals[rid].token_ids == oracle(h.model_dir, prompt, max_tokens=70)
     f = run(h, prompt + h.finals[rid].token_ids + random_prompt(5, 14), max_tokens=8)
-    assert f.usage["cached_tokens"] > 128 and _spec(h)["context_restarts"] == 0
+    assert f.usage.cached_tokens > 128 and _spec(h)["context_restarts"] == 0
     h.check_clean()
 
 

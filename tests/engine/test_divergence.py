@@ -6,6 +6,7 @@ capture earns reuse eligibility by real repeat computation (seed: 两个不同�
 
 from __future__ import annotations
 
+from ninfer import protocol as P
 from tests.engine.harness import oracle
 from tests.factories import random_prompt
 
@@ -42,9 +43,9 @@ def test_a_later_request_hits_the_point_where_earlier_prompts_parted(make_harnes
         h.run(until=lambda: h.done(rid))
         assert h.finals[rid].token_ids == oracle(tiny_model, p, max_tokens=3)
         usage[name] = h.finals[rid].usage
-    assert usage["b"]["cached_tokens"] == 0 and usage["b"]["prefill_tokens"] == len(b)
-    assert usage["c"]["cached_tokens"] == SHARED, usage
-    assert usage["c"]["prefill_tokens"] == len(c) - SHARED
+    assert usage["b"].cached_tokens == 0 and usage["b"].prefill_tokens == len(b)
+    assert usage["c"].cached_tokens == SHARED, usage
+    assert usage["c"].prefill_tokens == len(c) - SHARED
     h.check_clean()
 
 
@@ -55,9 +56,9 @@ def test_requests_arriving_together_compute_their_shared_prefix_once(make_harnes
     _, prompts = _branches(4, seed=3)
     rids = [h.submit(p, max_tokens=3) for p in prompts]
     h.run(until=lambda: h.done(*rids))
-    computed = sum(h.finals[r].usage["prefill_tokens"] for r in rids)
+    computed = sum(h.finals[r].usage.prefill_tokens for r in rids)
     assert computed == SHARED + sum(len(p) - SHARED for p in prompts), computed
-    assert [h.finals[r].usage["cached_tokens"] for r in rids] == [0, SHARED, SHARED, SHARED]
+    assert [h.finals[r].usage.cached_tokens for r in rids] == [0, SHARED, SHARED, SHARED]
     for r, p in zip(rids, prompts):
         assert h.finals[r].token_ids == oracle(tiny_model, p, max_tokens=3)
     h.check_clean()
@@ -73,7 +74,7 @@ def test_without_divergence_positions_only_prompt_ends_are_reused(make_harness):
         h.run(until=lambda: h.done(rid))
     rid = h.submit(c, max_tokens=2)
     h.run(until=lambda: h.done(rid))
-    assert h.finals[rid].usage["cached_tokens"] == 0
+    assert h.finals[rid].usage.cached_tokens == 0
     h.check_clean()
 
 
@@ -104,7 +105,7 @@ def test_a_close_divergence_is_not_offered(make_harness):
     for p, kw in ((a + random_prompt(20, seed=11), {"markers": [100]}), (a2, {}), (b, {})):
         rid = h.submit(p, max_tokens=2, **kw)
         h.run(until=lambda: h.done(rid))
-    assert h.finals[rid].usage["cached_tokens"] == 100
+    assert h.finals[rid].usage.cached_tokens == 100
     assert not [e for e in h.core.rm.table.entries.values() if e.frontier == 110]
     h.check_clean()
 
@@ -115,7 +116,7 @@ def _asked(doc: list[int], n: int, q_seed: int) -> list[int]:
     return doc + q
 
 
-def _first_two(h, tiny_model, doc: list[int], n: int) -> dict:
+def _first_two(h, tiny_model, doc: list[int], n: int) -> P.Usage:
     """A document's first two requests, each with its own ``n``-token question: the second's usage."""
     for p in (_asked(doc, n, 4), _asked(doc, n, 5)):
         rid = h.submit(p, max_tokens=2)
@@ -132,7 +133,7 @@ def test_the_first_request_to_share_a_document_restores_it_where_prompts_tend_to
     for cc, want in (({}, SHARED), ({"anticipate": False}, 0), ({"divergence_min_tokens": None}, 0)):
         h = _harness(make_harness, **{"anticipate": True, **cc})
         usage = _first_two(h, tiny_model, random_prompt(SHARED, seed=22), 32)
-        assert usage["cached_tokens"] == want, (cc, usage)
+        assert usage.cached_tokens == want, (cc, usage)
         h.check_clean()
 
 
@@ -150,5 +151,5 @@ def test_a_tail_longer_than_the_ladder_is_anticipated_once_real_divergences_show
                 h.run(until=lambda: h.done(rid))
             assert h.core.rm.tails.get(300, 0) >= 2, h.core.rm.tails
         usage = _first_two(h, tiny_model, random_prompt(SHARED, seed=22), 300)
-        assert usage["cached_tokens"] == want, (learn, usage)
+        assert usage.cached_tokens == want, (learn, usage)
         h.check_clean()

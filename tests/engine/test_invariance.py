@@ -143,7 +143,7 @@ def _check_final(model_dir: str, h: Harness, rid: str, prompt, params, seed: int
     if kp is not None:          # the prompt's entries so far (all once a token came), none restored
         plp = f.prompt_logprobs
         assert plp is not None and plp[0] is None and len(plp) <= len(prompt)
-        assert f.usage["cached_tokens"] == 0, f"seed {seed}: {rid} restored a prefix"
+        assert f.usage.cached_tokens == 0, f"seed {seed}: {rid} restored a prefix"
         if f.token_ids:
             assert len(plp) == len(prompt) and h.prompt_logprobs[rid] == plp
         assert_prompt_logprobs_close(plp, oracle_prompt_logprobs(model_dir, prompt, kp)[:len(plp)])
@@ -157,7 +157,7 @@ def _check_final(model_dir: str, h: Harness, rid: str, prompt, params, seed: int
     if f.finish_reason == "error":
         fired = h.core.faults_fired
         allowed = {err for kind, err in FAULT_ERRORS.items() if fired.get(kind)}
-        assert f.error["type"] in allowed, f"seed {seed}: {rid} failed without its fault: {f.error}"
+        assert f.error.kind in allowed, f"seed {seed}: {rid} failed without its fault: {f.error}"
         TOTALS["failed_by_fault"] += 1
         return
     assert f.finish_reason == "length" or (f.finish_reason == "stop" and (

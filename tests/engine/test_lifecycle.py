@@ -55,7 +55,7 @@ def test_plain_request_publishes_each_moment_once(make, tiny_model):
     check_lifecycle(ev, f.pauses, "length")
     assert isinstance(ev[1]["ticket"], int)
     assert_timings_derived(ev, f.timings)
-    assert f.timings["paused_s"] == 0.0 and f.timings["source_wait_s"] == 0.0
+    assert f.timings.paused_s == 0.0 and f.timings.source_wait_s == 0.0
     assert f.token_ids == oracle(tiny_model, p, max_tokens=8)
     h.check_clean()
 
@@ -81,10 +81,10 @@ def test_two_pauses_with_both_resume_routes(make, tiny_model):
     assert [e["route"] for e in ev if e["event"] == "resumed"] == ["snapshot", "replay"]
     assert [e["reason"] for e in ev if e["event"] == "paused"] == ["forced", "forced"]
     assert_timings_derived(ev, f.timings)
-    windows = sum(q["resumed_at"] - q["paused_at"] for q in f.pauses)
-    assert f.timings["paused_s"] == pytest.approx(windows) and f.timings["paused_s"] > 0
-    assert f.timings["max_output_gap_s"] > 0
-    assert f.usage["replay_tokens"] > 0 and f.usage["prefill_tokens"] == 70
+    windows = sum(q.resumed_at - q.paused_at for q in f.pauses)
+    assert f.timings.paused_s == pytest.approx(windows) and f.timings.paused_s > 0
+    assert f.timings.max_output_gap_s > 0
+    assert f.usage.replay_tokens > 0 and f.usage.prefill_tokens == 70
     assert f.token_ids == oracle(tiny_model, p, max_tokens=16, temperature=0.8, seed=2)
     h.check_clean()
 
@@ -136,9 +136,9 @@ def test_cancel_while_queued_is_queued_then_finished(make):
     ev, f = h.events[rid], h.finals[rid]
     assert [e["event"] for e in ev] == ["queued", "generation_start", "finished"]
     assert ev[-1]["finish_reason"] == "cancelled"
-    assert f.usage["prefill_tokens"] == f.usage["replay_tokens"] == f.usage["cached_tokens"] == 0
+    assert f.usage.prefill_tokens == f.usage.replay_tokens == f.usage.cached_tokens == 0
     assert_timings_derived(ev, f.timings)
-    assert f.timings["ttft_s"] is None and f.timings["queue_s"] is None
+    assert f.timings.ttft_s is None and f.timings.queue_s is None
     h.check_clean()
 
 
@@ -155,7 +155,7 @@ def test_cancel_counts_only_executed_work(make):
     h.core.cancel(a)
     h.run(until=lambda: h.done(a))
     fa = h.finals[a]
-    assert fa.finish_reason == "cancelled" and fa.usage["prefill_tokens"] == reached < 100
+    assert fa.finish_reason == "cancelled" and fa.usage.prefill_tokens == reached < 100
     assert "first_token" not in [e["event"] for e in h.events[a]]
 
     b = h.submit(random_prompt(100, seed=22), max_tokens=60)
@@ -172,13 +172,13 @@ def test_cancel_counts_only_executed_work(make):
     fb = h.finals[b]
     [resumed] = [e for e in h.events[b] if e["event"] == "resumed"]
     assert fb.finish_reason == "cancelled" and resumed["route"] == "replay"
-    assert fb.usage["replay_tokens"] == reached - resumed["frontier"] < target - resumed["frontier"]
-    assert fb.usage["prefill_tokens"] == 100
+    assert fb.usage.replay_tokens == reached - resumed["frontier"] < target - resumed["frontier"]
+    assert fb.usage.prefill_tokens == 100
     check_lifecycle(h.events[b], fb.pauses, "cancelled")
     assert_timings_derived(h.events[b], fb.timings)
     s = h.core.stats_dict()
-    assert s["prefill_tokens"] == fa.usage["prefill_tokens"] + fb.usage["prefill_tokens"]
-    assert s["replay_tokens"] == fb.usage["replay_tokens"] == h.core.stats.tokens_replayed
+    assert s["prefill_tokens"] == fa.usage.prefill_tokens + fb.usage.prefill_tokens
+    assert s["replay_tokens"] == fb.usage.replay_tokens == h.core.stats.tokens_replayed
     h.check_clean()
 
 

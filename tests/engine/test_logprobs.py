@@ -79,8 +79,8 @@ def test_paused_and_resumed_requests_report_each_logprob_once(make, tiny_model, 
     h.core.sched.event()
     h.run(until=lambda: h.done(rid))
     f = h.finals[rid]
-    assert [x["route"] for x in f.pauses] == [route]
-    assert (f.usage["replay_tokens"] > 0) == (route == "replay")
+    assert [x.route for x in f.pauses] == [route]
+    assert (f.usage.replay_tokens > 0) == (route == "replay")
     ids, want = oracle_logprobs(tiny_model, p, 3, **{k: v for k, v in kw.items() if k != "logprobs"})
     assert f.token_ids == h.streams[rid] == ids
     assert h.logprobs[rid] == f.logprobs and len(f.logprobs) == 30   # the harness checked: once each
@@ -113,18 +113,18 @@ def test_prompt_logprobs_restore_no_cached_prefix_and_equal_a_full_computation(m
     shared = random_prompt(60, seed=21)
     run(h, shared + random_prompt(30, seed=22), max_tokens=4, markers=[60])
     plain = run(h, shared + random_prompt(30, seed=23), max_tokens=4)
-    assert plain.usage["cached_tokens"] == 60                 # the shared prefix is restorable
+    assert plain.usage.cached_tokens == 60                 # the shared prefix is restorable
     queries = h.core.rm.stats.queries
     p = shared + random_prompt(30, seed=24)
     f = run(h, p, max_tokens=5, prompt_logprobs=4)
-    assert f.usage["cached_tokens"] == 0 and f.usage["prefill_tokens"] == len(p)
+    assert f.usage.cached_tokens == 0 and f.usage.prefill_tokens == len(p)
     assert h.core.rm.stats.queries == queries                 # it made no cache query
     assert f.token_ids == oracle(tiny_model, p, max_tokens=5)
     assert_prompt_logprobs_close(f.prompt_logprobs, oracle_prompt_logprobs(tiny_model, p, 4))
     assert h.prompt_logprobs[f.rid] == f.prompt_logprobs      # with the first token, the same
     assert f.logprobs is None and all(len(e.top) == 4 for e in f.prompt_logprobs[1:])
     again = run(h, p, max_tokens=4)
-    assert again.usage["cached_tokens"] == len(p)             # it saved its input point for others
+    assert again.usage.cached_tokens == len(p)             # it saved its input point for others
     h.check_clean()
 
 
@@ -146,11 +146,11 @@ def test_prompt_logprobs_survive_a_pause_in_the_prompt(make, tiny_model, host, r
     h.run(until=lambda: h.done(rid))
     f = h.finals[rid]
     assert f.finish_reason in ("length", "stop"), f.error
-    assert [x["route"] for x in f.pauses] == [route]
-    assert f.usage["cached_tokens"] == 0
-    assert [x["frontier"] for x in f.pauses] == [128]
+    assert [x.route for x in f.pauses] == [route]
+    assert f.usage.cached_tokens == 0
+    assert [x.frontier for x in f.pauses] == [128]
     # Replay restores its own point at the marker (64) and recomputes 64..127 (entries it holds)
-    assert f.usage["replay_tokens"] == (64 if route == "replay" else 0)
+    assert f.usage.replay_tokens == (64 if route == "replay" else 0)
     ids, want = oracle_logprobs(tiny_model, p, 1, **{k: v for k, v in kw.items() if k != "logprobs"})
     assert f.token_ids == ids
     assert_logprobs_close(f.logprobs, want)

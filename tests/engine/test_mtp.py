@@ -115,7 +115,7 @@ def test_a_checkpoint_with_mtp_coverage_resumes_without_recomputing_the_head(mak
     f = run(h, second, max_tokens=12)
     after = _spec(h)
     assert f.token_ids == oracle(h.model_dir, second, max_tokens=12)
-    hit = f.usage["cached_tokens"]
+    hit = f.usage.cached_tokens
     assert hit > 64, f.usage
     assert after["context_restarts"] == before["context_restarts"]
     assert after["draft_entries"] - before["draft_entries"] == entries_cold - (hit - 1)
@@ -136,7 +136,7 @@ def test_a_checkpoint_without_mtp_coverage_restarts_the_head_at_the_bridge(make)
     before = _spec(h)
     f = run(h, second, max_tokens=12)
     after = _spec(h)
-    assert f.usage["cached_tokens"] > 64
+    assert f.usage.cached_tokens > 64
     assert f.token_ids == oracle(h.model_dir, second, max_tokens=12)
     assert after["context_restarts"] == before["context_restarts"] + 1
     assert after["accepted"] >= before["accepted"]
@@ -166,7 +166,7 @@ def test_a_pause_drops_the_drafts_and_the_resumed_request_rebuilds_them(make, ho
     rid, _ = pause_while_drafting(h, prompt, max_tokens=40)
     h.run(until=lambda: h.done(rid))
     f = h.finals[rid]
-    assert [p["route"] for p in f.pauses] == ["snapshot" if host else "replay"]
+    assert [p.route for p in f.pauses] == ["snapshot" if host else "replay"]
     assert f.token_ids == oracle(h.model_dir, prompt, max_tokens=40)
     h.check_clean()
 

@@ -31,7 +31,7 @@ def test_identical_prompts_arriving_together_compute_once(make_harness, tiny_mod
     rids = [h.submit(p, max_tokens=4) for _ in range(4)]
     h.run(until=lambda: h.done(*rids))
     usage = [h.finals[r].usage for r in rids]
-    assert [u["prefill_tokens"] for u in usage] == [300, 0, 0, 0], usage
+    assert [u.prefill_tokens for u in usage] == [300, 0, 0, 0], usage
     assert all(h.finals[r].token_ids == oracle(tiny_model, p, max_tokens=4) for r in rids)
     c = h.core.stats_dict()["cache"]
     assert c["pending_waits"] == 3 and c["pending_saved_tokens"] == 900 and c["pending_abandoned"] == 0
@@ -47,7 +47,7 @@ def test_a_shared_system_prompt_is_computed_once_for_concurrent_sessions(make_ha
     prompts = [system + random_prompt(30 + 7 * i, seed=10 + i) for i in range(4)]
     rids = [h.submit(p, max_tokens=3, markers=[200]) for p in prompts]
     h.run(until=lambda: h.done(*rids))
-    computed = sum(h.finals[r].usage["prefill_tokens"] for r in rids)
+    computed = sum(h.finals[r].usage.prefill_tokens for r in rids)
     assert computed == 200 + sum(len(p) - 200 for p in prompts), computed
     for r, p in zip(rids, prompts):
         assert h.finals[r].token_ids == oracle(tiny_model, p, max_tokens=3)
@@ -82,7 +82,7 @@ def test_waiters_choose_again_when_the_producers_save_is_skipped(make_harness, t
     h.run(until=lambda: h.done(*rids))
     c = h.core.stats_dict()["cache"]
     assert c["pending_waits"] == 1 and c["pending_abandoned"] == 1 and c["pending_saved_tokens"] == 0, c
-    assert [h.finals[r].usage["prefill_tokens"] for r in rids] == [300, 300]
+    assert [h.finals[r].usage.prefill_tokens for r in rids] == [300, 300]
     for r in rids:
         assert h.finals[r].token_ids == oracle(tiny_model, p, max_tokens=3)
     assert h.core.stats.stalls == 0
@@ -100,5 +100,5 @@ def test_a_request_that_cannot_use_the_prefix_is_not_delayed(make_harness, tiny_
     assert h.finals[other].token_ids == oracle(tiny_model, random_prompt(20, seed=6), max_tokens=2)
     h.run(until=lambda: h.done(producer, *waiters))
     for r in waiters:
-        assert h.finals[r].usage["prefill_tokens"] == 0
+        assert h.finals[r].usage.prefill_tokens == 0
     h.check_clean()

@@ -17,7 +17,7 @@ def _req(h: Harness, rid: str):
 
 
 def _admitted_at(h: Harness, rid: str) -> float:
-    return h.finals[rid].timings["admitted_at"]
+    return h.finals[rid].timings.admitted_at
 
 
 def test_bounded_overtaking(make, tiny_model):
@@ -111,7 +111,7 @@ def test_long_request_paused_behind_an_older_resident(make, tiny_model):
     f = h.finals[long]
     assert f.pauses, "the long request never paused"
     first = f.pauses[0]
-    waited = [s for s in shorts if first["paused_at"] < h.finals[s].timings["admitted_at"] < first["resumed_at"]]
+    waited = [s for s in shorts if first.paused_at < h.finals[s].timings.admitted_at < first.resumed_at]
     assert waited, "short requests that fit should enter while the long one is paused"
     assert not h.finals[old].pauses, "the older resident is never a victim of the younger"
     assert all(not h.finals[s].pauses for s in shorts), "a paused request must not pause others to probe"
@@ -158,8 +158,8 @@ def test_snapshot_revocation_turns_into_replay(make, tiny_model):
     assert _req(h, rid).snapshot is None
     h.run(until=lambda: h.done(rid))
     f = h.finals[rid]
-    assert f.pauses[0]["route"] == "replay" and f.usage["replay_tokens"] > 0
-    assert f.usage["prefill_tokens"] == 90                  # initial prefill counted once
+    assert f.pauses[0].route == "replay" and f.usage.replay_tokens > 0
+    assert f.usage.prefill_tokens == 90                  # initial prefill counted once
     assert f.token_ids == oracle(tiny_model, p, max_tokens=20, temperature=1.0, seed=4,
                                  presence_penalty=0.5, frequency_penalty=0.3)
     assert h.core.stats.revocations == 1
@@ -203,7 +203,7 @@ def test_snapshot_resume_reads_back_and_continues(make, tiny_model):
     _pause(h, rid, revoke=False)
     h.run(until=lambda: h.done(rid))
     f = h.finals[rid]
-    assert f.pauses[0]["route"] == "snapshot" and f.usage["replay_tokens"] == 0
+    assert f.pauses[0].route == "snapshot" and f.usage.replay_tokens == 0
     assert f.token_ids == oracle(tiny_model, p, max_tokens=12, temperature=0.8, seed=2)
     h.check_clean()
 
@@ -217,8 +217,8 @@ def test_capacity_contract_error_for_a_lone_request(make, tiny_model):
     rid = h.submit(random_prompt(100, seed=10), max_tokens=4)
     h.run(until=lambda: h.done(rid))
     f = h.finals[rid]
-    assert f.finish_reason == "error" and f.error["type"] == "capacity_contract"
-    assert "main: 1 more needed (1 available of 4)" in f.error["message"]
+    assert f.finish_reason == "error" and f.error.kind == "capacity_contract"
+    assert "main: 1 more needed (1 available of 4)" in f.error.message
     h.core.call_commands([P.HoldPages(0)])
     p = random_prompt(100, seed=11)
     ok = h.submit(p, max_tokens=4)
@@ -241,7 +241,7 @@ def test_ingress_timeout_is_not_restarted_by_a_pause(make):
     h.run(until=lambda: h.done(first, second))
     assert h.finals[first].finish_reason == "length" and h.finals[first].pauses
     assert h.finals[second].finish_reason == "error"
-    assert h.finals[second].error["type"] == "timeout"
+    assert h.finals[second].error.kind == "timeout"
     h.check_clean()
 
 
@@ -292,7 +292,7 @@ def test_cancel_in_every_phase(make, tiny_model, phase):
     if other is not None:
         assert h.finals[other].token_ids == oracle(tiny_model, bystander_p, max_tokens=30)
     if phase == "queued":
-        assert f.usage["prefill_tokens"] == 0
+        assert f.usage.prefill_tokens == 0
     h.check_clean()
     after = h.submit(bystander_p, max_tokens=3)        # the engine keeps serving
     h.run(until=lambda: h.done(after))

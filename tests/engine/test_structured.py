@@ -61,7 +61,7 @@ def test_a_pause_keeps_or_rebuilds_the_grammar_state(make, route):
     force_pause(h, rid)
     h.run(until=lambda: h.done(rid))
     f = h.finals[rid]
-    assert [p["route"] for p in f.pauses] == [route], f.pauses
+    assert [p.route for p in f.pauses] == [route], f.pauses
     want = oracle(h.model_dir, prompt, max_tokens=120, temperature=1.0, seed=4, structured=c)
     assert f.token_ids == want and f.finish_reason == "stop"
     _valid(h.model_dir, f.token_ids)
@@ -92,9 +92,9 @@ def test_the_grammar_is_no_part_of_a_cached_prefix(make):
     first = run(h, prompt, max_tokens=8, structured=c)
     assert _text(h.model_dir, first.token_ids) in ("yes", "no")
     free = run(h, prompt, max_tokens=8)
-    assert free.usage["cached_tokens"] > 0 and free.token_ids == oracle(h.model_dir, prompt, max_tokens=8)
+    assert free.usage.cached_tokens > 0 and free.token_ids == oracle(h.model_dir, prompt, max_tokens=8)
     again = run(h, prompt + free.token_ids + random_prompt(5, 4), max_tokens=8, structured=c)
-    assert _text(h.model_dir, again.token_ids) in ("yes", "no") and again.usage["cached_tokens"] > 0
+    assert _text(h.model_dir, again.token_ids) in ("yes", "no") and again.usage.cached_tokens > 0
     h.check_clean()
 
 

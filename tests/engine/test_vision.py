@@ -89,9 +89,9 @@ def test_media_identity_decides_cache_hits(vh, tiny_vision):
     h.run()
     f1, f2, f3 = h.finals[r1], h.finals[r2], h.finals[r3]
     span_end = media_a[0].offset + media_a[0].num_tokens
-    assert f2.usage["cached_tokens"] <= media_b[0].offset          # nothing inside or past the image
+    assert f2.usage.cached_tokens <= media_b[0].offset          # nothing inside or past the image
     assert f2.token_ids == ref(tiny_vision, b, media_b, 10) != f1.token_ids
-    assert f3.usage["cached_tokens"] > span_end                     # the same image: a real hit
+    assert f3.usage.cached_tokens > span_end                     # the same image: a real hit
     assert f3.token_ids == f1.token_ids == ref(tiny_vision, a, media_a, 10)
     v = h.core.stats_dict()["vision"]
     assert v["encodes"] == 2                                        # a and b; the hit computed no image
@@ -138,9 +138,9 @@ def test_pause_mid_decode_after_an_image(vh, tiny_vision, host):
     force_pause(h, rid)
     h.run(until=lambda: h.done(rid))
     f = h.finals[rid]
-    assert [q["route"] for q in f.pauses] == (["snapshot"] if host else ["replay"])
+    assert [q.route for q in f.pauses] == (["snapshot"] if host else ["replay"])
     if not host:
-        assert f.usage["replay_tokens"] > 0
+        assert f.usage.replay_tokens > 0
     assert f.token_ids == ref(tiny_vision, p, media, 12)
     h.check_clean()
 
@@ -231,7 +231,7 @@ def test_image_prompt_with_mtp_equals_the_reference_through_a_pause(vh, tiny_vis
     h.run(until=lambda: h.done(rid))
     out = h.finals[rid]
     assert out.error is None and out.token_ids == ref(tiny_vision, prompt, media, n=24)
-    assert [p["route"] for p in out.pauses] == ["snapshot" if host else "replay"]
+    assert [p.route for p in out.pauses] == ["snapshot" if host else "replay"]
     assert h.core.stats_dict()["speculative"]["drafted"] > 0
     h.check_clean()
 
@@ -296,9 +296,9 @@ def test_mixed_text_and_image_workloads_match_the_oracle(vh, tiny_vision, seed):
         want = ref(tiny_vision, p, media, n) if media else reference_generate(
             tiny_vision, p, max_tokens=n, dtype="float64", ignore_eos=True)
         assert f.token_ids == list(want), f"seed {seed}: {rid} differs from its isolated run"
-        MIXED["image_hits"] += bool(media) and f.usage["cached_tokens"] > media[0].offset + media[0].num_tokens
+        MIXED["image_hits"] += bool(media) and f.usage.cached_tokens > media[0].offset + media[0].num_tokens
         for q in f.pauses:
-            MIXED[q["route"]] += 1
+            MIXED[q.route] += 1
     MIXED["encodes"] += h.core.stats_dict()["vision"]["encodes"]
     h.check_clean()
 

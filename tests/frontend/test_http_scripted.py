@@ -228,8 +228,11 @@ def test_an_engine_loss_is_a_503_with_its_kind_and_a_retry_hint(scripted, kind):
     """A request a lost worker or controller (or a device error) ended mid-generation: a 503
     carrying the kind, ``code: retryable`` and ``Retry-After`` (non-stream), the same error
     object as the stream's last event; never a 500."""
-    from ninfer.errors import lost_error
-    scripted.engine.error = lost_error(kind, "it went")
+    from ninfer.errors import LOST_KINDS, RETRY_HINT, ErrorKind, lost_error
+    from ninfer.protocol import Failure
+    kind = ErrorKind(kind)
+    failure = lost_error(kind, "it went") if kind in LOST_KINDS else Failure(kind, "it went" + RETRY_HINT)
+    scripted.engine.error = failure.as_dict()             # Output.error: the public dict
     try:
         r = httpx.post(f"{scripted.base}/v1/chat/completions", json={"messages": _say("some words")}, timeout=30)
         err = r.json()["error"]
