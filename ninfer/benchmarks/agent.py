@@ -15,6 +15,7 @@ import random
 import time
 
 from ninfer.api import Engine
+from ninfer.benchmarks.common import router_label
 
 
 def _lcp(a: list[int], b: list[int]) -> int:
@@ -154,7 +155,7 @@ def run_trace(model_dir: str, transport: str = "inproc", sessions: int = 8, turn
     stats = eng.stats()
     eng.shutdown()
     c = stats["cache"]
-    name = transport if replicas == 1 else f"{transport} x{replicas} {routing}"
+    name = transport if replicas == 1 else f"{transport} x{replicas} {router_label(routing)}"
     spread = "/".join(str(x.get("finished", 0)) for x in sorted(stats.get("replicas", []), key=lambda x: x["slot"]))
     return {"transport": name, "requests": sessions * turns, "computed": work, "floor": floor, "spread": spread,
             "routed_by_reason": (stats.get("router") or {}).get("routed_by_reason"),
@@ -201,7 +202,7 @@ def run(model_dir: str, out: str | None = None, plot: str | None = None, transpo
         runs = (runs or [("inproc", 1, None)]) + [("ray", replicas, r) for r in routings]
     for transport, n, routing in runs:
         mismatches.clear()
-        desc = transport if n == 1 else f"{transport} x{n} {routing}"
+        desc = transport if n == 1 else f"{transport} x{n} {router_label(routing)}"
         with bar(total=sessions * turns, desc=f"trace ({desc})", unit="req") as progress:
             traces.append(run_trace(model_dir, transport, sessions, turns, out_tokens, dtype, check, system_tokens,
                                     lanes, seed, progress, n, routing))
@@ -222,7 +223,8 @@ def run(model_dir: str, out: str | None = None, plot: str | None = None, transpo
     result = {"workload": f"{w_sessions} agent sessions x {w_turns} turns, shared 150-token system prompt, "
                           "30% tool-call normalisation",
               "config": {"transports": list(transports), "replicas": replicas,
-                         "routings": list(routings) if replicas > 1 else [], "sessions": sessions, "turns": turns,
+                         "routings": [router_label(r) for r in routings] if replicas > 1 else [],
+                         "sessions": sessions, "turns": turns,
                          "system_tokens": system_tokens, "out_tokens": out_tokens, "lanes": lanes or min(sessions, 8),
                          "capacities": [list(c) for c in capacities], "dtype": dtype, "seed": seed},
               "trace": traces}

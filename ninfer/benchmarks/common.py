@@ -61,3 +61,17 @@ def ensure_model(path: str) -> str:
     from ninfer.demo import ensure_model as _ensure
     with redirect_stdout(sys.stderr):
         return str(_ensure(path))
+
+
+def routers(routings: tuple[str, ...], queue_tokens: int | None) -> tuple:
+    """One router config per routing mode: the mode's name, or with ``queue_tokens`` a dict."""
+    if queue_tokens is None:
+        return tuple(routings)
+    return tuple({"routing": r, "queue_tokens": queue_tokens} for r in routings)
+
+
+def router_label(router) -> str:
+    """How a run names its router: the mode, and a queue price that is not the default."""
+    if isinstance(router, dict):
+        return f"{router['routing']} q{router['queue_tokens']}"
+    return str(router)

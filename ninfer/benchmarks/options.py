@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 
+from ninfer.benchmarks.common import routers
 from ninfer.errors import NInferError
 
 DTYPES = ["float32", "bfloat16", "float64"]
@@ -327,6 +328,10 @@ def _replicas(b: argparse.ArgumentParser) -> None:
                         "--routing mode; each row then reports computed prompt tokens vs one engine (vs_one)")
     b.add_argument("--routing", type=_routings, default=("exact",), metavar="MODE[,MODE]",
                    help="with --replicas: exact (restore points, net of load), session, round-robin; comma list")
+    b.add_argument("--router-queue-tokens", type=_positive, default=None, metavar="N",
+                   help="with --replicas: prompt tokens one place in a replica's queue is worth to the exact "
+                        "router (default: the router's, 1024); larger keeps sessions where they restore, smaller "
+                        "spreads them sooner")
 
 
 def _routings(text: str) -> tuple[str, ...]:
@@ -399,7 +404,8 @@ def run_bench(args: argparse.Namespace) -> int:
     elif args.name == "agent":
         kw.update(transports=args.transport, sessions=args.sessions, turns=args.turns,
                   system_tokens=args.system_tokens, out_tokens=args.out_tokens, lanes=args.lanes,
-                  capacities=args.capacity, seed=args.seed, replicas=args.replicas, routings=args.routing)
+                  capacities=args.capacity, seed=args.seed, replicas=args.replicas,
+                  routings=routers(args.routing, args.router_queue_tokens))
     elif args.name == "actors":
         kw.update(transports=args.transport, concurrency=args.concurrency, max_tokens=args.max_tokens,
                   prompt_tokens=args.prompt_tokens, lanes=args.lanes)
@@ -448,5 +454,5 @@ def run_trace(args: argparse.Namespace) -> int:
                      lanes=args.lanes, chunk=args.chunk, max_context=args.max_context, state_slots=args.state_slots,
                      check_n=args.check, dtype=args.dtype, seed=args.seed, timeout=args.timeout,
                      save=args.save_tokens, last_block=args.last_block, replicas=args.replicas,
-                     routings=args.routing)
+                     routings=routers(args.routing, args.router_queue_tokens))
     return 1 if trace.failed(data) else 0

@@ -31,6 +31,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from ninfer.benchmarks.common import router_label
 from ninfer.benchmarks.trace_floor import Floors, floors
 from ninfer.benchmarks.trace_input import (SOURCE, TraceRequest, load, model_vocab, ordinary_vocab, save_tokens,
                                           windows)
@@ -302,7 +303,7 @@ def run(trace_file: str, model_dir: str = "models/tiny", out: str | None = None,
                          "ample": {"kv_pages": "C full contexts (the layout's most)", "host_MiB": AMPLE_HOST_MIB},
                          "lanes": lanes, "prefill_chunk_tokens": chunk, "state_slots": state_slots, "check": check_n,
                          "dtype": dtype, "seed": seed, "limit": limit, "window_s": window_s, "time_scale": time_scale,
-                         "replicas": replicas, "routings": list(routings) if replicas > 1 else []}}
+                         "replicas": replicas, "routings": [router_label(r) for r in routings] if replicas > 1 else []}}
     every = {"floors": {"line": [r.line for r in reqs], "prompt": [len(r.prompt) for r in reqs], "ideal": fl.ideal,
                         "ends": fl.ends},
              "requests": {name: _columns(ss) for name, ss in series.items()}}
@@ -352,7 +353,7 @@ def engine_runs(model_dir: str, reqs: list[TraceRequest], fl: Floors, arrival: A
     one: dict = {}                                  # capacity -> computed by the first one-engine run
     for transport, cap, replicas, routing in runs:
         size = AMPLE if cap == AMPLE else f"{cap[0]}:{cap[1]}"
-        name = f"{transport} {size}" if replicas == 1 else f"{transport} x{replicas} {routing} {size}"
+        name = f"{transport} {size}" if replicas == 1 else f"{transport} x{replicas} {router_label(routing)} {size}"
         cfg = engine_config(lanes, chunk, max_context, cap, state_slots)
         served, stats, integrity, wall = run_engine(model_dir, reqs, arrival, transport, cfg, dtype, timeout, name,
                                                     replicas, routing)
