@@ -362,7 +362,7 @@ def engine_runs(model_dir: str, reqs: list[TraceRequest], fl: Floors, arrival: A
                "kv_pages": stats["occupancy"].get("main", {}).get("total") // replicas,
                "host_MiB": cfg["context_cache"]["host_capacity_bytes"] >> 20, "checked": len(idx),
                "outputs_exact": not bad, "mismatched_lines": bad, "integrity": integrity,
-               "replicas": replicas, "routing": routing}
+               "replicas": replicas, "routing": None if routing is None else router_label(routing)}
         if replicas == 1:
             one.setdefault(size, row["computed"])
         elif stats.get("router"):
