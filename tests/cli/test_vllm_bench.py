@@ -84,4 +84,7 @@ def test_vllm_bench_serve_and_ninfer_bench_serve_agree_on_ttft(tiny_model, tmp_p
     # a client's TTFT is the engine's plus the HTTP path, never less and not far more
     for client, engine in ((vllm_client, vllm_engine), (ours_client, ours_engine)):
         assert engine * 0.95 <= client <= engine * 1.15 + 0.02, (client, engine)
-    assert abs(vllm_client - ours_client) <= 0.10 * max(vllm_client, ours_client) + 0.02, (vllm_client, ours_client)
+    # both clients see the same HTTP path on top of the engine: their TTFT over the engine's own
+    # agree (the two windows' absolute TTFTs follow the machine's load in each, not the client)
+    vllm_over, ours_over = vllm_client / vllm_engine, ours_client / ours_engine
+    assert abs(vllm_over - ours_over) <= 0.10, (vllm_client, vllm_engine, ours_client, ours_engine)
