@@ -65,7 +65,7 @@ def _kept_startup_failure(exc: Exception, what: str) -> Exception:
     return exc
 
 
-def _normal_priority(what: str) -> None:
+def ask_normal_priority(what: str) -> None:
     """Ray starts worker processes at niceness 15 so that its own daemons stay responsive; the
     three actors are the service itself (the worker's step and the controller's cycle are on
     every token's path), so they ask for normal priority back. Measured on 2 busy cores: at
@@ -99,7 +99,7 @@ class GpuWorkerActor:
 
         from ninfer.actors.worker import Worker, WorkerDeath
         torch.set_num_threads(1)
-        _normal_priority("GPU worker")
+        ask_normal_priority("GPU worker")
         cfg = decode_config(config)
         if cfg.log_format:
             configure_logging(cfg.log_format)
@@ -217,7 +217,7 @@ class EngineControllerActor:
         ``"0.1"``): it publishes its restore summary (``summary``: (cap, block)) with its events
         and names itself as their source."""
         from ninfer.actors.control import ControlLoop
-        _normal_priority("engine controller")
+        ask_normal_priority("engine controller")
         self.names = names(deployment, replica)
         self._source = () if replica is None else (replica,)
         restore_summary = None
@@ -351,7 +351,7 @@ class Frontend:
     client methods."""
 
     def __init__(self, model_dir: str, config: bytes, deployment: str, client_timeout: float = 10.0):
-        _normal_priority("frontend")
+        ask_normal_priority("frontend")
         from ninfer.frontend.intake import Intake
         fmt = decode_config(config).log_format
         if fmt:
@@ -384,7 +384,7 @@ class Frontend:
 
     async def ready(self) -> bytes:
         if self.info_bytes is None:
-            _normal_priority("frontend's event loop")
+            ask_normal_priority("frontend's event loop")
             self.info_bytes = await self.controller.info.remote()
             self.controller_epoch = await self.controller.ping.remote()
             self.intake = self._intake_cls(self._model_dir, P.decode_info(self.info_bytes),

@@ -431,7 +431,7 @@ class _StepRun:
                 self.ran.add(iid)
                 if row.capture is not None:
                     self.prog.drop_capture(row.capture)
-                self.prog._fail_sequence(seq)
+                self.prog.fail_sequence(seq)
                 # what the save's preparation already did stands (seed: 新保存失败不恢复旧点):
                 # its retirements, its superseded holds when it had found a destination, its room
                 self.reply.units.append(P.UnitOut(seq.sid, ran=False, error=error, capture=result, room_applied=room))
@@ -462,7 +462,7 @@ class _StepRun:
         if stale:
             return None, P.CaptureResult.STALE_ROOM, None
         deleted = {a.cid for a in cap.room if isinstance(a, P.Delete)}
-        images, blocks = reclaim._migrations(prog, cap.room)
+        images, blocks = reclaim.migrations_of(prog, cap.room)
         sizes = prog.demotion_sizes(images, blocks) + [prog.mem.image_bytes]
         dropped = {a.cid for a in cap.room if isinstance(a, P.DropHostCopy)}
         fits_host = place_first_fit(prog.host_holes_after(deleted, dropped), sizes) is not None

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 
-from ninfer.benchmarks.controller import _Metered
+from ninfer.benchmarks.controller import Metered
 from ninfer.protocol import RequestSpec
 from ninfer.sampling_params import SamplingParams
 
@@ -79,7 +79,7 @@ def _engine(model_dir: str, host_bytes, dtype: str = "float32") -> tuple:
     per = info.image_bytes + 2 * info.page_bytes
     cfg = EngineConfig(max_concurrency=4, max_context=128, prefill_chunk_tokens=128, dtype=dtype,
                        context_cache={"host_capacity_bytes": int(host_bytes(per))})
-    client = _Metered(Worker(model_dir, cfg))
+    client = Metered(Worker(model_dir, cfg))
     core = EngineCore(client, cfg, lambda ev: None)
     return core, client, _Timer(core, client)
 

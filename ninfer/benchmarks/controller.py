@@ -23,7 +23,7 @@ from ninfer.protocol import Phase, RequestSpec
 from ninfer.sampling_params import SamplingParams
 
 
-class _Metered(InprocClient):
+class Metered(InprocClient):
     def __init__(self, worker):
         super().__init__(worker)
         self.worker_s = 0.0
@@ -61,7 +61,7 @@ def measure(model_dir: str, concurrency: int, mode: str = "steady", decode_token
         cfg = EngineConfig(max_concurrency=concurrency, max_context=pages * 64, kv_capacity=pages * 64, dtype=dtype,
                            prefill_chunk_tokens=64, context_cache={"host_capacity_bytes": 4 << 20})
         prompt_len, tokens = 90, 100
-    client = _Metered(Worker(model_dir, cfg))
+    client = Metered(Worker(model_dir, cfg))
     core = EngineCore(client, cfg, lambda ev: None)
     for i in range(concurrency):
         core.add(RequestSpec(prompt=[(7 * i + j) % 2000 for j in range(prompt_len)],

@@ -169,8 +169,8 @@ def stage_kernels(rows: Rows, device: str, size: str, dtypes: list, reps: int) -
             ok &= bool(row.get("ok"))
             rows(**row, size=size)
         rows(case=f"{str(dtype).removeprefix('torch.')} done", wall_s=round(time.perf_counter() - t0, 1))
-    from ninfer.native.model.fp8 import _SCALED_MM
-    rows(case="fp8 linear path", scaled_mm=_SCALED_MM["ok"],
+    from ninfer.native.model.fp8 import SCALED_MM
+    rows(case="fp8 linear path", scaled_mm=SCALED_MM["ok"],
          meaning="True: torch._scaled_mm blockwise ran; False: refused (see the log), dequantised; None: not tried")
     for res in kernel_resources():
         res["ok"] = not res["n_spills"]

@@ -60,7 +60,7 @@ class Record:
         return d
 
 
-def _headers(api_key: str | None) -> dict:
+def auth_headers(api_key: str | None) -> dict:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
@@ -68,7 +68,7 @@ def first_model(base_url: str, api_key: str | None = None) -> str:
     """The first id that ``GET {base_url}/models`` lists."""
     import httpx
     try:
-        r = httpx.get(f"{base_url}/models", headers=_headers(api_key), timeout=30)
+        r = httpx.get(f"{base_url}/models", headers=auth_headers(api_key), timeout=30)
         r.raise_for_status()
         return r.json()["data"][0]["id"]
     except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
@@ -214,7 +214,7 @@ async def _run(base_url: str, model: str, convs: list[Conversation], rounds: int
             progress.update(rec)
             conv.answer(rec.text)              # an errored round continues with what arrived
 
-    async with httpx.AsyncClient(base_url=base_url, headers=_headers(api_key), limits=limits,
+    async with httpx.AsyncClient(base_url=base_url, headers=auth_headers(api_key), limits=limits,
                                  timeout=httpx.Timeout(timeout, connect=30)) as http:
         t_run = time.perf_counter()
         await asyncio.gather(*(user(c, conv) for c, conv in enumerate(convs)))

@@ -163,7 +163,7 @@ async def _http(url, model, reqs, arrival: Arrival, api_key, timeout) -> tuple[l
 
     import httpx
 
-    from ninfer.benchmarks.http_load import Progress, Record, _headers, stream_chat
+    from ninfer.benchmarks.http_load import Progress, Record, auth_headers, stream_chat
     progress = Progress(len(reqs))
     width = max(len(g) for g in windows(reqs, arrival.window_s)) if arrival.time_scale is None else len(reqs)
     limits = httpx.Limits(max_connections=min(width, 512), max_keepalive_connections=min(width, 512))
@@ -177,7 +177,7 @@ async def _http(url, model, reqs, arrival: Arrival, api_key, timeout) -> tuple[l
         prompt = rec.prompt_tokens or len(r.prompt)
         return Served(r.line, prompt, rec.cached_tokens, None if rec.cached_tokens is None else prompt - rec.cached_tokens,
                       0, rec.ttft_s, rec.e2e_s, rec.error)
-    async with httpx.AsyncClient(base_url=url, headers=_headers(api_key), limits=limits,
+    async with httpx.AsyncClient(base_url=url, headers=auth_headers(api_key), limits=limits,
                                  timeout=httpx.Timeout(timeout, connect=30)) as http:
         t_run = time.perf_counter()
         if arrival.time_scale is None:

@@ -125,12 +125,12 @@ class Intake:
         if self.media is None:
             raise RequestError(f"messages[{found[0][0]}].content[{found[0][1]}]: image parts are not supported by "
                                f"this model ({self.info.model_type}: no vision tower)")
-        from ninfer.frontend.media import _part_url, read_image_url
+        from ninfer.frontend.media import part_url, read_image_url
         cache, params, _, limits = self.media
         out = []
         for i, j, part in found:
             where = f"messages[{i}].content[{j}].image_url"
-            data = read_image_url(_part_url(part.get("image_url"), where), limits, where)
+            data = read_image_url(part_url(part.get("image_url"), where), limits, where)
             out.append(cache.get_or_prepare(data, params, max_image_pixels=limits.max_image_pixels, where=where))
         return out
 

@@ -416,12 +416,12 @@ def prepare_messages(messages: list[S.Message], cache: MediaCache, params: Image
         for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
             if isinstance(part, S.ImagePart):
                 where = f"messages[{i}].content[{j}].image_url"
-                data = read_image_url(_part_url(part.image_url, where), limits, where)
+                data = read_image_url(part_url(part.image_url, where), limits, where)
                 out.append(cache.get_or_prepare(data, params, max_image_pixels=limits.max_image_pixels, where=where))
     return out
 
 
-def _part_url(image_url: Any, where: str) -> str:
+def part_url(image_url: Any, where: str) -> str:
     """OpenAI's ``{"url": ..., "detail": ...}`` (detail ignored, as vLLM), or the bare string."""
     url = image_url.get("url") if isinstance(image_url, dict) else image_url
     if not isinstance(url, str):

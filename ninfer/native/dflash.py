@@ -106,7 +106,7 @@ class DFlashBackend(DraftBackend):
                 append_rows.append(p.rows[d - f0:f - f0])
                 positions.append(pos)
                 slots.append(table[pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE)
-                prog._mark_written(seq, d, f, DFLASH)
+                prog.mark_written(seq, d, f, DFLASH)
                 seq.draft_frontier = f
                 self.stats.entries += f - d
             self._slide(seq)
@@ -134,6 +134,6 @@ class DFlashBackend(DraftBackend):
             return
         blocks = seq.blocks[DFLASH]
         for b in blocks[:drop]:
-            self.prog._drop_holder(b, seq.sid)
+            self.prog.drop_holder(b, seq.sid)
         del blocks[:drop]
         seq.draft_base = first * PAGE_SIZE

@@ -371,7 +371,7 @@ class _StaticVerify:
     longest row known: n; each row's real queries: ``ends``)."""
 
     def __init__(self, rows: int, n: int, width: int, device, scratch_page: int, scratch_slot: int):
-        from ninfer.native.model.paths import _MultiRows
+        from ninfer.native.model.paths import MultiRows
         lt = lambda k, v: torch.full((k,), v, dtype=torch.long, device=device)  # noqa: E731
         t = rows * n
         self.rows, self.n, self.width = rows, n, width
@@ -396,7 +396,7 @@ class _StaticVerify:
             verify_seqs=list(range(rows)), decode_rows=empty, decode_slots=empty, decode_kv_lens=empty,
             decode_block_table=empty.view(0, 0), verify_len=n, verify_rows=arange, verify_slots=self.state_slots,
             verify_starts=self.starts, verify_block_table=self.block_table, verify_ends=self.ends)
-        self.batch.kernel_meta["multi"] = _MultiRows(arange, torch.arange(0, t + 1, n, device=device), self.starts,
+        self.batch.kernel_meta["multi"] = MultiRows(arange, torch.arange(0, t + 1, n, device=device), self.starts,
                                                      self.block_table, contiguous=True, max_q=n, lens=self.ends)
 
     def load(self, b: ForwardBatch) -> None:
@@ -417,7 +417,7 @@ class _StaticChunk:
     in an eager call."""
 
     def __init__(self, rows: int, n: int, length: int, width: int, device, scratch_page: int, scratch_slot: int):
-        from ninfer.native.model.paths import _MultiRows
+        from ninfer.native.model.paths import MultiRows
         lt = lambda k, v: torch.full((k,), v, dtype=torch.long, device=device)  # noqa: E731
         ar = lambda lo, hi: torch.arange(lo, hi, dtype=torch.long, device=device)  # noqa: E731
         m = rows * n
@@ -460,7 +460,7 @@ class _StaticChunk:
             # the kernel path's prefill launch: rows at [0, n, 2n, .., m], the chunk at m, with
             # their real queries (``lens``)
             cu = torch.cat([ar(0, m + 1)[::n], lt(1, t)])
-            multi = _MultiRows(ar(0, t), cu, self.starts, self.tables, contiguous=True, max_q=max(n, length),
+            multi = MultiRows(ar(0, t), cu, self.starts, self.tables, contiguous=True, max_q=max(n, length),
                                lens=self.lens)
         else:
             self.part = None
@@ -468,7 +468,7 @@ class _StaticChunk:
                 **common, decode_seqs=list(range(rows)), decode_rows=part, decode_slots=self.state_slots[:rows],
                 decode_kv_lens=self.kv_lens, decode_block_table=self.tables[:rows], decode_kv_slots=None)
             # beside decode rows (they take the decode kernel): the chunk alone, its real queries
-            multi = _MultiRows(self.chunk.rows, torch.tensor([0, length], device=device), self.chunk.start,
+            multi = MultiRows(self.chunk.rows, torch.tensor([0, length], device=device), self.chunk.start,
                                self.chunk.block_table, contiguous=rows == 0, max_q=length, lens=self.chunk.end)
         self.batch.kernel_meta["multi"] = multi
 

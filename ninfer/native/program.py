@@ -255,7 +255,7 @@ class Program:
     def unit_demand(self, sid: int, frontier: int, blocks: list[KvBlock], n_tokens: int) -> dict[str, int]:
         """Main pages a unit of ``n_tokens`` at ``frontier`` over ``blocks`` needs: growth pages
         plus a tail copy when the frontier is inside a block this writer may not append to."""
-        tail = not frontier % PAGE_SIZE or self._can_append(blocks[frontier // PAGE_SIZE], sid, frontier)
+        tail = not frontier % PAGE_SIZE or self.can_append(blocks[frontier // PAGE_SIZE], sid, frontier)
         return {MAIN: unit_pages(frontier, n_tokens, len(blocks), tail)}
 
     def seq_demand(self, seq: Sequence, n_tokens: int) -> dict[str, int]:
@@ -265,9 +265,9 @@ class Program:
 
     def tail_ok(self, seq: Sequence) -> bool:
         f, blocks = seq.frontier, seq.blocks[MAIN]
-        return not f % PAGE_SIZE or (bool(blocks) and self._can_append(blocks[f // PAGE_SIZE], seq.sid, f))
+        return not f % PAGE_SIZE or (bool(blocks) and self.can_append(blocks[f // PAGE_SIZE], seq.sid, f))
 
-    def _can_append(self, block: KvBlock, sid: int, f: int) -> bool:
+    def can_append(self, block: KvBlock, sid: int, f: int) -> bool:
         return block.filled == f % PAGE_SIZE and block.appender in (None, sid)
 
     def reserve_unit(self, seq: Sequence, n_tokens: int) -> dict[str, int]:
@@ -449,7 +449,7 @@ class Program:
         self._claim_tail(seq)
         lost = [src.cid] if mode is BindMode.MOVE and detached is not None else []
         if mode is BindMode.MOVE:
-            self._delete_checkpoint(src, keep_content=True)
+            self.delete_checkpoint(src, keep_content=True)
 
         def after() -> None:
             for obj in leased:
@@ -467,7 +467,7 @@ class Program:
                 self.unlease(obj)
             if detached is not None:
                 self.host.release(detached)
-            self._fail_sequence(seq)
+            self.fail_sequence(seq)
             return [seq.sid], lost
         return reads, after, abort
 
@@ -478,7 +478,7 @@ class Program:
         if seq.cancel_requested:
             self.release(seq)
 
-    def _fail_sequence(self, seq: Sequence) -> None:
+    def fail_sequence(self, seq: Sequence) -> None:
         if seq.sid not in self.sequences:
             return
         self.settle(seq)
@@ -490,7 +490,7 @@ class Program:
         for kind, f in ((MAIN, seq.frontier), (self.spec.kind if self.spec else MTP, seq.draft_frontier)):
             blocks = seq.blocks.get(kind)
             if f % PAGE_SIZE and blocks and len(blocks) == pages_for(f) - self._page0(seq, kind) \
-                    and self._can_append(blocks[-1], seq.sid, f):
+                    and self.can_append(blocks[-1], seq.sid, f):
                 blocks[-1].appender = seq.sid
 
     # ==== execution ====================================================================
@@ -513,7 +513,7 @@ class Program:
                 raise NativeError(f"unit beyond the ledger of sequence {seq.sid}")
             d = self.spec.drafts_for(seq, r.n_tokens) if self.spec is not None else []
             drafts.append(d)
-            self._prepare_blocks(seq, end + len(d))
+            self.prepare_blocks(seq, end + len(d))
             seqs_in.append(SeqInput(token_ids=seq.ledger[seq.frontier:end] + d, start=seq.frontier,
                                     page_table=[b.page for b in seq.blocks[MAIN]], state_slot=seq.slot,
                                     logits="all" if d else "last", verify=bool(d),
@@ -551,7 +551,7 @@ class Program:
                 else:
                     keep = r.n_tokens
                     li += 1
-                self._mark_written(seq, f0, f0 + keep)
+                self.mark_written(seq, f0, f0 + keep)
                 seq.frontier = f0 + keep
                 self._trim(seq)
                 self.mem.hidden[seq.slot] = out.all_hidden[lo + keep - 1]
@@ -652,10 +652,10 @@ class Program:
         blocks = seq.blocks[MAIN]
         keep = pages_for(seq.frontier)
         for b in blocks[keep:]:
-            self._drop_holder(b, seq.sid)
+            self.drop_holder(b, seq.sid)
         del blocks[keep:]
 
-    def _prepare_blocks(self, seq: Sequence, end: int, kind: str = MAIN, f: int | None = None,
+    def prepare_blocks(self, seq: Sequence, end: int, kind: str = MAIN, f: int | None = None,
                         res: Reservation | None = None) -> None:
         """Allocate growth pages and copy a tail the sequence may not append to (COW), for the
         ``kind`` directory written from ``f`` (default: Main at the execution frontier)."""
@@ -663,7 +663,7 @@ class Program:
         f = seq.frontier if f is None else f
         i = f // PAGE_SIZE - p0
         tail = blocks[i] if f % PAGE_SIZE and len(blocks) > i else None
-        if tail is not None and not self._can_append(tail, seq.sid, f):
+        if tail is not None and not self.can_append(tail, seq.sid, f):
             new = self._new_block(kind, seq, res)
             if tail.page is None:
                 raise NativeError(f"block {tail.bid} has no Device replica")
@@ -671,7 +671,7 @@ class Program:
             copy(tail.page, new.page, f % PAGE_SIZE)
             new.filled = f % PAGE_SIZE
             blocks[i] = new
-            self._drop_holder(tail, seq.sid)
+            self.drop_holder(tail, seq.sid)
         elif tail is not None:
             tail.appender = seq.sid
         while len(blocks) < pages_for(end) - p0:
@@ -687,7 +687,7 @@ class Program:
         self.blocks[b.bid] = b
         return b
 
-    def _mark_written(self, seq: Sequence, start: int, end: int, kind: str = MAIN) -> None:
+    def mark_written(self, seq: Sequence, start: int, end: int, kind: str = MAIN) -> None:
         blocks, p0 = seq.blocks[kind], self._page0(seq, kind)
         for p in range(start // PAGE_SIZE, pages_for(end)):
             b = blocks[p - p0]
@@ -751,7 +751,7 @@ class Program:
         def abort() -> tuple[list[int], list[int]]:
             self.unlease(image)
             if ck.cid in self.checkpoints:
-                self._delete_checkpoint(ck)
+                self.delete_checkpoint(ck)
             return [], [ck.cid]
         return ck, self.tx_add(TxPart("capture", lambda: self.unlease(image), abort), [job])
 
@@ -790,7 +790,7 @@ class Program:
             ck.owners[owner] = n - 1
         ck.touch()
         if not ck.owners:
-            self._delete_checkpoint(ck)
+            self.delete_checkpoint(ck)
             return True
         return False
 
@@ -805,13 +805,13 @@ class Program:
             return f"checkpoint {a.cid} is being read"
         return ""
 
-    def _delete_checkpoint(self, ck: Checkpoint, keep_content: bool = False) -> None:
+    def delete_checkpoint(self, ck: Checkpoint, keep_content: bool = False) -> None:
         """Remove a checkpoint. ``keep_content``: its Device state and block holds were handed
         over. Replicas still being read are freed when their reader finishes."""
         del self.checkpoints[ck.cid]
         for blocks in ck.blocks.values():
             for b in blocks:
-                self._drop_holder(b, ck.cid)
+                self.drop_holder(b, ck.cid)
         if ck.image.leases:
             self._orphans.add(ck.image)
             if ck.image.slot is not None:
@@ -864,7 +864,7 @@ class Program:
         del self._slot_owner[slot]
         self.pools[STATE].release(slot)
 
-    def _drop_holder(self, b: KvBlock, holder: int) -> None:
+    def drop_holder(self, b: KvBlock, holder: int) -> None:
         b.holders.discard(holder)
         if b.appender == holder:
             b.appender = None
@@ -1113,7 +1113,7 @@ class Program:
         snap, tid = None, None
         if to_host and self._snapshot_fits(seq, victims):
             for a in victims:
-                self._delete_checkpoint(self.checkpoints[a.cid])
+                self.delete_checkpoint(self.checkpoints[a.cid])
             blocks, _ = self.pause_plan(seq)
             snap = self._handover(seq, CkptKind.SNAPSHOT, SnapshotOwner(seq.sid))
             jobs, part = self.demote([snap], blocks)
@@ -1123,7 +1123,7 @@ class Program:
                 def abort() -> tuple[list[int], list[int]]:
                     revoke()                    # the copy failed: the snapshot is revoked (Replay)
                     if snap.cid in self.checkpoints:
-                        self._delete_checkpoint(snap)
+                        self.delete_checkpoint(snap)
                     if seq.snapshot is snap:
                         seq.snapshot = None
                     return [], [snap.cid]
@@ -1148,7 +1148,7 @@ class Program:
         seq.slot = None
         for blocks in seq.blocks.values():
             for b in blocks:
-                self._drop_holder(b, seq.sid)
+                self.drop_holder(b, seq.sid)
         seq.blocks = self._dirs()
         seq.drafts = []
         return ck
@@ -1159,7 +1159,7 @@ class Program:
             seq.slot = None
         for blocks in seq.blocks.values():
             for b in blocks:
-                self._drop_holder(b, seq.sid)
+                self.drop_holder(b, seq.sid)
         seq.blocks = self._dirs()
         seq.drafts = []
         seq.draft_base = seq.draft_frontier = 0

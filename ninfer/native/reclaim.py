@@ -122,7 +122,7 @@ def verify(prog: "Program", actions: list[Action], gone: set[int] = frozenset())
     return ""
 
 
-def _migrations(prog: "Program", actions: list[Action]):
+def migrations_of(prog: "Program", actions: list[Action]):
     """The replicas a commit migrates, each once (checkpoints that share a block both name it)."""
     images = list({a.cid: prog.checkpoints[a.cid] for a in actions if isinstance(a, DemoteState)}.values())
     blocks = list({bid: prog.blocks[bid] for a in actions if isinstance(a, DemoteBlocks) for bid in a.bids}.values())
@@ -137,7 +137,7 @@ def commit(prog: "Program", actions: list[Action]) -> CommitResult:
         return CommitResult(ok=False, reason=f"stale: {why}")
     deleted = {a.cid for a in actions if isinstance(a, Delete)}
     dropped = {a.cid for a in actions if isinstance(a, DropHostCopy)}
-    images, blocks = _migrations(prog, actions)
+    images, blocks = migrations_of(prog, actions)
     sizes = prog.demotion_sizes(images, blocks, dropped)
     if sizes and place_first_fit(prog.host_holes_after(deleted, dropped), sizes) is None:
         return CommitResult(ok=False, reason="host: the destinations do not fit first-fit")
@@ -145,7 +145,7 @@ def commit(prog: "Program", actions: list[Action]) -> CommitResult:
     for cid in sorted(dropped):                 # safe duplicates first: nothing is lost
         prog.drop_host_copy(prog.checkpoints[cid])
     for cid in sorted(deleted):
-        prog._delete_checkpoint(prog.checkpoints[cid])
+        prog.delete_checkpoint(prog.checkpoints[cid])
     jobs, part = prog.demote(images, blocks)
     tid = prog.tx_add(part, jobs) if part is not None else None
     return CommitResult(ok=True, tid=tid, freed={k: prog.pools[k].free - n for k, n in before.items()})
@@ -186,7 +186,7 @@ def simulate(prog: "Program", remedies: list[Remedy], skipped: set[int] | None =
         if isinstance(r, Reclaim):
             deleted = {a.cid for a in r.actions if isinstance(a, Delete)}
             dropped = {a.cid for a in r.actions if isinstance(a, DropHostCopy)}
-            images, blocks = _migrations(prog, r.actions) if not verify(prog, r.actions, sim.gone) else (None, None)
+            images, blocks = migrations_of(prog, r.actions) if not verify(prog, r.actions, sim.gone) else (None, None)
             # Host duplicates released by this step or an earlier one: the demotion allocates anew
             sizes = prog.demotion_sizes(images, blocks, sim.copies | dropped) if images is not None else []
             if images is None or (sizes and place_first_fit(

@@ -128,7 +128,7 @@ class DraftBackend:
         prog, kind = self.prog, self.kind
         blocks, p0 = seq.blocks[kind], self.page0(seq)
         i = m // PAGE_SIZE - p0
-        tail = not m % PAGE_SIZE or len(blocks) <= i or prog._can_append(blocks[i], seq.sid, m)
+        tail = not m % PAGE_SIZE or len(blocks) <= i or prog.can_append(blocks[i], seq.sid, m)
         need = unit_pages(m, end - m, p0 + len(blocks), tail)
         res, short = reserve_all(prog.pools, {kind: need})
         if res is None:
@@ -136,7 +136,7 @@ class DraftBackend:
             res, short = reserve_all(prog.pools, {kind: need})
             if res is None:
                 return False
-        prog._prepare_blocks(seq, end, kind, m, res)
+        prog.prepare_blocks(seq, end, kind, m, res)
         settle(prog.pools, res)
         return True
 
@@ -145,13 +145,13 @@ class DraftBackend:
         blocks = seq.blocks[self.kind]
         keep = pages_for(seq.draft_frontier) - self.page0(seq)
         for b in blocks[keep:]:
-            self.prog._drop_holder(b, seq.sid)
+            self.prog.drop_holder(b, seq.sid)
         del blocks[keep:]
 
     def _restart(self, seq: Sequence, base: int) -> None:
         """The backend's context restarts at ``base``: positions below it are never covered."""
         for b in seq.blocks[self.kind]:
-            self.prog._drop_holder(b, seq.sid)
+            self.prog.drop_holder(b, seq.sid)
         seq.blocks[self.kind] = []
         seq.draft_base = seq.draft_frontier = base
         self.stats.restarts += 1
@@ -169,7 +169,7 @@ class DraftBackend:
 
     def drop_coverage(self, ck: Checkpoint) -> None:
         for b in ck.blocks.get(self.kind, ()):
-            self.prog._drop_holder(b, ck.cid)
+            self.prog.drop_holder(b, ck.cid)
         ck.blocks[self.kind] = []
         ck.draft_base = ck.draft_frontier = 0
         ck.touch()
@@ -241,7 +241,7 @@ class MtpBackend(DraftBackend):
         with torch.no_grad():
             out = head.forward(entries, self.cache)
             for w in work:
-                prog._mark_written(w.seq, w.start, w.end, MTP)
+                prog.mark_written(w.seq, w.start, w.end, MTP)
                 w.seq.draft_frontier = w.end
                 self.stats.entries += w.end - w.start
             rows = [i for i, w in enumerate(work) if w.drafts > 0]

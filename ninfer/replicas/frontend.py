@@ -37,7 +37,7 @@ import ray
 from ray.exceptions import RayActorError, RayError
 
 from ninfer import protocol as P
-from ninfer.actors.ray_actors import NAMESPACE, EngineControllerActor, Frontend, _normal_priority, names
+from ninfer.actors.ray_actors import NAMESPACE, EngineControllerActor, Frontend, ask_normal_priority, names
 from ninfer.config import decode_config
 from ninfer.errors import ErrorKind, NInferError, RequestError
 from ninfer.replicas.router import NoReplica, Router, RouterConfig
@@ -239,7 +239,7 @@ class ReplicatedFrontend(Frontend):
     async def ready(self) -> bytes:
         async with self._ready_lock:
             if self.info_bytes is None:
-                _normal_priority("frontend's event loop")
+                ask_normal_priority("frontend's event loop")
                 infos = await asyncio.gather(*(self._await_live(r) for r in list(self.replicas.values())))
                 self.info_bytes = infos[0]
                 self.intake = self._intake_cls(self._model_dir, P.decode_info(self.info_bytes),

@@ -47,7 +47,7 @@ from ninfer.tiny.dflash import write_weights
 from ninfer.tiny.mtp_fit import (
     HELD_OUT,
     RANDOM_SHARE,
-    _one_thread,
+    one_thread,
     adam,
     continue_batch,
     corpus_stream,
@@ -256,7 +256,7 @@ def training_set(target: HybridModel, target_dir: Path, taps: tuple[int, ...], s
     return trajectories(target, continue_batch(target, prompts, new_tokens, [0.0] * sequences, gen), taps)
 
 
-@_one_thread
+@one_thread
 def fit_dflash(target_dir: str | Path, draft_dir: str | Path, *, steps: int = 40, seed: int = 0,
                sequences: int = 64, prompt_len: int = 16, new_tokens: int = 48, batch: int = 8,
                anchors: int = 8, lr: float = 3e-4, gamma: float = 4.0, measure: bool = True,

@@ -340,7 +340,7 @@ def write_mtp_tensors(model_dir: Path, tensors: dict[str, torch.Tensor]) -> None
     save_file(stored, str(path), metadata={"format": "pt"})
 
 
-def _one_thread(fn):
+def one_thread(fn):
     """Run ``fn`` on one torch thread: the fit's float sums, and so the bytes it writes, must not
     depend on the caller's thread count (the CLI's default vs the tests' one); for these small
     ops one thread is also no slower on 2 cores."""
@@ -355,7 +355,7 @@ def _one_thread(fn):
     return run
 
 
-@_one_thread
+@one_thread
 def fit_mtp(model_dir: str | Path, *, steps: int = 100, seed: int = 0, sequences: int = 128, prompt_len: int = 16,
             new_tokens: int = 48, batch: int = 8, lr: float = 1e-3, sampled_share: float = 0.25,
             measure: bool = True, write: bool = True) -> dict:

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ninfer.native.model.fp8 import Fp8Weight, linear
-from ninfer.native.model.moe import FUSED_MAX_ROWS, MoeWeights, _with_shared
+from ninfer.native.model.moe import FUSED_MAX_ROWS, MoeWeights, with_shared
 from ninfer.native.model.moe import sparse_moe as sparse_moe_ref
 from ninfer.native.model.ops import acc_dtype
 
@@ -130,4 +130,4 @@ def fused_moe_triton(x: torch.Tensor, w: MoeWeights) -> torch.Tensor:
         _moe_down[(rows, triton.cdiv(h, bh))](act, dn.contiguous(), ds.contiguous(), ti, tw, y, h, inter, BH=bh,
                                               BI=bi, FP8=fp8_down)
         out = y.view(t, k, h).sum(1).to(x.dtype)
-    return _with_shared(out, x, w)
+    return with_shared(out, x, w)

@@ -150,7 +150,7 @@ def _req(raw: dict[str, Any], key: str, kind: type) -> Any:
     return val
 
 
-def _rope(raw: dict[str, Any]) -> tuple[float, float, tuple[int, ...]]:
+def rope_params(raw: dict[str, Any]) -> tuple[float, float, tuple[int, ...]]:
     """rope_theta, partial_rotary_factor and mrope_section (Qwen3.5) from either the old or the
     transformers-5 format."""
     params = raw.get("rope_parameters") or {}
@@ -206,7 +206,7 @@ def parse_config(raw: dict[str, Any], mtp_layers: int = 0) -> ModelConfig:
     heads = _req(raw, "num_attention_heads", int)
     kv_heads = raw.get("num_key_value_heads") or heads
     head_dim = raw.get("head_dim") or hidden // heads
-    theta, rot, mrope = _rope(raw)
+    theta, rot, mrope = rope_params(raw)
     next_arch = model_type in HYBRID_TYPES
 
     layer_types = raw.get("layer_types")

@@ -14,7 +14,7 @@ from typing import Any, Literal
 import msgspec
 
 from ninfer.errors import ModelLoadError
-from ninfer.native.model.config import _rope, read_config_json
+from ninfer.native.model.config import read_config_json, rope_params
 from ninfer.native.model.weights import Shapes
 
 ARCHITECTURES = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2"}
@@ -93,7 +93,7 @@ def parse_draft_config(raw: dict[str, Any]) -> DFlashConfig:
         raise ModelLoadError(f"draft config.json: hidden_act {raw['hidden_act']!r} is not supported (only 'silu')")
     if raw.get("attention_bias", False):
         raise ModelLoadError("draft config.json: attention_bias is not supported")
-    theta, factor, mrope = _rope(raw)
+    theta, factor, mrope = rope_params(raw)
     if factor != 1.0 or mrope:
         raise ModelLoadError("draft config.json: the draft ropes the full head_dim (no partial or multimodal rope)")
     n_layers = _field(raw, "num_hidden_layers", int)

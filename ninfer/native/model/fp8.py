@@ -149,16 +149,16 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
     return F.linear(x, w.dequantize(x.dtype), bias)
 
 
-_SCALED_MM: dict[str, object] = {"ok": None}
+SCALED_MM: dict[str, object] = {"ok": None}
 
 
 def _scaled_mm_usable(w: Fp8Weight) -> bool:
     n, k = w.weight.shape
-    return _SCALED_MM["ok"] is not False and n % BLOCK == 0 and k % BLOCK == 0 and hasattr(torch, "_scaled_mm")
+    return SCALED_MM["ok"] is not False and n % BLOCK == 0 and k % BLOCK == 0 and hasattr(torch, "_scaled_mm")
 
 
 def _refuse(exc: BaseException) -> None:
-    _SCALED_MM["ok"] = False
+    SCALED_MM["ok"] = False
     log.warning("torch._scaled_mm refused blockwise FP8 scaling here (%s: %s): FP8 weights are dequantised for "
                 "each product instead (correct, slower)", type(exc).__name__, str(exc).splitlines()[0][:200])
 
@@ -178,7 +178,7 @@ def _scaled_mm(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) -> torc
     # scale_b [K/128, N/128], as torch's Hopper path takes them (outer dim contiguous)
     out = torch._scaled_mm(xq, w.weight.t(), scale_a=sa.t().contiguous().t(), scale_b=w.scale_inv.t(),
                            out_dtype=x.dtype)
-    _SCALED_MM["ok"] = True
+    SCALED_MM["ok"] = True
     if bias is not None:
         out = out + bias
     return out.view(*lead, -1)

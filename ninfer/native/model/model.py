@@ -118,7 +118,7 @@ def _to_device(w, device: torch.device):
     return w
 
 
-def _layer_weights(t: dict[str, torch.Tensor], p: str, c: ModelConfig, kind: str, moe: bool,
+def layer_weights(t: dict[str, torch.Tensor], p: str, c: ModelConfig, kind: str, moe: bool,
                    dtype: torch.dtype = torch.float32) -> LayerWeights:
     """One decoder layer's weights from the checkpoint's; ``dtype``: the model's, where a
     formed FP8 weight cannot stay FP8 (rows moved out of their 128-row blocks: ``fp8.py``)."""
@@ -186,7 +186,7 @@ class HybridModel:
         self.layers = []
         for i, kind in enumerate(cfg.layer_types):
             prefix = f"{p}layers.{i}"
-            layer = _layer_weights(t, prefix, cfg, kind, cfg.is_moe_layer(i), dtype)
+            layer = layer_weights(t, prefix, cfg, kind, cfg.is_moe_layer(i), dtype)
             for name in by_layer.get(prefix, ()):
                 del t[name]
             self.layers.append(_to_device(layer, self.device))

@@ -55,12 +55,12 @@ def sparse_moe(x: torch.Tensor, w: MoeWeights, dense: bool = False) -> torch.Ten
             gate_up = linear(x, w.gate_up[e])
             h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
             out = out + linear(h, w.down[e]) * route[:, e:e + 1]
-        return _with_shared(out, x, w)
+        return with_shared(out, x, w)
     # (token, slot) pairs grouped by expert with one stable sort and one host read of the counts:
     # each expert sees its tokens in ascending order (as a per-expert torch.where would give), and
     # one index_add_ in that order sums each token's experts in ascending expert order
     if x.shape[0] == 0:
-        return _with_shared(out, x, w)
+        return with_shared(out, x, w)
     flat = top_i.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=w.gate_up.shape[0]).tolist()
@@ -75,10 +75,10 @@ def sparse_moe(x: torch.Tensor, w: MoeWeights, dense: bool = False) -> torch.Ten
             lo += n
     y = torch.cat(ys) * top_w.reshape(-1).index_select(0, order)[:, None]
     out.index_add_(0, tok, y)
-    return _with_shared(out, x, w)
+    return with_shared(out, x, w)
 
 
-def _with_shared(out: torch.Tensor, x: torch.Tensor, w: MoeWeights) -> torch.Tensor:
+def with_shared(out: torch.Tensor, x: torch.Tensor, w: MoeWeights) -> torch.Tensor:
     if w.shared_gate_proj is not None:
         shared = silu_mlp(x, w.shared_gate_proj, w.shared_up_proj, w.shared_down_proj)
         out = out + torch.sigmoid(linear(x, w.shared_gate)) * shared

@@ -33,7 +33,7 @@ from ninfer.native.model.attention import decode_attention, decode_kv_slots
 from ninfer.native.model.config import FULL, PAGE_SIZE
 from ninfer.native.model.fp8 import linear
 from ninfer.native.model.forward import ForwardBatch, SeqInput
-from ninfer.native.model.model import HybridModel, LayerWeights, _layer_weights
+from ninfer.native.model.model import HybridModel, LayerWeights, layer_weights
 from ninfer.native.model.moe import MoeWeights, sparse_moe
 from ninfer.native.model.ops import rms_norm, silu_mlp
 
@@ -93,7 +93,7 @@ class MtpHead:
             self.norm_hidden = t["mtp.pre_fc_norm_hidden.weight"]
             self.norm = t["mtp.norm.weight"]
             self.layers: list[LayerWeights] = [
-                _layer_weights(t, f"mtp.layers.{j}", cfg, FULL, cfg.num_experts > 0, model.dtype) for j in range(n)]
+                layer_weights(t, f"mtp.layers.{j}", cfg, FULL, cfg.num_experts > 0, model.dtype) for j in range(n)]
         except KeyError as exc:
             raise ModelLoadError(f"MTP weights incomplete: missing {exc.args[0]}") from None
         for j, layer in enumerate(self.layers):

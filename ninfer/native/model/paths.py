@@ -294,7 +294,7 @@ class PerSequencePath(_TorchOps):
         return core
 
 
-class _MultiRows:
+class MultiRows:
     """The chunk and verify rows of a call as one packed prefill launch: their token rows, the
     relative ``cu_seqlens``, absolute starts and a page table padded to the widest of them;
     ``contiguous``: they are all of the call's rows (q is the launch's own); ``max_q``: the
@@ -306,7 +306,7 @@ class _MultiRows:
         self.contiguous, self.max_q, self.lens = contiguous, max_q, lens
 
     @classmethod
-    def of(cls, batch: ForwardBatch, device) -> "_MultiRows":
+    def of(cls, batch: ForwardBatch, device) -> "MultiRows":
         seqs = batch.multi_seqs
         lt = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
         cu = [0]
@@ -366,7 +366,7 @@ class KernelPath(BatchedPath):
             return self._decode(q, k_cache, v_cache, batch, scale)
         m = batch.kernel_meta.get("multi")
         if m is None:
-            m = batch.kernel_meta["multi"] = _MultiRows.of(batch, q.device)
+            m = batch.kernel_meta["multi"] = MultiRows.of(batch, q.device)
         if m.contiguous:
             return paged_prefill_triton(q, k_cache, v_cache, m.tables, m.cu, m.starts, scale, max_q=m.max_q,
                                         q_lens=m.lens)
