@@ -376,6 +376,11 @@ class Engine:
             pauses=[p.as_dict() for p in ev.pauses], prompt_token_ids=list(ev.prompt_token_ids), logprobs=ev.logprobs,
             prompt_logprobs=ev.prompt_logprobs))
 
+    @property
+    def tokenizer(self):
+        """The served model's tokenizer (None: an engine started without a model directory)."""
+        return self._intake.tokenizer if self._intake is not None else None
+
     def _text(self, ids: list[int]) -> str:
         return self._intake.text(ids) if self._intake is not None else ""
 

@@ -83,6 +83,15 @@ class ControlLoop:
         self.wake.set()
         self._thread.join(timeout=30)
 
+    @property
+    def stopped(self) -> bool:
+        """stop() was called."""
+        return self._stop
+
+    def running(self) -> bool:
+        """Not stopped, and the control thread is alive."""
+        return not self._stop and self._thread.is_alive()
+
     def _put(self, item) -> None:
         if self._stop:
             raise RequestError("the engine is shut down")

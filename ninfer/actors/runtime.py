@@ -57,7 +57,7 @@ class InprocRuntime:
         self.loop.cancel(rid)
 
     def alive(self) -> bool:
-        return not self.loop._stop and self.loop._thread.is_alive()
+        return self.loop.running()
 
     def call(self, what: str, timeout: float = 300.0):
         out = self.loop.call(what, timeout)
@@ -66,7 +66,7 @@ class InprocRuntime:
         return out
 
     def shutdown(self) -> None:
-        if self.loop._stop:
+        if self.loop.stopped:
             return
         self.loop.stop()
         for w in self._workers:

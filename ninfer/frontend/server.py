@@ -137,7 +137,7 @@ class Server:
         self.probes = ThreadPoolExecutor(2, thread_name_prefix="ninfer-probe")
         self.offload = offload.shared()
         self.params_n = Histogram((1, 2, 5, 10, 20))      # vllm:request_params_n
-        self.tok = engine._intake.tokenizer if engine._intake is not None else None
+        self.tok = engine.tokenizer
         self.max_token_chars = _max_token_chars(self.tok)
         max_context = engine.info.max_context
         self.bounds = BodyBounds(max_text_chars=max_context * min(self.max_token_chars, 1 << 20),

@@ -243,7 +243,7 @@ class HybridModel:
             if layer.kind == LINEAR:
                 h = self._gdn(layer.mixer, h, batch, cache, j)
             else:
-                h = self._attention(layer.mixer, h, cos, sin, batch, cache, j)
+                h = self.attention(layer.mixer, h, cos, sin, batch, cache, j)
             x = x + h
             h = self.path.rms_norm(x, layer.post_norm, c.rms_norm_eps, c.zero_centered_norm)
             x = x + (self.path.moe(h, layer.mlp, static) if isinstance(layer.mlp, MoeWeights) else silu_mlp(h, *layer.mlp))
@@ -269,7 +269,7 @@ class HybridModel:
         normed = self.path.rms_norm(hidden, self.final_norm, self.cfg.rms_norm_eps, self.cfg.zero_centered_norm)
         return linear(normed, self.lm_head).to(self.acc)
 
-    def _attention(self, w: AttentionWeights, x: torch.Tensor, cos, sin, batch: ForwardBatch,
+    def attention(self, w: AttentionWeights, x: torch.Tensor, cos, sin, batch: ForwardBatch,
                    cache: ModelCache, j: int, attend=None) -> torch.Tensor:
         """One gated attention layer; ``attend`` replaces the path's attention (the MTP head's)."""
         c = self.cfg

@@ -152,7 +152,7 @@ class MtpHead:
 
         cos, sin = m.rope.cos_sin(batch.positions)
         h = rms_norm(x, layer.input_norm, c.rms_norm_eps, c.zero_centered_norm)
-        x = x + m._attention(layer.mixer, h, cos, sin, batch, cache, j, attend)
+        x = x + m.attention(layer.mixer, h, cos, sin, batch, cache, j, attend)
         h = rms_norm(x, layer.post_norm, c.rms_norm_eps, c.zero_centered_norm)
         x = x + (sparse_moe(h, layer.mlp) if isinstance(layer.mlp, MoeWeights) else silu_mlp(h, *layer.mlp))
         return rms_norm(x[batch.logits_rows], self.norm, c.rms_norm_eps, c.zero_centered_norm)
