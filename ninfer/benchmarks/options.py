@@ -329,9 +329,9 @@ def _replicas(b: argparse.ArgumentParser) -> None:
     b.add_argument("--routing", type=_routings, default=("exact",), metavar="MODE[,MODE]",
                    help="with --replicas: exact (restore points, net of load), session, round-robin; comma list")
     b.add_argument("--router-queue-tokens", type=_positive, default=None, metavar="N",
-                   help="with --replicas: prompt tokens one place in a replica's queue is worth to the exact "
-                        "router (default: the router's, 1024); larger keeps sessions where they restore, smaller "
-                        "spreads them sooner")
+                   help="with --replicas: prompt tokens one place in a replica's queue costs the exact router "
+                        "(default: the router's, 1024); smaller keeps sessions where they restore (they wait for a "
+                        "lane there), larger spreads them sooner")
 
 
 def _routings(text: str) -> tuple[str, ...]:
