@@ -4,8 +4,11 @@ digests narrow, tokens decide).
 A restore point exists only where some request saved one; where two histories share a prefix
 and then diverge, the position X where they part is where a later request that shares [0, X)
 needs one. ``HistoryTrie`` finds X for a new prompt against every history it holds — the token
-content of live cache checkpoints and of live requests' prompts — in O(len / BLOCK + fan-out)
-per query, whatever the number of histories (seed: cost that grows with the cache is a bug):
+content of live cache checkpoints and of live requests' prompts — in O(len / BLOCK + log fan-out
++ the branches that share the most with it) per query, whatever the number of histories (seed:
+cost that grows with the cache is a bug; a node's branches are kept in token order, so the ones
+sharing the longest prefix with the query are found by bisection, not by a scan — the root of a
+cache of 10k distinct prompts has 10k branches):
 
     node(depth d) --block tokens t[dB:(d+1)B]--> node(d+1)       one node per distinct block
                    a history ending inside a block keeps its partial tail at the node above
@@ -20,6 +23,7 @@ different nodes.
 from __future__ import annotations
 
 import hashlib
+from bisect import bisect_left, insort
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
@@ -35,6 +39,29 @@ class _Node:
     tails: dict[Hashable, tuple[int, ...]] = field(default_factory=dict)   # histories ending here or in the next block
     refs: int = 0                                            # histories through this node
     live: set[str] = field(default_factory=set)              # live requests through it
+    # the branches below it in token order: (tokens, serial) of every child's block and every
+    # tail; ``refs_of`` maps the serial to the child's digest or the tail's key
+    order: list[tuple[tuple[int, ...], int]] = field(default_factory=list)
+    refs_of: dict[int, tuple[bool, Hashable]] = field(default_factory=dict)   # serial -> (is child, id)
+    serial: int = -1                                         # its own entry in its parent's order
+    tail_serial: dict[Hashable, int] = field(default_factory=dict)
+
+    def enter(self, tokens: tuple[int, ...], serial: int, child: bool, ref: Hashable) -> None:
+        insort(self.order, (tokens, serial))
+        self.refs_of[serial] = (child, ref)
+
+    def leave(self, tokens: tuple[int, ...], serial: int) -> None:
+        i = bisect_left(self.order, (tokens, serial))
+        del self.order[i]
+        del self.refs_of[serial]
+
+    def prefixed(self, prefix: tuple[int, ...]) -> list[tuple[tuple[int, ...], int]]:
+        """The branches whose tokens start with ``prefix`` (a contiguous run of ``order``)."""
+        lo = bisect_left(self.order, (prefix,))
+        if not prefix:
+            return self.order[lo:]
+        hi = bisect_left(self.order, (prefix[:-1] + (prefix[-1] + 1,),), lo)
+        return self.order[lo:hi]
 
 
 @dataclass(frozen=True)
@@ -68,6 +95,7 @@ class HistoryTrie:
     def __init__(self):
         self.root = _Node()
         self._paths: dict[Hashable, tuple[tuple[int, ...], bool]] = {}   # key -> (tokens, live)
+        self._serials = 0
 
     def __len__(self) -> int:
         return len(self._paths)
@@ -103,10 +131,17 @@ class HistoryTrie:
             h = _chain(h, blk)
             child = node.children.get(h)
             if child is None:
-                child = node.children[h] = _Node(block=blk)
+                child = node.children[h] = _Node(block=blk, serial=self._next())
+                node.enter(blk, child.serial, True, h)
             node = child
             self._add(node, key, live)
-        node.tails[key] = tokens[len(tokens) - len(tokens) % BLOCK:]      # () when it ends right here
+        tail = node.tails[key] = tokens[len(tokens) - len(tokens) % BLOCK:]      # () when it ends right here
+        node.tail_serial[key] = self._next()
+        node.enter(tail, node.tail_serial[key], False, key)
+
+    def _next(self) -> int:
+        self._serials += 1
+        return self._serials
 
     @staticmethod
     def _add(node: _Node, key: Hashable, live: bool) -> None:
@@ -125,12 +160,15 @@ class HistoryTrie:
             h = _chain(h, tokens[d * BLOCK:(d + 1) * BLOCK])
             path.append((node, h))
             node = node.children[h]
-        node.tails.pop(key, None)
+        tail = node.tails.pop(key)
+        node.leave(tail, node.tail_serial.pop(key))
         for n in [self.root, *(p.children[k] for p, k in path)]:
             n.refs -= 1
             n.live.discard(key)
         for parent, k in reversed(path):         # empty branches are deleted promptly
-            if parent.children[k].refs == 0:
+            child = parent.children[k]
+            if child.refs == 0:
+                parent.leave(child.block, child.serial)
                 del parent.children[k]
 
     def match(self, tokens: Sequence[int]) -> Match:
@@ -140,20 +178,29 @@ class HistoryTrie:
             pass
         base = depth * BLOCK
         nxt = tuple(tokens[base:base + BLOCK])
-        below = [(_common(nxt, ch.block), ch.refs, ch.live) for ch in node.children.values()]
-        below += [(_common(nxt, t), 1, {k} if self._paths[k][1] else set()) for k, t in node.tails.items()]
-        best = max((c for c, _, _ in below), default=0)
-        steps = depth + len(below)
+        # the branch sharing the most with nxt is next to where nxt would sort
+        i = bisect_left(node.order, (nxt,))
+        near = node.order[max(0, i - 1):i + 1]
+        best = max((_common(nxt, t) for t, _ in near), default=0)
+        steps = depth + len(near)
         if base + best == 0:
             return Match(0, frozenset(), False, steps)
         if best == 0:
             refs, live = node.refs, set(node.live)
         else:
             refs, live = 0, set()
-            for c, r, lv in below:
-                if c == best:
-                    refs += r
-                    live |= lv
+            sharing = node.prefixed(nxt[:best])      # exactly the branches sharing ``best`` tokens
+            steps += len(sharing)
+            for _, serial in sharing:
+                child, ref = node.refs_of[serial]
+                if child:
+                    ch = node.children[ref]
+                    refs += ch.refs
+                    live |= ch.live
+                else:
+                    refs += 1
+                    if self._paths[ref][1]:
+                        live.add(ref)
         return Match(base + best, frozenset(live), refs > len(live), steps)
 
     def sample(self, tokens: Sequence[int], length: int, k: int) -> list[Hashable]:
@@ -167,8 +214,18 @@ class HistoryTrie:
             if node is None:
                 return []
         part = tuple(tokens[full * BLOCK:length])
-        out = [key for key, t in node.tails.items() if t[:len(part)] == part and len(t) >= len(part)][:k]
-        stack = [ch for ch in node.children.values() if ch.block[:len(part)] == part]
+        out: list[Hashable] = []
+        stack: list[_Node] = []
+        below = 0                                  # histories under the branches taken (each holds >= 1)
+        for _, serial in node.prefixed(part):
+            if len(out) + below >= k:
+                break
+            child, ref = node.refs_of[serial]
+            if child:
+                stack.append(node.children[ref])
+                below += stack[-1].refs
+            else:
+                out.append(ref)
         while stack and len(out) < k:
             n = stack.pop()
             out += list(n.tails)[: k - len(out)]
@@ -184,5 +241,7 @@ class HistoryTrie:
         def same(a: _Node, b: _Node) -> bool:
             return (a.refs == b.refs and a.live == b.live and a.tails == b.tails and a.block == b.block
                     and a.children.keys() == b.children.keys()
+                    and [t for t, _ in a.order] == [t for t, _ in b.order]
+                    and sorted(a.refs_of.values(), key=repr) == sorted(b.refs_of.values(), key=repr)
                     and all(same(a.children[k], b.children[k]) for k in a.children))
         return None if same(self.root, want.root) else "the history trie disagrees with its histories"

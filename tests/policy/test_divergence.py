@@ -63,17 +63,32 @@ def test_the_trie_finds_the_longest_shared_prefix_and_who_shares_it(hist, drop, 
 
 def test_a_query_walks_only_its_own_blocks():
     """Cost per query does not grow with the number of histories: 5,000 histories under one
-    shared prefix, and a query touches one node per block of its own plus the fan-out where it
-    parts."""
+    shared prefix, and a query touches one node per block of its own, the branches next to it in
+    token order where it parts, and those that share the most with it."""
     trie = HistoryTrie()
     shared = list(range(1000, 1000 + 10 * BLOCK))
     for i in range(5000):
         trie.insert(("ck", i), shared + [i % 97] * BLOCK + [i])
     m = trie.match(shared + [5000] * 3)
     assert m.length == 10 * BLOCK and m.cached and not m.live
-    assert m.steps == 10 + 97                  # its 10 blocks, then the 97 branches where it parts
+    assert m.steps == 10 + 1                   # its 10 blocks, then the one branch it sorts beside
     deep = trie.match(shared + [5] * BLOCK + [5])
-    assert deep.length == 11 * BLOCK + 1 and deep.steps <= 11 + 5000 // 97 + 1
+    assert deep.length == 11 * BLOCK + 1 and deep.steps <= 11 + 2 + 1
+
+
+def test_a_query_does_not_scan_a_wide_node():
+    """A cache of many distinct prompts gives the root one branch per distinct first block
+    (cache-scale's 10k records: 10k): a query compares the branches beside it in token order and
+    sums those sharing the most with it, never all of them — nor does ``sample``."""
+    trie = HistoryTrie()
+    for i in range(5000):
+        trie.insert(("ck", i), [i % 50, i // 50] + [7] * (2 * BLOCK))
+    m = trie.match([3, 17] + [7] * (2 * BLOCK) + [1])
+    assert m.length == 2 + 2 * BLOCK and m.cached
+    assert m.steps <= 2 + 2 + 1 + 1           # 2 blocks walked, 2 neighbours, 1 sharing, 1 spare
+    near = trie.match([3, 1000, 5])            # parts after 1 token: 100 branches share [3]
+    assert near.length == 1 and near.cached and near.steps <= 2 + 100
+    assert len(trie.sample([3, 17], 1, 3)) == 3
 
 
 @dataclass(eq=False)
