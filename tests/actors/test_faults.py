@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -140,9 +141,13 @@ def test_client_disconnect_cancels_its_request(tiny_model, deployment):
             import time; time.sleep(3600)
         """)
         env = {**os.environ, "PYTHONPATH": os.getcwd()}
-        proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        err = tempfile.TemporaryFile("w+")          # shown if the client dies before it streams
+        proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=err,
                                 text=True, env=env)
-        assert proc.stdout.readline().strip() == "streaming"
+        if proc.stdout.readline().strip() != "streaming":
+            proc.wait()
+            err.seek(0)
+            raise AssertionError(f"the client exited {proc.returncode} before streaming:\n{err.read()[-3000:]}")
         proc.kill()                            # the client vanishes mid-stream
         proc.wait()
         deadline = time.time() + 60

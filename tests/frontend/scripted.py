@@ -53,7 +53,7 @@ class ScriptedEngine:
     model_dir = "scripted"
 
     def __init__(self, tok: ChatTokenizer):
-        self._intake = SimpleNamespace(tokenizer=tok)
+        self.tokenizer = tok
         self.info = SimpleNamespace(max_context=4096, vocab_size=tok.tokenizer.get_vocab_size(), vision_merge=0,
                                     eos_ids=[tok.tokenizer.token_to_id(t) for t in ("<|im_end|>", "<|endoftext|>")])
         self.handles: list[ScriptedHandle] = []
@@ -65,7 +65,7 @@ class ScriptedEngine:
 
     def chat(self, messages, tools=None, **kw) -> ScriptedHandle:
         self.kwargs.append(kw)
-        return self._handle(self._intake.tokenizer.encode(messages[-1]["content"]))
+        return self._handle(self.tokenizer.encode(messages[-1]["content"]))
 
     def generate(self, prompt_token_ids, **kw) -> ScriptedHandle:
         return self._handle(list(prompt_token_ids))

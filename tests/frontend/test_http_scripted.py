@@ -54,7 +54,7 @@ def test_a_partial_stop_match_never_leaks_into_the_stream(scripted):
     text, _, reasons = _stream(c, messages=_say("JSON I[en the rest"), stop=["I[en"])
     assert r.choices[0].message.content == text == "JSON "
     assert reasons == ["stop"] and r.choices[0].finish_reason == "stop"
-    tok = scripted.engine._intake.tokenizer
+    tok = scripted.engine.tokenizer
     full = tok.encode("JSON I[en the rest")
     need = next(k for k in range(1, len(full) + 1) if "I[en" in tok.decode(full[:k]))
     assert r.usage.completion_tokens == need < len(full)
@@ -70,7 +70,7 @@ def test_a_stop_inside_a_many_token_event_counts_only_the_tokens_up_to_it(script
                                                     stop="I[en")
     finally:
         scripted.engine.chunk = 1
-    tok = scripted.engine._intake.tokenizer
+    tok = scripted.engine.tokenizer
     full = tok.encode("JSON I[en the rest of it")
     need = next(k for k in range(1, len(full) + 1) if "I[en" in tok.decode(full[:k]))
     assert r.choices[0].message.content == "JSON " and r.usage.completion_tokens == need
@@ -289,7 +289,7 @@ def test_responses_carry_a_reasoning_item(scripted):
     r = c.responses.create(model="tiny", input=THOUGHT)
     assert [o.type for o in r.output] == ["reasoning", "message"]
     assert r.output[0].content[0].text.startswith("The user says hi.") and r.output_text == "Hello there!"
-    tok = scripted.engine._intake.tokenizer
+    tok = scripted.engine.tokenizer
     ids = tok.encode(THOUGHT)
     end = tok.tokenizer.token_to_id("</think>")
     assert r.usage.output_tokens_details.reasoning_tokens == ids.index(end) + 1
