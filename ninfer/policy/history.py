@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 from bisect import bisect_left, insort
+from itertools import islice
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
@@ -214,21 +215,19 @@ class HistoryTrie:
             if node is None:
                 return []
         part = tuple(tokens[full * BLOCK:length])
-        out: list[Hashable] = []
-        stack: list[_Node] = []
-        below = 0                                  # histories under the branches taken (each holds >= 1)
-        for _, serial in node.prefixed(part):
-            if len(out) + below >= k:
-                break
-            child, ref = node.refs_of[serial]
-            if child:
-                stack.append(node.children[ref])
-                below += stack[-1].refs
-            else:
-                out.append(ref)
+        # the node's tails first, then depth first below it, the newest branch first — the
+        # histories a query samples decide which tails are learned, so the order is kept; the
+        # branches sharing ``part`` are found in token order, not by a scan of the node
+        if part:
+            matching = sorted(serial for _, serial in node.prefixed(part))          # insertion order
+            out = [node.refs_of[s][1] for s in matching if not node.refs_of[s][0]][:k]
+            stack = [node.children[node.refs_of[s][1]] for s in matching if node.refs_of[s][0]]
+        else:
+            out = list(islice(node.tails, k))
+            stack = list(node.children.values())
         while stack and len(out) < k:
             n = stack.pop()
-            out += list(n.tails)[: k - len(out)]
+            out += islice(n.tails, k - len(out))
             stack.extend(n.children.values())
         return out
 

@@ -56,9 +56,28 @@ def test_the_trie_finds_the_longest_shared_prefix_and_who_shares_it(hist, drop, 
         got = trie.sample(q, best, k)
         assert len(got) == min(k, len(through)) and len(set(got)) == len(got)
         assert all(_lcp(held[key][0], q) >= best for key in got)
+        assert got == _sample_by_scan(trie, q, best, k)      # which ones: the tails learned depend on it
     for k in list(held):
         trie.remove(k)
     assert len(trie) == 0 and trie.root.refs == 0 and not trie.root.children and not trie.root.tails
+
+
+def _sample_by_scan(trie: HistoryTrie, tokens, length: int, k: int) -> list:
+    """``sample`` as it was written first, scanning the node: its tails in insertion order, then
+    depth first below it, the newest branch first."""
+    node = trie.root
+    for node, depth in trie._walk(tokens[:length]):
+        pass
+    if depth != length // BLOCK:
+        return []
+    part = tuple(tokens[depth * BLOCK:length])
+    out = [key for key, t in node.tails.items() if t[:len(part)] == part and len(t) >= len(part)][:k]
+    stack = [ch for ch in node.children.values() if ch.block[:len(part)] == part]
+    while stack and len(out) < k:
+        n = stack.pop()
+        out += list(n.tails)[: k - len(out)]
+        stack.extend(n.children.values())
+    return out
 
 
 def test_a_query_walks_only_its_own_blocks():
