@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import hashlib
 from bisect import bisect_left, insort
-from itertools import islice
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 
 from ninfer.protocol import pack_tokens
 

@@ -109,8 +109,8 @@ class Planner:
         self.host_used: list[tuple[int, int]] = list(prior.host_used) if prior else []
         self.dup_dropped: set[int] = set(prior.dup_dropped) if prior else set()   # Host duplicates released
         self.dup_pages: set[int] = set(prior.dup_pages) if prior else set()       # ... of these blocks
-        self._holes_version: tuple | None = None       # _holes' memo and the state it was taken on
-        self._holes_memo: dict = {}
+        self._memo_version: tuple | None = None        # the Host placement memo and the state it was taken on
+        self._memo: dict = {}
         self.cands: dict[int, Candidate] = {}
         self._prefix_cache: dict[int, list[tuple[int, int]]] = {}
         for cid, c in facts.checkpoints.items():
@@ -321,36 +321,28 @@ class Planner:
         reads besides its arguments (the victims, the released duplicates, the placed extents)
         only grows inside a planner, so their sizes name its state; the memo starts afresh when
         one grows. Callers do not mutate the list."""
-        key = (frozenset(extra_victims), frozenset(dups))
-        got = self._memo().get(key)
-        if got is None:
-            got = self._holes_memo[key] = self._holes_now(extra_victims, dups)
-        return got
+        key = ("holes", frozenset(extra_victims), frozenset(dups))
+        return self._memoised(key, lambda: self._holes_now(extra_victims, dups))
 
-    def _memo(self) -> dict:
-        """The Host placement memo of this planner's current state (see ``_holes``); emptied
-        when the victims, the placed extents or the released duplicates grow."""
+    def _memoised(self, key: tuple, compute):
+        """``compute()`` once per ``key`` on this planner's current state (see ``_holes``): the
+        memo is emptied when the victims, the placed extents or the released duplicates grow."""
         version = (len(self.victims), len(self.host_used), len(self.dup_dropped), len(self.dup_pages))
-        if self._holes_version != version:
-            self._holes_version, self._holes_memo = version, {}
-        return self._holes_memo
+        if self._memo_version != version:
+            self._memo_version, self._memo = version, {}
+        got = self._memo.get(key)
+        if got is None:
+            got = self._memo[key] = compute()
+        return got
 
     def _host_freed_bytes(self, gone: frozenset[int]) -> int:
         """Bytes of ``_host_freed_by(gone)`` as the ranking counts them (memoised like ``_holes``)."""
-        key = ("freed", gone)
-        got = self._memo().get(key)
-        if got is None:
-            got = self._holes_memo[key] = sum(s for _, s in self._host_freed_by(set(gone)))
-        return got
+        return self._memoised(("freed", gone), lambda: sum(s for _, s in self._host_freed_by(set(gone))))
 
     def _fits(self, extra_victims: set[int], dups: set[int], sizes: list[int]) -> bool:
         """``sizes`` place first-fit into ``_holes(extra_victims, dups)`` (memoised with it)."""
-        holes = self._holes(extra_victims, dups)
-        key = (frozenset(extra_victims), frozenset(dups), tuple(sizes))
-        got = self._memo().get(key)
-        if got is None:
-            got = self._holes_memo[key] = fits_first_fit(holes, sizes)
-        return got
+        key = ("fits", frozenset(extra_victims), frozenset(dups), tuple(sizes))
+        return self._memoised(key, lambda: fits_first_fit(self._holes(extra_victims, dups), sizes))
 
     def _holes_now(self, extra_victims: set[int], dups: set[int]) -> list[tuple[int, int]]:
         dup = [e for cid in dups for e in self._dup_extents(cid)]
@@ -377,10 +369,7 @@ class Planner:
         run a placement of their own, and their rankings mostly repeat (the same candidates
         against the same victims chosen so far); ``cap`` and ``base`` follow from the key."""
         key = ("rank", c.cid, frozenset(chosen), tuple(sizes), frozenset(dups))
-        got = self._memo().get(key)
-        if got is None:
-            got = self._holes_memo[key] = self._host_rank(c, chosen, sizes, cap, base, dups)
-        return got
+        return self._memoised(key, lambda: self._host_rank(c, chosen, sizes, cap, base, dups))
 
     # rule: host-fit-first
     def _host_rank(self, c: Candidate, chosen: set[int], sizes: list[int], cap: int, base: int,
@@ -405,7 +394,7 @@ class Planner:
         ``keep``: blocks this allocation demotes — their Host copies are not released."""
         if not sizes:
             return [], 0
-        if fits_first_fit(self._holes(set()), sizes):
+        if self._fits(set(), set(), sizes):
             return [], 0
         migrating = self._migrating()
         spare: list[int] = []
@@ -417,7 +406,7 @@ class Planner:
                            key=lambda cid: (-sum(s for _, s in self._dup_extents(cid)), cid))
         taken: list[int] = []
         for cid in spare:
-            if fits_first_fit(self._holes(set(), set(taken)), sizes):
+            if self._fits(set(), set(taken), sizes):
                 break
             taken.append(cid)
         pool = [c for c in self.cands.values()
@@ -445,12 +434,12 @@ class Planner:
         # rule: host-prune
         for cid in list(chosen):                     # drop actions no longer needed
             rest = [x for x in chosen if x != cid]
-            if fits_first_fit(self._holes(set(rest), set(taken)), sizes):
+            if self._fits(set(rest), set(taken), sizes):
                 chosen = rest
         taken = [c for c in taken if c not in chosen]    # a deleted one frees its copies anyway
         for cid in list(taken):
             rest = [x for x in taken if x != cid]
-            if fits_first_fit(self._holes(set(chosen), set(rest)), sizes):
+            if self._fits(set(chosen), set(rest), sizes):
                 taken = rest
         loss = self.loss(set(chosen))
         if budget is not None and loss >= (budget() if callable(budget) else budget):
