@@ -336,9 +336,10 @@ class _StepRun:
         for wait in (False, True):
             for k, f in enumerate(freed):
                 if f.covers(short, wait):
+                    touched: dict[tuple[int, int], int] = {}
                     for i in range(k + 1):
                         if i not in skipped:
-                            out.applied.append(self._remedy(i, remedies[i]))
+                            out.applied.append(self._remedy(i, remedies[i], touched))
                     if wait:
                         return P.Outcome.WAIT
                     short = self._short(demand(), credit)
@@ -350,11 +351,17 @@ class _StepRun:
         short = self.prog.shortfall(demand)
         return {k: n - credit.get(k, 0) for k, n in short.items() if n > credit.get(k, 0)}
 
-    def _remedy(self, index: int, r: P.Remedy) -> P.Applied:
+    def _remedy(self, index: int, r: P.Remedy, touched: dict[tuple[int, int], int]) -> P.Applied:
+        """Commit one remedy of a chain. ``touched``: (block, version quoted) -> its version now,
+        for the blocks the chain's own take-backs let go of (a pause touches them): a later
+        step names them as quoted, and that is no change since the quote."""
         if isinstance(r, P.Reclaim):
-            return P.Applied(index, commit=reclaim.commit(self.prog, r.actions))
+            return P.Applied(index, commit=reclaim.commit(self.prog, reclaim.as_touched(r.actions, touched)))
         seq = self.prog.sequences[r.sid]
-        return P.Applied(index, paused=_pause_out(r.sid, self.prog.pause(seq, r.to_host, r.host_victims)))
+        held = [(b, b.version) for blocks in seq.blocks.values() for b in blocks]
+        paused = self.prog.pause(seq, r.to_host, r.host_victims)
+        touched.update({(b.bid, v): b.version for b, v in held if b.version != v})
+        return P.Applied(index, paused=_pause_out(r.sid, paused))
 
     def _bind(self, it: P.BindIntent) -> P.IntentOut:
         prog = self.prog

@@ -29,6 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from ninfer.placement import place_first_fit
 from ninfer.protocol import (
     MAIN, STATE, Action, BlockFact, CheckpointFact, CommitResult, Delete, DemoteBlocks, DemoteState,
@@ -46,8 +48,10 @@ def _holder_ids(prog: "Program", b) -> tuple[int, ...]:
     return tuple(sorted(h if h in prog.checkpoints else -h for h in b.holders))
 
 
-def _pinned(prog: "Program", b) -> bool:
-    return b.leases > 0 or any(h in prog.sequences for h in b.holders)
+def _pinned(prog: "Program", b, released: set[int] = frozenset()) -> bool:
+    """A read is in flight or a sequence holds it (``released``: sequences an earlier remedy of
+    the same chain pauses destructively — they will have let go)."""
+    return b.leases > 0 or any(h in prog.sequences and h not in released for h in b.holders)
 
 
 def quote(prog: "Program", host_window: list[int] | None = None) -> Facts:
@@ -90,9 +94,11 @@ def _current(prog: "Program", cid: int, generation: int) -> "Checkpoint | None":
     return ck if ck is not None and ck.generation == generation else None
 
 
-def verify(prog: "Program", actions: list[Action], gone: set[int] = frozenset()) -> str:
+def verify(prog: "Program", actions: list[Action], gone: set[int] = frozenset(),
+           released: set[int] = frozenset()) -> str:
     """Why these actions may not be committed now ("" = they may). ``gone``: checkpoints an
-    earlier remedy of the same intent deletes (a simulation)."""
+    earlier remedy of the same intent deletes; ``released``: sequences an earlier remedy of it
+    pauses destructively (a simulation: the chain as it will be after its earlier steps)."""
     deleted = [a.cid for a in actions if isinstance(a, Delete)]
     if len(set(deleted)) != len(deleted):
         return "a checkpoint is deleted twice in one commit"
@@ -117,9 +123,19 @@ def verify(prog: "Program", actions: list[Action], gone: set[int] = frozenset())
                 b = prog.blocks.get(bid)
                 if b is None or b.version != ver or ck.cid not in b.holders:
                     return f"block {bid} changed since the quote"
-                if b.page is None or _pinned(prog, b):
+                if b.page is None or _pinned(prog, b, released):
                     return f"block {bid} is pinned or already off the Device"
     return ""
+
+
+def as_touched(actions: list[Action], touched: dict[tuple[int, int], int]) -> list[Action]:
+    """The actions with the block versions an earlier take-back of the same chain moved on
+    (``touched``: (block, version quoted) -> version now): the victim letting go is the change
+    the chain planned, not a change since the quote."""
+    if not touched:
+        return actions
+    return [msgspec.structs.replace(a, versions=tuple(touched.get((bid, v), v) for bid, v in zip(a.bids, a.versions)))
+            if isinstance(a, DemoteBlocks) else a for a in actions]
 
 
 def migrations_of(prog: "Program", actions: list[Action]):
@@ -186,7 +202,8 @@ def simulate(prog: "Program", remedies: list[Remedy], skipped: set[int] | None =
         if isinstance(r, Reclaim):
             deleted = {a.cid for a in r.actions if isinstance(a, Delete)}
             dropped = {a.cid for a in r.actions if isinstance(a, DropHostCopy)}
-            images, blocks = migrations_of(prog, r.actions) if not verify(prog, r.actions, sim.gone) else (None, None)
+            images, blocks = migrations_of(prog, r.actions) if not verify(prog, r.actions, sim.gone, sim.dropped) \
+                else (None, None)
             # Host duplicates released by this step or an earlier one: the demotion allocates anew
             sizes = prog.demotion_sizes(images, blocks, sim.copies | dropped) if images is not None else []
             if images is None or (sizes and place_first_fit(

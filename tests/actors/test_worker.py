@@ -162,3 +162,30 @@ def test_fault_and_timeout_config_errors_name_the_field():
     with pytest.raises(ConfigError, match="step_timeout_s"):
         EngineConfig(step_timeout_s=0)
     assert EngineConfig(step_timeout_s=None).step_timeout_s is None
+
+
+def test_a_chain_may_demote_a_block_its_own_take_back_lets_go_of(tiny_model):
+    """The take-back's second pass (seed: 暂停较年轻者后其共享的可选缓存即可回收) plans a
+    demotion of a page the victim shared with a cached point: the page is pinned while the victim
+    runs and its version changes when the victim lets go — both because of the chain's own
+    earlier step. The worker's simulation and its commit judge such a step as it will be after
+    the steps before it, so the chain commits (once a CPU-loaded run hit this: the worker skipped
+    the demotion every cycle and the oldest request failed with the capacity contract)."""
+    page = 262144                                        # one float64 KV page of the tiny model
+    w = Worker(tiny_model, EngineConfig(dtype="float64", max_concurrency=2, max_context=128, kv_capacity=128,
+                                        context_cache={"device_state_slots": 1, "host_capacity_bytes": page}))
+    try:
+        first = _step(w, [_capture_plan(1, "a", 40, P.EntryOwner(1))])
+        sid, point = first.intents[0].sid, first.units[0].captured
+        [fx] = P.decode_reply(w.handle(P.encode(P.StepPlan(2, commands=[P.Quote()])))).commands
+        [shared] = [b for b in fx.facts.blocks.values() if point.cid in b.holders and -sid in b.holders]
+        assert shared.pinned and fx.facts.pools["main"].available == 1
+        b = _bind(3, "b", 100)                           # two pages: one more than is free
+        b.remedies = [P.TakeBack(sid), P.Reclaim([P.DemoteBlocks(point.cid, point.generation, (shared.bid,),
+                                                                 (shared.version,))])]
+        out = _step(w, [b]).intents[0]
+        assert out.outcome in (P.Outcome.OK, P.Outcome.WAIT), out
+        assert [a.index for a in out.applied] == [0, 1] and out.applied[1].commit.ok
+        assert w.prog.sequences[sid].phase is P.Phase.PAUSED
+    finally:
+        w.shutdown()

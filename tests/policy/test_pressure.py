@@ -114,3 +114,29 @@ def test_intents_that_take_every_slot_leave_the_saves_the_host_and_the_table():
     p = _Table()
     p.save_rooms(_saves(3), 2, q.facts(), None)
     assert p.asked == ["s1", "s2"]                   # the Host took s0 (one image), then the table
+
+
+# ---- take-back-second-pass ------------------------------------------------------------------
+def test_a_take_back_that_frees_no_page_reclaims_the_cache_its_victim_shared_in_a_second_pass():
+    """The only page the older request could get is one its younger victim shares with a
+    cached point: pinned while the victim runs, so neither reclaim nor the take-back alone
+    covers the page. Once the victim lets go, the cached point is reclaimable — the second pass
+    plans it after the take-back (seed: 暂停较年轻者后其共享的可选缓存即可回收)."""
+    q = Quote(main=1, slots=4, host=0)
+    q.ckpt(1, 50)
+    [bid] = q.cks[1].blocks
+    victim_sid = 7
+    b = q.blocks[bid]
+    q.blocks[bid] = P.BlockFact(b.bid, b.version, b.kind, (1, -victim_sid), True, b.device, b.host, b.filled)
+    old = SimpleNamespace(rid="old", ticket=1, live=True, sid=3, snapshot=None)
+    young = SimpleNamespace(rid="young", ticket=2, live=True, sid=victim_sid, snapshot=None,
+                            facts=SimpleNamespace(reserved=0))
+    sched = SimpleNamespace(recovery=None, resident={"old": old, "young": young}, paused=[], fresh=[],
+                            victims_for=lambda req: [young] if req is old else [])
+    rm = SimpleNamespace(table=q.table, adopting=lambda: set())
+    p = Pressure(sched, rm, INFO)
+    need = Need(1, old, ROW, {P.MAIN: 1})
+    verdicts, _ = p.settle([need], q.facts(), {}, tx_busy=False)
+    v = verdicts[1]
+    assert v.covered and v.error is None, v
+    assert v.remedies == [P.TakeBack(victim_sid, False, []), P.Reclaim([P.Delete(1, 1, 1)])]
