@@ -611,7 +611,8 @@ class Planner:
             budget = benefit
         best = None
         taken = self.victims | self._migrating()
-        # 1. a Device slot: delete an admissible Device image, or demote one to the Host
+        # 1. a Device slot: delete an admissible Device image, or release the Device copy of one
+        #    that has a Host copy
         for cid, cand in self.cands.items():
             c = self.f.checkpoints[cid]
             if cid in taken or not c.image_device or not admissible(cand):
@@ -620,10 +621,11 @@ class Planner:
             if budget is None or loss < budget:
                 opt = (loss, 1, ("delete", cid), [], [])
                 best = min(best, opt, key=lambda o: (o[0], o[1], str(o[2]))) if best else opt
-            sizes = [] if self._host_copy(cid) else [self.f.image_bytes]
-            host = self.place_host(sizes, lambda v, cid=cid: admissible(v) and v.cid != cid, budget)
-            if host is not None:
-                opt = (host[1], 0, ("demote", cid), sizes, host[0])
+            # a demotion frees the slot for this step's capture only when the image already has
+            # a Host copy (its Device copy goes at once); one that must copy frees it once the
+            # copy publishes — after the capture (the worker would skip the save)
+            if self._host_copy(cid):
+                opt = (0, 0, ("demote", cid), [], [])
                 best = min(best, opt, key=lambda o: (o[0], o[1], str(o[2]))) if best else opt
         # 2. the capture itself on the Host
         host = self.place_host([self.f.image_bytes], admissible, budget)

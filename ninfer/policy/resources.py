@@ -685,11 +685,27 @@ class ResourceManager:
         deeper = [c.frontier for c in self.candidates(req.prompt, f) if c.frontier < f]
         benefit = f - max(deeper, default=0)
         obs = self.summary.get(digest(req.prompt[:f]), f)
-        own = obs.last if obs is not None and obs.repeated else None
+        own = None
+        if obs is not None and obs.repeated:
+            own = obs.last
+        elif obs is not None and self._computes_across(req, f) and any(r != req.rid for r in obs.requests):
+            # the save rides on the unit whose commit is this request's own new computation
+            # across the position, which another request already computed: the point exists
+            # only once two different requests computed it (seed: 两个不同请求的真实计算也能证明
+            # 重复需求 … 后续捕获仍能取得该位置的复用资格) — its demand time is this commit's
+            own = time.monotonic()
         if own is not None:
             self.stats.summary_hits += 1
         rec = rec or self.book(req).record
         return benefit, own, rec is not None and rec.level == Level.REUSE
+
+    def _computes_across(self, req: Request, f: int) -> bool:
+        """The unit that ends on ``f`` is a new prefill commit crossing a candidate position this
+        request did not observe yet (``observe_prefill`` records it when it commits); a Replay
+        is no observation."""
+        book = self.books.get(req.rid)
+        return (req.replay_target is None and f in self.candidate_positions(req)
+                and (book is None or f not in book.observed))
 
     # ==== evidence =====================================================================
     # rule: compute-demand

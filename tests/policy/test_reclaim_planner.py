@@ -158,6 +158,27 @@ def test_capture_admission_rows_1_and_2():
     assert q.planner().plan_capture(benefit=60, own_demand=5.0, owner_reuse=False) is None
 
 
+def test_a_captures_room_frees_a_device_slot_now_or_goes_to_the_host():
+    """The capture runs at the end of its unit, in the same step: a Device slot it can use is
+    one a deletion frees, or a demotion whose image already has a Host copy (the Device copy is
+    released at once). A demotion that still has to copy frees its slot only once the copy
+    publishes — no room for this capture (the worker skips it). With the Host full, the room is
+    the capture itself on the Host, over an admissible Host victim (it was a demotion that never
+    fit: a repeated chat turn missed its restore point every time)."""
+    q = Quote(host=IMG)
+    q.ckpt(1, 200, tokens=list(range(1, 201)))                          # Device image, no Host copy
+    q.ckpt(2, 5, device=False, host_image=True, tokens=list(range(300, 305)))   # fills the Host
+    q.slots = 1                                                        # every Device slot taken
+    room = q.planner().plan_capture(benefit=60, own_demand=None, owner_reuse=False)
+    assert room == [P.Delete(2, 1, 1)], room                           # the capture goes to the Host
+    q = Quote(host=2 * IMG)
+    q.ckpt(1, 200, tokens=list(range(1, 201)), host_image=True)         # Device image with a Host copy
+    q.ckpt(2, 5, device=False, host_image=True, tokens=list(range(300, 305)))
+    q.slots = 1
+    room = q.planner().plan_capture(benefit=60, own_demand=None, owner_reuse=False)
+    assert room == [P.DemoteState(1, 1, 1)], room                      # frees the slot at once, loses nothing
+
+
 def test_placement_counts_contiguous_extents_not_bytes():
     """Two free half-size holes do not hold one StateImage."""
     q = Quote(host=3 * IMG)

@@ -1,0 +1,78 @@
+"""A save's admission terms (seed: 新捕获区分候选精确位置自身的重复需求), model-free: the fixed
+new-coverage benefit, and the candidate's own repeat demand — which the second request to
+compute a position has when its save rides on that very computation (milliseconds, no model)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ninfer import protocol as P
+from ninfer.policy.index import digest
+from ninfer.policy.resources import ResourceManager, SavePoint
+
+
+@dataclass
+class _Spec:
+    session_id: str | None = None
+    anchors: list[int] = field(default_factory=list)
+    markers: list[int] = field(default_factory=list)
+    recovery_frontier: int | None = None
+
+
+@dataclass
+class _Req:
+    rid: str
+    prompt: list[int]
+    spec: _Spec = field(default_factory=_Spec)
+    replay_target: int | None = None
+    outputs: list = field(default_factory=list)
+
+    @property
+    def ledger(self) -> list[int]:
+        return self.prompt + self.outputs
+
+
+def _rm() -> ResourceManager:
+    info = P.WorkerInfo(protocol=1, model_type="t", vocab_size=100, max_context=4096, eos_ids=[], max_concurrency=4,
+                        kv_pages=64, state_slots=8, page_bytes=1, image_bytes=1, host_capacity=0,
+                        prefill_chunk_tokens=64, exec_identity=b"x", dtype="float32")
+    return ResourceManager(info, divergence_min=None)
+
+
+PROMPT = list(range(1, 41))
+END = SavePoint(40, [], [])
+
+
+def test_a_first_computation_has_no_own_demand():
+    rm = _rm()
+    benefit, own, _ = rm.capture_terms(_Req("a", PROMPT), END)
+    assert benefit == 40 and own is None
+
+
+def test_the_second_request_computing_a_position_saves_it_with_own_demand():
+    """The first request computed the prompt (its save was refused: the cache was full of
+    larger cold points); the second computes it again: its save is made only if that unit
+    commits, and then two different requests have computed the position — own demand, now."""
+    rm = _rm()
+    a, b = _Req("a", PROMPT), _Req("b", list(PROMPT))
+    rm.observe_prefill(a, 0, 40)
+    _, own, _ = rm.capture_terms(b, END)
+    assert own is not None
+    assert rm.stats.summary_hits == 1
+
+
+def test_no_own_demand_from_ones_own_computation_a_replay_or_a_position_already_observed():
+    rm = _rm()
+    a = _Req("a", PROMPT)
+    rm.observe_prefill(a, 0, 40)
+    assert rm.capture_terms(a, END)[1] is None                 # the same request again
+    rm.books.pop("a")                                          # (its book rebuilt: still itself)
+    assert rm.capture_terms(a, END)[1] is None
+    b = _Req("b", list(PROMPT), replay_target=45)
+    assert rm.capture_terms(b, END)[1] is None                 # a Replay observes nothing
+    c = _Req("c", list(PROMPT))
+    rm.book(c).observed.add(40)                                # its commit there was counted
+    assert rm.capture_terms(c, END)[1] is None
+    d = _Req("d", PROMPT[:30] + [99] * 10)                     # another prompt
+    assert rm.capture_terms(d, END)[1] is None
+    assert rm.summary.get(digest(PROMPT), 40) is not None
