@@ -26,6 +26,7 @@ ROUTES = [   # (method, path, summary, request struct or None)
     ("get", "/health", "Liveness (no API key)", None),
     ("get", "/ping", "Liveness, vLLM's alias (no API key)", None),
     ("get", "/load", "Generation requests being answered (no API key)", None),
+    ("post", "/reset_prefix_cache", "Release every optional cache entry (409 while requests are open)", None),
     ("get", "/version", "NInfer's version (no API key)", None),
     ("get", "/metrics", "Prometheus metrics (no API key)", None),
 ]

@@ -170,6 +170,7 @@ class Server:
             Route("/health", self._endpoint(self.health), methods=["GET"]),
             Route("/ping", self._endpoint(self.health), methods=["GET", "POST"]),
             Route("/load", self._endpoint(self.server_load), methods=["GET"]),
+            Route("/reset_prefix_cache", self._endpoint(self.reset_prefix_cache), methods=["POST"]),
             Route("/metrics", self._endpoint(self.metrics), methods=["GET"]),
             Route("/openapi.json", self._endpoint(self.openapi), methods=["GET"]),
             Route("/docs", self._endpoint(self.docs), methods=["GET"]),
@@ -1035,6 +1036,18 @@ class Server:
 
     async def server_load(self, request: Request) -> Response:
         return JSONResponse({"server_load": self.load})
+
+    async def reset_prefix_cache(self, request: Request) -> Response:
+        """vLLM's ``POST /reset_prefix_cache``: every optional cache entry is released (between
+        benchmark runs, or to start a test from an empty cache). Only while no request is open —
+        vLLM too refuses while blocks are in use: a 409, nothing released."""
+        stats = await self._probe(self.engine.stats)
+        open_ = stats.get("running", 0) + stats.get("waiting", 0) + stats.get("paused", 0)
+        if self.load or open_:
+            raise oa.ApiError(409, f"the prefix cache is reset only while no request is open ({max(open_, self.load)} "
+                                   "open now); retry once they finish", kind="conflict_error")
+        await self._probe(self.engine.drop_caches)
+        return JSONResponse({"status": "ok"})
 
     async def openapi(self, request: Request) -> Response:
         from ninfer.frontend.openapi import spec

@@ -27,6 +27,20 @@ def server(served) -> str:
     return served.base
 
 
+def reset_cache(server: str) -> None:
+    """Empty the shared server's prefix cache (vLLM's POST /reset_prefix_cache), for a test that
+    asserts reuse: with the cache full of the package's earlier points, a cold first save may be
+    refused (the seed's capture admission). Retried while a request of an earlier test is still
+    open (409)."""
+    import time
+    for _ in range(100):
+        r = httpx.post(f"{server}/reset_prefix_cache", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+        if r.status_code != 409:
+            break
+        time.sleep(0.1)
+    assert r.status_code == 200, r.text
+
+
 def scrape(server: str) -> dict:
     """/metrics parsed by prometheus_client's own parser: family name -> family."""
     from prometheus_client.parser import text_string_to_metric_families

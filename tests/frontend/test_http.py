@@ -13,7 +13,7 @@ import sys
 import httpx
 import pytest
 
-from tests.frontend.conftest import KEY, metric, scrape
+from tests.frontend.conftest import KEY, metric, reset_cache, scrape
 from tests.serving import free_port as _free_port
 from tests.serving import wait_up as _wait_up
 
@@ -28,7 +28,8 @@ def client(server):
     return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY)
 
 
-def test_four_turn_chat_reuses_each_previous_turn(client):
+def test_four_turn_chat_reuses_each_previous_turn(server, client):
+    reset_cache(server)
     msgs = [{"role": "system", "content": "Be brief."}]
     prev = None
     for turn in range(4):
@@ -40,7 +41,8 @@ def test_four_turn_chat_reuses_each_previous_turn(client):
         msgs.append({"role": "assistant", "content": r.choices[0].message.content})
 
 
-def test_agent_loop_with_a_tool_call_and_result(client):
+def test_agent_loop_with_a_tool_call_and_result(server, client):
+    reset_cache(server)
     msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
     r1 = client.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, max_tokens=8, temperature=0)
     assert r1.choices[0].finish_reason in ("length", "stop", "tool_calls")
@@ -55,7 +57,8 @@ def test_agent_loop_with_a_tool_call_and_result(client):
     assert r2.usage.prompt_tokens > r1.usage.prompt_tokens
 
 
-def test_streaming(client):
+def test_streaming(server, client):
+    reset_cache(server)        # the shared server's cache may be full of larger cold points
     stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Stream please"}],
                                             max_tokens=9, temperature=0, stream=True,
                                             stream_options={"include_usage": True})
@@ -70,17 +73,34 @@ def test_streaming(client):
                                            max_tokens=9, temperature=0)
     assert text == again.choices[0].message.content
     assert usage.completion_tokens == 9 and reasons[-1] == "length"
-    # same prompt: exact reuse. The server is shared by the package's tests: with its cache full
-    # of larger cold points, the first computation's save may be refused (a cold save's new
-    # coverage must exceed what it deletes); the second computation proves repeat demand, so
-    # its save is admitted and the third reuses it
-    third = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Stream please"}],
-                                           max_tokens=9, temperature=0)
-    assert third.choices[0].message.content == text
-    assert third.usage.prompt_tokens_details.cached_tokens > 0
+    assert again.usage.prompt_tokens_details.cached_tokens > 0          # same prompt: exact reuse
 
 
 _metric = metric
+
+
+def test_reset_prefix_cache_empties_the_cache_only_while_nothing_is_open(server, client):
+    """vLLM's POST /reset_prefix_cache: after it nothing is reused; while a request is open it is
+    a 409 and nothing is released; it needs the API key."""
+    msgs = [{"role": "user", "content": "Reset me, then reuse me."}]
+    reset_cache(server)
+    a = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, temperature=0)
+    b = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, temperature=0)
+    assert b.usage.prompt_tokens_details.cached_tokens > 0
+    reset_cache(server)
+    c = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, temperature=0)
+    assert c.usage.prompt_tokens_details.cached_tokens == 0
+    assert a.choices[0].message.content == b.choices[0].message.content == c.choices[0].message.content
+    assert httpx.post(f"{server}/reset_prefix_cache", timeout=30).status_code == 401
+    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "A long one."}],
+                                            max_tokens=400, temperature=0, stream=True)
+    next(iter(stream))                                   # open: its first chunk came
+    r = httpx.post(f"{server}/reset_prefix_cache", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert r.status_code == 409 and "open" in r.json()["error"]["message"]
+    for _ in stream:
+        pass
+    d = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, temperature=0)
+    assert d.usage.prompt_tokens_details.cached_tokens > 0        # c's point survived the refused reset
 
 
 def test_n_choices_share_one_computation_of_the_prompt(server, client):
@@ -106,7 +126,8 @@ def test_n_choices_share_one_computation_of_the_prompt(server, client):
     assert finished == {0, 1} and text[0] == text[1]
 
 
-def test_responses_with_previous_response_id(client):
+def test_responses_with_previous_response_id(server, client):
+    reset_cache(server)
     r1 = client.responses.create(model="tiny", input="Hello there", max_output_tokens=8, temperature=0)
     assert r1.id.startswith("resp_") and r1.usage.output_tokens == 8
     r2 = client.responses.create(model="tiny", input="And then?", previous_response_id=r1.id,
