@@ -31,17 +31,18 @@ def drafts(tiny_dflash, tiny_dflash2) -> dict[str, str]:
     return {"dflash": tiny_dflash, "dflash2": tiny_dflash2}
 
 
-def _sweep(tiny_model: str, drafts: dict[str, str], seeds: list[int]) -> None:
+def _sweep(tiny_model: str, drafts: dict[str, str], seeds: list[int], totals: Counter = TOTALS,
+           options: bool = False) -> None:
     """DFlash (even seeds) and DFlash2 with a 96-position window (odd seeds), 1..7 drafts per
-    block, in the oracle sweep's workloads."""
+    block, in the oracle sweep's workloads (``options``: the sampling-options sweep's)."""
     def overrides(seed: int) -> dict:
         method = ("dflash", "dflash2")[seed % 2]
         return {"speculative": {"method": method, "draft": drafts[method],
-                                "num_tokens": random.Random(seed).randint(1, 7)}}
+                                "num_tokens": random.Random(seed).randint(1, 7)}, "options": options}
     all_stats = run_workloads(tiny_model, seeds, overrides)
     for seed, stats in zip(seeds, all_stats):
         assert stats["speculative"]["method"] == overrides(seed)["speculative"]["method"]
-    count_speculation(TOTALS, all_stats)
+    count_speculation(totals, all_stats)
 
 
 @pytest.mark.slow
@@ -50,6 +51,20 @@ def test_random_workloads_with_dflash_match_the_oracle(tiny_model, drafts):
     logprobs) with DFlash and DFlash2 (10 workloads, on every core): every completed request
     equals the isolated run; nothing leaks."""
     _sweep(tiny_model, drafts, [7000 + s for s in range(10)])
+
+
+@pytest.mark.slow
+def test_sampling_options_with_dflash_match_the_oracle(tiny_model, drafts):
+    """The sampling-options sweep (grammars, allowed ids, stop ids with min_tokens, logit bias,
+    bad words, min_p) with DFlash and DFlash2 blocks: a drafted token is kept only where the
+    constrained, seeded sampler draws it and a rejected one never advances the grammar, so every
+    completed request equals the oracle without speculation."""
+    from tests.engine.test_invariance import TOTALS as SWEEP
+    totals: Counter = Counter()
+    before = Counter(SWEEP)
+    _sweep(tiny_model, drafts, [8200 + s for s in range(8)], totals, options=True)
+    seen = Counter(SWEEP) - before
+    assert totals["accepted"] and totals["rejected"] and seen["constrained"], (dict(totals), dict(seen))
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ HEADERS = {"authorization": f"Bearer {KEY}"}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 USER = [{"role": "user", "content": "Tell me about the sea."}]
 OK, NO = "honoured", "refused"
+END_THINK = "</think>"
 
 # field -> (value, expectation, other fields the value needs)
 CHAT_CASES: dict[str, tuple] = {
@@ -371,6 +372,27 @@ def test_a_thinking_conversation_reuses_its_input_point_on_the_next_turn(server)
     rendered = httpx.post(f"{server}/tokenize", json={"messages": msgs}, headers=HEADERS).json()["tokens"]
     text = httpx.post(f"{server}/detokenize", json={"tokens": rendered}, headers=HEADERS).json()["prompt"]
     assert "evaporation" not in text                           # the earlier thinking is not rendered
+
+
+def test_the_real_models_thinking_comes_back_as_reasoning_content(server):
+    """On the real (random) tiny model: an answer that starts inside its thinking (the assistant
+    turn opened with ``<think>``, continued) is reasoning until ``</think>`` — ``reasoning_content``
+    in the non-streamed and the streamed answer alike, no content. (The next turn's reuse, with
+    the template dropping that thinking: the test above.)"""
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key=KEY)
+    opened = [{"role": "user", "content": "Why is the sky blue? Think first."},
+              {"role": "assistant", "content": "<think>\n"}]
+    extra = {"add_generation_prompt": False, "continue_final_message": True}
+    r1 = client.chat.completions.create(model="tiny", messages=opened, max_tokens=8, temperature=0, extra_body=extra)
+    m = r1.choices[0].message
+    reasoning = getattr(m, "reasoning_content", None)
+    assert reasoning and END_THINK not in reasoning and not m.content, m   # cut off inside its thinking
+    streamed = ""
+    for ch in client.chat.completions.create(model="tiny", messages=opened, max_tokens=8, temperature=0,
+                                             stream=True, extra_body=extra):
+        if ch.choices:
+            streamed += getattr(ch.choices[0].delta, "reasoning_content", None) or ""
+    assert streamed == reasoning
 
 
 def test_continuous_usage_stats_put_usage_on_every_chunk(server):
