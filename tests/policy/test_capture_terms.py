@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ninfer import protocol as P
 from ninfer.policy.index import digest
 from ninfer.policy.resources import ResourceManager, SavePoint
+from tests.policy.fakes import resource_manager
 
 
 @dataclass
@@ -33,10 +33,7 @@ class _Req:
 
 
 def _rm() -> ResourceManager:
-    info = P.WorkerInfo(protocol=1, model_type="t", vocab_size=100, max_context=4096, eos_ids=[], max_concurrency=4,
-                        kv_pages=64, state_slots=8, page_bytes=1, image_bytes=1, host_capacity=0,
-                        prefill_chunk_tokens=64, exec_identity=b"x", dtype="float32")
-    return ResourceManager(info, divergence_min=None)
+    return resource_manager(divergence_min=None)
 
 
 PROMPT = list(range(1, 41))

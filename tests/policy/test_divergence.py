@@ -13,6 +13,7 @@ from ninfer import protocol as P
 from ninfer.policy.history import BLOCK, HistoryTrie
 from ninfer.policy.resources import HISTORY_OBSERVER, MAX_DIVERGENCE, ResourceManager
 from ninfer.protocol import RequestSpec
+from tests.policy.fakes import resource_manager
 
 
 def _lcp(a, b) -> int:
@@ -133,10 +134,7 @@ class _Facts:
 
 
 def _rm(**kw) -> ResourceManager:
-    info = P.WorkerInfo(protocol=1, model_type="t", vocab_size=100, max_context=4096, eos_ids=[], max_concurrency=4,
-                        kv_pages=64, state_slots=8, page_bytes=1, image_bytes=1, host_capacity=0,
-                        prefill_chunk_tokens=64, exec_identity=b"x", dtype="float32")
-    return ResourceManager(info, **kw)
+    return resource_manager(**kw)
 
 
 def _point(rm: ResourceManager, cid: int, tokens: list[int]) -> None:
