@@ -1040,7 +1040,11 @@ class Server:
     async def reset_prefix_cache(self, request: Request) -> Response:
         """vLLM's ``POST /reset_prefix_cache``: every optional cache entry is released (between
         benchmark runs, or to start a test from an empty cache). Only while no request is open —
-        vLLM too refuses while blocks are in use: a 409, nothing released."""
+        vLLM too refuses while blocks are in use: a 409, nothing released. vLLM's ``device`` query
+        parameter is accepted (every tier is released whichever it names); anything else is a 400."""
+        unknown = sorted(set(request.query_params) - {"device"})
+        if unknown:
+            raise oa.bad(f"/reset_prefix_cache takes no parameter {unknown[0]!r} (only vLLM's 'device')", unknown[0])
         stats = await self._probe(self.engine.stats)
         open_ = stats.get("running", 0) + stats.get("waiting", 0) + stats.get("paused", 0)
         if self.load or open_:

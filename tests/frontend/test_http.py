@@ -92,6 +92,8 @@ def test_reset_prefix_cache_empties_the_cache_only_while_nothing_is_open(server,
     assert c.usage.prompt_tokens_details.cached_tokens == 0
     assert a.choices[0].message.content == b.choices[0].message.content == c.choices[0].message.content
     assert httpx.post(f"{server}/reset_prefix_cache", timeout=30).status_code == 401
+    bad = httpx.post(f"{server}/reset_prefix_cache?tier=host", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tier"
     stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "A long one."}],
                                             max_tokens=400, temperature=0, stream=True)
     next(iter(stream))                                   # open: its first chunk came
