@@ -129,10 +129,13 @@ def test_controller_restarted(tiny_model, deployment):
 
 def test_client_disconnect_cancels_its_request(tiny_model, deployment):
     eng = _start(tiny_model, deployment, client_timeout=2.0)
+    # this session's Ray by its address: "auto" finds the newest cluster on the machine, which
+    # under xdist may be another worker's private one (the client then found no deployment)
+    address = ray.get_runtime_context().gcs_address
     try:
         script = textwrap.dedent(f"""
             import ninfer, sys
-            eng = ninfer.connect(address="auto", deployment={deployment!r})
+            eng = ninfer.connect(address={address!r}, deployment={deployment!r})
             h = eng.generate(list(range(1, 40)), max_tokens=200, ignore_eos=True)
             for ev in h:
                 print("streaming", flush=True)
