@@ -881,7 +881,8 @@ MUTATIONS = [
     Mut("a lost replica's queued requests fail instead of moving", 'rule:replica-loss',
         '            if rid in self.unstarted:',
         '            if False:',
-        ['tests/replicas/test_ray_replicas.py::test_a_replica_killed_under_load_loses_nothing_queued']),
+        ['tests/replicas/test_replica_loss.py::test_a_lost_replicas_queued_requests_move_and_its_generating_ones_fail_retryably',
+         'tests/replicas/test_ray_replicas.py::test_a_replica_killed_under_load_loses_nothing_queued']),
     # ---- issue 36: at least three breakages per rule, each failing a named test ----
     # Scheduler (model-free: tests/policy/test_scheduler.py states each rule on plain request
     # views; the hypothesis restatement in test_scheduler_properties.py catches most of them too)
@@ -1489,6 +1490,19 @@ MUTATIONS = [
         'end = min(frontier + chunk, ledger_len)',
         'end = frontier + chunk',
         ['tests/policy/test_cache_rules.py::test_a_prefill_unit_ends_at_a_save_point_a_split_point_or_the_chunk_never_past_the_ledger']),
+    # replicas (model-free: tests/replicas/test_replica_loss.py, Ray stubbed)
+    Mut("a lost replica's generating requests are re-routed too (their tokens would repeat)", 'rule:replica-loss',
+        '            if rid in self.unstarted:',
+        '            if True:',
+        ['tests/replicas/test_replica_loss.py::test_a_lost_replicas_queued_requests_move_and_its_generating_ones_fail_retryably']),
+    Mut('a replica that failed to start is replaced here too (twice with its starter)', 'rule:replica-loss',
+        '        if was_live:                               # one that failed to start',
+        '        if True:                                   # one that failed to start',
+        ['tests/replicas/test_replica_loss.py::test_a_lost_replicas_queued_requests_move_and_its_generating_ones_fail_retryably']),
+    Mut('the replacement reuses the lost generation (its names are still held)', 'rule:replica-loss',
+        'loop.create_task(self._replace(rep.slot, rep.gen + 1))',
+        'loop.create_task(self._replace(rep.slot, rep.gen))',
+        ['tests/replicas/test_replica_loss.py::test_a_lost_replicas_queued_requests_move_and_its_generating_ones_fail_retryably']),
 ]
 
 
