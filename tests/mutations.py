@@ -1668,6 +1668,10 @@ MUTATIONS = [
         'if req.recovery_pending and (u.committed or unit.kind is UnitKind.PREFILL):',
         'if req.recovery_pending and unit.kind is UnitKind.PREFILL:',
         ['tests/engine/test_scheduling.py::test_recovery_permit_is_kept_past_the_old_frontier']),
+    Mut('chunk rotation: the rotation turned by one instead of sending the owner to the back', 'rule:chunk-rotation',
+        '            core.sched.rotate(req)',
+        '            core.sched.turn.rotate(-1)',
+        ['tests/engine/test_chunk_turn.py::test_a_decoding_resident_ahead_in_the_rotation_leaves_the_prefill_turn_alternating']),
 ]
 
 

@@ -65,3 +65,21 @@ def test_a_replay_resume_takes_the_cycles_chunk_turn(make, tiny_model):
     for rid, p, n in ((b, pb, 20), (o, po, 2), (z, pz, 2)):
         assert h.finals[rid].token_ids == oracle(tiny_model, p, max_tokens=n)
     h.check_clean()
+
+
+def test_a_decoding_resident_ahead_in_the_rotation_leaves_the_prefill_turn_alternating(make, tiny_model):
+    """chunk-rotation: the chunk's owner goes to the back of the rotation — not the rotation
+    turned by one. D, admitted first, decodes at the front of the rotation; A and B prefill
+    long prompts in strict alternation."""
+    h = make(max_concurrency=3, kv_capacity=12 * 64, max_context=512, prefill_chunk_tokens=32,
+             context_cache={"host_capacity_bytes": 0})
+    pd, pa, pb = random_prompt(10, seed=21), random_prompt(200, seed=22), random_prompt(200, seed=23)
+    d = h.submit(pd, max_tokens=60)
+    h.run(until=lambda: len(h.streams.get(d, [])) >= 1)
+    a, b = h.submit(pa, max_tokens=2), h.submit(pb, max_tokens=2)
+    grew = _chunks_per_cycle(h, d, a, b)
+    order = [g[0] for g in grew if g]
+    assert order[:6] in ([a, b] * 3, [b, a] * 3), order
+    for rid, p, n in ((d, pd, 60), (a, pa, 2), (b, pb, 2)):
+        assert h.finals[rid].token_ids == oracle(tiny_model, p, max_tokens=n)
+    h.check_clean()
