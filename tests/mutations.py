@@ -157,7 +157,7 @@ MUTATIONS = [
         '        if False:\n            unit.declined = True',
         ['tests/engine/test_cycle.py::test_optional_captures_are_skipped_while_a_recovery_permit_is_active']),
     Mut('chunk rotation among residents', 'rule:chunk-rotation',
-        '        if unit.n_tokens > 1:\n            core.sched.rotate(req)',
+        '        if unit.n_tokens > 1:\n            self.sched.rotate(req)',
         '        if False:\n            core.sched.rotate(req)',
         ['tests/engine/test_cycle.py::test_chunk_rotation_among_residents']),
     Mut('the young row that cannot progress pauses itself', 'rule:preemption-rights',
@@ -879,6 +879,23 @@ MUTATIONS = [
         '            if rid in self.unstarted:',
         '            if False:',
         ['tests/replicas/test_ray_replicas.py::test_a_replica_killed_under_load_loses_nothing_queued']),
+    # ---- planning and settling change no book (issue 36, move 2): the rule monitor's purity check
+    Mut('planning books a pending wait itself', 'ninfer/engine/planning.py',
+        '                pending_now.add(req.rid)\n',
+        '                pending_now.add(req.rid)\n                rm.wait_pending(req, pending[0], pending[1], adm.frontier)\n',
+        ['tests/engine/test_pending.py::test_identical_prompts_arriving_together_compute_once']),
+    Mut('planning ends a wait itself', 'ninfer/engine/planning.py',
+        '                released.add(WaiterOwner(req.rid))',
+        '                released.add(WaiterOwner(req.rid)); [c for c in rm.end_wait(req)]',
+        ['tests/engine/test_context_rules.py', 'tests/engine/test_pending.py']),
+    Mut('settling counts the repeat-demand evidence it reads', 'ninfer/policy/resources.py',
+        '            own = time.monotonic()\n        rec = rec or',
+        '            own = time.monotonic()\n        if own is not None:\n            self.stats.summary_hits += 1\n        rec = rec or',
+        ['tests/engine/test_context_cache.py::test_repeated_computation_builds_demand_evidence']),
+    Mut('the settlement forgets a short scoped window', 'ninfer/policy/pressure.py',
+        '        out.window_short = short.hit\n',
+        '',
+        ['tests/engine/test_scoped_quote.py::test_a_host_window_that_does_not_suffice_is_quoted_again_whole']),
 ]
 
 

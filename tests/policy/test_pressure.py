@@ -83,9 +83,9 @@ class _Table(Pressure):
         self.asked: list[str] = []
         self.refuse = refuse
 
-    def capture_room(self, req, sp, planner, facts, protect=frozenset(), rec=None):
+    def capture_room(self, req, sp, planner, facts, protect=frozenset(), rec=None, window_short=None):
         self.asked.append(req.rid)
-        return (None, True) if self.refuse else ([P.Delete(99, 1, 1)], False)
+        return (None, True, False) if self.refuse else ([P.Delete(99, 1, 1)], False, False)
 
 
 def _saves(n: int):
@@ -98,7 +98,7 @@ def test_a_save_takes_a_slot_left_by_the_intents_then_the_host_then_the_admissio
     rooms = p.save_rooms(_saves(4), 1, q.facts(), None)
     # 2 slots left after the intents' 1, then one save on the Host; the 4th asks the table
     assert p.asked == ["s3"]
-    assert rooms == [([], False), ([], False), ([], False), ([P.Delete(99, 1, 1)], False)]
+    assert rooms == [([], False, False), ([], False, False), ([], False, False), ([P.Delete(99, 1, 1)], False, False)]
 
 
 def test_without_host_room_every_save_past_the_slots_asks_the_table_and_a_refusal_is_reported():
@@ -106,7 +106,7 @@ def test_without_host_room_every_save_past_the_slots_asks_the_table_and_a_refusa
     p = _Table(refuse=True)
     rooms = p.save_rooms(_saves(4), 0, q.facts(), None)
     assert p.asked == ["s2", "s3"]
-    assert rooms[2:] == [([], True), ([], True)]
+    assert rooms[2:] == [([], True, False), ([], True, False)]
 
 
 def test_intents_that_take_every_slot_leave_the_saves_the_host_and_the_table():
