@@ -263,13 +263,12 @@ class EngineCore:
             return True
         if self._stuck >= STALL_CYCLES:
             self._stuck = 0
-            oldest = min((r for r in self.requests.values() if r.live), key=lambda r: r.ticket, default=None)
-            if oldest is not None:
+            contract = self.pressure.stalled(self.requests.values())
+            if contract is not None:
                 self.stats.stalls += 1
                 self.stats.capacity_errors += 1
-                log.warning("no request can progress; failing the oldest (%s)", oldest.rid)
-                self.fail(oldest, ErrorKind.CAPACITY_CONTRACT,
-                          f"request {oldest.rid} cannot progress: nothing else holds or will release capacity")
+                log.warning("no request can progress; failing the oldest (%s)", contract.rid)
+                self.fail(self.requests[contract.rid], ErrorKind.CAPACITY_CONTRACT, contract.message)
                 return True
         return False
 

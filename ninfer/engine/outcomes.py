@@ -227,7 +227,7 @@ class Outcomes:
                 return True
             # the capacity contract, not a wait for nobody
             self.stats.capacity_errors += 1
-            self.books.fail(req, ErrorKind.CAPACITY_CONTRACT, item.contract)
+            self.books.fail(req, ErrorKind.CAPACITY_CONTRACT, item.contract.message)
             return True
         if item.kind in (ItemKind.ROW, ItemKind.CHUNK):
             if out.facts is not None and req.phase is Phase.RUNNING:

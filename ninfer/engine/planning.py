@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from ninfer import protocol as P
 from ninfer.engine.request import Request
 from ninfer.engine.units import Unit, next_unit
-from ninfer.policy.pressure import CHUNK, FRESH, RESUME, ROW, ItemKind, Need, Settlement, Verdict
+from ninfer.policy.pressure import CHUNK, FRESH, RESUME, ROW, Contract, ItemKind, Need, Settlement, Verdict
 from ninfer.policy.resources import OPTIONAL_CUTS, Admission, SaveKind, SavePoint
 from ninfer.protocol import BindMode, SnapshotOwner, WaiterOwner, unit_pages
 
@@ -51,7 +51,7 @@ class Item:
     route: str = ""                          # a resume: "snapshot" | "replay" (the public pause route)
     save_points: list[SavePoint] = field(default_factory=list)   # a fresh bind's, tentative
     sp: SavePoint | None = None              # the save point its unit ends on
-    contract: str | None = None              # the capacity contract fails it if still short
+    contract: Contract | None = None         # the capacity contract fails it if still short
     room_refused: bool = False               # the admission table gave its save no room
 
     @property
@@ -97,7 +97,7 @@ class Plan:
         for item in self.items:
             v = s.verdicts.get(item.iid, Verdict())
             item.intent.remedies = v.remedies
-            item.contract = v.error          # fails it only if the worker confirms it is still short
+            item.contract = v.contract       # fails it only if the worker confirms it is still short
             if isinstance(item.intent, P.RowIntent):
                 item.intent.on_short = v.on_short
         for item, (room, refused) in zip(self.captures(), s.rooms):

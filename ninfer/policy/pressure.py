@@ -70,11 +70,22 @@ class Need:
     source: int | None = None           # the checkpoint a bind adopts
 
 
+@dataclass(frozen=True)
+class Contract:
+    """The capacity contract's verdict (seed: 容量契约): ``rid`` fails with it instead of waiting
+    for a releaser that does not exist — the oldest request short after all its legal reclaim,
+    or, when a whole cycle moved nothing, the oldest live request (``Pressure.stalled``)."""
+
+    rid: str
+    short: dict[str, int]               # units still missing (empty: nothing could move at all)
+    message: str
+
+
 @dataclass
 class Verdict:
     remedies: list[P.Remedy] = field(default_factory=list)
     on_short: P.Pause | None = None
-    error: str | None = None            # the capacity contract: fail instead of sending it
+    contract: Contract | None = None    # fail instead of waiting (if the worker confirms the gap)
     covered: bool = True
 
 
@@ -311,7 +322,7 @@ class Pressure:
             elif self.alone(n, taken, tx_busy) and not any(isinstance(r, P.TakeBack) for r in verdict.remedies):
                 # (a take-back releases what it frees only as its snapshot publishes: the
                 # contract is judged again once nobody is about to release anything)
-                verdict.error = self._contract(n, short, facts)
+                verdict.contract = self._contract(n, short, facts)
         return verdict, planner, freed
 
     # ---- pauses -----------------------------------------------------------------------
@@ -370,11 +381,22 @@ class Pressure:
             return False
         return not any(r.ticket < req.ticket and r is not req and r.live for r in self.sched.paused)
 
-    def _contract(self, n: Need, short: dict[str, int], facts: P.Facts) -> str:
+    def _contract(self, n: Need, short: dict[str, int], facts: P.Facts) -> Contract:
         detail = ", ".join(f"{k}: {v} more needed ({facts.pools[k].available} available of {facts.pools[k].total})"
                            for k, v in short.items() if k in facts.pools)
-        return (f"request {n.req.rid} cannot get a legal unit after reclaiming optional cache and pausing "
-                f"others ({detail})")
+        return Contract(n.req.rid, dict(short), f"request {n.req.rid} cannot get a legal unit after reclaiming "
+                        f"optional cache and pausing others ({detail})")
+
+    @staticmethod
+    def stalled(requests) -> Contract | None:
+        """A cycle in which nothing ran, changed or was in flight, twice, although requests
+        remain: the oldest live request fails with the contract (a policy gap — the per-need
+        verdict above should have caught it; ``stats.stalls`` counts it)."""
+        oldest = min((r for r in requests if r.live), key=lambda r: r.ticket, default=None)
+        if oldest is None:
+            return None
+        return Contract(oldest.rid, {}, f"request {oldest.rid} cannot progress: nothing else holds or will "
+                        "release capacity")
 
     # ---- captures ---------------------------------------------------------------------
     # rule: save-room-order

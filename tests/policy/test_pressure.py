@@ -138,5 +138,14 @@ def test_a_take_back_that_frees_no_page_reclaims_the_cache_its_victim_shared_in_
     need = Need(1, old, ROW, {P.MAIN: 1})
     verdicts, _ = p.settle([need], q.facts(), {}, tx_busy=False)
     v = verdicts[1]
-    assert v.covered and v.error is None, v
+    assert v.covered and v.contract is None, v
     assert v.remedies == [P.TakeBack(victim_sid, False, []), P.Reclaim([P.Delete(1, 1, 1)])]
+
+
+# ---- capacity-contract: one typed verdict --------------------------------------------------
+def test_a_stalled_engine_fails_the_oldest_live_request_with_the_contract():
+    reqs = [SimpleNamespace(rid="young", ticket=7, live=True), SimpleNamespace(rid="dead", ticket=1, live=False),
+            SimpleNamespace(rid="old", ticket=3, live=True)]
+    c = Pressure.stalled(reqs)
+    assert (c.rid, c.short) == ("old", {}) and "cannot progress" in c.message
+    assert Pressure.stalled([r for r in reqs if not r.live]) is None
