@@ -1067,7 +1067,8 @@ class Server:
         except Exception as exc:
             return PlainTextResponse(f"# engine unavailable: {exc}\n", status_code=503)
         return Response(prometheus(stats, len(self.store), self.model, self.engine.info,
-                                   {"params_n": self.params_n.snapshot()}), media_type=METRICS_TYPE)
+                                   {"params_n": self.params_n.snapshot()}, getattr(self.engine, "config", None)),
+                        media_type=METRICS_TYPE)
 
 
 @dataclass
