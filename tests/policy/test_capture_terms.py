@@ -73,3 +73,25 @@ def test_no_own_demand_from_ones_own_computation_a_replay_or_a_position_already_
     d = _Req("d", PROMPT[:30] + [99] * 10)                     # another prompt
     assert rm.capture_terms(d, END)[1] is None
     assert rm.summary.get(digest(PROMPT), 40) is not None
+
+
+def test_the_benefit_is_new_coverage_and_own_demand_is_the_positions_own_time():
+    """capture-terms: the benefit is what the save adds over the deepest point below it; a
+    position two requests already computed gives the save own repeat demand dated at that
+    computation (not at the save); its owner is reuse only when the record is."""
+    from ninfer import protocol as P
+    from ninfer.policy.records import Level
+
+    rm = _rm()
+    below = rm.table.new_record(None)
+    rm.table.add_ckpt(P.CkptRef(1, 1, 30, P.CkptKind.CACHE, True, False), tuple(PROMPT[:30]), below.owner(P.Role.E))
+    below.e = 1
+    d = digest(PROMPT)
+    rm.summary.observe(d, 40, "x", 10.0)
+    rm.summary.observe(d, 40, "y", 20.0)
+    a = _Req("a", PROMPT)
+    mine = rm.table.new_record(None)
+    rm.book(a).record = mine
+    assert rm.capture_terms(a, END) == (10, 20.0, False)
+    mine.level = Level.REUSE
+    assert rm.capture_terms(a, END)[2] is True

@@ -149,3 +149,143 @@ def test_a_stalled_engine_fails_the_oldest_live_request_with_the_contract():
     c = Pressure.stalled(reqs)
     assert (c.rid, c.short) == ("old", {}) and "cannot progress" in c.message
     assert Pressure.stalled([r for r in reqs if not r.live]) is None
+
+
+# ---- rights, revocation, protection, the alternative plan, the contract, the pause route ------
+from ninfer.policy.pressure import CHUNK, RESUME, Rights, Waiters  # noqa: E402
+from ninfer.policy.reclaim import Planner  # noqa: E402
+from ninfer.policy.records import Level  # noqa: E402
+from ninfer.policy.scheduler import Scheduler  # noqa: E402
+from tests.policy.test_reclaim_planner import _host_point  # noqa: E402
+from tests.policy.test_scheduler import R  # noqa: E402
+
+
+def _real(*resident: R, paused: tuple[R, ...] = (), fresh: tuple[R, ...] = (), table=None, adopting=()) -> Pressure:
+    """Pressure over a real Scheduler (``resident`` admitted in order, ``paused`` paused) and a
+    fabricated ResourceManager (its record table and the sources being adopted)."""
+    s = Scheduler(8)
+    for r in (*resident, *paused):
+        s.admit(r)
+    for r in paused:
+        s.pause(r)
+    s.fresh.extend(fresh)
+    rm = SimpleNamespace(table=table, adopting=lambda: set(adopting))
+    return Pressure(s, rm, INFO)
+
+
+def test_the_rights_of_each_requester():
+    """preemption-rights: a fresh admission may revoke younger waiters only; a resume behind an
+    older resident may only reclaim optional cache; the oldest paused with no older resident
+    may do everything a row may; a row may revoke and take back, and a young one that still
+    cannot progress pauses itself — never the full-recovery holder."""
+    a, b, c, d = R("a", 0, sid=1), R("b", 1, sid=2), R("c", 2, sid=3), R("d", 3, sid=4)
+    p = _real(a, c, d, paused=(b,))
+    assert p.rights(Need(1, R("f", 9), FRESH, None)) == Rights(waiters=Waiters.YOUNGER)
+    assert p.rights(Need(1, b, RESUME, None)) == Rights()                       # a is older and resident
+    assert p.rights(Need(1, a, ROW, None)) == Rights(Waiters.ALL, True, True, False)
+    assert p.rights(Need(1, c, CHUNK, None)) == Rights(Waiters.ALL, True, True, True)
+    p.sched.begin_recovery(d)
+    assert p.rights(Need(1, d, ROW, None)).pause_self is False                  # the holder never pauses itself
+    p.sched.remove(a)
+    assert p.rights(Need(1, b, RESUME, None)) == Rights(Waiters.ALL, True, True, False)
+
+
+def test_which_waiting_references_and_pause_snapshots_a_requester_may_revoke():
+    """revocation-rights: a fresh admission revokes younger requests' waiting references only
+    and no pause snapshot; a row any waiting reference and later tickets' snapshots, never an
+    earlier one's; a resume behind an older resident nothing. The waiters carry their tickets
+    for the revocation order."""
+    me = R("me", 5, sid=50)
+    w_old, w_young = R("w_old", 2, phase=P.Phase.QUEUED), R("w_young", 8, phase=P.Phase.QUEUED)
+    p_old, p_young = R("p_old", 3, sid=30), R("p_young", 9, sid=90)
+    p = _real(me, paused=(p_old, p_young), fresh=(w_old, w_young))
+    W, S = P.WaiterOwner, P.SnapshotOwner
+    may, snaps = p._revoker(me, Rights(waiters=Waiters.YOUNGER))
+    assert [may(o) for o in (W("w_young"), W("w_old"), S(90), S(30))] == [True, False, False, False]
+    assert snaps[W("w_young")] == 8 and snaps[W("w_old")] == 2 and snaps[S(90)] == 9
+    may, _ = p._revoker(me, Rights(Waiters.ALL, True, True, True))
+    assert [may(o) for o in (W("w_young"), W("w_old"), S(90), S(30))] == [True, True, True, False]
+    may, _ = p._revoker(me, Rights())
+    assert not any(may(o) for o in (W("w_young"), W("w_old"), S(90), S(30)))
+
+
+def test_sources_being_adopted_and_the_requesters_own_snapshot_are_protected_nothing_else():
+    """protected-sources: the sources binds are adopting and the requester's own snapshot are
+    never victims; another paused request's snapshot is not protected by it."""
+    me, other = R("me", 1, sid=1), R("o", 2, sid=2)
+    me.snapshot, other.snapshot = SimpleNamespace(cid=20), SimpleNamespace(cid=30)
+    p = _real(paused=(me, other), adopting=(11, 12))
+    assert p.protected(me) == {11, 12, 20}
+    assert p.protected(R("f", 3)) == {11, 12}
+
+
+def _lone_row(q: Quote, demand: dict[str, int], tx_busy: bool = False, others: tuple[R, ...] = ()):
+    a = R("a", 0, sid=1)
+    p = _real(a, *others, table=q.table)
+    verdicts, _ = p.settle([Need(1, a, ROW, demand)], q.facts(), {}, tx_busy=tx_busy)
+    return verdicts[1]
+
+
+def test_deletions_alone_when_the_demotion_first_plan_cannot_cover_and_a_demotion_when_it_can():
+    """deletions-only-alternative: short a slot and a page with one point (an image and a page)
+    and Host room for one image: demoting its image first leaves its page neither movable nor
+    deletable (the Host is then full, the point migrating), so that plan cannot cover — deleting
+    the point alone covers both. Short a slot only, the zero-loss demotion is kept."""
+    q = Quote(main=1, slots=1, host=IMG)
+    q.ckpt(1, 100)
+    v = _lone_row(q, {P.MAIN: 1, P.STATE: 1})
+    assert v.covered and v.contract is None and v.remedies == [P.Reclaim([P.Delete(1, 1, 1)])], v
+    q = Quote(main=1, slots=1, host=IMG)
+    q.ckpt(1, 100)
+    v = _lone_row(q, {P.STATE: 1})
+    assert v.covered and v.remedies == [P.Reclaim([P.DemoteState(1, 1, 1)])], v
+
+
+def test_the_capacity_contract_fires_only_for_a_lone_request_with_nothing_in_flight():
+    """capacity-contract: the only request, short after all legal reclaim, fails with the
+    contract error — not while a transfer may still release capacity, nor beside another
+    resident (it is judged again once nobody is about to release anything)."""
+    q = Quote(main=0, slots=4, host=0)
+    v = _lone_row(q, {P.MAIN: 1})
+    assert not v.covered and v.contract is not None and "cannot get a legal unit" in v.contract.message
+    assert _lone_row(q, {P.MAIN: 1}, tx_busy=True).contract is None
+    assert _lone_row(q, {P.MAIN: 1}, others=(R("b", 1, sid=2, phase=P.Phase.MATERIALIZING),)).contract is None
+
+
+def _route(owner_kind: str) -> tuple[bool, list]:
+    """pause_route of a young victim with no pages, the Host full of one other checkpoint."""
+    q = Quote(host=IMG)
+    if owner_kind == "snapshot_earlier":
+        q.ckpt(2, 30, device=False, host_image=True, ticket_owner=P.SnapshotOwner(3))
+    elif owner_kind == "snapshot_later":
+        q.ckpt(2, 30, device=False, host_image=True, ticket_owner=P.SnapshotOwner(9))
+    elif owner_kind == "waiter":
+        q.ckpt(2, 30, device=False, host_image=True, owner=P.WaiterOwner("w"))
+    else:
+        _host_point(q, 2, 30, (0, IMG), demand=1.0)
+        if owner_kind == "reuse":
+            q.table.records[next(rid for rid, rec in q.table.records.items() if rec.e == 2)].level = Level.REUSE
+    tickets = {P.SnapshotOwner(3): 3, P.SnapshotOwner(9): 9, P.WaiterOwner("w"): 8}
+    pl = Planner(q.facts(), q.table, set(), lambda o: True, tickets)
+    victim = R("y", 5, sid=7)
+    return _real(victim, table=q.table).pause_route(victim, pl, q.facts())
+
+
+def test_a_snapshot_pause_goes_to_the_host_over_optional_cache_and_later_snapshots_only():
+    """pause-route: the victim's Snapshot goes to the Host when its content can be placed over
+    optional cache (normal or reuse) or a later ticket's snapshot; over an earlier ticket's
+    snapshot or a waiting reference's point it cannot, and the pause is destructive."""
+    assert _route("normal") == (True, [P.Delete(2, 1, 1)])
+    assert _route("reuse") == (True, [P.Delete(2, 1, 1)])
+    assert _route("snapshot_later") == (True, [P.Delete(2, 1, 1)])
+    assert _route("snapshot_earlier") == (False, [])
+    assert _route("waiter") == (False, [])
+
+
+def test_no_capacity_contract_while_a_take_back_publishes():
+    """capacity-contract: the oldest row, short after reclaim, takes its younger neighbour back
+    and is still short — the take-back releases what it frees only once its snapshot publishes,
+    so the contract is not judged in this cycle (it is, once nobody is about to release)."""
+    q = Quote(main=0, slots=4, host=0)
+    v = _lone_row(q, {P.MAIN: 1}, others=(R("b", 1, sid=2),))
+    assert not v.covered and v.contract is None and v.remedies == [P.TakeBack(2, False, [])], v
