@@ -1,0 +1,64 @@
+"""The CPU path (``paths.CPU``: ``BATCHED`` with the fused CPU chunk ops of ``cpu_ops``) against
+the references beside it: op level ``chunk_attention`` vs ``paged_attention`` (chunks from
+position 0 and over a cached prefix, across page boundaries, GQA ratios 1/2/4, scattered pages,
+NaN in every slot a chunk must not read); model level, one call of decode rows and a chunk
+over a cached prefix through ``paths.CPU`` and ``paths.PER_SEQUENCE`` — in float64 too, where
+the fused ops must agree to rounding though the model never runs them there (``for_device``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ninfer.native.model import paths
+from ninfer.native.model.attention import paged_attention
+from ninfer.native.model.cpu_ops import chunk_attention
+from tests.native.model.test_batched_forward import DTYPES, OP_REL, _compare, _paged_kv, prepared, rel_err
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (8, 2)], ids=lambda h: f"H{h[0]}-Hkv{h[1]}")
+@pytest.mark.parametrize("span", [(0, 1), (0, 64), (0, 130), (5, 1), (63, 2), (64, 70), (70, 60), (200, 129)],
+                         ids=lambda s: f"start{s[0]}-len{s[1]}")
+def test_chunk_attention_equals_paged_attention(dtype, heads, span):
+    h, hkv = heads
+    start, tq = span
+    d, dt = 32, DTYPES[dtype]
+    k_cache, v_cache, (table,) = _paged_kv([start + tq], hkv, d, dt, seed=start + tq + h)
+    q = torch.randn(tq, h, d, generator=torch.Generator().manual_seed(2)).to(dt)
+    pages = torch.tensor(table)
+    got = chunk_attention(q, k_cache, v_cache, pages, start, d ** -0.5)
+    ref = paged_attention(q, k_cache, v_cache, pages, start, d ** -0.5)
+    assert got.dtype == dt and got.shape == q.shape
+    assert torch.isfinite(got).all(), "an unwritten slot (NaN) leaked into the output"
+    if dt != torch.bfloat16:
+        assert rel_err(got, ref) < OP_REL[dtype]
+    else:   # the fused op keeps the probabilities in fp32 where the reference rounds them to bf16:
+        # both against float64 math on the same bf16 inputs, the fused op no worse
+        truth = paged_attention(q.double(), k_cache.double(), v_cache.double(), pages, start, d ** -0.5)
+        assert rel_err(got, truth) <= max(OP_REL[dtype], 1.25 * rel_err(ref, truth))
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("with_chunk", [False, True], ids=["decode-only", "with-chunk"])
+@pytest.mark.parametrize("n_decode", [0, 1, 8], ids=lambda n: f"B{n}")
+def test_cpu_path_equals_per_sequence(tiny_model, dtype, with_chunk, n_decode):
+    if not (n_decode or with_chunk):
+        pytest.skip("an empty call")
+    prep = prepared(tiny_model, dtype)
+    if dtype != "bfloat16":
+        _compare(prep, prep.step(n_decode, with_chunk), dtype, paths.CPU)
+        return
+    # bf16 five layers deep is ~20 % off float64 on this random model, on either path, and the
+    # fused attention rounds elsewhere (its probabilities stay fp32): both paths against the
+    # float64 model on the same inputs, the CPU path no worse than the reference
+    truth, _ = prepared(tiny_model, "float64").run(paths.PER_SEQUENCE, prep.step(n_decode, with_chunk))
+    got, _ = prep.run(paths.CPU, prep.step(n_decode, with_chunk))
+    ref, _ = prep.run(paths.PER_SEQUENCE, prep.step(n_decode, with_chunk))
+    assert rel_err(got.logits, truth.logits) <= 1.25 * rel_err(ref.logits, truth.logits)
+
+
+def test_the_cpu_chooses_the_cpu_path_except_for_float64():
+    for dt in (torch.float32, torch.float16, torch.bfloat16):
+        assert paths.for_device(torch.device("cpu"), dt) is paths.CPU
+    assert paths.for_device(torch.device("cpu"), torch.float64) is paths.BATCHED     # the oracle's
