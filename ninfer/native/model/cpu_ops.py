@@ -8,6 +8,10 @@ oracle keeps the references (``paths.BATCHED``; ``paths.for_device``).
   (``scaled_dot_product_attention``: blocked, online softmax, masked blocks skipped, GQA without
   repeating K/V). The reference builds the whole [H, Tq, L] score matrix: at a 2,048-token chunk
   that was 2/3 of the forward.
+* ``dense_moe`` — ``moe.sparse_moe`` for a few rows (decode, short chunks): every expert over
+  every row as two matmuls over the experts' weights side by side, the unchosen experts' rows
+  zeroed by the routing weights — no per-expert loop, sort or gather. It reads all E experts'
+  weights for each row, so it pays only while rows x experts is small (``DENSE_MOE_MAX_PAIRS``).
 """
 
 from __future__ import annotations
@@ -17,6 +21,12 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from ninfer.native.model.config import PAGE_SIZE
+from ninfer.native.model.moe import MoeWeights, with_shared
+from ninfer.native.model.ops import acc_dtype
+
+# rows x experts up to which ``dense_moe`` beats the grouped loop (tiny model, fp32, one thread:
+# 8 rows 0.19 -> 0.10 ms, 64 rows 0.35 -> 0.29 ms a layer; 256 rows 0.70 vs 0.94 ms)
+DENSE_MOE_MAX_PAIRS = 512
 
 
 def chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -38,3 +48,42 @@ def chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=not start, scale=scale,
                                          enable_gqa=kh.shape[1] != qh.shape[1])
     return out[0].transpose(0, 1)
+
+
+def dense_moe_fits(x: torch.Tensor, w: MoeWeights) -> bool:
+    """``dense_moe`` pays here: few rows x experts, plain (not FP8) weights of x's dtype."""
+    return x.shape[0] * w.gate_up.shape[0] <= DENSE_MOE_MAX_PAIRS and w.gate_up.dtype == x.dtype == w.down.dtype
+
+
+def _down_side_by_side(w: MoeWeights) -> torch.Tensor:
+    """The experts' down projections side by side, [H, E*I] (built once per layer, kept on ``w``)."""
+    down = getattr(w, "_down_cat", None)
+    if down is None or down.dtype != w.down.dtype:
+        e, h, i = w.down.shape
+        down = w.down.permute(1, 0, 2).reshape(h, e * i).contiguous()
+        w._down_cat = down                    # derived from w.down, never saved or moved
+    return down
+
+
+def dense_moe(x: torch.Tensor, w: MoeWeights) -> torch.Tensor:
+    """``sparse_moe``'s contract (x: [T, H] -> [T, H]): the same routing (softmax in the
+    accumulation dtype, top-k, optional renormalisation), then
+
+        gate_up = x @ [W_gu(0); ...; W_gu(E-1)]^T          [T, E, 2I]   (one matmul)
+        h       = silu(gate) * up * route                  [T, E, I]    route[t, e] = 0 unless chosen
+        out     = h @ [W_d(0) ... W_d(E-1)]^T               [T, H]       (one matmul over E*I)
+
+    plus the gated shared expert. The sum over a row's experts happens inside the second
+    matmul (another order than the grouped form's: equal to rounding)."""
+    acc = acc_dtype(x.dtype)
+    e, two_i, hidden = w.gate_up.shape
+    inter = two_i // 2
+    probs = torch.softmax(F.linear(x, w.router).to(acc), dim=-1)
+    top_w, top_i = torch.topk(probs, w.top_k, dim=-1)
+    if w.norm_topk_prob:
+        top_w = top_w / top_w.sum(-1, keepdim=True)
+    route = torch.zeros(x.shape[0], e, dtype=x.dtype, device=x.device).scatter_(1, top_i, top_w.to(x.dtype))
+    gate_up = F.linear(x, w.gate_up.view(e * two_i, hidden)).view(-1, e, 2, inter)
+    h = F.silu(gate_up[:, :, 0]) * gate_up[:, :, 1] * route[:, :, None]
+    out = F.linear(h.reshape(-1, e * inter), _down_side_by_side(w))
+    return with_shared(out, x, w)

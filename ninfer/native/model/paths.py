@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from ninfer.native.model import gdn
 from ninfer.native.model.attention import decode_attention, paged_attention, verify_attention, write_kv
-from ninfer.native.model.cpu_ops import chunk_attention
+from ninfer.native.model.cpu_ops import chunk_attention, dense_moe, dense_moe_fits
 from ninfer.native.model.forward import ForwardBatch
 from ninfer.native.model.moe import MoeWeights, sparse_moe
 from ninfer.native.model.ops import gated_rms_norm, rms_norm
@@ -289,6 +289,11 @@ class CpuPath(BatchedPath):
 
     name = "cpu"
     chunk_attention = staticmethod(chunk_attention)
+
+    def moe(self, x, w, static):
+        if not static and dense_moe_fits(x, w):
+            return dense_moe(x, w)                 # few rows: two matmuls over all experts
+        return sparse_moe(x, w, static)
 
 
 class PerSequencePath(_TorchOps):
