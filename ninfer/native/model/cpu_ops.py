@@ -8,6 +8,10 @@ oracle keeps the references (``paths.BATCHED``; ``paths.for_device``).
   (``scaled_dot_product_attention``: blocked, online softmax, masked blocks skipped, GQA without
   repeating K/V). The reference builds the whole [H, Tq, L] score matrix: at a 2,048-token chunk
   that was 2/3 of the forward.
+* ``delta_rule_step`` — ``gdn.recurrent_gated_delta_rule`` for one step of N decode rows as
+  batched matrix products over (row, head) — k^T S, S + k delta^T, q^T S — instead of broadcast
+  products summed over [N, Hv, Dk, Dv] temporaries, and key heads shared by view, not repeated.
+* ``rms_norm`` — ``ops.rms_norm`` through torch's one fused op (the reference is ~10 ops).
 * ``dense_moe`` — ``moe.sparse_moe`` for a few rows (decode, short chunks): every expert over
   every row as two matmuls over the experts' weights side by side, the unchosen experts' rows
   zeroed by the routing weights — no per-expert loop, sort or gather. It reads all E experts'
@@ -18,11 +22,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from ninfer.native.model.config import PAGE_SIZE
 from ninfer.native.model.moe import MoeWeights, with_shared
-from ninfer.native.model.ops import acc_dtype
+from ninfer.native.model.ops import acc_dtype, l2norm
 
 # rows x experts up to which ``dense_moe`` beats the grouped loop (tiny model, fp32, one thread:
 # 8 rows 0.19 -> 0.10 ms, 64 rows 0.35 -> 0.29 ms a layer; 256 rows 0.70 vs 0.94 ms)
@@ -44,7 +47,10 @@ def chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     k = k_cache.index_select(0, pages).view(-1, hkv, d)[:kv_len]             # [L, Hkv, D]
     v = v_cache.index_select(0, pages).view(-1, hkv, d)[:kv_len]
     qh, kh, vh = q.transpose(0, 1)[None], k.to(q.dtype).transpose(0, 1)[None], v.to(q.dtype).transpose(0, 1)[None]
-    mask = causal_lower_right(tq, kv_len) if start else None
+    mask = None
+    if start:      # the cached prefix visible to every query, the chunk's own keys causally
+        mask = torch.ones(tq, kv_len, dtype=torch.bool, device=q.device)
+        mask[:, start:] = torch.ones(tq, tq, dtype=torch.bool, device=q.device).tril()
     out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=not start, scale=scale,
                                          enable_gqa=kh.shape[1] != qh.shape[1])
     return out[0].transpose(0, 1)
@@ -87,3 +93,38 @@ def dense_moe(x: torch.Tensor, w: MoeWeights) -> torch.Tensor:
     h = F.silu(gate_up[:, :, 0]) * gate_up[:, :, 1] * route[:, :, None]
     out = F.linear(h.reshape(-1, e * inter), _down_side_by_side(w))
     return with_shared(out, x, w)
+
+
+def delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``recurrent_gated_delta_rule`` for T = 1: q, k: [N, Hk, Dk]; v: [N, Hv, Dv]; g, beta:
+    [N, Hv]; state: [N, Hv, Dk, Dv]. Returns o: [N, Hv, Dv] (dtype of v) and the new state
+    (accumulation dtype). Per (row, value head), with S: [Dk, Dv]::
+
+        S <- exp(g) S;   delta = beta (v - S^T k);   S <- S + k delta^T;   o = S^T q
+    """
+    acc = acc_dtype(v.dtype)
+    n, hv, dv = v.shape
+    hk, dk = k.shape[1], k.shape[2]
+    rows = n * hv
+
+    def per_value_head(x: torch.Tensor) -> torch.Tensor:        # [N, Hk, D] -> [N*Hv, 1, D]
+        return x[:, :, None].expand(n, hk, hv // hk, x.shape[-1]).reshape(rows, 1, x.shape[-1])
+
+    q = per_value_head(l2norm(q.to(acc)) * (dk ** -0.5))
+    k = per_value_head(l2norm(k.to(acc)))
+    s = state.to(acc).reshape(rows, dk, dv) * g.to(acc).exp().reshape(rows, 1, 1)
+    delta = (v.to(acc).reshape(rows, 1, dv) - torch.bmm(k, s)) * beta.to(acc).reshape(rows, 1, 1)
+    s = torch.baddbmm(s, k.transpose(1, 2), delta)
+    o = torch.bmm(q, s)
+    return o.view(n, hv, dv).to(v.dtype), s.view(n, hv, dk, dv)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
+    """``ops.rms_norm``'s contract (x: [..., D]; weight: [D]) through ``F.rms_norm``: the same
+    precision policy — zero-centered scales by (1 + w) in the accumulation dtype and casts,
+    plain casts and then scales by w."""
+    acc = acc_dtype(x.dtype)
+    if zero_centered:
+        return F.rms_norm(x.to(acc), (x.shape[-1],), 1.0 + weight.to(acc), eps).to(x.dtype)
+    return weight * F.rms_norm(x.to(acc), (x.shape[-1],), None, eps).to(x.dtype)

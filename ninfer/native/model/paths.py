@@ -39,9 +39,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from ninfer.native.model import gdn
+from ninfer.native.model import cpu_ops, gdn
 from ninfer.native.model.attention import decode_attention, paged_attention, verify_attention, write_kv
-from ninfer.native.model.cpu_ops import chunk_attention, dense_moe, dense_moe_fits
 from ninfer.native.model.forward import ForwardBatch
 from ninfer.native.model.moe import MoeWeights, sparse_moe
 from ninfer.native.model.ops import gated_rms_norm, rms_norm
@@ -288,11 +287,20 @@ class CpuPath(BatchedPath):
     bit, so float64 — the oracle's dtype — keeps ``BATCHED``."""
 
     name = "cpu"
-    chunk_attention = staticmethod(chunk_attention)
+    chunk_attention = staticmethod(cpu_ops.chunk_attention)
+    rms_norm = staticmethod(cpu_ops.rms_norm)
+
+    def _decode_rows(self, mixed, g, beta, conv_w, conv_states, ssm_states, slots, split, ops):
+        y, new_conv = gdn.causal_conv1d_step(mixed, conv_states.index_select(0, slots), conv_w)
+        q, k, v = split(y)
+        o, new_ssm = cpu_ops.delta_rule_step(q, k, v, g, beta, ssm_states.index_select(0, slots))
+        conv_states.index_copy_(0, slots, new_conv.to(conv_states.dtype))
+        ssm_states.index_copy_(0, slots, new_ssm.to(ssm_states.dtype))
+        return o
 
     def moe(self, x, w, static):
-        if not static and dense_moe_fits(x, w):
-            return dense_moe(x, w)                 # few rows: two matmuls over all experts
+        if not static and cpu_ops.dense_moe_fits(x, w):
+            return cpu_ops.dense_moe(x, w)         # few rows: two matmuls over all experts
         return sparse_moe(x, w, static)
 
 

@@ -82,3 +82,33 @@ def test_dense_moe_equals_sparse_moe(tiny_model, dtype, rows):
         w64 = prepared(tiny_model, "float64").model.layers[0].mlp
         truth = sparse_moe(x.double(), w64)
         assert (got.double() - truth).abs().mean() <= 1.25 * (ref.double() - truth).abs().mean()
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("heads", [(2, 2), (2, 4), (1, 4)], ids=lambda h: f"Hk{h[0]}-Hv{h[1]}")
+def test_delta_rule_step_equals_the_recurrent_rule(dtype, heads):
+    from ninfer.native.model.cpu_ops import delta_rule_step
+    from ninfer.native.model.gdn import recurrent_gated_delta_rule
+    hk, hv = heads
+    dt, g = DTYPES[dtype], torch.Generator().manual_seed(hk * 10 + hv)
+    n, d = 5, 16
+    q, k = (torch.randn(n, hk, d, generator=g).to(dt) for _ in range(2))
+    v = torch.randn(n, hv, d, generator=g).to(dt)
+    gate, beta = -torch.rand(n, hv, generator=g).to(dt), torch.rand(n, hv, generator=g).to(dt)
+    state = torch.randn(n, hv, d, d, generator=g).to(torch.float64 if dt == torch.float64 else torch.float32)
+    o, s = delta_rule_step(q, k, v, gate, beta, state)
+    ro, rs = recurrent_gated_delta_rule(q[:, None], k[:, None], v[:, None], gate[:, None], beta[:, None], state)
+    assert o.dtype == dt and o.shape == (n, hv, d) and s.shape == state.shape
+    assert rel_err(s, rs) < OP_REL["float32" if dt == torch.bfloat16 else dtype]     # the state is fp32 in bf16
+    assert rel_err(o, ro[:, 0]) < OP_REL[dtype]
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("zero_centered", [True, False], ids=["zero-centered", "plain"])
+def test_rms_norm_equals_the_reference(dtype, zero_centered):
+    from ninfer.native.model.cpu_ops import rms_norm as fused
+    from ninfer.native.model.ops import rms_norm
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(7, 3, 64, generator=g).to(DTYPES[dtype]), (0.1 * torch.randn(64, generator=g)).to(DTYPES[dtype])
+    got, ref = fused(x, w, 1e-6, zero_centered), rms_norm(x, w, 1e-6, zero_centered)
+    assert got.dtype == ref.dtype and rel_err(got, ref) <= OP_REL[dtype]
