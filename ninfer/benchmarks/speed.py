@@ -40,6 +40,7 @@ from pathlib import Path
 VLLM_PYTHON = os.environ.get("NINFER_VLLM_PYTHON", "/work/vllm-venv/bin/python")
 DEFAULT_TRACE = "../shared/traces/mooncake_synthetic_trace.jsonl"
 DECODE_PROMPT = 32
+TIMEOUT = 1800.0                 # seconds one batch may take on either side before the run fails
 MARK = "@@speed "
 COLUMNS = ["part", "C", "run", "metric", "ninfer", "vllm", "x_vllm"]
 HIGHER_IS_BETTER = {"prefill_tok_s": True, "decode_tok_s": True, "ttft_mean_ms": False, "ttft_p50_ms": False,
@@ -215,7 +216,7 @@ def run(model_dir: str, out: str | None = None, plot: str | None = None, dtype: 
         vs_vllm: bool = False, vllm_python: str = VLLM_PYTHON, concurrency=(1, 4, 8), prompt_tokens: int = 2000,
         prefill_prompts: int = 16, decode_tokens: int = 128, trace: str | None = DEFAULT_TRACE,
         trace_limit: int = 300, time_scale: float = 1.0, repeats: int = 3, lanes: int = 8,
-        max_context: int = 4096, chunk: int | None = None, timeout: float = 1800.0) -> dict:
+        max_context: int = 4096, chunk: int | None = None) -> dict:
     from ninfer.benchmarks.common import ensure_model, report
     from ninfer.benchmarks.trace_input import ordinary_vocab
     from ninfer.progress import bar
@@ -233,12 +234,12 @@ def run(model_dir: str, out: str | None = None, plot: str | None = None, dtype: 
             trace_reqs = _trace_reqs(trace, model_dir, trace_limit, max_context)
         else:
             notes.append(f"trace part skipped: no file {trace}")
-    sides = [NInferSide(model_dir, lanes, max_context, chunk, dtype, timeout)]
+    sides = [NInferSide(model_dir, lanes, max_context, chunk, dtype, TIMEOUT)]
     vllm_version = None
     try:
         if not skipped:
             log = Path(out).with_suffix(".vllm.log") if out else Path(os.environ.get("TMPDIR", "/tmp")) / "ninfer-speed-vllm.log"
-            sides.append(VllmSide(vllm_python, model_dir, lanes, max_context, log, timeout))
+            sides.append(VllmSide(vllm_python, model_dir, lanes, max_context, log, TIMEOUT))
             vllm_version = sides[1].version
         for side in sides:                     # warm-up: first calls, allocator, thread pools
             decode(side, _prompts(2, 300, vocab, seed=-1), 4)
