@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ninfer.native.model.config import PAGE_SIZE
+from ninfer.native.model.fp8 import linear
 from ninfer.native.model.moe import MoeWeights, with_shared
 from ninfer.native.model.ops import acc_dtype, l2norm
 
@@ -57,16 +58,24 @@ def chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def dense_moe_fits(x: torch.Tensor, w: MoeWeights) -> bool:
-    """``dense_moe`` pays here: few rows x experts, plain (not FP8) weights of x's dtype."""
-    return x.shape[0] * w.gate_up.shape[0] <= DENSE_MOE_MAX_PAIRS and w.gate_up.dtype == x.dtype == w.down.dtype
+    """``dense_moe`` pays here: few rows x experts, and few experts per chosen one (it does
+    E / top_k times the grouped form's arithmetic)."""
+    e = w.gate_up.shape[0]
+    return x.shape[0] * e <= DENSE_MOE_MAX_PAIRS and e <= 8 * w.top_k
 
 
-def _down_side_by_side(w: MoeWeights) -> torch.Tensor:
+def _plain(t, dtype: torch.dtype) -> torch.Tensor:
+    """A weight as a tensor: as it is, or an FP8 one dequantised to ``dtype`` (the values the
+    grouped form's ``fp8.linear`` multiplies by, so an FP8 model stays its dequantised twin)."""
+    return t if isinstance(t, torch.Tensor) else t.dequantize(dtype)
+
+
+def _down_side_by_side(w: MoeWeights, dtype: torch.dtype) -> torch.Tensor:
     """The experts' down projections side by side, [H, E*I] (built once per layer, kept on ``w``)."""
     down = getattr(w, "_down_cat", None)
-    if down is None or down.dtype != w.down.dtype:
+    if down is None or down.dtype != dtype:
         e, h, i = w.down.shape
-        down = w.down.permute(1, 0, 2).reshape(h, e * i).contiguous()
+        down = _plain(w.down, dtype).permute(1, 0, 2).reshape(h, e * i).contiguous()
         w._down_cat = down                    # derived from w.down, never saved or moved
     return down
 
@@ -84,14 +93,14 @@ def dense_moe(x: torch.Tensor, w: MoeWeights) -> torch.Tensor:
     acc = acc_dtype(x.dtype)
     e, two_i, hidden = w.gate_up.shape
     inter = two_i // 2
-    probs = torch.softmax(F.linear(x, w.router).to(acc), dim=-1)
+    probs = torch.softmax(linear(x, w.router).to(acc), dim=-1)
     top_w, top_i = torch.topk(probs, w.top_k, dim=-1)
     if w.norm_topk_prob:
         top_w = top_w / top_w.sum(-1, keepdim=True)
     route = torch.zeros(x.shape[0], e, dtype=x.dtype, device=x.device).scatter_(1, top_i, top_w.to(x.dtype))
-    gate_up = F.linear(x, w.gate_up.view(e * two_i, hidden)).view(-1, e, 2, inter)
+    gate_up = F.linear(x, _plain(w.gate_up, x.dtype).reshape(e * two_i, hidden)).view(-1, e, 2, inter)
     h = F.silu(gate_up[:, :, 0]) * gate_up[:, :, 1] * route[:, :, None]
-    out = F.linear(h.reshape(-1, e * inter), _down_side_by_side(w))
+    out = F.linear(h.reshape(-1, e * inter), _down_side_by_side(w, x.dtype))
     return with_shared(out, x, w)
 
 
