@@ -52,7 +52,7 @@ def measure(model: HybridModel, c: int) -> list[dict]:
     cache, tables, lens, nxt = _prefilled(model, c)
     best: dict[str, float] = {}
     tokens: dict[str, list[list[int]]] = {}
-    chosen = model.path                     # the device's own path (batched on the CPU, kernels on CUDA)
+    chosen = model.path                     # the device's own path (cpu on the CPU in fp32, kernels on CUDA)
     for _ in range(REPEATS):
         for path in (chosen, paths.PER_SEQUENCE):
             model.path = path
