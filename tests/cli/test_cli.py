@@ -91,6 +91,7 @@ def test_demo_builds_the_model_when_missing(tmp_path):
     assert "all identical" in r.stdout
 
 
+@pytest.mark.slow          # needs the CLI-built model (``made``: a minute on 2 cores)
 @pytest.mark.parametrize("edit,needle", [
     (lambda c: c.update(model_type="mamba"), "model_type 'mamba' is not supported"),
     (lambda c: c.update(linear_num_value_heads=3), "linear_num_value_heads (3) must be a multiple"),
