@@ -886,7 +886,7 @@ class Server:
             async for _, item in self._drive([c], request):
                 if not started and not (isinstance(item, Finish) and item.reason == "error"):
                     started = True                       # message_start with the first token (honest TTFT)
-                    for e in ev.start():
+                    for e in ev.start(len(_prompt_ids(c.handle))):   # the prompt's length (the reuse split comes last)
                         yield e
                 if isinstance(item, Finish):
                     fin = item

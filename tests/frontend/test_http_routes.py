@@ -64,6 +64,10 @@ def test_messages_text_and_stream(routed):
                                                                                          "message_stop"]
     assert "".join(d["delta"]["text"] for k, d in ev if k == "content_block_delta") == "hello there"
     assert ev[-2][1]["delta"]["stop_reason"] == "end_turn" and ev[-2][1]["usage"]["output_tokens"] > 0
+    # message_start already says how long the prompt is (as the same request without streaming)
+    same = _msg(base, messages=[{"role": "user", "content": [{"type": "text", "text": "hello there"}]}]).json()
+    assert ev[0][1]["message"]["usage"]["input_tokens"] == \
+        same["usage"]["input_tokens"] + same["usage"]["cache_read_input_tokens"] > 0
 
 
 def test_messages_tool_use_tool_result_and_stop_sequences(routed):
