@@ -159,7 +159,7 @@ class Engine:
     deployment. The handle API is the same for both."""
 
     def __init__(self, runtime, model_dir: str | None, transport: str, media_budget_bytes: int | None = None,
-                 generation_config: str = "vllm"):
+                 generation_config: str = "vllm", config: EngineConfig | None = None):
         from ninfer.frontend.intake import Intake
         from ninfer.frontend.options import generation_defaults
 
@@ -170,6 +170,9 @@ class Engine:
 
         self.transport = transport
         self.model_dir = model_dir
+        # the EngineConfig the deployment runs with (after fit_to_model); None when a deployment
+        # cannot say (one started by an older NInfer). The worker's own facts: ``info``
+        self.config = config
         self._handles: dict[str, RequestHandle] = {}
         self._lock = threading.Lock()
         self._counter = 0
@@ -235,11 +238,11 @@ class Engine:
         if transport == "inproc":
             from ninfer.actors.runtime import InprocRuntime
             return Engine(InprocRuntime(str(model), cfg), str(model), transport, cfg.media_budget_bytes,
-                          generation_config)
+                          generation_config, cfg)
         if transport == "ray":
             from ninfer.actors.client import RayClientRuntime
             return Engine(RayClientRuntime.start(str(model), cfg, address, deployment, detached, **kw),
-                          str(model), transport, cfg.media_budget_bytes, generation_config)
+                          str(model), transport, cfg.media_budget_bytes, generation_config, cfg)
         raise RequestError(f"transport {transport!r} is not supported (use 'inproc' or 'ray')")
 
     # ---- requests -------------------------------------------------------------------------
@@ -462,4 +465,21 @@ def connect(address: str = "auto", deployment: str = "ninfer", model_dir: str | 
     in ``Engine.start``)."""
     from ninfer.actors.client import RayClientRuntime
     rt = RayClientRuntime.connect(address, deployment)
-    return Engine(rt, model_dir or rt.model_dir, "ray", generation_config=generation_config)
+    config = _deployment_config(rt)
+    return Engine(rt, model_dir or rt.model_dir, "ray", config.media_budget_bytes if config else None,
+                  generation_config, config)
+
+
+def _deployment_config(rt) -> EngineConfig | None:
+    """The EngineConfig a running deployment was started with (its frontend keeps it encoded;
+    a replicated one inside its identity, ``[config, replicas, router]``); None when it cannot
+    say."""
+    import ray
+    try:
+        raw = ray.get(rt.frontend.config.remote())
+        try:
+            return msgspec.msgpack.decode(raw, type=EngineConfig)
+        except msgspec.ValidationError:
+            return msgspec.msgpack.decode(msgspec.msgpack.decode(raw, type=list)[0], type=EngineConfig)
+    except Exception:                 # noqa: BLE001 — an older frontend, or a config that no longer decodes
+        return None

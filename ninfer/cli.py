@@ -52,7 +52,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from ninfer.api import Engine, connect
-    from ninfer.frontend.serve_flags import bind, engine_config, http_limits
+    from ninfer.frontend.serve_flags import (bind, cpu_budget_note, describe, engine_config, http_limits,
+                                             refuse_engine_flags)
     from ninfer.frontend.server import serve
 
     if args.model and args.model_path and args.model != args.model_path:
@@ -60,7 +61,11 @@ def _serve(args: argparse.Namespace) -> int:
     model = args.model or args.model_path
     if model is None and not args.connect:
         raise NInferError("serve: give the model directory: ninfer serve MODEL (or --model MODEL)")
+    if args.connect:
+        refuse_engine_flags(args)                              # the deployment keeps its own config
     config = None if args.connect else engine_config(args)    # flag errors before anything loads
+    if config is not None:
+        cpu_budget_note(args, config, args.transport)
     limits = http_limits(args)
     sock = bind(args.host, args.port)                          # a port in use before the model loads
     try:
@@ -72,6 +77,7 @@ def _serve(args: argparse.Namespace) -> int:
                                   replicas=args.replicas, router=_router(args))
         try:
             names = args.served_model_name or [Path(model or engine.model_dir).name]
+            print(describe(engine), flush=True)
             print(f"serving {names[0]} on http://{args.host}:{args.port}/v1 (transport={engine.transport})",
                   flush=True)
             serve(engine, names[0], sock=sock, aliases=names[1:], limits=limits,

@@ -56,10 +56,20 @@ def tiny_dflash2(tiny_model, tmp_path_factory) -> str:
                                 window=96))
 
 
+MODEL_FIXTURES = {"tiny_model", "tiny_qwen3", "tiny_vision", "tiny_dflash", "tiny_dflash2"}
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``) every test that needs
-    the local Ray instance runs on one worker, so one Ray is started per suite, not per worker."""
+    the local Ray instance runs on one worker, so one Ray is started per suite, not per worker.
+
+    The quick tier (``pytest -m "not slow"``) is the model-free one: a test that needs a tiny
+    model (one of MODEL_FIXTURES: seconds to build, seconds per engine test) or Ray is slow
+    without a marker of its own; long workloads carry ``@pytest.mark.slow`` themselves."""
     for item in items:
         if item.get_closest_marker("ray") is not None:
             item.add_marker(pytest.mark.xdist_group("ray"))
+        if item.get_closest_marker("slow") is None and (
+                item.get_closest_marker("ray") is not None or MODEL_FIXTURES & set(getattr(item, "fixturenames", ()))):
+            item.add_marker(pytest.mark.slow)

@@ -41,16 +41,16 @@ def wait_up(proc: subprocess.Popen, base: str) -> None:
 
 
 @contextmanager
-def serving(model: str, workdir: Path, config: str, *args: str):
+def serving(model: str, workdir: Path, config: str, *args: str, **popen):
     """``ninfer serve --transport inproc`` on ``model`` with the TOML ``config``; yields
-    (base URL, process)."""
+    (base URL, process). ``popen``: more keywords for ``subprocess.Popen`` (``preexec_fn``)."""
     cfg = workdir / "engine.toml"
     cfg.write_text(config)
     port = free_port()
     log = open(workdir / "serve.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "ninfer.cli", "serve", "--model", model, "--config", str(cfg),
                              "--port", str(port), "--transport", "inproc", *args],
-                            stdout=log, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
+                            stdout=log, stderr=subprocess.STDOUT, text=True, env=dict(os.environ), **popen)
     proc.log = log
     base = f"http://127.0.0.1:{port}"
     try:

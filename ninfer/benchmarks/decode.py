@@ -1,5 +1,6 @@
-"""Decode throughput of the model forward: the batched path against the per-sequence
-reference beside it (``ninfer.native.model.paths``), at C = 1, 2, 4, 8 decode rows per call.
+"""Decode throughput of the model forward: the device's path (``paths.CPU`` on the CPU in fp32,
+the kernels on CUDA) against the per-sequence reference beside it (``ninfer.native.model.paths``),
+at C = 1, 2, 4, 8 decode rows per call.
 
 Each C gets C sequences with ragged contexts (``CONTEXT`` + 24 * i tokens, so the rows cross
 page boundaries at different steps), prefilled alone; then ``STEPS`` greedy decode calls
@@ -52,7 +53,7 @@ def measure(model: HybridModel, c: int) -> list[dict]:
     cache, tables, lens, nxt = _prefilled(model, c)
     best: dict[str, float] = {}
     tokens: dict[str, list[list[int]]] = {}
-    chosen = model.path                     # the device's own path (batched on the CPU, kernels on CUDA)
+    chosen = model.path                     # the device's own path (cpu on the CPU in fp32, kernels on CUDA)
     for _ in range(REPEATS):
         for path in (chosen, paths.PER_SEQUENCE):
             model.path = path

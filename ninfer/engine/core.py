@@ -28,13 +28,12 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import msgspec
 
 from ninfer import protocol as P
 from ninfer.config import EngineConfig
-from ninfer.engine.events import Lifecycle
+from ninfer.engine.books import CommandQueue, EngineStats, FreezeFollow, PauseFollow, RequestBook, TxBook
 from ninfer.engine.monitor import RuleMonitor
 from ninfer.engine.outcomes import Outcomes
 from ninfer.engine.planning import CyclePlanner, Plan
@@ -42,7 +41,7 @@ from ninfer.engine.request import Request
 from ninfer.engine.telemetry import Telemetry
 from ninfer.engine.throughput import EngineSnapshot, EngineSummary
 from ninfer.errors import ErrorKind, IntegrityError, RequestError
-from ninfer.policy.pressure import Pressure, Verdict
+from ninfer.policy.pressure import Pressure, Settlement
 from ninfer.policy.reclaim import Planner
 from ninfer.policy.resources import ResourceManager
 from ninfer.policy.scheduler import Scheduler
@@ -53,31 +52,6 @@ log = logging.getLogger("ninfer.engine")
 HOST_WINDOW = 32         # Host candidates a scoped quote carries first
 WIDEN = 4                # ... then 4x as many while they do not suffice, the whole directory last
 STALL_CYCLES = 3         # cycles without any progress and nothing in flight before the oldest fails
-
-
-@dataclass
-class EngineStats:
-    cycles: int = 0
-    steps: int = 0
-    preemptions: int = 0
-    revocations: int = 0
-    take_backs: int = 0
-    wide_quotes: int = 0          # scoped quotes whose Host window did not suffice (quoted again wider)
-    resumes_snapshot: int = 0
-    resumes_replay: int = 0
-    capacity_errors: int = 0
-    copy_failures: int = 0
-    device_errors: int = 0
-    stalls: int = 0                 # progress guard fired (a policy gap: should stay 0)
-    captures_skipped_with_room: int = 0
-    cycle_s: float = 0.0            # wall time of cycles that made a round trip
-    worker_s: float = 0.0           # of which the worker was busy
-    prefill_tokens: int = 0         # of finished requests
-    replay_tokens: int = 0
-    finished: int = 0
-    tokens_prefilled: int = 0       # as units run (the periodic summary's rates)
-    tokens_replayed: int = 0
-    tokens_generated: int = 0
 
 
 class EngineCore:
@@ -93,20 +67,17 @@ class EngineCore:
         if self.info.h2d_bytes_per_s or self.info.prefill_s_per_token:   # measured by the worker at start
             self.rm.cost.calibrate(self.info.h2d_bytes_per_s, self.info.prefill_s_per_token)
         self.pressure = Pressure(self.sched, self.rm, self.info)
-        self.requests: dict[str, Request] = {}
-        self.planner = CyclePlanner(self.sched, self.rm, self.chunk, self.requests)
-        self.outcomes = Outcomes(self)
-        self.life = Lifecycle(sink)
-        self.by_sid: dict[int, Request] = {}
+        self.books = RequestBook(sink)
+        self.requests, self.by_sid, self.life = self.books.requests, self.books.by_sid, self.books.life
+        self.txs = TxBook()                     # transactions: parts, the running one, its first sight
+        self.cmdq = CommandQueue()              # commands decided between cycles
         self.stats = EngineStats()
         self.telemetry = Telemetry()           # latency histograms and token counters
+        self.planner = CyclePlanner(self.sched, self.rm, self.chunk)
+        self.outcomes = Outcomes(self.sched, self.rm, self.books, self.txs, self.cmdq, self.stats, self.telemetry,
+                                 self.info.image_bytes)
         self._tickets = itertools.count()
         self._steps = itertools.count(1)
-        self.pending: list[tuple[P.Command, object]] = []
-        # transaction books: tid -> parts (kind, request), and the running one's first sight
-        self.txs: dict[int, list[tuple[str, Request | None]]] = {}
-        self.tx: P.TxRef | None = None
-        self._tx_since: float | None = None
         # mirrors of the last reply
         self.pools: dict[str, P.PoolState] = {}
         self.host_free = 0
@@ -150,16 +121,13 @@ class EngineCore:
         if req is not None and req.finish_reason is None:
             req.cancel_requested = True
 
-    def queue(self, cmd: P.Command, then=None) -> None:
-        self.pending.append((cmd, then))
-
     # ==== the cycle ======================================================================
     @property
     def tx_busy(self) -> bool:
-        return self.tx is not None
+        return self.txs.busy
 
     def busy(self) -> bool:
-        return bool(self.requests) or bool(self.pending) or self.tx_busy
+        return bool(self.requests) or bool(self.cmdq) or self.tx_busy
 
     def cycle(self) -> bool:
         """One engine cycle; returns False when there was nothing to do (the caller waits for
@@ -170,10 +138,13 @@ class EngineCore:
         cmds = self._lifecycle()
         if self._overdue():
             cmds.append((P.Overdue(), None))
+        self.outcomes.expire_pending_waits()
+        books = self.monitor.books(self) if self.monitor is not None else None
         plan = self.planner.build(self.host_kv_pages)
         if self.monitor is not None:
+            self.monitor.unchanged(self, books, "planning")
             self.monitor.planned(self, plan)
-        cmds += plan.commands
+        cmds += self.outcomes.book_waits(plan.waits)
         if not cmds and not plan.items and plan.take_back is None:
             if self.tx_busy:        # advance the transaction only (woken by its completion)
                 return self.outcomes.apply(self._send(P.StepPlan(next(self._steps))), Plan(), [])
@@ -208,9 +179,8 @@ class EngineCore:
                                       demands=plan.queries(), host_window=window))
         progressed = self.outcomes.apply(reply, Plan(), cmds)
         while True:
-            self.pressure.window_short = False
-            out = self._pressure(plan, reply)
-            if not self.pressure.window_short or window is None or not reply.facts.partial:
+            settlement = self._settle(plan, reply)
+            if not settlement.window_short or window is None or not reply.facts.partial:
                 break
             # the window did not place it: a window WIDEN times wider, the whole directory only
             # once the window would hold it all (a Host placement ranks every candidate of its
@@ -221,7 +191,14 @@ class EngineCore:
             self.stats.wide_quotes += 1
             reply = self._send(P.StepPlan(next(self._steps), quote=True, demands=plan.queries(), host_window=window))
             progressed = self.outcomes.apply(reply, Plan(), []) or progressed
-        if any(isinstance(c, P.Pause) for c, _ in out):
+        plan.settle(settlement)
+        self.outcomes.evidence_used(settlement.evidence)
+        out = []
+        if settlement.take_back is not None:
+            victim = plan.take_back
+            to_host, host_victims = settlement.take_back
+            out.append((P.Pause(victim.sid, to_host, host_victims),
+                        PauseFollow(victim, tuple(host_victims), "lane_take_back")))
             self.stats.take_backs += 1
         return out, progressed
 
@@ -230,35 +207,17 @@ class EngineCore:
         paused request; candidates of their own rank)."""
         return self.rm.host_window(k) + [r.snapshot.cid for r in self.sched.paused if r.snapshot is not None]
 
-    def _pressure(self, plan: Plan, reply: P.StepReply) -> list[tuple[P.Command, object]]:
-        """Settle the plan's shortfalls on the quote: remedies and on-short pauses on the
-        intents, the capacity contract, the lane take-back, the saves' admitted room. It only
-        sets what it decides (so a settle on a wider quote replaces an earlier one whole)."""
-        facts = reply.facts
-        cmds: list[tuple[P.Command, object]] = []
-        live = {i.iid for i in plan.items if i.req.live}
-        plan.items = [i for i in plan.items if i.iid in live]
-        verdicts, last = self.pressure.settle(plan.needs(), facts, reply.demands, reply.tx is not None, plan.keep)
-        for item in plan.items:
-            v = verdicts.get(item.iid, Verdict())
-            item.intent.remedies = v.remedies
-            item.contract = v.error          # fails it only if the worker confirms it is still short
-            if isinstance(item.intent, P.RowIntent):
-                item.intent.on_short = v.on_short
-        victim = plan.take_back
-        if victim is not None and victim.live:
-            planner = last or Planner(facts, self.rm.table, self.pressure.protected(victim), lambda o: False,
-                                      window_short=self.pressure.short_window)
-            to_host, host_victims = self.pressure.pause_route(victim, planner, facts)
-            cmds.append((P.Pause(victim.sid, to_host, host_victims),
-                         lambda out, v=victim, d=host_victims: self.outcomes.paused(v, out, d, "lane_take_back")))
-        caps = plan.captures()
-        used = sum(reply.demands.get(i.iid, i.need.demand or {}).get(P.STATE, 0) for i in plan.items)
-        rooms = self.pressure.save_rooms([(i.req, i.sp, i.adm.record if i.adm is not None else None) for i in caps],
-                                         used, facts, last, plan.sources | plan.keep)
-        for item, (room, refused) in zip(caps, rooms):
-            item.spec.capture.room, item.room_refused = room, refused
-        return cmds
+    def _settle(self, plan: Plan, reply: P.StepReply) -> Settlement:
+        """Pressure's settlement of the plan on a quote's facts (pure: the rule monitor checks
+        that it leaves the books as they were): remedies and on-short pauses on the intents, the
+        capacity contract, the lane take-back's route, the saves' admitted room."""
+        plan.drop_dead()
+        books = self.monitor.books(self) if self.monitor is not None else None
+        s = self.pressure.settle_cycle(plan.needs(), reply.facts, reply.demands, reply.tx is not None, plan.keep,
+                                       plan.take_back, plan.saves(), plan.sources | plan.keep)
+        if self.monitor is not None:
+            self.monitor.unchanged(self, books, "settling")
+        return s
 
     def _send(self, plan: P.StepPlan) -> P.StepReply:
         self.stats.steps += 1
@@ -276,11 +235,7 @@ class EngineCore:
         self.vision = reply.vision
         self.graphs = reply.graphs
         self.structured = reply.structured or self.structured
-        self.tx = reply.tx
-        if self.tx is not None and self._tx_since is None:
-            self._tx_since = time.monotonic()
-        elif self.tx is None:
-            self._tx_since = None
+        self.txs.observe(reply.tx, time.monotonic())
         return reply
 
     def call_commands(self, cmds: list[P.Command]) -> list[P.CommandOut]:
@@ -291,10 +246,7 @@ class EngineCore:
 
     def _overdue(self) -> bool:
         """A transaction whose completion never came (dropped) is settled after a timeout."""
-        if self._tx_since is not None and time.monotonic() - self._tx_since > self.config.completion_timeout_s:
-            self._tx_since = time.monotonic()
-            return True
-        return False
+        return self.txs.overdue(time.monotonic(), self.config.completion_timeout_s)
 
     # rule: progress-guard
     def _guard_progress(self, progressed: bool) -> bool:
@@ -311,19 +263,18 @@ class EngineCore:
             return True
         if self._stuck >= STALL_CYCLES:
             self._stuck = 0
-            oldest = min((r for r in self.requests.values() if r.live), key=lambda r: r.ticket, default=None)
-            if oldest is not None:
+            contract = self.pressure.stalled(self.requests.values())
+            if contract is not None:
                 self.stats.stalls += 1
                 self.stats.capacity_errors += 1
-                log.warning("no request can progress; failing the oldest (%s)", oldest.rid)
-                self.fail(oldest, ErrorKind.CAPACITY_CONTRACT,
-                          f"request {oldest.rid} cannot progress: nothing else holds or will release capacity")
+                log.warning("no request can progress; failing the oldest (%s)", contract.rid)
+                self.fail(self.requests[contract.rid], ErrorKind.CAPACITY_CONTRACT, contract.message)
                 return True
         return False
 
     # ==== lifecycle ======================================================================
     def _lifecycle(self) -> list[tuple[P.Command, object]]:
-        cmds, self.pending = self.pending, []
+        cmds = self.cmdq.take()
         timeout = self.config.request_timeout_s
         now = time.monotonic()
         for req in list(self.requests.values()):
@@ -347,28 +298,15 @@ class EngineCore:
         owner = self.rm.e_owner(req)
         if (req.sid is not None and req.phase is Phase.RUNNING and owner is not None
                 and reason in (FinishReason.STOP, FinishReason.LENGTH)):
-            cmds.append((P.Freeze(req.sid, owner), lambda out, req=req: self._frozen(req, out)))
+            cmds.append((P.Freeze(req.sid, owner), FreezeFollow(req)))
         else:
             if req.sid is not None:
                 cmds.append((P.Release(req.sid), None))
-            self._release_records(req)
+            self.outcomes.release_records(req)
         self._finish(req, costs)
 
     def _costs(self, req: Request) -> tuple[float, dict | None]:
         return self.rm.source_wait_s(req), self.rm.lost_point(req)
-
-    def _release_records(self, req: Request) -> None:
-        for cmd in self.rm.on_released(req):
-            self.queue(cmd)
-        self.rm.forget(req)
-
-    def _frozen(self, req: Request, out: P.CommandOut) -> None:
-        if isinstance(out, P.CkptOut) and out.ref is not None:
-            for cmd in self.rm.on_finished(req, out.ref):
-                self.queue(cmd)
-            self.rm.forget(req)
-        else:
-            self._release_records(req)
 
     def _finish(self, req: Request, costs: tuple[float, dict | None] | None = None) -> None:
         """Terminal publication: the ``finished`` moment, the request's summary line, then its
@@ -382,9 +320,7 @@ class EngineCore:
         self.life.summary(req, timings, lost)
         req.phase = Phase.FINISHED
         self.sched.remove(req)
-        self.requests.pop(req.rid, None)
-        if req.sid is not None:
-            self.by_sid.pop(req.sid, None)
+        self.books.close(req)
         self.stats.finished += 1
         self.stats.prefill_tokens += req.usage.prefill_tokens
         self.stats.replay_tokens += req.usage.replay_tokens
@@ -401,10 +337,7 @@ class EngineCore:
 
     def fail(self, req: Request, kind: ErrorKind, message: str) -> None:
         """Fail one request with a clear error (it alone); its books close next cycle."""
-        if req.finish_reason is not None:
-            return
-        req.error = P.Failure(kind, message)
-        req.finish_reason = FinishReason.ERROR
+        self.books.fail(req, kind, message)
 
     # ==== test seam ======================================================================
     def snapshot(self) -> EngineSnapshot:
@@ -432,7 +365,7 @@ class EngineCore:
         to_host, victims = self.pressure.pause_route(req, planner, out.facts)
         cmd = P.Pause(req.sid, to_host, victims)
         reply = self._send(P.StepPlan(next(self._steps), commands=[cmd]))
-        self.outcomes.apply(reply, Plan(), [(cmd, lambda o: self.outcomes.paused(req, o, victims, "forced"))])
+        self.outcomes.apply(reply, Plan(), [(cmd, PauseFollow(req, tuple(victims), "forced"))])
 
     # ==== maintenance ====================================================================
     def stats_dict(self) -> dict:
@@ -489,7 +422,7 @@ class EngineCore:
         out, facts = self.call_commands([P.CheckIntegrity(idle=idle), P.Quote()])
         if isinstance(out, P.Failed):
             raise IntegrityError(out.message)
-        if self.pending:
+        if self.cmdq:
             return
         real = {cid: set(c.owners) for cid, c in facts.facts.checkpoints.items() if c.kind is P.CkptKind.CACHE}
         mirror = {cid: set(info.owners) for cid, info in self.rm.table.ckpts.items()}

@@ -22,6 +22,9 @@ bound shifted by one, a tie-break swapped, a guard dropped, a branch inverted (i
                    time moves only in a cycle that adopted a source, committed a prefill or
                    captured a point
     contract       a capacity contract error only for a request nobody else holds capacity for
+    purity         planning and settling leave the books as they were: the Scheduler's queues
+                   and per-request state, the ResourceManager's records, entries, checkpoint
+                   owners, per-request books and counters, the requests' phases and sequences
 
 The monitor reads the controller's books and the cycle's plan and reply; it changes nothing.
 """
@@ -33,6 +36,8 @@ from typing import TYPE_CHECKING
 
 from ninfer import protocol as P
 from ninfer.policy.pressure import ItemKind
+from ninfer.policy.resources import CacheBook
+from ninfer.policy.scheduler import SchedState
 from ninfer.protocol import Outcome, Phase, WaiterOwner
 
 if TYPE_CHECKING:
@@ -65,6 +70,36 @@ class RuleMonitor:
     def __init__(self):
         self.cycles = 0
         self._before: _Before | None = None
+
+    # ---- purity ------------------------------------------------------------------------------
+    @staticmethod
+    def books(core: "EngineCore") -> tuple:
+        """What the books say now (compared by ``unchanged``)."""
+        sched, rm, table = core.sched, core.rm, core.rm.table
+        default = SchedState()
+        return (
+            [r.rid for r in sched.fresh], sorted(sched.waiting), sorted(sched.resident), [r.rid for r in sched.paused],
+            sched.recovery.rid if sched.recovery is not None else None, sched.epoch, sched.lanes_free,
+            {rid: repr(st) for rid, st in sched.state.items() if st != default},
+            {cid: (c.ref, frozenset(c.owners), c.host_pages) for cid, c in table.ckpts.items()},
+            repr(table.records), repr(table.entries), dict(table.sessions), set(table.dirty),
+            {rid: repr(b) for rid, b in rm.books.items() if b != CacheBook()}, repr(rm.stats), dict(rm.uncovered),
+            {r.rid: (r.phase, r.sid, r.snapshot, r.recovery_pending, r.replay_target, r.finish_reason)
+             for r in core.requests.values()},
+            dict(core.by_sid), len(core.cmdq.items), dict(core.txs.parts))
+
+    @staticmethod
+    def unchanged(core: "EngineCore", before: tuple, phase: str) -> None:
+        after = RuleMonitor.books(core)
+        if after != before:
+            parts = ["fresh", "waiting", "resident", "paused", "recovery", "epoch", "lanes", "sched state",
+                     "checkpoints", "records", "entries", "sessions", "dirty", "cache books", "cache stats",
+                     "uncovered", "requests", "sequences", "queued commands", "transactions"]
+            moved = [name for name, a, b in zip(parts, before, after) if a != b]
+            if "cache books" in moved:
+                a, b = before[parts.index("cache books")], after[parts.index("cache books")]
+                moved.append({k: (a.get(k), b.get(k)) for k in set(a) | set(b) if a.get(k) != b.get(k)})
+            _fail("pure-planning", f"{phase} changed the books: {moved}")
 
     # ---- the cycle's moments ----------------------------------------------------------------
     def begin(self, core: "EngineCore") -> None:

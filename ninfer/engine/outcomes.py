@@ -9,41 +9,75 @@ transaction id; when the worker reports the transaction settled, each part's con
 applied — a bound request may run, a snapshot is on the Host, capacity returned (a scheduling
 event) — or, when a copy failed, exactly the affected requests fail and lost checkpoints are
 forgotten. Nothing else is touched.
+
+Outcomes is the books' writer while a reply is interpreted and when the plan's decisions are
+booked (the waits planning decided, the evidence a settlement used, pending waits that ended):
+planning and settling only read. It holds the books it writes — the Scheduler, the
+ResourceManager, the RequestBook, the TxBook, the command queue, the counters — never the core.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
-
 from ninfer import protocol as P
-from ninfer.engine.planning import Item, Plan
+from ninfer.engine.books import CommandQueue, EngineStats, Follow, FreezeFollow, PauseFollow, RequestBook, TxBook, TxPart
+from ninfer.engine.planning import Item, Plan, Wait, WaitKind
 from ninfer.engine.request import Request
+from ninfer.engine.telemetry import Telemetry
 from ninfer.engine.units import account
 from ninfer.errors import ErrorKind
 from ninfer.policy.pressure import ItemKind
+from ninfer.policy.resources import ResourceManager
+from ninfer.policy.scheduler import Scheduler
 from ninfer.protocol import CaptureResult, Life, Outcome, Phase, Refusal, UnitKind
-
-if TYPE_CHECKING:
-    from ninfer.engine.core import EngineCore
 
 log = logging.getLogger("ninfer.engine")
 
 
 class Outcomes:
-    def __init__(self, core: "EngineCore"):
-        self.core = core
+    def __init__(self, sched: Scheduler, rm: ResourceManager, books: RequestBook, txs: TxBook,
+                 cmdq: CommandQueue, stats: EngineStats, telemetry: Telemetry, image_bytes: int):
+        self.sched, self.rm, self.books, self.txs, self.cmdq = sched, rm, books, txs, cmdq
+        self.stats, self.telemetry, self.image_bytes = stats, telemetry, image_bytes
 
-    def apply(self, reply: P.StepReply, plan: Plan, cmds: list[tuple[P.Command, object]]) -> bool:
+    # ---- the plan's decisions, booked before the step is sent ----------------------------
+    def expire_pending_waits(self) -> None:
+        """Fresh requests waiting for another's pending save rejoin the scan once it is
+        published, or once it will not come (before the cycle is planned)."""
+        sched, rm = self.sched, self.rm
+        for req in list(sched.waiting.values()):   # O(waiters), not O(queue)
+            w = rm.books[req.rid].pending if req.rid in rm.books else None
+            producer = self.books.requests.get(w.producer) if w is not None else None
+            if not rm.pending_holds(req, producer, producer is not None and producer.rid in sched.resident):
+                sched.wait_pending(req, False)        # it chooses again now
+
+    def book_waits(self, waits: list[Wait]) -> list[tuple[P.Command, Follow]]:
+        """Book the waits the plan decided, in scan order; the owner commands they need."""
+        cmds: list[P.Command] = []
+        for w in waits:
+            if w.kind is WaitKind.KEEP:
+                cmds += self.rm.wait_on(w.req, w.adm)
+            elif w.kind is WaitKind.END:
+                cmds += self.rm.end_wait(w.req)
+            else:
+                self.rm.wait_pending(w.req, w.producer, w.frontier, w.base)
+                self.sched.wait_pending(w.req, True)
+        return [(c, None) for c in cmds]
+
+    def evidence_used(self, n: int) -> None:
+        """Saves the settlement admitted on repeat-demand evidence (retention only, never a hit)."""
+        self.rm.stats.summary_hits += n
+
+    # ---- a reply ------------------------------------------------------------------------
+    def apply(self, reply: P.StepReply, plan: Plan, cmds: list[tuple[P.Command, Follow]]) -> bool:
         """Interpret one reply; True if anything ran, was admitted, paused or settled."""
         progressed = False
         for s in reply.settled:
             if s.point <= 1:
                 progressed = self.settled(s) or progressed
-        for (cmd, then), out in zip(cmds, reply.commands):
-            if then is not None:
-                then(out)
+        for (cmd, follow), out in zip(cmds, reply.commands):
+            self._follow(follow, out)
             progressed = True
         by_iid = plan.by_iid()
         admitted: set[str] = set()
@@ -54,79 +88,91 @@ class Outcomes:
             if item.req.sid is not None:
                 units[item.req.sid] = item
         if plan.scanned:
-            self.core.sched.after_scan(plan.scanned, admitted)
+            self.sched.after_scan(plan.scanned, admitted)
         for s in reply.settled:
             if s.point > 1:
                 progressed = self.settled(s) or progressed
-        host_room = reply.host_largest >= self.core.info.image_bytes
+        host_room = reply.host_largest >= self.image_bytes
         for u in reply.units:
             progressed = self._unit(u, units.get(u.sid), host_room) or progressed
         if reply.uncovered:                  # after the captures above: a new point may be one
-            self.core.rm.uncover(reply.uncovered)
+            self.rm.uncover(reply.uncovered)
         return progressed
 
-    # ---- the transaction state machine ------------------------------------------------
-    def book(self, tid: int | None, kind: str, req: Request | None) -> None:
-        if tid is not None:
-            self.core.txs.setdefault(tid, []).append((kind, req))
+    def _follow(self, follow: Follow, out: P.CommandOut) -> None:
+        """What a command's reply means, as its typed follow-up says."""
+        if isinstance(follow, PauseFollow):
+            self.paused(follow.req, out, list(follow.victims), follow.reason)
+        elif isinstance(follow, FreezeFollow):
+            self._frozen(follow.req, out)
 
+    # ---- a request's end -------------------------------------------------------------
+    def release_records(self, req: Request) -> None:
+        self.cmdq.extend(self.rm.on_released(req))
+        self.rm.forget(req)
+
+    def _frozen(self, req: Request, out: P.CommandOut) -> None:
+        """A finished request's generation end frozen: its record's E (else released)."""
+        if isinstance(out, P.CkptOut) and out.ref is not None:
+            self.cmdq.extend(self.rm.on_finished(req, out.ref))
+            self.rm.forget(req)
+        else:
+            self.release_records(req)
+
+    # ---- the transaction state machine ------------------------------------------------
     def settled(self, s: P.Settled) -> bool:
-        core = self.core
-        parts = core.txs.pop(s.tid, [])
+        parts = self.txs.settle(s.tid)
         causes: set[str] = set()
         for kind, req in parts:
             if req is None:
                 continue
-            if kind == "bind" and s.ok and req.phase is Phase.MATERIALIZING:
+            if kind is TxPart.BIND and s.ok and req.phase is Phase.MATERIALIZING:
                 req.phase = Phase.RUNNING
-                core.rm.book(req).source_cid = None
-            elif kind == "pause":
+                self.rm.book(req).source_cid = None
+            elif kind is TxPart.PAUSE:
                 causes.add(req.rid)            # its own release is not a resume event for it
                 snap = req.snapshot
                 if s.ok and snap is not None:
                     req.snapshot = P.CkptRef(snap.cid, snap.generation, snap.frontier, snap.kind, False, True)
         if not s.ok:
-            core.stats.copy_failures += 1
+            self.stats.copy_failures += 1
             log.warning("transaction %d aborted: %s", s.tid, s.error)
             for sid in s.failed_sids:
-                req = core.by_sid.get(sid)
+                req = self.books.of_sid(sid)
                 if req is not None:
-                    req.sid = None             # the worker released the sequence
-                    core.by_sid.pop(sid, None)
-                    core.fail(req, ErrorKind.COPY_FAILED, f"a copy of this request's content failed ({s.error})")
+                    self.books.unbind(req)     # the worker released the sequence
+                    self.books.fail(req, ErrorKind.COPY_FAILED, f"a copy of this request's content failed ({s.error})")
             self._lost(s.lost_cids)
-        core.sched.event(causes)               # a transfer completion: capacity may have returned
+        self.sched.event(causes)               # a transfer completion: capacity may have returned
         return True
 
     def _lost(self, cids: list[int]) -> None:
-        core = self.core
-        snaps = {r.snapshot.cid: r for r in core.sched.paused if r.snapshot is not None}
+        snaps = {r.snapshot.cid: r for r in self.sched.paused if r.snapshot is not None}
         for cid in cids:
             req = snaps.get(cid)
             if req is not None:
                 req.snapshot = None            # its snapshot could not be written: Replay
-        core.rm.on_deleted([c for c in cids if c not in snaps])
+        self.rm.on_deleted([c for c in cids if c not in snaps])
 
     # ---- remedies ---------------------------------------------------------------------
     def committed(self, actions: list[P.Action], result: P.CommitResult) -> None:
         """Mirror a committed reclaim: deletions revoke snapshots or waiters and forget
         records."""
-        core = self.core
         if not result.ok:
             return
-        snapshots = {r.snapshot.cid: r for r in core.sched.paused if r.snapshot is not None}
+        snapshots = {r.snapshot.cid: r for r in self.sched.paused if r.snapshot is not None}
         deleted = [a.cid for a in actions if isinstance(a, P.Delete)]
         causes = {snapshots[c].rid for c in deleted if c in snapshots}
         for cid in deleted:
             req = snapshots.get(cid)
             if req is not None:
                 req.snapshot = None            # revoked: this request resumes by Replay
-                core.stats.revocations += 1
-        core.rm.on_deleted([c for c in deleted if c not in snapshots])
+                self.stats.revocations += 1
+        self.rm.on_deleted([c for c in deleted if c not in snapshots])
         # demotions: the mirror follows the worker's placement reports (a demotion's copies
         # may still fail and keep the Device replica; a free-at-once one is reported already)
-        self.book(result.tid, "demote", None)
-        core.sched.event(causes)               # real capacity release / revocation
+        self.txs.book(result.tid, TxPart.DEMOTE, None)
+        self.sched.event(causes)               # real capacity release / revocation
 
     def paused(self, req: Request, out: P.CommandOut | P.PauseOut, victims: list[P.Delete] = (),
                reason: str = "taken_back") -> None:
@@ -135,7 +181,6 @@ class Outcomes:
         was deleted for it). ``reason``: taken_back (a younger resident, for an older request's
         unit), lane_take_back (for the oldest paused request's resume), cannot_progress (a young
         row that could not get its unit paused itself), forced (the test seam)."""
-        core = self.core
         if not isinstance(out, P.PauseOut):
             log.warning("pause of %s refused: %s", req.rid, getattr(out, "message", out))
             return
@@ -148,19 +193,18 @@ class Outcomes:
         now = time.monotonic()
         route = "snapshot" if out.snapshot else "replay"
         req.pauses.append(P.PauseEntry(route, req.frontier, now))
-        core.life.publish(req, Life.PAUSED, now, route=route, reason=reason, frontier=req.frontier)
-        core.sched.pause(req)
-        core.stats.preemptions += 1
-        self.book(out.tid, "pause", req)
+        self.books.life.publish(req, Life.PAUSED, now, route=route, reason=reason, frontier=req.frontier)
+        self.sched.pause(req)
+        self.stats.preemptions += 1
+        self.txs.book(out.tid, TxPart.PAUSE, req)
 
     def _applied(self, item: Item, out: P.IntentOut) -> None:
-        core = self.core
         for a in out.applied:
             remedy = item.intent.remedies[a.index]
             if a.commit is not None:
                 self.committed(remedy.actions, a.commit)
             if a.paused is not None:
-                victim = core.by_sid.get(a.paused.sid)
+                victim = self.books.of_sid(a.paused.sid)
                 if victim is not None:
                     self.paused(victim, a.paused, remedy.host_victims, "taken_back")
         if out.paused is not None:
@@ -171,111 +215,102 @@ class Outcomes:
         self._applied(item, out)
         req = item.req
         if out.outcome is Outcome.FAILED:
-            self.core.fail(req, ErrorKind.RUNTIME_ERROR, f"execution failed: {out.detail}")
+            self.books.fail(req, ErrorKind.RUNTIME_ERROR, f"execution failed: {out.detail}")
             return True
         if item.contract is not None and out.outcome is Outcome.SHORT and out.paused is None:
             # the sole request that holds or needs capacity, short after all legal reclaim (the
             # worker's exact check agrees)
             # rule: unfit-source-reselect
             if item.need is not None and item.need.source is not None:
-                for cmd in self.core.rm.unfit_source(req, item.need.source):
-                    self.core.queue(cmd)           # reselect without it: computing from a
-                self.core.sched.event()            # shallower point may fit where restoring cannot
+                self.cmdq.extend(self.rm.unfit_source(req, item.need.source))   # reselect without it:
+                self.sched.event()                 # computing from a shallower point may fit where restoring cannot
                 return True
             # the capacity contract, not a wait for nobody
-            self.core.stats.capacity_errors += 1
-            self.core.fail(req, ErrorKind.CAPACITY_CONTRACT, item.contract)
+            self.stats.capacity_errors += 1
+            self.books.fail(req, ErrorKind.CAPACITY_CONTRACT, item.contract.message)
             return True
         if item.kind in (ItemKind.ROW, ItemKind.CHUNK):
             if out.facts is not None and req.phase is Phase.RUNNING:
                 req.facts = out.facts
             # rule: chunk-short-gives-turn
             if item.kind is ItemKind.CHUNK and out.outcome is Outcome.SHORT and req.phase is Phase.RUNNING:
-                self.core.sched.rotate(req)        # a chunk that cannot run gives up its turn
+                self.sched.rotate(req)             # a chunk that cannot run gives up its turn
             return bool(out.applied) or out.paused is not None
         if item.kind is ItemKind.FRESH:
             return self._fresh(item, out, admitted)
         return self._resume(item, out)
 
     def _fresh(self, item: Item, out: P.IntentOut, admitted: set[str]) -> bool:
-        core, req, adm = self.core, item.req, item.adm
-        rm = core.rm
+        req, adm, rm = item.req, item.adm, self.rm
         if out.outcome is Outcome.OK:
             self._bound(req, out)
             if req.first_admitted is None:
                 req.first_admitted = time.monotonic()
-                core.life.publish(req, Life.ADMITTED, req.first_admitted)
+                self.books.life.publish(req, Life.ADMITTED, req.first_admitted)
             rm.on_bound(req, adm, item.save_points)
             req.usage.cached_tokens = adm.cached
-            for cmd in rm.end_wait(req):           # the adopted source is bound now
-                core.queue(cmd)
+            self.cmdq.extend(rm.end_wait(req))     # the adopted source is bound now
             rm.book(req).source_cid = adm.source.cid if (adm.source and out.tid is not None) else None
             admitted.add(req.rid)
             return True
         if out.outcome is Outcome.REFUSED and out.refusal is Refusal.STALE_SOURCE and adm.source is not None:
-            for cmd in rm.end_wait(req):           # self-healing: the worker no longer has it
-                core.queue(cmd)
+            self.cmdq.extend(rm.end_wait(req))     # self-healing: the worker no longer has it
             rm.on_deleted([adm.source.cid])
-            core.sched.event()
+            self.sched.event()
             return bool(out.applied)
         if out.outcome in (Outcome.SHORT, Outcome.WAIT) or out.refusal is Refusal.SOURCE_IN_FLIGHT:
             if adm.cached:
-                for cmd in rm.wait_on(req, adm):   # keep the valuable source and wait
-                    core.queue(cmd)
+                self.cmdq.extend(rm.wait_on(req, adm))   # keep the valuable source and wait
         elif out.outcome is Outcome.REFUSED:
             log.warning("fresh bind of %s refused: %s", req.rid, out.detail)
         return bool(out.applied)
 
     def _resume(self, item: Item, out: P.IntentOut) -> bool:
-        core, req = self.core, item.req
-        st = core.sched.st(req)
+        req = item.req
+        st = self.sched.st(req)
         if out.outcome is Outcome.OK:
             self._bound(req, out)
-            core.sched.begin_recovery(req)
+            self.sched.begin_recovery(req)
             req.recovery_pending = True
             now = time.monotonic()
             req.pauses[-1].route = item.route
             req.pauses[-1].resumed_at = now
-            core.life.publish(req, Life.RESUMED, now, route=item.route, frontier=req.frontier)
+            self.books.life.publish(req, Life.RESUMED, now, route=item.route, frontier=req.frontier)
             req.snapshot = None
-            core.rm.on_resumed(req, item.adm)
+            self.rm.on_resumed(req, item.adm)
             if item.route == "snapshot":
-                core.stats.resumes_snapshot += 1
+                self.stats.resumes_snapshot += 1
             else:
-                core.stats.resumes_replay += 1
+                self.stats.resumes_replay += 1
             return True
         if out.outcome is Outcome.REFUSED and out.refusal is Refusal.STALE_SOURCE:
             if item.route == "snapshot":
                 req.snapshot = None                # gone: Replay next time
             elif item.adm is not None and item.adm.source is not None:
-                core.rm.on_deleted([item.adm.source.cid])
+                self.rm.on_deleted([item.adm.source.cid])
             return True                            # retry at once with the other route
         if out.outcome is not Outcome.WAIT:
             st.wake = False                        # wait for the next real event (never spin)
         return bool(out.applied)
 
     def _bound(self, req: Request, out: P.IntentOut) -> None:
-        core = self.core
-        req.sid = out.sid
-        core.by_sid[out.sid] = req
+        self.books.bind(req, out.sid)
         req.facts = out.facts
         req.phase = Phase.MATERIALIZING if out.tid is not None else Phase.RUNNING
-        self.book(out.tid, "bind", req)
-        core.sched.admit(req)
+        self.txs.book(out.tid, TxPart.BIND, req)
+        self.sched.admit(req)
 
     # ---- units --------------------------------------------------------------------------
     def _unit(self, u: P.UnitOut, item: Item | None, host_room: bool) -> bool:
-        core = self.core
-        req = core.by_sid.get(u.sid)
+        req = self.books.of_sid(u.sid)
         if req is None or item is None:
             return False
         if u.error:
-            core.stats.device_errors += 1
+            self.stats.device_errors += 1
             if item.sp is not None and u.capture is not CaptureResult.NONE:
                 self._save_prepared(req, item, u)
-            req.sid = None
-            core.by_sid.pop(u.sid, None)
-            core.fail(req, ErrorKind.DEVICE_ERROR, f"the forward call failed: {u.error}")
+            self.books.unbind(req)
+            self.books.fail(req, ErrorKind.DEVICE_ERROR, f"the forward call failed: {u.error}")
             return True
         if u.facts is not None:
             req.facts = u.facts
@@ -284,10 +319,10 @@ class Outcomes:
         unit = item.unit
         before = (req.usage.prefill_tokens, req.usage.replay_tokens)
         account(req, unit)
-        core.stats.tokens_prefilled += req.usage.prefill_tokens - before[0]
-        core.stats.tokens_replayed += req.usage.replay_tokens - before[1]
+        self.stats.tokens_prefilled += req.usage.prefill_tokens - before[0]
+        self.stats.tokens_replayed += req.usage.replay_tokens - before[1]
         if unit.kind is UnitKind.PREFILL or (unit.kind is UnitKind.DECODE and not req.outputs):
-            core.rm.observe_prefill(req, req.frontier - unit.n_tokens, req.frontier)
+            self.rm.observe_prefill(req, req.frontier - unit.n_tokens, req.frontier)
         if req.replay_target is not None and req.frontier >= req.replay_target:
             req.replay_target = None
         if item.sp is not None:
@@ -296,11 +331,11 @@ class Outcomes:
             return True
         if u.committed:
             index, now = len(req.outputs), time.monotonic()
-            core.telemetry.token_gap(req.note_tokens(u.committed, now, u.logprobs))
-            core.stats.tokens_generated += len(u.committed)
+            self.telemetry.token_gap(req.note_tokens(u.committed, now, u.logprobs))
+            self.stats.tokens_generated += len(u.committed)
             if index == 0:
-                core.life.publish(req, Life.FIRST_TOKEN, now)
-            core.sink(P.TokensEvent(req.rid, index, list(u.committed),
+                self.books.life.publish(req, Life.FIRST_TOKEN, now)
+            self.books.sink(P.TokensEvent(req.rid, index, list(u.committed),
                                     list(u.logprobs) if req.params.logprobs is not None else None,
                                     [None, *req.prompt_logprobs]
                                     if index == 0 and req.params.prompt_logprobs is not None else None))
@@ -311,7 +346,7 @@ class Outcomes:
             req.finish_reason = u.finish
         # rule: chunk-rotation
         if unit.n_tokens > 1:
-            core.sched.rotate(req)
+            self.sched.rotate(req)
         return True
 
     def _prompt_logprobs(self, req: Request, u: P.UnitOut) -> bool:
@@ -324,7 +359,7 @@ class Outcomes:
             return True
         have = len(req.prompt_logprobs)
         last = u.prompt_from - 1 if not ok else len(req.prompt) - 1
-        self.core.fail(req, ErrorKind.PROMPT_LOGPROBS, f"prompt_logprobs: the entries of prompt tokens "
+        self.books.fail(req, ErrorKind.PROMPT_LOGPROBS, f"prompt_logprobs: the entries of prompt tokens "
                        f"{have + 1}..{last} were never computed (a restored prefix skipped them)")
         return False
 
@@ -332,7 +367,7 @@ class Outcomes:
         """The unit failed after its save was prepared: the worker had given up the retired
         holds, the superseded ones too when it found a destination (SAVED), and committed the
         admitted room — a failed save does not bring them back, so the mirror follows."""
-        rm = self.core.rm
+        rm = self.rm
         rm.retired(req, item.unit.retire)
         if u.capture is CaptureResult.SAVED:
             rm.retired(req, item.unit.replace)
@@ -341,25 +376,23 @@ class Outcomes:
 
     def _saved(self, req: Request, item: Item, u: P.UnitOut, host_room: bool) -> None:
         """The unit ended on a save point: attach the capture, or count the skipped save."""
-        core, rm = self.core, self.core.rm
+        rm = self.rm
         book = rm.book(req)
         if item.sp in book.save_points:
             book.save_points.remove(item.sp)
         if item.unit.shared is not None and item.unit.shared.cid in rm.table.ckpts:
             for r in item.unit.retire + item.unit.replace:   # no capture ran to give them up
-                core.queue(P.ReleaseOwner(r.cid, r.generation, r.owner))
+                self.cmdq.put(P.ReleaseOwner(r.cid, r.generation, r.owner))
             rm.retired(req, item.unit.retire + item.unit.replace)
-            for cmd in rm.on_captured(req, item.sp, item.unit.shared.ref, shared=True):
-                core.queue(cmd)
+            self.cmdq.extend(rm.on_captured(req, item.sp, item.unit.shared.ref, shared=True))
             return
         rm.retired(req, item.unit.retire)
         if u.room_applied is not None:
             self.committed(item.spec.capture.room, u.room_applied)
         if u.captured is not None:
             rm.retired(req, item.unit.replace)         # superseded by the save that happened
-            self.book(u.capture_tid, "capture", req)
-            for cmd in rm.on_captured(req, item.sp, u.captured):
-                core.queue(cmd)
+            self.txs.book(u.capture_tid, TxPart.CAPTURE, req)
+            self.cmdq.extend(rm.on_captured(req, item.sp, u.captured))
         elif u.capture is not CaptureResult.NONE or item.unit.declined:
             if item.unit.declined:
                 cause = "skipped_no_turn"
@@ -369,9 +402,9 @@ class Outcomes:
                 cause = "skipped_no_room"
             rm.on_skipped(req, item.sp, cause)
             if u.capture is not CaptureResult.NONE and host_room:
-                core.stats.captures_skipped_with_room += 1
+                self.stats.captures_skipped_with_room += 1
 
     def _recovered(self, req: Request) -> None:
         req.recovery_pending = False
-        self.core.sched.end_recovery(req)          # a returned permit balance is a capacity event
-        self.core.queue(P.Settle(req.sid))         # return what is left of the recovery permit
+        self.sched.end_recovery(req)               # a returned permit balance is a capacity event
+        self.cmdq.put(P.Settle(req.sid))           # return what is left of the recovery permit

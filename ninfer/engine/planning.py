@@ -1,5 +1,7 @@
 """One cycle's plan, built from the Scheduler's and the ResourceManager's decisions (pure: it
-changes no books; the commands it wants sent come back in the plan).
+changes no books — the waits it decides come back in the plan as data, ``Plan.waits``, and
+Outcomes books them before the step is sent; the rule monitor checks every cycle that building
+left the books as they were).
 
     1. resume      the oldest paused request on a real capacity event (Scheduler), with its
                    full recovery permit: State, missing KV, tail, rebuild to the old frontier
@@ -18,6 +20,7 @@ active (seed: 恢复期跳过可选 capture).
 
 from __future__ import annotations
 
+import enum
 import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -25,9 +28,9 @@ from typing import TYPE_CHECKING
 from ninfer import protocol as P
 from ninfer.engine.request import Request
 from ninfer.engine.units import Unit, next_unit
-from ninfer.policy.pressure import CHUNK, FRESH, RESUME, ROW, ItemKind, Need
+from ninfer.policy.pressure import CHUNK, FRESH, RESUME, ROW, Contract, ItemKind, Need, Settlement, Verdict
 from ninfer.policy.resources import OPTIONAL_CUTS, Admission, SaveKind, SavePoint
-from ninfer.protocol import BindMode, SnapshotOwner, unit_pages
+from ninfer.protocol import BindMode, SnapshotOwner, WaiterOwner, unit_pages
 
 if TYPE_CHECKING:
     from ninfer.policy.resources import ResourceManager
@@ -48,7 +51,7 @@ class Item:
     route: str = ""                          # a resume: "snapshot" | "replay" (the public pause route)
     save_points: list[SavePoint] = field(default_factory=list)   # a fresh bind's, tentative
     sp: SavePoint | None = None              # the save point its unit ends on
-    contract: str | None = None              # the capacity contract fails it if still short
+    contract: Contract | None = None         # the capacity contract fails it if still short
     room_refused: bool = False               # the admission table gave its save no room
 
     @property
@@ -56,14 +59,53 @@ class Item:
         return self.intent.unit
 
 
+class WaitKind(enum.Enum):
+    KEEP = "keep"            # a queued request keeps its valuable source (waiting references)
+    END = "end"              # it lets its waiting references go (reselected, or it moves its source)
+    PENDING = "pending"      # it waits for a deeper point another request is about to publish
+
+
+@dataclass(frozen=True)
+class Wait:
+    """A wait the plan decided for a fresh request (seed: 等待引用, 等待待发布的点)."""
+
+    kind: WaitKind
+    req: Request
+    adm: Admission | None = None          # KEEP: the source and record it keeps
+    producer: str = ""                    # PENDING: who will publish the point ...
+    frontier: int = 0                     # ... at which position
+    base: int = 0                         # ... and the complete source it would start from now
+
+
 @dataclass
 class Plan:
     items: list[Item] = field(default_factory=list)
-    commands: list[tuple[P.Command, object]] = field(default_factory=list)   # (command, then)
+    waits: list[Wait] = field(default_factory=list)           # in scan order
     take_back: Request | None = None         # a lane to take back for the resume
     scanned: list[Request] = field(default_factory=list)      # the fresh scan, in order
     sources: set[int] = field(default_factory=set)            # sources this plan adopts
     keep: set[int] = field(default_factory=set)               # kept points saves will join
+
+    def drop_dead(self) -> None:
+        """Items of requests that ended meanwhile (the quote's reply may fail one) are not sent."""
+        self.items = [i for i in self.items if i.req.live]
+
+    def settle(self, s: Settlement) -> None:
+        """The one place the plan takes its settlement: the remedies, on-short pauses and the
+        capacity contract of its intents, and its saves' rooms (a settle on a wider quote
+        replaces an earlier one whole)."""
+        for item in self.items:
+            v = s.verdicts.get(item.iid, Verdict())
+            item.intent.remedies = v.remedies
+            item.contract = v.contract       # fails it only if the worker confirms it is still short
+            if isinstance(item.intent, P.RowIntent):
+                item.intent.on_short = v.on_short
+        for item, (room, refused) in zip(self.captures(), s.rooms):
+            item.spec.capture.room, item.room_refused = room, refused
+
+    def saves(self) -> list[tuple[Request, SavePoint, object]]:
+        """The saves' (request, save point, record) for their room, in plan order."""
+        return [(i.req, i.sp, i.adm.record if i.adm is not None else None) for i in self.captures()]
 
     def by_iid(self) -> dict[int, Item]:
         return {i.iid: i for i in self.items}
@@ -91,11 +133,11 @@ class Plan:
 
 class CyclePlanner:
     """Builds each cycle's plan from the Scheduler's and the ResourceManager's decisions. It
-    holds those two and the open requests (to find a pending save's producer), never the core;
+    holds those two, never the core;
     what the last reply said that planning needs comes in as an argument of ``build``."""
 
-    def __init__(self, sched: "Scheduler", rm: "ResourceManager", chunk: int, requests: dict[str, Request]):
-        self.sched, self.rm, self.chunk, self.requests = sched, rm, chunk, requests
+    def __init__(self, sched: "Scheduler", rm: "ResourceManager", chunk: int):
+        self.sched, self.rm, self.chunk = sched, rm, chunk
         self.host_kv_pages = 0
         self._iids = itertools.count(1)
 
@@ -148,7 +190,7 @@ class CyclePlanner:
 
     # ---- residents ------------------------------------------------------------------
     def _capture(self, req: Request, unit: Unit, save_points: list[SavePoint], recovery: bool,
-                 rec=None) -> tuple[P.Capture | None, SavePoint | None]:
+                 rec=None, released: set = frozenset()) -> tuple[P.Capture | None, SavePoint | None]:
         if unit.save_index is None:
             return None, None
         sp = save_points[unit.save_index]
@@ -167,7 +209,7 @@ class CyclePlanner:
             replace = got
         unit.retire, unit.replace = list(retire), list(replace)
         # rule: one-physical-point
-        existing = rm.existing_point(req, sp.frontier)
+        existing = rm.existing_point(req, sp.frontier, released)
         if existing is not None:
             # the same position and identity is already kept: one physical point, several
             # logical holders (its owners are added once the unit ran; kept safe meanwhile)
@@ -230,16 +272,6 @@ class CyclePlanner:
         return {P.STATE: state, P.MAIN: unit_pages(start, first, -(-start // P.PAGE), False)}
 
     # ---- fresh ----------------------------------------------------------------------
-    def _pending_waits(self) -> None:
-        """Fresh requests waiting for another's pending save rejoin the scan once it is
-        published, or once it will not come."""
-        sched, rm = self.sched, self.rm
-        for req in list(sched.waiting.values()):   # O(waiters), not O(queue)
-            w = rm.books[req.rid].pending if req.rid in rm.books else None
-            producer = self.requests.get(w.producer) if w is not None else None
-            if not rm.pending_holds(req, producer, producer is not None and producer.rid in sched.resident):
-                sched.wait_pending(req, False)        # it chooses again now
-
     def _producers(self) -> list:
         """Residents with saves still ahead: (request, frontier now, pending save points)."""
         rm = self.rm
@@ -248,7 +280,6 @@ class CyclePlanner:
 
     def _fresh(self, plan: Plan, lanes: int, chunk_taken: bool, recovery: bool) -> None:
         sched, rm = self.sched, self.rm
-        self._pending_waits()
         cands = sched.fresh_candidates()
         if not cands:
             return
@@ -259,29 +290,33 @@ class CyclePlanner:
             for req, _ in cands:
                 adm = rm.plan_admission(req, sched.fresh)
                 if adm.cached:
-                    plan.commands += [(c, None) for c in rm.wait_on(req, adm)]
+                    plan.waits.append(Wait(WaitKind.KEEP, req, adm))
             plan.scanned = [r for r, _ in cands]
             return
         items, budgets = [], []
         producers = self._producers()
+        released: set[WaiterOwner] = set()         # waits this scan ends: a later bind may Move past them
+        pending_now: set[str] = set()
         for req, budget in cands:
-            adm = rm.plan_admission(req, sched.fresh)
+            adm = rm.plan_admission(req, sched.fresh, released)
             pending = rm.pending_source(req, adm.frontier, producers)
             # rule: pending-wait
             if pending is not None:
                 # another request will publish a deeper point for this prefix: wait for it,
                 # holding nothing (seed: 等待引用; the point is no source until complete)
-                rm.wait_pending(req, pending[0], pending[1], adm.frontier)
-                sched.wait_pending(req, True)
+                plan.waits.append(Wait(WaitKind.PENDING, req, producer=pending[0], frontier=pending[1],
+                                       base=adm.frontier))
+                pending_now.add(req.rid)
                 continue
             wait = rm.waiting_on(req)
             if rm.holds_waits(req) and (wait is None or adm.source is None or adm.source.cid != wait.cid
                                         or adm.mode is BindMode.MOVE):
-                plan.commands += [(c, None) for c in rm.end_wait(req)]     # reselected, or moved
+                plan.waits.append(Wait(WaitKind.END, req))     # reselected, or moved
+                released.add(WaiterOwner(req.rid))
             save_points = rm.save_plan(req, adm.frontier, adm.record)
             points = _cuts(save_points, recovery)
             unit = next_unit(req, adm.frontier, len(req.prompt), self.chunk, points)
-            cap, sp = self._capture(req, unit, points, recovery, adm.record)
+            cap, sp = self._capture(req, unit, points, recovery, adm.record, released)
             iid = next(self._iids)
             spec = P.UnitSpec(unit.n_tokens, unit.kind, capture=cap)
             source = adm.source.ref if adm.source else None
@@ -308,7 +343,7 @@ class CyclePlanner:
                     item.intent.unit_guards = [P.Guard((), tuple(chunks), 1)]
                     chunks.append(item.iid)
         plan.items += items
-        plan.scanned = [r for r, _ in cands if not sched.st(r).pending]
+        plan.scanned = [r for r, _ in cands if r.rid not in pending_now]
 
 
 def _cuts(save_points: list[SavePoint], recovery: bool) -> list[SavePoint]:

@@ -4,8 +4,10 @@ markers are those of ``/v1/chat/completions``), the output a ``message`` object 
 
     request                                  chat input
     system (text or text blocks)             a system message (block cache_control kept)
-    user text / image blocks                 text / image_url parts (base64 → data: URL)
-    user tool_result blocks                  tool messages (tool_call_id = tool_use_id), in order
+    user text / image blocks                 text / image_url parts (base64 → data: URL; a url
+                                             source is never fetched: http(s) is a 400)
+    user tool_result blocks                  tool messages (tool_call_id = tool_use_id, text
+                                             and cache_control), in order
     assistant text / tool_use blocks         content / tool_calls (input → JSON arguments)
     tools {name, description, input_schema}  function tools (parameters = input_schema)
     tool_choice auto | any | tool | none     auto | required | named | none
@@ -24,6 +26,7 @@ same statuses as the OpenAI routes.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from typing import Annotated, Any, Literal
 
@@ -127,17 +130,43 @@ def _cache(block) -> dict:
     return {"cache_control": block.cache_control} if block.cache_control else {}
 
 
+IMAGE_TYPES = ("image/png", "image/jpeg", "image/gif", "image/webp", "image/bmp")   # what the server decodes
+
+
 def _image(block: ImageBlock, where: str) -> dict:
     s = block.source
     if s.type == "base64":
         if not s.data or not s.media_type:
             raise bad(f"{where}.source: a base64 image needs media_type and data", f"{where}.source")
+        if s.media_type.lower() not in IMAGE_TYPES:
+            raise bad(f"{where}.source.media_type: {s.media_type[:60]!r} is not an image type this server decodes "
+                      f"({', '.join(IMAGE_TYPES)})", f"{where}.source.media_type")
         url = f"data:{s.media_type};base64,{s.data}"
     else:
         if not s.url:
             raise bad(f"{where}.source: a url image needs url", f"{where}.source")
+        if s.url.partition(":")[0].lower() in ("http", "https"):
+            raise bad(f"{where}.source.url: remote images are not fetched (the server never reads the network); "
+                      'send the image as a base64 source ({"type": "base64", "media_type": "image/png", "data": ...})',
+                      f"{where}.source.url")
         url = s.url
     return {"type": "image_url", "image_url": {"url": url}, **_cache(block)}
+
+
+_CHAT_PART = re.compile(r"messages\[(\d+)\]\.content\[(\d+)\](\.image_url)?")
+
+
+def request_path(message: str, blocks: dict[tuple[int, int], str]) -> tuple[str, str | None]:
+    """An error about the chat input (``messages[i].content[j].image_url: ...``, from the image
+    preparation) named by the Anthropic request's own path (``messages[k].content[l].source``) —
+    a user turn split by tool_result blocks numbers its chat messages differently; and that
+    path (None when the error names no image of the request)."""
+    m = _CHAT_PART.search(message)
+    block = blocks.get((int(m.group(1)), int(m.group(2)))) if m else None
+    if block is None:
+        return message, None
+    path = block + (".source" if m.group(3) else "")
+    return message[:m.start()] + path + message[m.end():], path
 
 
 def _text_parts(content, where: str) -> list[dict]:
@@ -147,10 +176,31 @@ def _text_parts(content, where: str) -> list[dict]:
             for j, b in enumerate(content)]
 
 
-def chat_input(req: MessagesRequest) -> tuple[list[dict], list[dict] | None, object]:
-    """(chat messages, function tools, OpenAI tool_choice) of an Anthropic request."""
+def _tool_result(b: ToolResultBlock, where: str) -> dict:
+    """A tool_result's content and cache_control as a tool message's: text only (a tool
+    message holds no image), a breakpoint on its last text block or on the block itself."""
+    if isinstance(b.content, str):
+        return {"content": b.content, **_cache(b)}
+    for k, part in enumerate(b.content):
+        if isinstance(part, ImageBlock):
+            raise bad(f"{where}.content[{k}]: an image inside a tool_result is not supported (a tool message holds "
+                      "text only); send it as an image block of the user turn", f"{where}.content[{k}]")
+        if part.cache_control and k != len(b.content) - 1:
+            raise bad(f"{where}.content[{k}].cache_control: a breakpoint inside a tool_result goes on its last "
+                      "block or on the tool_result block itself", f"{where}.content[{k}].cache_control")
+    last = b.content[-1] if b.content else None
+    cache = b.cache_control or (last.cache_control if last is not None else None)
+    return {"content": "".join(p.text for p in b.content), **({"cache_control": cache} if cache else {})}
+
+
+def chat_input(req: MessagesRequest, parts_at: dict[tuple[int, int], str] | None = None
+               ) -> tuple[list[dict], list[dict] | None, object]:
+    """(chat messages, function tools, OpenAI tool_choice) of an Anthropic request;
+    ``parts_at`` is filled with each image's chat (message, part) index -> its block's path
+    (``request_path``)."""
     if not req.messages:
         raise bad("messages must be a non-empty list", "messages")
+    parts_at = {} if parts_at is None else parts_at
     out: list[dict] = []
     if req.system:
         system = req.system if isinstance(req.system, str) else _text_parts(req.system, "system")
@@ -171,21 +221,28 @@ def chat_input(req: MessagesRequest) -> tuple[list[dict], list[dict] | None, obj
             out.append(msg)
             continue
         parts: list[dict] = []
+        images: list[tuple[int, str]] = []             # (part index, Anthropic path) of this chat message
+
+        def flush() -> None:
+            for k, path in images:
+                parts_at[(len(out), k)] = path
+            images.clear()
         for j, b in enumerate(blocks):
             if isinstance(b, ToolResultBlock):
                 if parts:
+                    flush()
                     out.append({"role": "user", "content": parts})
                     parts = []
-                content = b.content if isinstance(b.content, str) else \
-                    "".join(p["text"] for p in _text_parts(b.content, f"{where}[{j}].content") if p["type"] == "text")
-                out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": content})
+                out.append({"role": "tool", "tool_call_id": b.tool_use_id, **_tool_result(b, f"{where}[{j}]")})
             elif isinstance(b, ToolUseBlock):
                 raise bad(f"{where}[{j}]: tool_use blocks belong to assistant turns", f"{where}[{j}]")
             elif isinstance(b, TextBlock):
                 parts.append({"type": "text", "text": b.text, **_cache(b)})
             else:
+                images.append((len(parts), f"{where}[{j}]"))
                 parts.append(_image(b, f"{where}[{j}]"))
         if parts:
+            flush()
             simple = len(parts) == 1 and parts[0]["type"] == "text" and "cache_control" not in parts[0]
             out.append({"role": "user", "content": parts[0]["text"] if simple else parts})
     tools = [{"type": "function", "function": {"name": t.name, "parameters": t.input_schema or {"type": "object"},

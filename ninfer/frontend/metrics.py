@@ -37,9 +37,10 @@ REQUEST_HISTOGRAMS = {   # stats()["requests"]["histograms"] key (frontend/reque
 
 
 class _StatsCollector:
-    def __init__(self, stats: dict, model: str, stored_responses: int, info=None, server: dict | None = None):
+    def __init__(self, stats: dict, model: str, stored_responses: int, info=None, server: dict | None = None,
+                 config=None):
         self.s, self.model, self.stored = stats, model, stored_responses
-        self.info, self.server = info, server or {}
+        self.info, self.server, self.config = info, server or {}, config
 
     def _histogram(self, name: str, help_: str, h: dict) -> HistogramMetricFamily:
         fam = HistogramMetricFamily(name, help_, labels=["model_name"])
@@ -80,14 +81,24 @@ class _StatsCollector:
         if self.server.get("params_n"):
             yield self._histogram("vllm:request_params_n", "n of HTTP requests", self.server["params_n"])
         if self.info is not None and hasattr(self.info, "kv_pages"):
-            i = self.info
-            fam = GaugeMetricFamily("vllm:cache_config_info", "The KV cache's configuration",
-                                    labels=["model_name", "block_size", "num_gpu_blocks", "cache_dtype",
-                                            "enable_prefix_caching", "max_num_seqs", "max_model_len",
-                                            "state_slots", "host_capacity_bytes"])
-            fam.add_metric([self.model, "64", str(i.kv_pages), i.dtype, "True", str(i.max_concurrency),
-                            str(i.max_context), str(i.state_slots), str(i.host_capacity)], 1.0)
-            yield fam
+            yield self._cache_config()
+
+    def _cache_config(self) -> GaugeMetricFamily:
+        """vLLM's ``cache_config_info``: the layout the worker runs (``WorkerInfo``: pages, dtype,
+        lanes, context, chunk) and the memory flags of the config it was started with
+        (``gpu_memory_utilization``, ``kv_cache_memory_bytes``: "None" when unset, as vLLM
+        writes it; "" when the deployment cannot say)."""
+        i, c = self.info, self.config
+        labels = {"block_size": "64", "num_gpu_blocks": str(i.kv_pages), "cache_dtype": i.dtype,
+                  "enable_prefix_caching": "True", "max_num_seqs": str(i.max_concurrency),
+                  "max_model_len": str(i.max_context), "max_num_batched_tokens": str(i.prefill_chunk_tokens),
+                  "state_slots": str(i.state_slots), "host_capacity_bytes": str(i.host_capacity),
+                  "gpu_memory_utilization": "" if c is None else str(c.gpu_memory_utilization),
+                  "kv_cache_memory_bytes": "" if c is None else str(c.memory_budget_bytes)}
+        fam = GaugeMetricFamily("vllm:cache_config_info", "The KV cache's configuration",
+                                labels=["model_name", *labels])
+        fam.add_metric([self.model, *labels.values()], 1.0)
+        return fam
 
     def _one(self, kind, name: str, help_: str, value, labels: dict | None = None):
         fam = kind(name, help_, labels=["model_name", *(labels or {})])
@@ -226,9 +237,10 @@ class _StatsCollector:
 
 
 def prometheus(stats: dict, stored_responses: int = 0, model: str = "ninfer", info=None,
-               server: dict | None = None) -> bytes:
+               server: dict | None = None, config=None) -> bytes:
     """``stats``: ``engine.stats()``; ``info``: the engine's ``WorkerInfo`` (cache config);
-    ``server``: what only the HTTP server counts (``params_n``: a histogram snapshot)."""
+    ``server``: what only the HTTP server counts (``params_n``: a histogram snapshot);
+    ``config``: the ``EngineConfig`` the deployment runs with (``Engine.config``)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_StatsCollector(stats, model, stored_responses, info, server))
+    registry.register(_StatsCollector(stats, model, stored_responses, info, server, config))
     return generate_latest(registry)

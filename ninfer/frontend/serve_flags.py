@@ -127,9 +127,62 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                     "token and is always on")
     if args.speculative_config is not None:          # JSON over the config file's [speculative]
         over["speculative"] = _json_arg(args.speculative_config, "--speculative-config")
-    if not over:
-        return cfg
-    return EngineConfig.from_dict({**msgspec.to_builtins(cfg), **over})
+    if over:
+        cfg = EngineConfig.from_dict({**msgspec.to_builtins(cfg), **over})
+    if args.gpu_memory_utilization is not None and cfg.memory_budget_bytes is not None:
+        log.warning("--gpu-memory-utilization=%s is not used: the KV budget is --kv-cache-memory (%d bytes), as in "
+                    "vLLM", args.gpu_memory_utilization, cfg.memory_budget_bytes)
+    return cfg
+
+
+# the flags that shape the engine a server starts (their attribute, their spelling)
+ENGINE_FLAGS = (("config", "--config"), ("max_model_len", "--max-model-len"), ("max_num_seqs", "--max-num-seqs"),
+                ("dtype", "--dtype"), ("gpu_memory_utilization", "--gpu-memory-utilization"),
+                ("kv_cache_memory", "--kv-cache-memory"), ("max_num_batched_tokens", "--max-num-batched-tokens"),
+                ("enforce_eager", "--enforce-eager"), ("speculative_config", "--speculative-config"),
+                ("routing", "--routing"), ("router_queue_tokens", "--router-queue-tokens"))
+
+
+def refuse_engine_flags(args: argparse.Namespace) -> None:
+    """``--connect`` attaches to a deployment that runs with its own engine config: a flag
+    that would shape the engine cannot apply there, and is refused rather than ignored."""
+    given = [flag for attr, flag in ENGINE_FLAGS if getattr(args, attr, None) is not None]
+    if getattr(args, "replicas", 1) != 1:
+        given.append("--replicas")
+    if given:
+        raise ConfigError(f"serve --connect attaches to a running deployment, which keeps the engine config it was "
+                          f"started with: {', '.join(given)} cannot apply (drop {'it' if len(given) == 1 else 'them'}, "
+                          "or start a new deployment without --connect)")
+
+
+def cpu_budget_note(args: argparse.Namespace, cfg: EngineConfig, transport: str) -> None:
+    """``--gpu-memory-utilization`` sizes the caches from a GPU's free memory; an engine in this
+    process that runs on the CPU takes ``--kv-cache-memory`` (1 GiB unless given) instead —
+    said once rather than ignored. (Over Ray the worker's node decides; it is not known here.)"""
+    if args.gpu_memory_utilization is None or cfg.memory_budget_bytes is not None or transport != "inproc":
+        return
+    if cfg.device == "cuda":
+        return
+    if cfg.device == "auto":
+        import torch
+        if torch.cuda.is_available():
+            return
+    log.warning("--gpu-memory-utilization=%s applies to a GPU's memory: this engine runs on the CPU, where the KV "
+                "budget is --kv-cache-memory (1 GiB unless given)", args.gpu_memory_utilization)
+
+
+def describe(engine) -> str:
+    """One line for the log at start: what the worker really runs (its ``WorkerInfo``), so the
+    flags' effect is visible where they were typed."""
+    i = engine.info
+    line = (f"engine: dtype {i.dtype}, max_model_len {i.max_context}, max_num_seqs {i.max_concurrency}, "
+            f"max_num_batched_tokens {i.prefill_chunk_tokens}, KV cache {i.kv_pages} pages of 64 tokens "
+            f"({i.kv_pages * 64} tokens, {i.kv_pages * i.page_bytes} bytes)")
+    c = getattr(engine, "config", None)
+    if c is not None:
+        line += (f", memory budget {c.memory_budget_bytes} bytes" if c.memory_budget_bytes is not None
+                 else f", gpu_memory_utilization {c.gpu_memory_utilization}")
+    return line
 
 
 def http_limits(args: argparse.Namespace) -> Limits:

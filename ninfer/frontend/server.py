@@ -842,7 +842,8 @@ class Server:
         body = await self._json(request)
         req = A.convert(body)
         self._check_model(req.model)
-        messages, tools, choice = A.chat_input(req)
+        images: dict[tuple[int, int], str] = {}
+        messages, tools, choice = A.chat_input(req, images)
         if len(messages) > self.max_messages:
             raise oa.bad(f"messages: at most {self.max_messages} messages are allowed, got {len(messages)}",
                          "messages")
@@ -859,7 +860,13 @@ class Server:
         c = Choice(partial(self.engine.chat, messages, tools=used, session_id=user if isinstance(user, str) else None,
                            **sampling), stop, bool(used))
         self.params_n.observe(1)
-        await self._off_loop(self._submit_all, [c])
+        try:
+            await self._off_loop(self._submit_all, [c])
+        except oa.ApiError as exc:           # an image the preparation refused: named as the client sent it
+            message, path = A.request_path(str(exc), images) if exc.status == 400 else (str(exc), None)
+            if path is None:
+                raise
+            raise oa.ApiError(400, message, kind=exc.kind, param=path, code=exc.code) from None
         mid = A.new_id()
         if req.stream:
             return _sse_response(self._messages_stream(c, choice, mid, request))
@@ -879,7 +886,7 @@ class Server:
             async for _, item in self._drive([c], request):
                 if not started and not (isinstance(item, Finish) and item.reason == "error"):
                     started = True                       # message_start with the first token (honest TTFT)
-                    for e in ev.start():
+                    for e in ev.start(len(_prompt_ids(c.handle))):   # the prompt's length (the reuse split comes last)
                         yield e
                 if isinstance(item, Finish):
                     fin = item
@@ -1067,7 +1074,8 @@ class Server:
         except Exception as exc:
             return PlainTextResponse(f"# engine unavailable: {exc}\n", status_code=503)
         return Response(prometheus(stats, len(self.store), self.model, self.engine.info,
-                                   {"params_n": self.params_n.snapshot()}), media_type=METRICS_TYPE)
+                                   {"params_n": self.params_n.snapshot()}, getattr(self.engine, "config", None)),
+                        media_type=METRICS_TYPE)
 
 
 @dataclass

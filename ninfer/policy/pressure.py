@@ -70,12 +70,47 @@ class Need:
     source: int | None = None           # the checkpoint a bind adopts
 
 
+@dataclass(frozen=True)
+class Contract:
+    """The capacity contract's verdict (seed: 容量契约): ``rid`` fails with it instead of waiting
+    for a releaser that does not exist — the oldest request short after all its legal reclaim,
+    or, when a whole cycle moved nothing, the oldest live request (``Pressure.stalled``)."""
+
+    rid: str
+    short: dict[str, int]               # units still missing (empty: nothing could move at all)
+    message: str
+
+
 @dataclass
 class Verdict:
     remedies: list[P.Remedy] = field(default_factory=list)
     on_short: P.Pause | None = None
-    error: str | None = None            # the capacity contract: fail instead of sending it
+    contract: Contract | None = None    # fail instead of waiting (if the worker confirms the gap)
     covered: bool = True
+
+
+@dataclass
+class Settlement:
+    """What the cycle's settle on one quote decided (nothing else changed): a verdict per short
+    need, the lane take-back's pause route, each save's room in plan order, how many of those
+    rooms repeat-demand evidence admitted, and whether a plan on the scoped quote wanted Host
+    candidates beyond its window (then the facts are quoted wider and it is settled again whole)."""
+
+    verdicts: dict[int, Verdict] = field(default_factory=dict)
+    take_back: tuple[bool, list[P.Delete]] | None = None     # (to the Host, its Host victims)
+    rooms: list[tuple[list[P.Action], bool]] = field(default_factory=list)   # (room, refused) per save
+    evidence: int = 0
+    window_short: bool = False
+
+
+class _Short:
+    """Collects a scoped plan's 'the window was too small' (Planner's callback) for one settle."""
+
+    def __init__(self):
+        self.hit = False
+
+    def __call__(self) -> None:
+        self.hit = True
 
 
 @dataclass
@@ -91,10 +126,6 @@ class Pressure:
         self.sched = sched
         self.rm = rm
         self.info = info
-        self.window_short = False           # a plan on scoped facts wanted Host candidates beyond them
-
-    def short_window(self) -> None:
-        self.window_short = True
 
     # ---- prediction (no quote) --------------------------------------------------------
     def fits(self, needs: list[Need], pools: dict[str, P.PoolState]) -> bool:
@@ -170,8 +201,29 @@ class Pressure:
         return out
 
     # ---- planning on a quote ---------------------------------------------------------
+    def settle_cycle(self, needs: list[Need], facts: P.Facts, demands: dict[int, dict[str, int]], tx_busy: bool,
+                     keep: set[int], take_back: Request | None, saves: list[tuple[Request, object, object]],
+                     protect: set[int]) -> Settlement:
+        """The cycle's settlement on one quote: the needs' verdicts, the take-back's pause route
+        (on the last covering plan, so its Host room is what the remedies leave), then each save's
+        room after what the needs use (``saves``: request, save point, record; ``protect``: the
+        plan's adopted sources and kept points)."""
+        short = _Short()
+        verdicts, last = self.settle(needs, facts, demands, tx_busy, keep, short)
+        out = Settlement(verdicts)
+        if take_back is not None and take_back.live:
+            planner = last or Planner(facts, self.rm.table, self.protected(take_back), lambda o: False,
+                                      window_short=short)
+            out.take_back = self.pause_route(take_back, planner, facts)
+        used = sum(demands.get(n.iid, n.demand or {}).get(P.STATE, 0) for n in needs)
+        rooms = self.save_rooms(saves, used, facts, last, protect, short)
+        out.rooms = [(room, refused) for room, refused, _ in rooms]
+        out.evidence = sum(1 for *_, ev in rooms if ev)
+        out.window_short = short.hit
+        return out
+
     def settle(self, needs: list[Need], facts: P.Facts, demands: dict[int, dict[str, int]],
-               tx_busy: bool, keep: set[int] = frozenset()) -> tuple[dict[int, Verdict], Planner | None]:
+               tx_busy: bool, keep: set[int] = frozenset(), short=None) -> tuple[dict[int, Verdict], Planner | None]:
         """Verdicts for the needs that are short, in permit order, on one quote. A need's
         remedies never touch its own source nor one an earlier intent adopts in this step; a
         later one's source is fair game (that bind then reselects). Returns the last planning
@@ -189,13 +241,14 @@ class Pressure:
             if n.source is not None:
                 adopted.add(n.source)
             d = demands.get(n.iid, n.demand or {})
-            short = {k: v - avail[k] for k, v in d.items() if v > avail.get(k, 0)}
-            if not short:
+            gap = {k: v - avail[k] for k, v in d.items() if v > avail.get(k, 0)}
+            if not gap:
                 for k, v in d.items():
                     avail[k] -= v
                 continue
             before = set(taken)
-            v, planner, freed = self._chain(n, short, facts, prior, taken, tx_busy or bool(earlier - taken), protect)
+            v, planner, freed = self._chain(n, gap, facts, prior, taken, tx_busy or bool(earlier - taken), protect,
+                                            short)
             verdicts[n.iid] = v
             if v.covered:
                 prior = planner
@@ -207,18 +260,19 @@ class Pressure:
         return verdicts, prior
 
     def _chain(self, n: Need, short: dict[str, int], facts: P.Facts, prior: Planner | None,
-               taken: set[str], tx_busy: bool, protect: set[int]) -> tuple[Verdict, Planner, dict[str, int]]:
+               taken: set[str], tx_busy: bool, protect: set[int], window_short=None
+               ) -> tuple[Verdict, Planner, dict[str, int]]:
         rights = self.rights(n)
         may, snaps = self._revoker(n.req, rights)
         planner = Planner(facts, self.rm.table, self.protected(n.req) | protect, may, snaps, prior,
-                          window_short=self.short_window)
+                          window_short=window_short)
         before = {k: planner.freed_so_far(k) for k in short}
         actions, covered = planner.plan(short)
         # rule: deletions-only-alternative
         if not covered:
             # the candidate list stays: deletions alone may cover what a demotion first did not
             alt = Planner(facts, self.rm.table, self.protected(n.req) | protect, may, snaps, prior, demote=False,
-                          window_short=self.short_window)
+                          window_short=window_short)
             alt_actions, alt_covered = alt.plan(short)
             if alt_covered:
                 planner, actions, covered = alt, alt_actions, True
@@ -268,7 +322,7 @@ class Pressure:
             elif self.alone(n, taken, tx_busy) and not any(isinstance(r, P.TakeBack) for r in verdict.remedies):
                 # (a take-back releases what it frees only as its snapshot publishes: the
                 # contract is judged again once nobody is about to release anything)
-                verdict.error = self._contract(n, short, facts)
+                verdict.contract = self._contract(n, short, facts)
         return verdict, planner, freed
 
     # ---- pauses -----------------------------------------------------------------------
@@ -327,47 +381,61 @@ class Pressure:
             return False
         return not any(r.ticket < req.ticket and r is not req and r.live for r in self.sched.paused)
 
-    def _contract(self, n: Need, short: dict[str, int], facts: P.Facts) -> str:
+    def _contract(self, n: Need, short: dict[str, int], facts: P.Facts) -> Contract:
         detail = ", ".join(f"{k}: {v} more needed ({facts.pools[k].available} available of {facts.pools[k].total})"
                            for k, v in short.items() if k in facts.pools)
-        return (f"request {n.req.rid} cannot get a legal unit after reclaiming optional cache and pausing "
-                f"others ({detail})")
+        return Contract(n.req.rid, dict(short), f"request {n.req.rid} cannot get a legal unit after reclaiming "
+                        f"optional cache and pausing others ({detail})")
+
+    @staticmethod
+    def stalled(requests) -> Contract | None:
+        """A cycle in which nothing ran, changed or was in flight, twice, although requests
+        remain: the oldest live request fails with the contract (a policy gap — the per-need
+        verdict above should have caught it; ``stats.stalls`` counts it)."""
+        oldest = min((r for r in requests if r.live), key=lambda r: r.ticket, default=None)
+        if oldest is None:
+            return None
+        return Contract(oldest.rid, {}, f"request {oldest.rid} cannot progress: nothing else holds or will "
+                        "release capacity")
 
     # ---- captures ---------------------------------------------------------------------
     # rule: save-room-order
     def save_rooms(self, saves: list[tuple[Request, object, object]], slots_used: int, facts: P.Facts,
-                   planner: Planner | None, protect: set[int] = frozenset()) -> list[tuple[list[P.Action], bool]]:
+                   planner: Planner | None, protect: set[int] = frozenset(), window_short=None
+                   ) -> list[tuple[list[P.Action], bool, bool]]:
         """Each save's room, in plan order (``saves``: request, save point, the record it saves
         for): a Device slot the intents leave, else the Host (one save: it takes an extent that
         holds an image), else what the admission table admits (``capture_room``). Returns the
-        room's conditional actions and whether the table refused, per save."""
+        room's conditional actions, whether the table refused and whether repeat-demand evidence
+        was used, per save."""
         slots = facts.pools[P.STATE].available - slots_used
         host_ok = any(size >= facts.image_bytes for _, size in facts.host_free)
-        out: list[tuple[list[P.Action], bool]] = []
+        out: list[tuple[list[P.Action], bool, bool]] = []
         for req, sp, rec in saves:
             if slots > 0:
                 slots -= 1
-                out.append(([], False))
+                out.append(([], False, False))
             elif host_ok:
                 host_ok = False
-                out.append(([], False))
+                out.append(([], False, False))
             else:
-                room, refused = self.capture_room(req, sp, planner, facts, protect, rec)
-                out.append((room or [], refused))
+                room, refused, evidence = self.capture_room(req, sp, planner, facts, protect, rec, window_short)
+                out.append((room or [], refused, evidence))
         return out
 
     def capture_room(self, req: Request, sp, planner: Planner | None, facts: P.Facts,
-                     protect: set[int] = frozenset(), rec=None) -> tuple[list[P.Action] | None, bool]:
+                     protect: set[int] = frozenset(), rec=None, window_short=None
+                     ) -> tuple[list[P.Action] | None, bool, bool]:
         """An optional save that will find neither a Device slot nor Host room: what the
         admission table lets it replace (seed: 新捕获 … 准入条件), or None to skip it — and
         whether that None was the table's refusal (there were candidates) rather than nothing
-        to replace. The actions are conditional: the worker commits them only if they make the
-        save fit."""
+        to replace, and whether own repeat-demand evidence took part. The actions are
+        conditional: the worker commits them only if they make the save fit."""
         benefit, own, owner_reuse = self.rm.capture_terms(req, sp, rec)
         p = Planner(facts, self.rm.table, self.protected(req) | protect, lambda o: False, None, planner,
-                    window_short=self.short_window)
+                    window_short=window_short)
         room = p.plan_capture(benefit, own, owner_reuse)
-        return room, room is None and bool(p.cands)
+        return room, room is None and bool(p.cands), own is not None
 
 
 def _without(facts: P.Facts, sids: list[int]) -> P.Facts:

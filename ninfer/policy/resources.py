@@ -250,11 +250,13 @@ class ResourceManager:
         # rule: source-worth
         return best if self._rank_key(best, req, target)[0] <= self.cost.source_cost(0, target) else None
 
-    def plan_admission(self, req: Request, queued: list[Request] = ()) -> Admission:
+    def plan_admission(self, req: Request, queued: list[Request] = (), released: set[Owner] = frozenset()
+                       ) -> Admission:
         """Fresh admission: the best source for the prompt, takeover or branch, Move or Fork.
         A request waiting on a source keeps it unless it became invalid or a better one exists.
         E is Moved only when no other ``queued`` request (the fresh queue, this scan included)
-        also extends it — a sibling continuation would otherwise recompute it; those Fork."""
+        also extends it — a sibling continuation would otherwise recompute it; those Fork.
+        ``released``: waiter owners this scan already decided to let go (read as gone)."""
         P_len = len(req.prompt)
         src = self.choose(req, P_len, P_len)
         if src is None:
@@ -266,7 +268,7 @@ class ResourceManager:
         if rec is not None:
             adm.record, adm.takeover = rec, True
             # rule: move-or-fork
-            if role is Role.E and src.owners - {own_wait} == {rec.owner(Role.E)} \
+            if role is Role.E and src.owners - {own_wait} - released == {rec.owner(Role.E)} \
                     and not self._extended_by(src, req, queued):
                 adm.mode, adm.mover = P.BindMode.MOVE, rec.owner(Role.E)
             adm.retire = self._superseded(rec, src, req)
@@ -568,13 +570,14 @@ class ResourceManager:
             pos.update(book.divergence)
         return sorted(pos)
 
-    def existing_point(self, req: Request, f: int) -> CkptInfo | None:
+    def existing_point(self, req: Request, f: int, released: set[Owner] = frozenset()) -> CkptInfo | None:
         """A cache checkpoint of exactly ``prompt[:f]`` already kept (another request computed
-        it): a save there shares it instead of keeping a second physical copy."""
+        it): a save there shares it instead of keeping a second physical copy. ``released``:
+        waiter owners the plan lets go first (a point only they keep is gone by then)."""
         for cid in sorted(self.table.index.at(req.prompt, f)):
             info = self.table.ckpts.get(cid)
             if info is not None and info.tokens == tuple(req.prompt[:f]) and self._public(info, req.rid) \
-                    and self.restorable(info):
+                    and self.restorable(info) and not (info.owners and info.owners <= released):
                 return info
         return None
 
@@ -694,8 +697,6 @@ class ResourceManager:
             # only once two different requests computed it (seed: 两个不同请求的真实计算也能证明
             # 重复需求 … 后续捕获仍能取得该位置的复用资格) — its demand time is this commit's
             own = time.monotonic()
-        if own is not None:
-            self.stats.summary_hits += 1
         rec = rec or self.book(req).record
         return benefit, own, rec is not None and rec.level == Level.REUSE
 

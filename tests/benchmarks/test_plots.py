@@ -28,7 +28,7 @@ def test_committed_results_draw(path, tmp_path):
 
 def test_the_bench_names_all_have_a_figure():
     assert set(plots.PLOTS) == {"controller", "agent", "actors", "cache-scale", "serve", "decode", "speculative",
-                                "trace", "router"}
+                                "trace", "router", "speed"}
     assert {json.loads(p.read_text())["benchmark"] for p in RESULTS} <= set(plots.PLOTS)
 
 

@@ -24,6 +24,9 @@ OPTIONS = {
     "actors": ["--transport", "--concurrency", "--prompt-tokens", "--max-tokens", "--lanes", "--dtype", "--model",
                "--out", "--plot"],
     "cache-scale": ["--records", "--dtype", "--model", "--out", "--plot"],
+    "speed": ["--vs-vllm", "--vllm-python", "--concurrency", "--prompt-tokens", "--prefill-prompts",
+              "--decode-tokens", "--trace", "--trace-limit", "--time-scale", "--repeats", "--lanes", "--max-context",
+              "--chunk", "--dtype", "--model", "--out", "--plot"],
     "router": ["--entries", "--replicas", "--prompt-tokens", "--queries", "--out", "--plot"],
     "serve": ["--base-url", "--clients", "--rounds", "--max-tokens", "--prompt-words", "--replicas", "--routing",
               "--out", "--plot"],
@@ -48,7 +51,7 @@ def test_each_bench_has_its_own_help(name):
         assert opt in r.stdout, opt
 
 
-@pytest.mark.parametrize("name", ["controller", "agent", "actors", "cache-scale", "router"])
+@pytest.mark.parametrize("name", ["controller", "agent", "actors", "cache-scale", "router", "speed"])
 def test_defaults_are_the_committed_settings(name, monkeypatch):
     """A run without options calls the bench's run() with exactly run()'s own defaults (the
     committed measurement's settings)."""

@@ -25,6 +25,7 @@ def made(tmp_path_factory):
     return d
 
 
+@pytest.mark.slow          # builds a tiny model through the CLI (a minute on 2 cores)
 def test_make_tiny_model_writes_a_hf_directory(made):
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                  "generation_config.json"):
@@ -33,6 +34,7 @@ def test_make_tiny_model_writes_a_hf_directory(made):
     assert cfg["model_type"] == "qwen3_next" and "linear_attention" in cfg["layer_types"]
 
 
+@pytest.mark.slow          # builds a tiny model through the CLI (a minute on 2 cores)
 def test_make_tiny_model_is_deterministic(made, tmp_path):
     r = _ninfer("make-tiny-model", str(tmp_path / "again"), "--seed", "3")
     assert r.returncode == 0, r.stderr
@@ -40,6 +42,7 @@ def test_make_tiny_model_is_deterministic(made, tmp_path):
         assert (tmp_path / "again" / name).read_bytes() == (made / name).read_bytes(), name
 
 
+@pytest.mark.slow          # builds a tiny model through the CLI (a minute on 2 cores)
 def test_make_tiny_vision_model(tmp_path):
     from ninfer.tiny.tokenizer import token_ids
 
@@ -53,6 +56,7 @@ def test_make_tiny_vision_model(tmp_path):
     assert max(ids.values()) == cfg["text_config"]["vocab_size"] - 1
 
 
+@pytest.mark.slow          # builds a tiny model through the CLI (a minute on 2 cores)
 def test_make_tiny_dflash_writes_a_draft_the_engine_loads(made, tmp_path):
     """`ninfer make-tiny-dflash TARGET DIR --kind dflash2 --window 128 --no-fit`: z-lab's layout
     (config.json with dflash_config, safetensors) that the engine's layout solve reads."""
@@ -78,6 +82,7 @@ def test_demo_runs_through_the_ray_actors(made):
     assert "pauses" in r.stdout and "ttft_ms" in r.stdout
 
 
+@pytest.mark.slow          # builds a tiny model through the CLI (a minute on 2 cores)
 def test_demo_builds_the_model_when_missing(tmp_path):
     r = _ninfer("demo", "--model", str(tmp_path / "fresh"), "--transport", "inproc")
     assert r.returncode == 0, r.stderr
@@ -86,6 +91,7 @@ def test_demo_builds_the_model_when_missing(tmp_path):
     assert "all identical" in r.stdout
 
 
+@pytest.mark.slow          # needs the CLI-built model (``made``: a minute on 2 cores)
 @pytest.mark.parametrize("edit,needle", [
     (lambda c: c.update(model_type="mamba"), "model_type 'mamba' is not supported"),
     (lambda c: c.update(linear_num_value_heads=3), "linear_num_value_heads (3) must be a multiple"),

@@ -42,7 +42,11 @@ def _one_line(r: subprocess.CompletedProcess, needle: str) -> str:
     (("--quantization=fp8",), "--quantization is a vLLM flag NInfer does not take"),
     (("--no-such-flag",), "unrecognized argument '--no-such-flag'"),
     (("--speculative-config", "{nope"), "--speculative-config: not JSON"),
-], ids=["max-num-seqs", "float16", "utilization", "tensor-parallel", "quantization", "unknown", "speculative"])
+    (("--connect", "--max-model-len", "512", "--dtype", "float32"),
+     "serve --connect attaches to a running deployment, which keeps the engine config it was started with: "
+     "--max-model-len, --dtype cannot apply"),
+], ids=["max-num-seqs", "float16", "utilization", "tensor-parallel", "quantization", "unknown", "speculative",
+        "connect-with-engine-flags"])
 def test_vllm_flags_out_of_range_or_not_taken_are_one_line(tiny_model, args, needle):
     r, _ = _serve(tiny_model, "--transport", "inproc", "--port", str(free_port()), *args)
     _one_line(r, needle)
@@ -73,35 +77,106 @@ def test_an_address_where_no_cluster_answers_fails_within_30_s(tiny_model):
     assert took < 30, took
 
 
-def test_vllm_style_command_line_serves(tiny_model, tmp_path):
-    """`ninfer serve MODEL` with vLLM's flags: the values reach the engine, every served name
-    is a model, prefix caching is accepted."""
+def _started(tmp_path, *args: str):
+    """``ninfer serve`` with ``args`` in a child process: (base URL, process); its output in
+    ``proc.log``."""
     port = free_port()
     log = open(tmp_path / "serve.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "ninfer.cli", "serve", tiny_model, "--transport", "inproc",
-                             "--port", str(port), "--max-model-len", "512", "--max-num-seqs", "2", "--dtype",
-                             "float32", "--kv-cache-memory", "256M", "--max-num-batched-tokens", "128",
-                             "--enable-prefix-caching", "--served-model-name", "tiny", "tiny-alias"],
-                            stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "ninfer.cli", "serve", *args, "--transport", "inproc",
+                             "--port", str(port)], stdout=log, stderr=subprocess.STDOUT, text=True)
     proc.log = log
-    base = f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{port}", proc
+
+
+def _stopped(proc) -> str:
+    proc.terminate()
+    proc.wait(timeout=30)
+    proc.log.seek(0)
+    out = proc.log.read()
+    proc.log.close()
+    return out
+
+
+def _cache_config(base: str) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+    for fam in text_string_to_metric_families(httpx.get(f"{base}/metrics", timeout=30).text):
+        if fam.name == "vllm:cache_config_info":
+            return fam.samples[0].labels
+    raise AssertionError("no vllm:cache_config_info on /metrics")
+
+
+def _budget_for_pages(model: str, pages: int, **fields) -> tuple[int, int]:
+    """A --kv-cache-memory that holds exactly ``pages`` Main-KV pages beside the fixed parts
+    (state slots, workspace) for this config, and the page count the default budget gives."""
+    import torch
+
+    from ninfer.config import EngineConfig
+    from ninfer.native.layout import MAIN, resolve_layout
+    from ninfer.native.model.config import load_config
+    cfg, cpu = load_config(model), torch.device("cpu")
+    lay = resolve_layout(cfg, EngineConfig(**fields), cpu)
+    fixed = lay.state_slots * lay.state_image_bytes + lay.workspace_bytes + lay.graph_bytes
+    budget = fixed + pages * lay.kv_page_bytes[MAIN]
+    assert resolve_layout(cfg, EngineConfig(**fields, memory_budget_bytes=budget), cpu).main_pages == pages
+    return budget, lay.main_pages
+
+
+def test_vllm_style_command_line_serves(tiny_model, tmp_path):
+    """`ninfer serve MODEL` with vLLM's flags: each value reaches the engine the server runs —
+    what the worker solved and runs with is on /metrics (vLLM's ``cache_config_info``), on
+    /v1/models and in the start-up line; every served name is a model, prefix caching is
+    accepted, and the answers are the oracle's in the dtype asked for."""
+    lanes = dict(max_concurrency=2, max_context=512, dtype="float64", prefill_chunk_tokens=128)
+    budget, default_pages = _budget_for_pages(tiny_model, 11, **lanes)
+    assert default_pages > 11                     # the budget, not the context, bounds the pool
+    base, proc = _started(tmp_path, tiny_model, "--max-model-len", "512", "--max-num-seqs", "2", "--dtype",
+                          "float64", "--kv-cache-memory", str(budget), "--max-num-batched-tokens", "128",
+                          "--enable-prefix-caching", "--served-model-name", "tiny", "tiny-alias")
     try:
         wait_up(proc, base)
         models = httpx.get(f"{base}/v1/models", timeout=30).json()["data"]
         assert [m["id"] for m in models] == ["tiny", "tiny-alias"] and models[0]["max_model_len"] == 512
+        info = _cache_config(base)
+        assert {k: info[k] for k in ("max_model_len", "max_num_seqs", "cache_dtype", "max_num_batched_tokens",
+                                     "num_gpu_blocks", "kv_cache_memory_bytes", "block_size")} == {
+            "max_model_len": "512", "max_num_seqs": "2", "cache_dtype": "float64", "max_num_batched_tokens": "128",
+            "num_gpu_blocks": "11", "kv_cache_memory_bytes": str(budget), "block_size": "64"}, info
+        prompt = list(range(5, 45))
         for name in ("tiny", "tiny-alias"):
-            r = httpx.post(f"{base}/v1/completions", json={"model": name, "prompt": "hi", "max_tokens": 2},
-                           timeout=60)
+            r = httpx.post(f"{base}/v1/completions", timeout=60, json={
+                "model": name, "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True})
             assert r.status_code == 200, r.text
+            import ninfer
+            assert r.json()["choices"][0]["token_ids"] == ninfer.reference_generate(
+                tiny_model, prompt, max_tokens=6, dtype="float64", ignore_eos=True)
         r = httpx.post(f"{base}/v1/completions", json={"model": "other", "prompt": "hi"}, timeout=60)
         assert r.status_code == 404
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.seek(0)
-        out = log.read()
-        log.close()
+        out = _stopped(proc)
+    port = base.rsplit(":", 1)[1]
     assert f"serving tiny on http://127.0.0.1:{port}/v1" in out, out
+    assert (f"engine: dtype float64, max_model_len 512, max_num_seqs 2, max_num_batched_tokens 128, KV cache 11 "
+            f"pages of 64 tokens") in out and f"memory budget {budget} bytes" in out, out
+
+
+def test_gpu_memory_utilization_reaches_the_engine_and_the_cpu_says_what_it_uses(tiny_model, tmp_path):
+    """``--gpu-memory-utilization`` lands in the config the engine runs with (vLLM's
+    ``cache_config_info`` label); on the CPU, where the budget is ``--kv-cache-memory`` (1 GiB
+    unless given), the server says so at start rather than ignore the flag silently."""
+    import torch
+    base, proc = _started(tmp_path, tiny_model, "--gpu-memory-utilization", "0.5", "--max-model-len", "512",
+                          "--max-num-seqs", "2")
+    try:
+        wait_up(proc, base)
+        info = _cache_config(base)
+        assert info["gpu_memory_utilization"] == "0.5" and info["kv_cache_memory_bytes"] == "None", info
+    finally:
+        out = _stopped(proc)
+    assert "gpu_memory_utilization 0.5" in out, out
+    if not torch.cuda.is_available():
+        assert ("--gpu-memory-utilization=0.5 applies to a GPU's memory: this engine runs on the CPU, where the KV "
+                "budget is --kv-cache-memory") in out, out
 
 
 def test_human_readable_sizes_as_vllm_reads_them():

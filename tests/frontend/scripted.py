@@ -25,6 +25,7 @@ OPEN_GATE.set()
 class ScriptedHandle:
     def __init__(self, rid: str, ids: list[int], delay: float, chunk: int = 1):
         self.rid, self.ids, self.delay, self.chunk = rid, ids, delay, chunk
+        self.prompt_token_ids = list(ids)       # as RequestHandle: the prompt it runs (here also its answer)
         self.sent = 0
         self.cancelled = False
         self.gate = OPEN_GATE
@@ -43,7 +44,7 @@ class ScriptedHandle:
             await asyncio.sleep(0.005)
         reason = "error" if self.error else "cancelled" if self.cancelled else "stop"
         return Output(self.rid, self.ids[:self.sent], "", reason, self.error,
-                      UsageView(prompt_tokens=5, completion_tokens=self.sent), TimingsView())
+                      UsageView(prompt_tokens=len(self.prompt_token_ids), completion_tokens=self.sent), TimingsView())
 
     def cancel(self) -> None:
         self.cancelled = True

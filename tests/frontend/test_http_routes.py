@@ -64,6 +64,10 @@ def test_messages_text_and_stream(routed):
                                                                                          "message_stop"]
     assert "".join(d["delta"]["text"] for k, d in ev if k == "content_block_delta") == "hello there"
     assert ev[-2][1]["delta"]["stop_reason"] == "end_turn" and ev[-2][1]["usage"]["output_tokens"] > 0
+    # message_start already says how long the prompt is (as the same request without streaming)
+    same = _msg(base, messages=[{"role": "user", "content": [{"type": "text", "text": "hello there"}]}]).json()
+    assert ev[0][1]["message"]["usage"]["input_tokens"] == \
+        same["usage"]["input_tokens"] + same["usage"]["cache_read_input_tokens"] > 0
 
 
 def test_messages_tool_use_tool_result_and_stop_sequences(routed):
@@ -142,6 +146,26 @@ def test_messages_convert_to_the_chat_input():
     assert tools == [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"},
                                                         "description": "the weather"}}]
     assert choice == "required"
+
+
+def test_a_tool_results_breakpoint_and_the_image_paths_carry_over():
+    """A tool_result's cache_control (on the block or its last text block) becomes the tool
+    message's; each image's chat (message, part) maps back to its block for error messages."""
+    png = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "QUJD"}}
+    eph = {"type": "ephemeral"}
+    req = A.convert({"max_tokens": 5, "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t1", "content": "a", "cache_control": eph},
+        {"type": "tool_result", "tool_use_id": "t2", "content": [{"type": "text", "text": "b"},
+                                                                 {"type": "text", "text": "c", "cache_control": eph}]},
+        {"type": "text", "text": "see"}, png]}]})
+    images: dict = {}
+    messages, _, _ = A.chat_input(req, images)
+    assert messages[:2] == [{"role": "tool", "tool_call_id": "t1", "content": "a", "cache_control": eph},
+                            {"role": "tool", "tool_call_id": "t2", "content": "bc", "cache_control": eph}]
+    assert images == {(2, 1): "messages[0].content[3]"}
+    assert A.request_path("messages[2].content[1].image_url: too big", images) == (
+        "messages[0].content[3].source: too big", "messages[0].content[3].source")
+    assert A.request_path("messages[0].content[0]: other", images) == ("messages[0].content[0]: other", None)
 
 
 # ---- Responses background and cancel ------------------------------------------------------------------

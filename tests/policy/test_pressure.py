@@ -83,9 +83,9 @@ class _Table(Pressure):
         self.asked: list[str] = []
         self.refuse = refuse
 
-    def capture_room(self, req, sp, planner, facts, protect=frozenset(), rec=None):
+    def capture_room(self, req, sp, planner, facts, protect=frozenset(), rec=None, window_short=None):
         self.asked.append(req.rid)
-        return (None, True) if self.refuse else ([P.Delete(99, 1, 1)], False)
+        return (None, True, False) if self.refuse else ([P.Delete(99, 1, 1)], False, False)
 
 
 def _saves(n: int):
@@ -98,7 +98,7 @@ def test_a_save_takes_a_slot_left_by_the_intents_then_the_host_then_the_admissio
     rooms = p.save_rooms(_saves(4), 1, q.facts(), None)
     # 2 slots left after the intents' 1, then one save on the Host; the 4th asks the table
     assert p.asked == ["s3"]
-    assert rooms == [([], False), ([], False), ([], False), ([P.Delete(99, 1, 1)], False)]
+    assert rooms == [([], False, False), ([], False, False), ([], False, False), ([P.Delete(99, 1, 1)], False, False)]
 
 
 def test_without_host_room_every_save_past_the_slots_asks_the_table_and_a_refusal_is_reported():
@@ -106,7 +106,7 @@ def test_without_host_room_every_save_past_the_slots_asks_the_table_and_a_refusa
     p = _Table(refuse=True)
     rooms = p.save_rooms(_saves(4), 0, q.facts(), None)
     assert p.asked == ["s2", "s3"]
-    assert rooms[2:] == [([], True), ([], True)]
+    assert rooms[2:] == [([], True, False), ([], True, False)]
 
 
 def test_intents_that_take_every_slot_leave_the_saves_the_host_and_the_table():
@@ -138,8 +138,17 @@ def test_a_take_back_that_frees_no_page_reclaims_the_cache_its_victim_shared_in_
     need = Need(1, old, ROW, {P.MAIN: 1})
     verdicts, _ = p.settle([need], q.facts(), {}, tx_busy=False)
     v = verdicts[1]
-    assert v.covered and v.error is None, v
+    assert v.covered and v.contract is None, v
     assert v.remedies == [P.TakeBack(victim_sid, False, []), P.Reclaim([P.Delete(1, 1, 1)])]
+
+
+# ---- capacity-contract: one typed verdict --------------------------------------------------
+def test_a_stalled_engine_fails_the_oldest_live_request_with_the_contract():
+    reqs = [SimpleNamespace(rid="young", ticket=7, live=True), SimpleNamespace(rid="dead", ticket=1, live=False),
+            SimpleNamespace(rid="old", ticket=3, live=True)]
+    c = Pressure.stalled(reqs)
+    assert (c.rid, c.short) == ("old", {}) and "cannot progress" in c.message
+    assert Pressure.stalled([r for r in reqs if not r.live]) is None
 
 
 # ---- rights, revocation, protection, the alternative plan, the contract, the pause route ------
@@ -225,7 +234,7 @@ def test_deletions_alone_when_the_demotion_first_plan_cannot_cover_and_a_demotio
     q = Quote(main=1, slots=1, host=IMG)
     q.ckpt(1, 100)
     v = _lone_row(q, {P.MAIN: 1, P.STATE: 1})
-    assert v.covered and v.error is None and v.remedies == [P.Reclaim([P.Delete(1, 1, 1)])], v
+    assert v.covered and v.contract is None and v.remedies == [P.Reclaim([P.Delete(1, 1, 1)])], v
     q = Quote(main=1, slots=1, host=IMG)
     q.ckpt(1, 100)
     v = _lone_row(q, {P.STATE: 1})
@@ -238,9 +247,9 @@ def test_the_capacity_contract_fires_only_for_a_lone_request_with_nothing_in_fli
     resident (it is judged again once nobody is about to release anything)."""
     q = Quote(main=0, slots=4, host=0)
     v = _lone_row(q, {P.MAIN: 1})
-    assert not v.covered and v.error is not None and "cannot get a legal unit" in v.error
-    assert _lone_row(q, {P.MAIN: 1}, tx_busy=True).error is None
-    assert _lone_row(q, {P.MAIN: 1}, others=(R("b", 1, sid=2, phase=P.Phase.MATERIALIZING),)).error is None
+    assert not v.covered and v.contract is not None and "cannot get a legal unit" in v.contract.message
+    assert _lone_row(q, {P.MAIN: 1}, tx_busy=True).contract is None
+    assert _lone_row(q, {P.MAIN: 1}, others=(R("b", 1, sid=2, phase=P.Phase.MATERIALIZING),)).contract is None
 
 
 def _route(owner_kind: str) -> tuple[bool, list]:
@@ -279,4 +288,4 @@ def test_no_capacity_contract_while_a_take_back_publishes():
     so the contract is not judged in this cycle (it is, once nobody is about to release)."""
     q = Quote(main=0, slots=4, host=0)
     v = _lone_row(q, {P.MAIN: 1}, others=(R("b", 1, sid=2),))
-    assert not v.covered and v.error is None and v.remedies == [P.TakeBack(2, False, [])], v
+    assert not v.covered and v.contract is None and v.remedies == [P.TakeBack(2, False, [])], v

@@ -32,19 +32,22 @@ def causal_conv1d(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) ->
     """Depthwise causal conv + SiLU over one sequence, continuing from ``state``.
 
     x: [T, C] new inputs; state: [C, K-1] the previous K-1 inputs (zeros at position 0);
-    weight: [C, K]. Returns y: [T, C] and the new state [C, K-1] (the last K-1 inputs).
+    weight: [C, K]. Returns y: [T, C] (contiguous) and the new state [C, K-1] (the last K-1 inputs).
 
-        inputs:  s_0 .. s_{K-2} | x_0 x_1 ... x_{T-1}
-        y_t   =  sum_j w[:, j] * window_t[j]   where window_t ends at x_t
+        rows:  s_0 .. s_{K-2} | x_0 x_1 ... x_{T-1}
+        y_t   =  sum_j w[:, j] * rows[t + j]          (the window ending at x_t)
     """
     k, t = weight.shape[1], x.shape[0]
-    xs = torch.cat([state.to(x.dtype), x.t()], dim=1)  # [C, K-1+T]
-    # K shifted multiply-adds over contiguous slices: a depthwise conv with a 4-wide kernel is
-    # a handful of vector ops, and F.conv1d's grouped path costs ~1 ms a call on CPU (float64)
-    y = xs[:, :t] * weight[:, :1]                       # [C, T]
+    xs = torch.cat([state.t().to(x.dtype), x], dim=0)  # [K-1+T, C]
+    # K shifted multiply-adds over contiguous row blocks: a depthwise conv with a 4-wide kernel is
+    # a handful of vector ops (F.conv1d's grouped path costs ~1 ms a call on CPU in float64), and
+    # in the [T, C] layout nothing is transposed in or out (the [C, T] layout's copies took
+    # ~9 ms of fp32 at T = 2,048; the products and sums are the same, bit for bit)
+    w = weight.t().contiguous()                         # [K, C]
+    y = xs[:t] * w[0]
     for j in range(1, k):
-        y = torch.addcmul(y, xs[:, j:j + t], weight[:, j:j + 1])
-    return F.silu(y).t(), xs[:, xs.shape[1] - (k - 1):].clone()
+        y = torch.addcmul(y, xs[j:j + t], w[j])
+    return F.silu(y), xs[t:].t().contiguous()
 
 
 def causal_conv1d_step(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -157,9 +157,9 @@ class HybridModel:
     """Weights + math of one resident model. Stateless: all state lives in a ModelCache.
 
     ``path`` says how the mixers run over the sequences of a call: chosen by device and dtype
-    (``paths.for_device``: the kernels on CUDA, ``paths.BATCHED`` elsewhere); tests and the
-    decode benchmark set the per-sequence reference ``paths.PER_SEQUENCE`` or, under the Triton
-    interpreter, ``paths.KERNELS`` on the CPU."""
+    (``paths.for_device``: the kernels on CUDA, ``paths.CPU`` on the CPU, ``paths.BATCHED`` for
+    float64); tests and the decode benchmark set the per-sequence reference
+    ``paths.PER_SEQUENCE`` or, under the Triton interpreter, ``paths.KERNELS`` on the CPU."""
 
     path: ForwardPath = BATCHED
     source: Path | None = None              # the model directory it was loaded from (its tokenizer)

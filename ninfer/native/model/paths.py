@@ -14,6 +14,9 @@ batched one, as ``reference_generate`` is the oracle of the engine:
   attention op (``verify_attention``; the per-sequence attention on ``PER_SEQUENCE``) and
   through the recurrent GDN form with every step's state kept (``_gdn_verify``): a verify row
   is the decode math over several steps, so its tokens equal decoding them one by one.
+* ``CPU`` — ``BATCHED`` with the fused CPU forms of the chunk ops (``cpu_ops``): what a CPU
+  model in fp32 / bf16 / fp16 runs. Equal to ``BATCHED`` to the dtype's rounding, not bit for bit,
+  so a float64 model (the oracle's dtype) keeps ``BATCHED``.
 * ``PER_SEQUENCE`` — every sequence alone, decode rows included, with the same per-sequence
   ops. Slow; kept for tests and for the decode benchmark's comparison.
 * ``KERNELS`` — the batched path on ``native/kernels``: the Triton paged attention reading the
@@ -36,7 +39,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from ninfer.native.model import gdn
+from ninfer.native.model import cpu_ops, gdn
 from ninfer.native.model.attention import decode_attention, paged_attention, verify_attention, write_kv
 from ninfer.native.model.forward import ForwardBatch
 from ninfer.native.model.moe import MoeWeights, sparse_moe
@@ -86,11 +89,11 @@ class ForwardPath(Protocol):
         ...
 
 
-def _attention_alone(out, q, k_cache, v_cache, batch, scale, seqs) -> None:
-    """Each of ``seqs`` by itself (``paged_attention``), into its rows of ``out``."""
+def _attention_alone(out, q, k_cache, v_cache, batch, scale, seqs, op=paged_attention) -> None:
+    """Each of ``seqs`` by itself (``paged_attention``, or ``op`` of its contract), into its rows of ``out``."""
     for s in seqs:
         lo, hi = batch.cu[s], batch.cu[s + 1]
-        out[lo:hi] = paged_attention(q[lo:hi], k_cache, v_cache, batch.page_tables[s], batch.starts[s], scale)
+        out[lo:hi] = op(q[lo:hi], k_cache, v_cache, batch.page_tables[s], batch.starts[s], scale)
 
 
 def _gdn_alone(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split, seqs, ops=gdn) -> None:
@@ -217,6 +220,7 @@ class _TorchOps:
 
 class BatchedPath(_TorchOps):
     name = "batched"
+    chunk_attention = staticmethod(paged_attention)       # one chunk's queries over its paged KV
 
     def attention(self, q, k_cache, v_cache, batch, scale):
         if batch.all_decode:
@@ -241,7 +245,7 @@ class BatchedPath(_TorchOps):
             out.index_copy_(0, c.rows, verify_attention(q.index_select(0, c.rows), k_cache, v_cache,
                                                         c.block_table, c.start, c.length, scale, c.start + c.end))
         else:
-            _attention_alone(out, q, k_cache, v_cache, batch, scale, batch.chunk_seqs)
+            _attention_alone(out, q, k_cache, v_cache, batch, scale, batch.chunk_seqs, self.chunk_attention)
         return out
 
     def gdn(self, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split):
@@ -275,6 +279,29 @@ class BatchedPath(_TorchOps):
         conv_states.index_copy_(0, slots, new_conv.to(conv_states.dtype))
         ssm_states.index_copy_(0, slots, new_ssm.to(ssm_states.dtype))
         return o[:, 0]
+
+
+class CpuPath(BatchedPath):
+    """``BatchedPath`` with the fast CPU forms of its chunk ops (``cpu_ops``): what a CPU model in
+    fp32 / bf16 / fp16 runs (``for_device``). Same results to the dtype's rounding, not bit for
+    bit, so float64 — the oracle's dtype — keeps ``BATCHED``."""
+
+    name = "cpu"
+    chunk_attention = staticmethod(cpu_ops.chunk_attention)
+    rms_norm = staticmethod(cpu_ops.rms_norm)
+
+    def _decode_rows(self, mixed, g, beta, conv_w, conv_states, ssm_states, slots, split, ops):
+        y, new_conv = gdn.causal_conv1d_step(mixed, conv_states.index_select(0, slots), conv_w)
+        q, k, v = split(y)
+        o, new_ssm = cpu_ops.delta_rule_step(q, k, v, g, beta, ssm_states.index_select(0, slots))
+        conv_states.index_copy_(0, slots, new_conv.to(conv_states.dtype))
+        ssm_states.index_copy_(0, slots, new_ssm.to(ssm_states.dtype))
+        return o
+
+    def moe(self, x, w, static):
+        if not static and cpu_ops.dense_moe_fits(x, w):
+            return cpu_ops.dense_moe(x, w)         # few rows: two matmuls over all experts
+        return sparse_moe(x, w, static)
 
 
 class PerSequencePath(_TorchOps):
@@ -379,13 +406,18 @@ class KernelPath(BatchedPath):
 
 
 BATCHED: ForwardPath = BatchedPath()
+CPU: ForwardPath = CpuPath()
 PER_SEQUENCE: ForwardPath = PerSequencePath()
 KERNELS: ForwardPath = KernelPath()
-PATHS = {p.name: p for p in (BATCHED, PER_SEQUENCE, KERNELS)}
+PATHS = {p.name: p for p in (BATCHED, CPU, PER_SEQUENCE, KERNELS)}
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def for_device(device: torch.device, dtype: torch.dtype) -> ForwardPath:
     """The path a model on ``device`` runs: the kernels on CUDA (fp32/fp16/bf16), the batched
-    torch path elsewhere and for float64 (the oracle's dtype: the kernels accumulate in fp32)."""
-    return KERNELS if device.type == "cuda" and dtype in KERNEL_DTYPES else BATCHED
+    torch path with the fast CPU chunk ops on the CPU (fp32/fp16/bf16), the batched torch path
+    for float64 (the oracle's dtype: the kernels and the fused CPU ops accumulate in fp32, or in
+    another order)."""
+    if dtype not in KERNEL_DTYPES:
+        return BATCHED
+    return KERNELS if device.type == "cuda" else CPU if device.type == "cpu" else BATCHED

@@ -73,7 +73,9 @@ def test_the_device_chooses_the_path():
     for dt in (torch.float32, torch.float16, torch.bfloat16):
         assert paths.for_device(cuda, dt) is paths.KERNELS
     assert paths.for_device(cuda, torch.float64) is paths.BATCHED      # the oracle's dtype
-    assert paths.for_device(torch.device("cpu"), torch.float32) is paths.BATCHED
+    for dt in (torch.float32, torch.float16, torch.bfloat16):
+        assert paths.for_device(torch.device("cpu"), dt) is paths.CPU     # the fused CPU chunk ops
+    assert paths.for_device(torch.device("cpu"), torch.float64) is paths.BATCHED
 
 
 def test_graphs_on_the_kernel_path_equal_the_eager_torch_path(tiny_model, monkeypatch):

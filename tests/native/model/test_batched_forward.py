@@ -155,8 +155,8 @@ def _written_kv(cache, rows: list[SeqInput]):
     return flat(cache.k), flat(cache.v)
 
 
-def _compare(prep: Prepared, rows: list[SeqInput], dtype: str) -> None:
-    got, got_cache = prep.run(paths.BATCHED, rows)
+def _compare(prep: Prepared, rows: list[SeqInput], dtype: str, path=paths.BATCHED) -> None:
+    got, got_cache = prep.run(path, rows)
     ref, ref_cache = prep.run(paths.PER_SEQUENCE, rows)
     bound = REL[dtype]
     assert rel_err(got.logits, ref.logits) < bound

@@ -46,6 +46,7 @@ def test_generation_is_deterministic(target_dir, tmp_path, kind):
     assert draft.cfg.mask_token_id not in corpus_stream(target_dir)      # text never encodes to it
 
 
+@pytest.mark.slow          # fits a draft (seconds of training)
 def test_fit_is_deterministic(target_dir, tmp_path):
     """Same seed, same written bytes (DFlash2: every tensor kind, the selector's included)."""
     runs = {}
@@ -60,6 +61,7 @@ def test_fit_is_deterministic(target_dir, tmp_path):
     assert stored.keys() == a["tensors"].keys() and all(v.dtype == torch.bfloat16 for v in stored.values())
 
 
+@pytest.mark.slow          # fits a draft (seconds of training)
 @pytest.mark.parametrize("kind", ["dflash", "dflash2"])
 def test_small_fit_beats_chance(target_dir, tmp_path, kind):
     random = make_tiny_dflash(target_dir, tmp_path / "random", kind, fit=False)

@@ -1,0 +1,114 @@
+"""The CPU path (``paths.CPU``: ``BATCHED`` with the fused CPU chunk ops of ``cpu_ops``) against
+the references beside it: op level ``chunk_attention`` vs ``paged_attention`` (chunks from
+position 0 and over a cached prefix, across page boundaries, GQA ratios 1/2/4, scattered pages,
+NaN in every slot a chunk must not read); model level, one call of decode rows and a chunk
+over a cached prefix through ``paths.CPU`` and ``paths.PER_SEQUENCE`` — in float64 too, where
+the fused ops must agree to rounding though the model never runs them there (``for_device``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ninfer.native.model import paths
+from ninfer.native.model.attention import paged_attention
+from ninfer.native.model.cpu_ops import chunk_attention
+from tests.native.model.test_batched_forward import DTYPES, OP_REL, _compare, _paged_kv, prepared, rel_err
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (8, 2)], ids=lambda h: f"H{h[0]}-Hkv{h[1]}")
+@pytest.mark.parametrize("span", [(0, 1), (0, 64), (0, 130), (5, 1), (63, 2), (64, 70), (70, 60), (200, 129)],
+                         ids=lambda s: f"start{s[0]}-len{s[1]}")
+def test_chunk_attention_equals_paged_attention(dtype, heads, span):
+    h, hkv = heads
+    start, tq = span
+    d, dt = 32, DTYPES[dtype]
+    k_cache, v_cache, (table,) = _paged_kv([start + tq], hkv, d, dt, seed=start + tq + h)
+    q = torch.randn(tq, h, d, generator=torch.Generator().manual_seed(2)).to(dt)
+    pages = torch.tensor(table)
+    got = chunk_attention(q, k_cache, v_cache, pages, start, d ** -0.5)
+    ref = paged_attention(q, k_cache, v_cache, pages, start, d ** -0.5)
+    assert got.dtype == dt and got.shape == q.shape
+    assert torch.isfinite(got).all(), "an unwritten slot (NaN) leaked into the output"
+    if dt != torch.bfloat16:
+        assert rel_err(got, ref) < OP_REL[dtype]
+    else:   # the fused op keeps the probabilities in fp32 where the reference rounds them to bf16:
+        # both against float64 math on the same bf16 inputs, the fused op no worse
+        truth = paged_attention(q.double(), k_cache.double(), v_cache.double(), pages, start, d ** -0.5)
+        assert rel_err(got, truth) <= max(OP_REL[dtype], 1.25 * rel_err(ref, truth))
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("with_chunk", [False, True], ids=["decode-only", "with-chunk"])
+@pytest.mark.parametrize("n_decode", [0, 1, 8], ids=lambda n: f"B{n}")
+def test_cpu_path_equals_per_sequence(tiny_model, dtype, with_chunk, n_decode):
+    if not (n_decode or with_chunk):
+        pytest.skip("an empty call")
+    prep = prepared(tiny_model, dtype)
+    if dtype != "bfloat16":
+        _compare(prep, prep.step(n_decode, with_chunk), dtype, paths.CPU)
+        return
+    # bf16 five layers deep is ~20 % off float64 on this random model, on either path, and the
+    # fused ops round elsewhere (each is as accurate or more at op level: the tests above), which
+    # five random layers amplify either way: both paths against the float64 model on the same
+    # inputs, the CPU path's error of the reference's order
+    truth, _ = prepared(tiny_model, "float64").run(paths.PER_SEQUENCE, prep.step(n_decode, with_chunk))
+    got, _ = prep.run(paths.CPU, prep.step(n_decode, with_chunk))
+    ref, _ = prep.run(paths.PER_SEQUENCE, prep.step(n_decode, with_chunk))
+    assert rel_err(got.logits, truth.logits) <= 1.5 * rel_err(ref.logits, truth.logits)
+
+
+def test_the_cpu_chooses_the_cpu_path_except_for_float64():
+    for dt in (torch.float32, torch.float16, torch.bfloat16):
+        assert paths.for_device(torch.device("cpu"), dt) is paths.CPU
+    assert paths.for_device(torch.device("cpu"), torch.float64) is paths.BATCHED     # the oracle's
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("rows", [1, 3, 8, 64])
+def test_dense_moe_equals_sparse_moe(tiny_model, dtype, rows):
+    from ninfer.native.model.cpu_ops import dense_moe, dense_moe_fits
+    from ninfer.native.model.moe import sparse_moe
+    model = prepared(tiny_model, dtype).model
+    w = model.layers[0].mlp
+    x = torch.randn(rows, model.cfg.hidden_size, generator=torch.Generator().manual_seed(rows)).to(DTYPES[dtype])
+    assert dense_moe_fits(x, w)
+    got, ref = dense_moe(x, w), sparse_moe(x, w)
+    assert got.dtype == x.dtype and got.shape == x.shape
+    if dtype != "bfloat16":
+        assert rel_err(got, ref) < OP_REL[dtype]
+    else:   # both against float64 math on the same bf16 inputs and weights, the dense form no worse
+        w64 = prepared(tiny_model, "float64").model.layers[0].mlp
+        truth = sparse_moe(x.double(), w64)
+        assert (got.double() - truth).abs().mean() <= 1.25 * (ref.double() - truth).abs().mean()
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("heads", [(2, 2), (2, 4), (1, 4)], ids=lambda h: f"Hk{h[0]}-Hv{h[1]}")
+def test_delta_rule_step_equals_the_recurrent_rule(dtype, heads):
+    from ninfer.native.model.cpu_ops import delta_rule_step
+    from ninfer.native.model.gdn import recurrent_gated_delta_rule
+    hk, hv = heads
+    dt, g = DTYPES[dtype], torch.Generator().manual_seed(hk * 10 + hv)
+    n, d = 5, 16
+    q, k = (torch.randn(n, hk, d, generator=g).to(dt) for _ in range(2))
+    v = torch.randn(n, hv, d, generator=g).to(dt)
+    gate, beta = -torch.rand(n, hv, generator=g).to(dt), torch.rand(n, hv, generator=g).to(dt)
+    state = torch.randn(n, hv, d, d, generator=g).to(torch.float64 if dt == torch.float64 else torch.float32)
+    o, s = delta_rule_step(q, k, v, gate, beta, state)
+    ro, rs = recurrent_gated_delta_rule(q[:, None], k[:, None], v[:, None], gate[:, None], beta[:, None], state)
+    assert o.dtype == dt and o.shape == (n, hv, d) and s.shape == state.shape
+    assert rel_err(s, rs) < OP_REL["float32" if dt == torch.bfloat16 else dtype]     # the state is fp32 in bf16
+    assert rel_err(o, ro[:, 0]) < OP_REL[dtype]
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("zero_centered", [True, False], ids=["zero-centered", "plain"])
+def test_rms_norm_equals_the_reference(dtype, zero_centered):
+    from ninfer.native.model.cpu_ops import rms_norm as fused
+    from ninfer.native.model.ops import rms_norm
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(7, 3, 64, generator=g).to(DTYPES[dtype]), (0.1 * torch.randn(64, generator=g)).to(DTYPES[dtype])
+    got, ref = fused(x, w, 1e-6, zero_centered), rms_norm(x, w, 1e-6, zero_centered)
+    assert got.dtype == ref.dtype and rel_err(got, ref) <= OP_REL[dtype]
