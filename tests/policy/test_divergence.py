@@ -325,3 +325,15 @@ def test_a_divergence_records_the_tail_of_the_cached_prompt_it_parts_from():
     rec.input_point = 1
     _enqueue(rm, live, _Req("r", 1, S[:150] + [7] * 50))
     assert rm.tails == {30: 1, 50: 1}
+
+
+def test_a_later_prompt_ending_where_an_earlier_live_one_goes_on_offers_it_no_save_there():
+    """divergence-points: X must lie before the later prompt's end — where it ends, its own input
+    point is the save; an earlier live request that goes on past X is offered nothing there."""
+    rm, live = _rm(), {}
+    q = _Req("q", 1, S + [7] * 30)
+    _enqueue(rm, live, q)
+    r = _Req("r", 2, S)
+    _enqueue(rm, live, r)
+    assert rm.book(q).divergence == [] and rm.book(r).divergence == []
+    assert rm.book(r).diverged_from == set()
