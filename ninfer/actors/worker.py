@@ -185,7 +185,7 @@ class Worker:
         reply.bytes_h2d, reply.bytes_d2h = prog.bytes_h2d, prog.bytes_d2h
         reply.faults_fired = self.faults.fired()
         reply.spec = prog.spec.stats if prog.spec is not None else None
-        reply.uncovered, prog.uncovered = prog.uncovered, []
+        reply.uncovered = prog.take_uncovered()
         reply.vision = prog.encoder.stats if prog.encoder is not None else None
         reply.graphs = prog.graphs.stats if prog.graphs is not None else None
         g = prog.grammar_stats

@@ -32,17 +32,17 @@ from itertools import count
 
 import torch
 
-from ninfer.errors import NInferError
 from ninfer.faults import FaultPlan
 from ninfer.native import graphs
-from ninfer.native.layout import KV_KINDS, MAIN, MTP, STATE, Layout
+from ninfer.native.context.kv_directory import KvDirectory
+from ninfer.native.layout import KV_KINDS, MAIN, STATE, Layout
 from ninfer.native.memory import Memory
-from ninfer.native.model.config import PAGE_SIZE
 from ninfer.native.model.forward import ForwardBatch, SeqInput
 from ninfer.native.model.model import HybridModel
 from ninfer.native.objects import (
     Checkpoint,
     KvBlock,
+    NativeError,
     Sequence,
     StateImage,
     next_generation,
@@ -74,16 +74,11 @@ from ninfer.protocol import (
     SnapshotOwner,
     TokenLogprob,
     UnitKind,
-    unit_pages,
 )
 from ninfer.sampling_params import SamplingParams
 
 Job = Callable[[], None]
 log = logging.getLogger("ninfer.native")
-
-
-class NativeError(NInferError):
-    """A request to the Program that contradicts its physical truth (a policy bug)."""
 
 
 @dataclass
@@ -187,27 +182,23 @@ class Program:
         self.exec_identity = hashlib.blake2b(
             (repr(model.cfg) + str(model.dtype) + model.path.name).encode(), digest_size=16).digest()
         self._ids = count(1)
+        self.kv = KvDirectory(self.pools, self.host, self.mem, self._ids)
         self.grammar_stats = None                    # structured.GrammarStats once a grammar ran
         self.sequences: dict[int, Sequence] = {}
         self.checkpoints: dict[int, Checkpoint] = {}
-        self.blocks: dict[int, KvBlock] = {}
+        self.blocks = self.kv.blocks
         self.tx: Transaction | None = None
         self._settled: list[TxSettled] = []          # transactions settled outside progress()
         self._slot_owner: dict[int, object] = {}     # state slot -> Sequence | Checkpoint | StateImage
         self._orphans: set[StateImage] = set()       # images of deleted checkpoints still being read
         self.bytes_h2d = 0                           # observation: copies submitted each way
         self.bytes_d2h = 0
-        self._changed_blocks: set[int] = set()       # placement changed since the last report
-        self._changed_ckpts: set[int] = set()
-        self._host_only: set[int] = set()            # blocks with only a Host replica
-        self._paged: dict[int, KvBlock] = {}         # blocks with a Device page
-        # checkpoints that lack the coverage their restore needs (DFlash), for the next reply
-        self.uncovered: list[tuple[int, int]] = []
+        self._changed_ckpts: set[int] = set()        # placement changed since the last report
         self.spec = None                             # the draft backend (speculative.py), when configured
         if layout.spec_method == "mtp":
-            self.spec = MtpBackend(self)
+            self.spec = MtpBackend(self.kv, self.checkpoints, layout, model)
         elif layout.spec_method:
-            self.spec = DFlashBackend(self)
+            self.spec = DFlashBackend(self.kv, self.checkpoints, layout, model)
         self.graphs: graphs.GraphRunner | None = None   # the forward's graphs (graphs.py)
         if backend is not None:
             self.graphs = graphs.GraphRunner(model, self.mem.cache, backend, layout.max_concurrency,
@@ -235,40 +226,26 @@ class Program:
         if media:
             from ninfer.native.media import SeqMedia
             seq.media = SeqMedia.build(seq.ledger, prompt_len, list(media), self.vision_merge)
-        seq.blocks = self._dirs()
+        seq.blocks = self.kv.empty()
         self.sequences[seq.sid] = seq
         return seq
 
-    def _dirs(self) -> dict[str, list[KvBlock]]:
-        """An empty KV directory per kind this Program keeps."""
-        return {MAIN: [], self.spec.kind: []} if self.spec is not None else {MAIN: []}
-
-    def _page0(self, obj: Sequence | Checkpoint, kind: str) -> int:
-        """The page number of a directory's first entry: a draft backend's directory starts at
-        its base (DraftBackend.page0), Main's at 0."""
-        return 0 if kind == MAIN else obj.draft_base // PAGE_SIZE
+    def take_uncovered(self) -> list[tuple[int, int]]:
+        """(cid, generation) of the checkpoints found to lack the coverage their restore needs
+        (DFlash) since the last call, for the next reply."""
+        return self.spec.take_uncovered() if self.spec is not None else []
 
     def spec_peak(self, seq: Sequence, n_tokens: int) -> int:
         """Drafts a unit of ``n_tokens`` verifies (its speculative peak)."""
         return len(self.spec.drafts_for(seq, n_tokens)) if self.spec is not None else 0
 
-    def unit_demand(self, sid: int, frontier: int, blocks: list[KvBlock], n_tokens: int) -> dict[str, int]:
-        """Main pages a unit of ``n_tokens`` at ``frontier`` over ``blocks`` needs: growth pages
-        plus a tail copy when the frontier is inside a block this writer may not append to."""
-        tail = not frontier % PAGE_SIZE or self.can_append(blocks[frontier // PAGE_SIZE], sid, frontier)
-        return {MAIN: unit_pages(frontier, n_tokens, len(blocks), tail)}
-
     def seq_demand(self, seq: Sequence, n_tokens: int) -> dict[str, int]:
         """What reserving the sequence's next unit adds to what it already holds reserved."""
-        demand = self.unit_demand(seq.sid, seq.frontier, seq.blocks[MAIN], n_tokens + self.spec_peak(seq, n_tokens))
+        demand = self.kv.unit_demand(seq.sid, seq.frontier, seq.blocks[MAIN], n_tokens + self.spec_peak(seq, n_tokens))
         return {k: max(0, n - seq.reservation.amounts.get(k, 0)) for k, n in demand.items()}
 
     def tail_ok(self, seq: Sequence) -> bool:
-        f, blocks = seq.frontier, seq.blocks[MAIN]
-        return not f % PAGE_SIZE or (bool(blocks) and self.can_append(blocks[f // PAGE_SIZE], seq.sid, f))
-
-    def can_append(self, block: KvBlock, sid: int, f: int) -> bool:
-        return block.filled == f % PAGE_SIZE and block.appender in (None, sid)
+        return self.kv.tail_ok(seq)
 
     def reserve_unit(self, seq: Sequence, n_tokens: int) -> dict[str, int]:
         """Reserve the unit's typed demand on top of what the sequence already holds.
@@ -291,10 +268,10 @@ class Program:
                     first_tokens: int) -> dict[str, int]:
         """Read-only: State, missing KV, growth and tail pages to bind and run the first unit."""
         if source is None:
-            return {STATE: 1, **self.unit_demand(sid, 0, [], first_tokens)}
+            return {STATE: 1, **self.kv.unit_demand(sid, 0, [], first_tokens)}
         slot = 0 if self._slot_handover(source, mode) else 1
         missing = sum(1 for b in source.blocks[MAIN] if b.page is None)
-        unit = self.unit_demand(sid, source.frontier, source.blocks[MAIN], first_tokens)
+        unit = self.kv.unit_demand(sid, source.frontier, source.blocks[MAIN], first_tokens)
         return {STATE: slot, MAIN: missing + unit[MAIN]}
 
     def _slot_handover(self, src: Checkpoint, mode: BindMode) -> bool:
@@ -438,7 +415,7 @@ class Program:
             for b in blocks:
                 b.holders.add(seq.sid)
                 if b.page is None:
-                    self._page_in(b, allocate(self.pools, res, kind))
+                    self.kv.page_in(b, allocate(self.pools, res, kind))
                     b.leases += 1           # in-flight read-back: nobody may rely on it yet
                     leased.append(b)
                     fetched.append(b)
@@ -446,7 +423,7 @@ class Program:
                     self.bytes_h2d += self.mem.page_bytes
                     b.touch()
         seq.draft_base, seq.draft_frontier = src.draft_base, src.draft_frontier
-        self._claim_tail(seq)
+        self.kv.claim_tail(seq)
         lost = [src.cid] if mode is BindMode.MOVE and detached is not None else []
         if mode is BindMode.MOVE:
             self.delete_checkpoint(src, keep_content=True)
@@ -461,7 +438,7 @@ class Program:
             """The read-back failed: the fetched pages hold nothing valid (their Host replicas
             still do); the sequence is released; a moved-out image is lost."""
             for b in fetched:
-                self._page_out(b)
+                self.kv.page_out(b)
                 b.touch()
             for obj in leased:
                 self.unlease(obj)
@@ -486,13 +463,6 @@ class Program:
         seq.phase = Phase.FINISHED
         self.sequences.pop(seq.sid, None)
 
-    def _claim_tail(self, seq: Sequence) -> None:
-        for kind, f in ((MAIN, seq.frontier), (self.spec.kind if self.spec else MTP, seq.draft_frontier)):
-            blocks = seq.blocks.get(kind)
-            if f % PAGE_SIZE and blocks and len(blocks) == pages_for(f) - self._page0(seq, kind) \
-                    and self.can_append(blocks[-1], seq.sid, f):
-                blocks[-1].appender = seq.sid
-
     # ==== execution ====================================================================
     def execute(self, rows: list[UnitRow]) -> list[RowResult]:
         """Run one call: rows of at most one token and at most one multi-token chunk, sample
@@ -513,7 +483,7 @@ class Program:
                 raise NativeError(f"unit beyond the ledger of sequence {seq.sid}")
             d = self.spec.drafts_for(seq, r.n_tokens) if self.spec is not None else []
             drafts.append(d)
-            self.prepare_blocks(seq, end + len(d))
+            self.kv.prepare(seq, end + len(d))
             seqs_in.append(SeqInput(token_ids=seq.ledger[seq.frontier:end] + d, start=seq.frontier,
                                     page_table=[b.page for b in seq.blocks[MAIN]], state_slot=seq.slot,
                                     logits="all" if d else "last", verify=bool(d),
@@ -551,9 +521,9 @@ class Program:
                 else:
                     keep = r.n_tokens
                     li += 1
-                self.mark_written(seq, f0, f0 + keep)
+                self.kv.mark_written(seq, f0, f0 + keep)
                 seq.frontier = f0 + keep
-                self._trim(seq)
+                self.kv.trim(seq)
                 self.mem.hidden[seq.slot] = out.all_hidden[lo + keep - 1]
                 res.frontier = seq.frontier
                 if not d and seq.params.prompt_logprobs is not None:
@@ -647,55 +617,6 @@ class Program:
             seq.grammar.sync(seq.outputs)
         return seq.grammar
 
-    def _trim(self, seq: Sequence) -> None:
-        """Pages past the frontier's last (a verify row's rejected tail) go back to the pool."""
-        blocks = seq.blocks[MAIN]
-        keep = pages_for(seq.frontier)
-        for b in blocks[keep:]:
-            self.drop_holder(b, seq.sid)
-        del blocks[keep:]
-
-    def prepare_blocks(self, seq: Sequence, end: int, kind: str = MAIN, f: int | None = None,
-                        res: Reservation | None = None) -> None:
-        """Allocate growth pages and copy a tail the sequence may not append to (COW), for the
-        ``kind`` directory written from ``f`` (default: Main at the execution frontier)."""
-        blocks, p0 = seq.blocks[kind], self._page0(seq, kind)
-        f = seq.frontier if f is None else f
-        i = f // PAGE_SIZE - p0
-        tail = blocks[i] if f % PAGE_SIZE and len(blocks) > i else None
-        if tail is not None and not self.can_append(tail, seq.sid, f):
-            new = self._new_block(kind, seq, res)
-            if tail.page is None:
-                raise NativeError(f"block {tail.bid} has no Device replica")
-            copy = self.mem.copy_page_prefix if kind == MAIN else self.spec.copy_page_prefix
-            copy(tail.page, new.page, f % PAGE_SIZE)
-            new.filled = f % PAGE_SIZE
-            blocks[i] = new
-            self.drop_holder(tail, seq.sid)
-        elif tail is not None:
-            tail.appender = seq.sid
-        while len(blocks) < pages_for(end) - p0:
-            blocks.append(self._new_block(kind, seq, res))
-        for b in blocks:
-            if b.page is None or b.leases:
-                raise NativeError(f"block {b.bid} of sequence {seq.sid} is not resident")
-
-    def _new_block(self, kind: str, seq: Sequence, res: Reservation | None = None) -> KvBlock:
-        b = KvBlock(bid=next(self._ids), kind=kind, holders={seq.sid}, appender=seq.sid,
-                    sink=self._changed_blocks)
-        self._page_in(b, allocate(self.pools, res if res is not None else seq.reservation, kind))
-        self.blocks[b.bid] = b
-        return b
-
-    def mark_written(self, seq: Sequence, start: int, end: int, kind: str = MAIN) -> None:
-        blocks, p0 = seq.blocks[kind], self._page0(seq, kind)
-        for p in range(start // PAGE_SIZE, pages_for(end)):
-            b = blocks[p - p0]
-            b.filled = max(b.filled, min(PAGE_SIZE, end - p * PAGE_SIZE))
-            if b.host is not None and b.host_filled < b.filled:
-                self._release_host(b)      # the Host copy no longer holds everything
-            b.touch()
-
     # ==== captures =====================================================================
     def prepare_capture(self, owner: Owner, retire: list[tuple[Checkpoint, Owner]] = (),
                         replace: list[tuple[Checkpoint, Owner]] = ()) -> CaptureDest | None:
@@ -766,10 +687,8 @@ class Program:
             cover[self.spec.kind] = ck.draft_frontier
         for k, blocks in seq.blocks.items():
             # a coverage that starts at the same base as the sequence's directory: a prefix of it
-            ck.blocks[k] = blocks[:max(0, pages_for(cover[k]) - self._page0(ck, k))]
-            for b in ck.blocks[k]:
-                b.holders.add(ck.cid)
-                b.touch()
+            ck.blocks[k] = blocks[:max(0, pages_for(cover[k]) - self.kv.page0(ck, k))]
+            self.kv.hold(ck.blocks[k], ck.cid)
         self.checkpoints[ck.cid] = ck
         if self.spec is not None:
             self.spec.noted(ck)
@@ -809,9 +728,7 @@ class Program:
         """Remove a checkpoint. ``keep_content``: its Device state and block holds were handed
         over. Replicas still being read are freed when their reader finishes."""
         del self.checkpoints[ck.cid]
-        for blocks in ck.blocks.values():
-            for b in blocks:
-                self.drop_holder(b, ck.cid)
+        self.kv.drop_all(ck.cid, ck.blocks)
         if ck.image.leases:
             self._orphans.add(ck.image)
             if ck.image.slot is not None:
@@ -825,13 +742,13 @@ class Program:
 
     def unlease(self, obj: KvBlock | StateImage) -> None:
         """A reader finished: drop its lease and free the replica if nobody holds it any more."""
+        if isinstance(obj, KvBlock):
+            self.kv.unlease(obj)
+            return
         obj.leases -= 1
         if obj.leases:
             return
-        if isinstance(obj, KvBlock):
-            if not obj.holders:
-                self._free_block(obj)
-        elif obj in self._orphans:
+        if obj in self._orphans:
             self._orphans.discard(obj)
             self._free_image(obj)
 
@@ -843,43 +760,16 @@ class Program:
             self.host.release(image.host)
             image.host = None
 
-    def _page_in(self, b: KvBlock, page: int) -> None:
-        b.page = page
-        self._paged[b.bid] = b
-
-    def _page_out(self, b: KvBlock) -> None:
-        self.pools[b.kind].release(b.page)
-        b.page = None
-        self._paged.pop(b.bid, None)
-
     def device_checkpoints(self) -> set[int]:
         """Checkpoints with any Device content (a state slot or a KV page) — found through the
         slots and the paged blocks, so O(Device capacity), never a directory scan."""
         out = {o.cid for o in self._slot_owner.values() if isinstance(o, Checkpoint)}
-        for b in self._paged.values():
-            out.update(h for h in b.holders if h in self.checkpoints)
+        out.update(h for h in self.kv.paged_holders() if h in self.checkpoints)
         return out
 
     def _release_slot(self, slot: int) -> None:
         del self._slot_owner[slot]
         self.pools[STATE].release(slot)
-
-    def drop_holder(self, b: KvBlock, holder: int) -> None:
-        b.holders.discard(holder)
-        if b.appender == holder:
-            b.appender = None
-        b.touch()
-        if not b.holders and not b.leases:
-            self._free_block(b)
-
-    def _free_block(self, b: KvBlock) -> None:
-        if b.page is not None:
-            self._page_out(b)
-        if b.host is not None:
-            self.host.release(b.host)
-            b.host = None
-        del self.blocks[b.bid]
-        self._host_only.discard(b.bid)
 
     # ==== calibration =================================================================
     def calibrate(self, tokens: int = 32) -> tuple[float, float]:
@@ -921,17 +811,7 @@ class Program:
         checkpoint whose placement changed since the last call — O(what changed), so the
         controller's restore-cost mirror never needs a scan of the directory."""
         cids = {c for c in self._changed_ckpts if c in self.checkpoints}
-        for bid in self._changed_blocks:
-            b = self.blocks.get(bid)
-            if b is None:
-                self._host_only.discard(bid)
-                continue
-            if b.page is None:
-                self._host_only.add(bid)
-            else:
-                self._host_only.discard(bid)
-            cids.update(h for h in b.holders if h in self.checkpoints)
-        self._changed_blocks.clear()
+        cids.update(h for h in self.kv.take_changed() if h in self.checkpoints)
         self._changed_ckpts.clear()
         out = []
         for cid in sorted(cids):
@@ -942,11 +822,7 @@ class Program:
 
     @property
     def host_only_pages(self) -> int:
-        return len(self._host_only)
-
-    def _release_host(self, b: KvBlock) -> None:
-        self.host.release(b.host)
-        b.host, b.host_filled = None, 0
+        return self.kv.host_only_pages
 
     # ==== demotion (Device -> Host) ====================================================
     def demote(self, images: list[Checkpoint], blocks: list[KvBlock]) -> tuple[list[Job], TxPart | None]:
@@ -975,11 +851,11 @@ class Program:
             if b.leases:
                 raise NativeError(f"block {b.bid} is being read: it cannot be demoted now")
             if b.host is not None and b.host_filled >= b.filled:
-                self._page_out(b)
+                self.kv.page_out(b)
                 b.touch()
                 continue
             if b.host is not None:
-                self._release_host(b)
+                self.kv.release_host(b)
             b.host = self.host.allocate(self.mem.page_bytes, kind=f"kv:{b.kind}")
             if b.host is None:
                 raise NativeError("a demotion's Host destination does not fit (placement was not checked)")
@@ -1001,7 +877,7 @@ class Program:
                 self.unlease(img)
             for b in moving_blocks:
                 if b.page is not None and b.holders:
-                    self._page_out(b)
+                    self.kv.page_out(b)
                     b.touch()
                 self.unlease(b)
 
@@ -1017,9 +893,9 @@ class Program:
                 self._changed_ckpts.add(ck.cid)
             for b in moving_blocks:
                 if b.host is not None and b.bid in self.blocks:
-                    self._release_host(b)
+                    self.kv.release_host(b)
                 self.unlease(b)
-                self._changed_blocks.add(b.bid)
+                self.kv.changed(b)
             return [], []
         return jobs, TxPart("demote", publish, abort)
 
@@ -1073,8 +949,8 @@ class Program:
             img.host = None
             ck.touch()
         for b in self._dup_pages(ck):          # its content is unchanged: no new version
-            self._release_host(b)
-            self._changed_blocks.add(b.bid)
+            self.kv.release_host(b)
+            self.kv.changed(b)
 
     # ==== lifecycle ====================================================================
     def freeze(self, seq: Sequence, owner: Owner) -> Checkpoint:
@@ -1146,10 +1022,8 @@ class Program:
         ck = self._new_checkpoint(kind, seq, image, owner)
         self._slot_owner[seq.slot] = ck
         seq.slot = None
-        for blocks in seq.blocks.values():
-            for b in blocks:
-                self.drop_holder(b, seq.sid)
-        seq.blocks = self._dirs()
+        self.kv.drop_all(seq.sid, seq.blocks)
+        seq.blocks = self.kv.empty()
         seq.drafts = []
         return ck
 
@@ -1157,10 +1031,8 @@ class Program:
         if seq.slot is not None:
             self._release_slot(seq.slot)
             seq.slot = None
-        for blocks in seq.blocks.values():
-            for b in blocks:
-                self.drop_holder(b, seq.sid)
-        seq.blocks = self._dirs()
+        self.kv.drop_all(seq.sid, seq.blocks)
+        seq.blocks = self.kv.empty()
         seq.drafts = []
         seq.draft_base = seq.draft_frontier = 0
         seq.grammar = None                 # execution state too: Replay rebuilds it from the ledger
@@ -1247,28 +1119,7 @@ class Program:
         for pool in self.pools.values():
             pool.check_integrity()
         self.host.check_integrity()
-        dirs: dict[int, list[KvBlock]] = {}
-        for s in self.sequences.values():
-            dirs[s.sid] = [b for bl in s.blocks.values() for b in bl]
-        for c in self.checkpoints.values():
-            dirs[c.cid] = [b for bl in c.blocks.values() for b in bl]
-        counted: dict[int, set[int]] = {}
-        for owner, blocks in dirs.items():
-            for b in blocks:
-                counted.setdefault(b.bid, set()).add(owner)
-        for bid, b in self.blocks.items():
-            if counted.get(bid, set()) != b.holders:
-                raise IntegrityError(f"block {bid}: holders {sorted(b.holders)} != directories {sorted(counted.get(bid, set()))}")
-            if b.page is None and b.host is None:
-                raise IntegrityError(f"block {bid} has no replica")
-        if set(counted) - set(self.blocks):
-            raise IntegrityError("a directory names a deleted block")
-        for kind in self._dirs():
-            pages = [b.page for b in self.blocks.values() if b.page is not None and b.kind == kind]
-            if len(pages) != len(set(pages)) or set(pages) != self.pools[kind].used_ids():
-                raise IntegrityError(f"{kind} pool pages and block replicas disagree")
-        if {b.bid for b in self.blocks.values() if b.page is not None} != set(self._paged):
-            raise IntegrityError("the paged-block index disagrees with the blocks")
+        self.kv.check_integrity(self.sequences.values(), self.checkpoints.values())
         for slot, holder in self._slot_owner.items():
             if isinstance(holder, Checkpoint) and holder.image.slot != slot:
                 raise IntegrityError(f"slot {slot} names checkpoint {holder.cid}, which is not in it")
@@ -1277,22 +1128,11 @@ class Program:
         slots.update({img.slot: img for img in self._orphans if img.slot is not None})
         if set(slots) != self.pools[STATE].used_ids() or set(slots) != set(self._slot_owner):
             raise IntegrityError("state slots and their owners disagree")
-        for sq in self.sequences.values():      # between calls a directory covers its frontier exactly
-            if sq.phase is Phase.RUNNING and len(sq.blocks[MAIN]) != pages_for(sq.frontier):
-                raise IntegrityError(f"sequence {sq.sid} holds {len(sq.blocks[MAIN])} Main pages at frontier {sq.frontier}")
-            if sq.phase is Phase.RUNNING and self.spec is not None and \
-                    len(sq.blocks[self.spec.kind]) != pages_for(sq.draft_frontier) - self._page0(sq, self.spec.kind):
-                raise IntegrityError(f"sequence {sq.sid} holds {len(sq.blocks[self.spec.kind])} draft pages over its "
-                                     f"draft coverage [{sq.draft_base}, {sq.draft_frontier})")
         for c in self.checkpoints.values():
             if not c.owners:
                 raise IntegrityError(f"checkpoint {c.cid} has no owner")
             if c.image.slot is None and c.image.host is None:
                 raise IntegrityError(f"checkpoint {c.cid} has no StateImage replica")
-            if self.spec is not None and \
-                    len(c.blocks.get(self.spec.kind, ())) != max(0, pages_for(c.draft_frontier) - self._page0(c, self.spec.kind)):
-                raise IntegrityError(f"checkpoint {c.cid}'s draft pages disagree with its coverage "
-                                     f"[{c.draft_base}, {c.draft_frontier})")
         if idle:
             for pool in self.pools.values():
                 if pool.reserved:
