@@ -34,7 +34,9 @@ import torch
 
 from ninfer.faults import FaultPlan
 from ninfer.native import graphs
+from ninfer.native.context.checkpoints import Checkpoints
 from ninfer.native.context.kv_directory import KvDirectory
+from ninfer.native.context.slots import StateSlots
 from ninfer.native.layout import KV_KINDS, MAIN, STATE, Layout
 from ninfer.native.memory import Memory
 from ninfer.native.model.forward import ForwardBatch, SeqInput
@@ -46,7 +48,6 @@ from ninfer.native.objects import (
     Sequence,
     StateImage,
     next_generation,
-    pages_for,
 )
 from ninfer.native.sampler import PROMPT_ROWS, prompt_logprobs, sample_token, stop_reason, token_logprobs
 from ninfer.native.dflash import DFlashBackend
@@ -183,22 +184,22 @@ class Program:
             (repr(model.cfg) + str(model.dtype) + model.path.name).encode(), digest_size=16).digest()
         self._ids = count(1)
         self.kv = KvDirectory(self.pools, self.host, self.mem, self._ids)
+        self.slots = StateSlots(self.pools, self.host)
+        self.cks = Checkpoints(self.kv, self.slots, self.host, self._ids, self.exec_identity)
         self.grammar_stats = None                    # structured.GrammarStats once a grammar ran
         self.sequences: dict[int, Sequence] = {}
-        self.checkpoints: dict[int, Checkpoint] = {}
+        self.checkpoints = self.cks.table
         self.blocks = self.kv.blocks
         self.tx: Transaction | None = None
         self._settled: list[TxSettled] = []          # transactions settled outside progress()
-        self._slot_owner: dict[int, object] = {}     # state slot -> Sequence | Checkpoint | StateImage
-        self._orphans: set[StateImage] = set()       # images of deleted checkpoints still being read
         self.bytes_h2d = 0                           # observation: copies submitted each way
         self.bytes_d2h = 0
-        self._changed_ckpts: set[int] = set()        # placement changed since the last report
         self.spec = None                             # the draft backend (speculative.py), when configured
         if layout.spec_method == "mtp":
             self.spec = MtpBackend(self.kv, self.checkpoints, layout, model)
         elif layout.spec_method:
             self.spec = DFlashBackend(self.kv, self.checkpoints, layout, model)
+        self.cks.draft = self.spec
         self.graphs: graphs.GraphRunner | None = None   # the forward's graphs (graphs.py)
         if backend is not None:
             self.graphs = graphs.GraphRunner(model, self.mem.cache, backend, layout.max_concurrency,
@@ -210,11 +211,7 @@ class Program:
 
     # ==== identity =====================================================================
     def input_digest(self, tokens: tuple[int, ...] | list[int], media: bytes = b"") -> bytes:
-        h = hashlib.blake2b(digest_size=16)
-        h.update(self.exec_identity)
-        h.update(media)
-        h.update(torch.tensor(list(tokens), dtype=torch.int64).numpy().tobytes())
-        return h.digest()
+        return self.cks.digest(tokens, media)
 
     # ==== sequences ====================================================================
     def new_sequence(self, ledger: list[int], prompt_len: int, params: SamplingParams,
@@ -323,18 +320,18 @@ class Program:
         retire = [(c, o) for c, o in retire if c is not source and c.cid in self.checkpoints]
         res, short = reserve_all(self.pools, demand)
         if res is None:
-            freed = self.freed_by_retiring(retire)
+            freed = self.cks.freed_by_retiring(retire)
             if not retire or any(n > freed.get(k, 0) for k, n in short.items()):
                 return BindOutcome(ok=False, shortfall=short)
-            self._retire(retire)
+            self.cks.retire(retire)
             res, short = reserve_all(self.pools, demand)
             assert res is not None, "retirement freed less than simulated"
         else:
-            self._retire(retire)
+            self.cks.retire(retire)
         seq.reservation = res
         reads: list[Job] = []
         if source is None:
-            seq.slot = self._take_slot(seq, res)
+            seq.slot = self.slots.take(seq, res)
             self.mem.zero_slot(seq.slot)
             seq.frontier = seq.draft_base = seq.draft_frontier = 0
         else:
@@ -353,37 +350,10 @@ class Program:
         snap, owner = seq.snapshot, SnapshotOwner(seq.sid)
         seq.snapshot = None
         if snap is not None and snap.cid in self.checkpoints and owner in snap.owners:
-            self.release_owner(snap, owner)
+            self.cks.release_owner(snap, owner)
 
     def freed_by_retiring(self, retire: list[tuple[Checkpoint, Owner]]) -> dict[str, int]:
-        """Device units that releasing these holds would really free (read-only): only
-        checkpoints whose last owner is released go, and only blocks all of whose holders go."""
-        gone = {c.cid for c, o in retire if c.owners == {o: 1} and not c.image.leases}
-        return self.freed_by_deleting(gone)
-
-    def freed_by_deleting(self, gone: set[int], also_gone_sids: set[int] = frozenset()) -> dict[str, int]:
-        """Device units freed if these checkpoints (and sequences' holds) disappeared."""
-        freed = {STATE: sum(1 for cid in gone if self.checkpoints[cid].image.slot is not None
-                            and not self.checkpoints[cid].image.leases)}
-        seen: set[int] = set()
-        for cid in gone:
-            for kind, blocks in self.checkpoints[cid].blocks.items():
-                for b in blocks:
-                    if (b.bid not in seen and b.page is not None and not b.leases
-                            and b.holders <= gone | also_gone_sids):
-                        seen.add(b.bid)
-                        freed[kind] = freed.get(kind, 0) + 1
-        return freed
-
-    def _retire(self, retire: list[tuple[Checkpoint, Owner]]) -> None:
-        for c, owner in retire:
-            if c.cid in self.checkpoints and owner in c.owners:
-                self.release_owner(c, owner)
-
-    def _take_slot(self, holder, res: Reservation) -> int:
-        slot = allocate(self.pools, res, STATE)
-        self._slot_owner[slot] = holder
-        return slot
+        return self.cks.freed_by_retiring(retire)
 
     def _bind_from(self, seq: Sequence, src: Checkpoint, mode: BindMode, res: Reservation):
         """Install the source's state and KV references. Returns (read-back jobs, what to run
@@ -396,10 +366,10 @@ class Program:
         img = src.image
         if self._slot_handover(src, mode):
             seq.slot = img.slot
-            self._slot_owner[seq.slot] = seq
+            self.slots.hand(seq.slot, seq)
             img.slot = None
         else:
-            seq.slot = self._take_slot(seq, res)
+            seq.slot = self.slots.take(seq, res)
             if img.slot is not None:
                 self.mem.copy_slot(img.slot, seq.slot)
             else:
@@ -426,11 +396,11 @@ class Program:
         self.kv.claim_tail(seq)
         lost = [src.cid] if mode is BindMode.MOVE and detached is not None else []
         if mode is BindMode.MOVE:
-            self.delete_checkpoint(src, keep_content=True)
+            self.cks.delete(src, keep_content=True)
 
         def after() -> None:
             for obj in leased:
-                self.unlease(obj)
+                self.cks.unlease(obj)
             if detached is not None:
                 self.host.release(detached)
 
@@ -441,7 +411,7 @@ class Program:
                 self.kv.page_out(b)
                 b.touch()
             for obj in leased:
-                self.unlease(obj)
+                self.cks.unlease(obj)
             if detached is not None:
                 self.host.release(detached)
             self.fail_sequence(seq)
@@ -625,18 +595,18 @@ class Program:
         retire first; a failed save does not bring them back (seed: 新保存失败不恢复旧点).
         ``replace`` holds go only with a save that happens: released once a destination is
         found, or first when releasing them is what frees the destination."""
-        self._retire(list(retire))
+        self.cks.retire(list(retire))
         replace = [(c, o) for c, o in replace if c.cid in self.checkpoints and o in c.owners]
         dest = self._capture_dest(owner)
         if dest is None and replace and self._retiring_frees_a_destination(replace):
-            self._retire(replace)
+            self.cks.retire(replace)
             return self._capture_dest(owner)
         if dest is not None:
-            self._retire(replace)
+            self.cks.retire(replace)
         return dest
 
     def _retiring_frees_a_destination(self, retire: list[tuple[Checkpoint, Owner]]) -> bool:
-        if self.freed_by_retiring(retire).get(STATE, 0) >= 1:
+        if self.cks.freed_by_retiring(retire).get(STATE, 0) >= 1:
             return True
         return any(c.owners == {o: 1} and not c.image.leases and c.image.host is not None
                    and c.image.host.size >= self.mem.image_bytes for c, o in retire)
@@ -659,9 +629,9 @@ class Program:
 
     def _finish_capture(self, seq: Sequence, dest: CaptureDest) -> tuple[Checkpoint, int | None]:
         image = StateImage()
-        ck = self._new_checkpoint(CkptKind.CACHE, seq, image, dest.owner)
+        ck = self.cks.new(CkptKind.CACHE, seq, image, dest.owner)
         if dest.res is not None:
-            image.slot = self._take_slot(ck, dest.res)
+            image.slot = self.slots.take(ck, dest.res)
             self.mem.copy_slot(seq.slot, image.slot)
             return ck, None
         image.host = dest.ext
@@ -670,106 +640,27 @@ class Program:
         self.bytes_d2h += self.mem.image_bytes
 
         def abort() -> tuple[list[int], list[int]]:
-            self.unlease(image)
+            self.cks.unlease(image)
             if ck.cid in self.checkpoints:
-                self.delete_checkpoint(ck)
+                self.cks.delete(ck)
             return [], [ck.cid]
-        return ck, self.tx_add(TxPart("capture", lambda: self.unlease(image), abort), [job])
+        return ck, self.tx_add(TxPart("capture", lambda: self.cks.unlease(image), abort), [job])
 
     # ==== checkpoints ==================================================================
-    def _new_checkpoint(self, kind: CkptKind, seq: Sequence, image: StateImage, owner: Owner) -> Checkpoint:
-        tokens = tuple(seq.ledger[:seq.frontier])
-        ck = Checkpoint(sink=self._changed_ckpts, cid=next(self._ids), generation=next_generation(), kind=kind, tokens=tokens,
-                        digest=self.input_digest(tokens), image=image, blocks={}, owners={owner: 1})
-        cover = {MAIN: seq.frontier}
-        if self.spec is not None:
-            ck.draft_base, ck.draft_frontier = self.spec.coverage(seq)
-            cover[self.spec.kind] = ck.draft_frontier
-        for k, blocks in seq.blocks.items():
-            # a coverage that starts at the same base as the sequence's directory: a prefix of it
-            ck.blocks[k] = blocks[:max(0, pages_for(cover[k]) - self.kv.page0(ck, k))]
-            self.kv.hold(ck.blocks[k], ck.cid)
-        self.checkpoints[ck.cid] = ck
-        if self.spec is not None:
-            self.spec.noted(ck)
-        return ck
-
     def add_owner(self, ck: Checkpoint, owner: Owner) -> None:
-        ck.owners[owner] = ck.owners.get(owner, 0) + 1
-        ck.touch()
+        self.cks.add_owner(ck, owner)
 
     def release_owner(self, ck: Checkpoint, owner: Owner) -> bool:
-        """Drop one logical hold; the checkpoint is deleted with its last owner. True if deleted."""
-        n = ck.owners.get(owner, 0)
-        if n == 0:
-            raise NativeError(f"checkpoint {ck.cid} has no owner {owner!r}")
-        if n == 1:
-            del ck.owners[owner]
-        else:
-            ck.owners[owner] = n - 1
-        ck.touch()
-        if not ck.owners:
-            self.delete_checkpoint(ck)
-            return True
-        return False
+        return self.cks.release_owner(ck, owner)
 
     def delete_ok(self, a: Delete) -> str:
-        """Why a quoted deletion may not be committed now ("" = it may)."""
-        ck = self.checkpoints.get(a.cid)
-        if ck is None or ck.generation != a.generation:
-            return f"checkpoint {a.cid} is gone"
-        if ck.version != a.version:
-            return f"checkpoint {a.cid} changed since the quote"
-        if ck.image.leases or any(b.leases for b in ck.blocks[MAIN]):
-            return f"checkpoint {a.cid} is being read"
-        return ""
-
-    def delete_checkpoint(self, ck: Checkpoint, keep_content: bool = False) -> None:
-        """Remove a checkpoint. ``keep_content``: its Device state and block holds were handed
-        over. Replicas still being read are freed when their reader finishes."""
-        del self.checkpoints[ck.cid]
-        self.kv.drop_all(ck.cid, ck.blocks)
-        if ck.image.leases:
-            self._orphans.add(ck.image)
-            if ck.image.slot is not None:
-                self._slot_owner[ck.image.slot] = ck.image
-        elif not keep_content:
-            self._free_image(ck.image)
-        elif ck.image.host is not None:
-            self.host.release(ck.image.host)
-            ck.image.host = None
-        ck.owners.clear()
-
-    def unlease(self, obj: KvBlock | StateImage) -> None:
-        """A reader finished: drop its lease and free the replica if nobody holds it any more."""
-        if isinstance(obj, KvBlock):
-            self.kv.unlease(obj)
-            return
-        obj.leases -= 1
-        if obj.leases:
-            return
-        if obj in self._orphans:
-            self._orphans.discard(obj)
-            self._free_image(obj)
-
-    def _free_image(self, image: StateImage) -> None:
-        if image.slot is not None:
-            self._release_slot(image.slot)
-            image.slot = None
-        if image.host is not None:
-            self.host.release(image.host)
-            image.host = None
+        return self.cks.delete_ok(a)
 
     def device_checkpoints(self) -> set[int]:
-        """Checkpoints with any Device content (a state slot or a KV page) — found through the
-        slots and the paged blocks, so O(Device capacity), never a directory scan."""
-        out = {o.cid for o in self._slot_owner.values() if isinstance(o, Checkpoint)}
-        out.update(h for h in self.kv.paged_holders() if h in self.checkpoints)
-        return out
+        return self.cks.device_checkpoints()
 
-    def _release_slot(self, slot: int) -> None:
-        del self._slot_owner[slot]
-        self.pools[STATE].release(slot)
+    def delete_checkpoint(self, ck: Checkpoint) -> None:
+        self.cks.delete(ck)
 
     # ==== calibration =================================================================
     def calibrate(self, tokens: int = 32) -> tuple[float, float]:
@@ -810,15 +701,7 @@ class Program:
         """(cid, generation, image on the Device, Main pages only on the Host) of every
         checkpoint whose placement changed since the last call — O(what changed), so the
         controller's restore-cost mirror never needs a scan of the directory."""
-        cids = {c for c in self._changed_ckpts if c in self.checkpoints}
-        cids.update(h for h in self.kv.take_changed() if h in self.checkpoints)
-        self._changed_ckpts.clear()
-        out = []
-        for cid in sorted(cids):
-            ck = self.checkpoints[cid]
-            host_pages = sum(1 for b in ck.blocks.get(MAIN, ()) if b.page is None)
-            out.append((cid, ck.generation, ck.image.slot is not None, host_pages))
-        return out
+        return self.cks.placement_changes()
 
     @property
     def host_only_pages(self) -> int:
@@ -836,7 +719,7 @@ class Program:
         for ck in images:
             img = ck.image
             if img.host is not None:
-                self._release_slot(img.slot)
+                self.slots.release(img.slot)
                 img.slot = None
                 ck.touch()
                 continue
@@ -870,16 +753,16 @@ class Program:
         def publish() -> None:
             for ck in moving_images:
                 img = ck.image
-                if img.slot is not None and img not in self._orphans:
-                    self._release_slot(img.slot)
+                if img.slot is not None and not self.slots.is_orphan(img):
+                    self.slots.release(img.slot)
                     img.slot = None
                     ck.touch()
-                self.unlease(img)
+                self.slots.unlease(img)
             for b in moving_blocks:
                 if b.page is not None and b.holders:
                     self.kv.page_out(b)
                     b.touch()
-                self.unlease(b)
+                self.kv.unlease(b)
 
         def abort() -> tuple[list[int], list[int]]:
             """The copies failed: the Device replicas stay (reported as a placement change,
@@ -889,12 +772,12 @@ class Program:
                 if img.host is not None:
                     self.host.release(img.host)
                     img.host = None
-                self.unlease(img)
-                self._changed_ckpts.add(ck.cid)
+                self.slots.unlease(img)
+                self.cks.changed(ck)
             for b in moving_blocks:
                 if b.host is not None and b.bid in self.blocks:
                     self.kv.release_host(b)
-                self.unlease(b)
+                self.kv.unlease(b)
                 self.kv.changed(b)
             return [], []
         return jobs, TxPart("demote", publish, abort)
@@ -989,7 +872,7 @@ class Program:
         snap, tid = None, None
         if to_host and self._snapshot_fits(seq, victims):
             for a in victims:
-                self.delete_checkpoint(self.checkpoints[a.cid])
+                self.cks.delete(self.checkpoints[a.cid])
             blocks, _ = self.pause_plan(seq)
             snap = self._handover(seq, CkptKind.SNAPSHOT, SnapshotOwner(seq.sid))
             jobs, part = self.demote([snap], blocks)
@@ -999,7 +882,7 @@ class Program:
                 def abort() -> tuple[list[int], list[int]]:
                     revoke()                    # the copy failed: the snapshot is revoked (Replay)
                     if snap.cid in self.checkpoints:
-                        self.delete_checkpoint(snap)
+                        self.cks.delete(snap)
                     if seq.snapshot is snap:
                         seq.snapshot = None
                     return [], [snap.cid]
@@ -1011,7 +894,7 @@ class Program:
         return PauseResult(snap, tid, {k: self.pools[k].free - n for k, n in before.items()})
 
     def _snapshot_fits(self, seq: Sequence, victims: list[Delete]) -> bool:
-        if any(self.delete_ok(a) for a in victims):
+        if any(self.cks.delete_ok(a) for a in victims):
             return False
         _, sizes = self.pause_plan(seq)
         return place_first_fit(self.host_holes_after({a.cid for a in victims}), sizes) is not None
@@ -1019,8 +902,8 @@ class Program:
     def _handover(self, seq: Sequence, kind: CkptKind, owner: Owner) -> Checkpoint:
         """Turn the writer into an immutable checkpoint at the current frontier (Move)."""
         image = StateImage(slot=seq.slot)
-        ck = self._new_checkpoint(kind, seq, image, owner)
-        self._slot_owner[seq.slot] = ck
+        ck = self.cks.new(kind, seq, image, owner)
+        self.slots.hand(seq.slot, ck)
         seq.slot = None
         self.kv.drop_all(seq.sid, seq.blocks)
         seq.blocks = self.kv.empty()
@@ -1029,7 +912,7 @@ class Program:
 
     def _drop_execution(self, seq: Sequence) -> None:
         if seq.slot is not None:
-            self._release_slot(seq.slot)
+            self.slots.release(seq.slot)
             seq.slot = None
         self.kv.drop_all(seq.sid, seq.blocks)
         seq.blocks = self.kv.empty()
@@ -1048,7 +931,7 @@ class Program:
         if seq.slot is not None or any(seq.blocks.values()):
             self._drop_execution(seq)
         if seq.snapshot is not None and seq.snapshot.cid in self.checkpoints:
-            self.release_owner(seq.snapshot, SnapshotOwner(seq.sid))
+            self.cks.release_owner(seq.snapshot, SnapshotOwner(seq.sid))
         seq.snapshot = None
         seq.phase = Phase.FINISHED
         self.sequences.pop(seq.sid, None)
@@ -1120,29 +1003,16 @@ class Program:
             pool.check_integrity()
         self.host.check_integrity()
         self.kv.check_integrity(self.sequences.values(), self.checkpoints.values())
-        for slot, holder in self._slot_owner.items():
-            if isinstance(holder, Checkpoint) and holder.image.slot != slot:
-                raise IntegrityError(f"slot {slot} names checkpoint {holder.cid}, which is not in it")
-        slots = {s.slot: s for s in self.sequences.values() if s.slot is not None}
-        slots.update({c.image.slot: c for c in self.checkpoints.values() if c.image.slot is not None})
-        slots.update({img.slot: img for img in self._orphans if img.slot is not None})
-        if set(slots) != self.pools[STATE].used_ids() or set(slots) != set(self._slot_owner):
-            raise IntegrityError("state slots and their owners disagree")
-        for c in self.checkpoints.values():
-            if not c.owners:
-                raise IntegrityError(f"checkpoint {c.cid} has no owner")
-            if c.image.slot is None and c.image.host is None:
-                raise IntegrityError(f"checkpoint {c.cid} has no StateImage replica")
+        self.slots.check_integrity(self.sequences.values(), self.checkpoints.values(), idle)
+        self.cks.check_integrity()
         if idle:
             for pool in self.pools.values():
                 if pool.reserved:
                     raise IntegrityError(f"{pool.kind}: {pool.reserved} units still reserved")
             if self.tx is not None or self.transfers.busy:
                 raise IntegrityError("a transaction is still in flight")
-            if any(b.leases for b in self.blocks.values()) or any(c.image.leases for c in self.checkpoints.values()):
+            if self.kv.leased() or self.cks.leased():
                 raise IntegrityError("a reader lease is still held")
-            if self._orphans:
-                raise IntegrityError("an orphaned StateImage was never freed")
 
     def is_empty(self) -> bool:
         """Nothing held at all (after every sequence and checkpoint is released)."""
