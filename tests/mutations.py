@@ -176,7 +176,7 @@ MUTATIONS = [
         '        ext = self.host.allocate(self.mem.image_bytes, kind="state")\n        if ext is not None:\n            return CaptureDest(owner, ext=ext)',
         '        ext = self.host.allocate(self.mem.image_bytes, kind="state") if self.tx is None else None\n        if ext is not None:\n            return CaptureDest(owner, ext=ext)',
         ['tests/engine/test_cycle.py::test_a_host_save_is_not_lost_to_a_read_back']),
-    Mut('a failed copy aborts its transaction', 'ninfer/native/program.py',
+    Mut('a failed copy aborts its transaction', 'ninfer/native/context/transaction.py',
         '            if error:\n                failed, lost = part.abort()',
         '            if False:\n                failed, lost = part.abort()',
         ['tests/engine/test_cycle.py::test_a_failed_read_back_fails_only_its_request']),

@@ -37,6 +37,7 @@ from ninfer.native import graphs
 from ninfer.native.context.checkpoints import Checkpoints
 from ninfer.native.context.kv_directory import KvDirectory
 from ninfer.native.context.slots import StateSlots
+from ninfer.native.context.transaction import ContextTx, Job, Transaction, TxPart, TxSettled
 from ninfer.native.layout import KV_KINDS, MAIN, STATE, Layout
 from ninfer.native.memory import Memory
 from ninfer.native.model.forward import ForwardBatch, SeqInput
@@ -78,7 +79,6 @@ from ninfer.protocol import (
 )
 from ninfer.sampling_params import SamplingParams
 
-Job = Callable[[], None]
 log = logging.getLogger("ninfer.native")
 
 
@@ -131,30 +131,6 @@ class PauseResult:
     freed: dict[str, int]            # Device units freed at once
 
 
-@dataclass(eq=False)
-class TxPart:
-    kind: str                                    # "bind" | "capture" | "demote" | "pause"
-    publish: Callable[[], None]
-    abort: Callable[[], tuple[list[int], list[int]]]   # -> (failed sids, lost cids)
-
-
-@dataclass(eq=False)
-class Transaction:
-    tid: int
-    generation: int
-    parts: list[TxPart] = field(default_factory=list)
-
-
-@dataclass
-class TxSettled:
-    tid: int
-    generation: int
-    ok: bool
-    error: str = ""
-    failed_sids: list[int] = field(default_factory=list)
-    lost_cids: list[int] = field(default_factory=list)
-
-
 class Program:
     def __init__(self, model: HybridModel, layout: Layout, faults: FaultPlan | None = None,
                  copy_engine: str = "auto", tower=None, vision_merge: int = 0, encoder_cache_bytes: int = 0,
@@ -183,6 +159,7 @@ class Program:
         self.exec_identity = hashlib.blake2b(
             (repr(model.cfg) + str(model.dtype) + model.path.name).encode(), digest_size=16).digest()
         self._ids = count(1)
+        self.txn = ContextTx(self.transfers, self._ids)
         self.kv = KvDirectory(self.pools, self.host, self.mem, self._ids)
         self.slots = StateSlots(self.pools, self.host)
         self.cks = Checkpoints(self.kv, self.slots, self.host, self._ids, self.exec_identity)
@@ -190,10 +167,6 @@ class Program:
         self.sequences: dict[int, Sequence] = {}
         self.checkpoints = self.cks.table
         self.blocks = self.kv.blocks
-        self.tx: Transaction | None = None
-        self._settled: list[TxSettled] = []          # transactions settled outside progress()
-        self.bytes_h2d = 0                           # observation: copies submitted each way
-        self.bytes_d2h = 0
         self.spec = None                             # the draft backend (speculative.py), when configured
         if layout.spec_method == "mtp":
             self.spec = MtpBackend(self.kv, self.checkpoints, layout, model)
@@ -341,7 +314,7 @@ class Program:
             seq.phase = Phase.RUNNING
             return BindOutcome(ok=True)
         seq.phase = Phase.MATERIALIZING
-        tid = self.tx_add(TxPart("bind", lambda: self._finish_bind(seq, after), abort), reads)
+        tid = self.txn.add(TxPart("bind", lambda: self._finish_bind(seq, after), abort), reads)
         return BindOutcome(ok=True, tid=tid)
 
     def _drop_own_snapshot(self, seq: Sequence) -> None:
@@ -374,7 +347,7 @@ class Program:
                 self.mem.copy_slot(img.slot, seq.slot)
             else:
                 reads.append(self.mem.host_to_slot(img.host, seq.slot))
-                self.bytes_h2d += self.mem.image_bytes
+                self.txn.count(h2d=self.mem.image_bytes)
                 if mode is BindMode.MOVE:
                     detached, img.host = img.host, None
                 else:
@@ -390,7 +363,7 @@ class Program:
                     leased.append(b)
                     fetched.append(b)
                     reads.append(self.mem.host_to_page(b.host, b.page))
-                    self.bytes_h2d += self.mem.page_bytes
+                    self.txn.count(h2d=self.mem.page_bytes)
                     b.touch()
         seq.draft_base, seq.draft_frontier = src.draft_base, src.draft_frontier
         self.kv.claim_tail(seq)
@@ -637,14 +610,14 @@ class Program:
         image.host = dest.ext
         image.leases += 1          # not a query source until the copy is published
         job = self.mem.slot_to_host(seq.slot, dest.ext, snapshot_now=True)
-        self.bytes_d2h += self.mem.image_bytes
+        self.txn.count(d2h=self.mem.image_bytes)
 
         def abort() -> tuple[list[int], list[int]]:
             self.cks.unlease(image)
             if ck.cid in self.checkpoints:
                 self.cks.delete(ck)
             return [], [ck.cid]
-        return ck, self.tx_add(TxPart("capture", lambda: self.cks.unlease(image), abort), [job])
+        return ck, self.txn.add(TxPart("capture", lambda: self.cks.unlease(image), abort), [job])
 
     # ==== checkpoints ==================================================================
     def add_owner(self, ck: Checkpoint, owner: Owner) -> None:
@@ -728,7 +701,7 @@ class Program:
                 raise NativeError("a demotion's Host destination does not fit (placement was not checked)")
             img.leases += 1
             jobs.append(self.mem.slot_to_host(img.slot, img.host, snapshot_now=False))
-            self.bytes_d2h += self.mem.image_bytes
+            self.txn.count(d2h=self.mem.image_bytes)
             moving_images.append(ck)
         for b in blocks:
             if b.leases:
@@ -745,7 +718,7 @@ class Program:
             b.host_filled = b.filled
             b.leases += 1
             jobs.append(self.mem.page_to_host(b.page, b.host))
-            self.bytes_d2h += self.mem.page_bytes
+            self.txn.count(d2h=self.mem.page_bytes)
             moving_blocks.append(b)
         if not jobs:
             return [], None
@@ -886,7 +859,7 @@ class Program:
                     if seq.snapshot is snap:
                         seq.snapshot = None
                     return [], [snap.cid]
-                tid = self.tx_add(TxPart("pause", part.publish, abort), jobs)
+                tid = self.txn.add(TxPart("pause", part.publish, abort), jobs)
         else:
             self._drop_execution(seq)
         seq.snapshot = snap
@@ -924,7 +897,7 @@ class Program:
         """Cancel / error / done without saving: free everything the sequence holds. While its
         read-back is in flight the release waits for the real reader (seed: 提交后等待真实
         reader 完成再释放) and happens when the transaction settles."""
-        if seq.phase is Phase.MATERIALIZING and seq.slot is not None and self.tx is not None:
+        if seq.phase is Phase.MATERIALIZING and seq.slot is not None and self.txn.current is not None:
             seq.cancel_requested = True
             return
         self.settle(seq)
@@ -937,63 +910,29 @@ class Program:
         self.sequences.pop(seq.sid, None)
 
     # ==== the context transaction ======================================================
-    def tx_add(self, part: TxPart, jobs: list[Job]) -> int:
-        """Start the context transaction, or join the running one while its copies are still
-        in flight. One whose copies all finished is settled first (its completion may still be
-        on its way; it will find the transaction gone)."""
-        tx = self.tx
-        if tx is not None and not self.transfers.can_join(tx.tid, tx.generation):
-            if self.transfers.finished(tx.tid, tx.generation):
-                self._settled.append(self.publish(tx.tid, tx.generation, self.transfers.error_of(tx.tid, tx.generation)))
-            tx = self.tx
-        if tx is None:
-            tx = self.tx = Transaction(next(self._ids), next_generation())
-        tx.parts.append(part)
-        for job in jobs:
-            self.transfers.submit(tx.tid, tx.generation, job)
-        return tx.tid
+    @property
+    def tx(self) -> Transaction | None:
+        return self.txn.current
+
+    @property
+    def bytes_h2d(self) -> int:
+        return self.txn.bytes_h2d
+
+    @property
+    def bytes_d2h(self) -> int:
+        return self.txn.bytes_d2h
 
     def progress(self) -> list[TxSettled]:
-        """One progress point: settle every transaction whose completion was delivered."""
-        out, self._settled = self._settled, []
-        for tid, gen, error in self.transfers.drain():
-            r = self.publish(tid, gen, error)
-            if r is not None:
-                out.append(r)
-        return out
+        return self.txn.progress()
 
     def publish(self, tid: int, generation: int, error: str = "") -> TxSettled | None:
-        """Settle one completion: publish every part, or abort every part when a copy failed.
-        A completion for a transaction that is gone, or with another generation (a reused
-        descriptor), changes nothing and returns None."""
-        tx = self.tx
-        if tx is None or tx.tid != tid or tx.generation != generation:
-            return None
-        self.tx = None
-        self.transfers.forget(tid, generation)
-        out = TxSettled(tid, generation, ok=not error, error=error)
-        for part in tx.parts:
-            if error:
-                failed, lost = part.abort()
-                out.failed_sids += failed
-                out.lost_cids += lost
-            else:
-                part.publish()
-        return out
+        return self.txn.publish(tid, generation, error)
 
     def overdue(self) -> list[TxSettled]:
-        """Settle the running transaction if its copies finished but no completion was
-        delivered (dropped). The controller asks after its completion timeout."""
-        tx = self.tx
-        if tx is not None and self.transfers.finished(tx.tid, tx.generation):
-            r = self.publish(tx.tid, tx.generation, self.transfers.error_of(tx.tid, tx.generation))
-            return [r] if r is not None else []
-        return []
+        return self.txn.overdue()
 
     def wait_transfers(self, timeout: float) -> None:
-        """Block (without spinning) until a copy finishes or ``timeout`` passes."""
-        if self.transfers.pending:
-            self.transfers.wait(timeout)
+        self.txn.wait(timeout)
 
     # ==== integrity ====================================================================
     def check_integrity(self, idle: bool = False) -> None:
@@ -1009,8 +948,7 @@ class Program:
             for pool in self.pools.values():
                 if pool.reserved:
                     raise IntegrityError(f"{pool.kind}: {pool.reserved} units still reserved")
-            if self.tx is not None or self.transfers.busy:
-                raise IntegrityError("a transaction is still in flight")
+            self.txn.check_integrity(idle)
             if self.kv.leased() or self.cks.leased():
                 raise IntegrityError("a reader lease is still held")
 

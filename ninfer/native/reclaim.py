@@ -163,7 +163,7 @@ def commit(prog: "Program", actions: list[Action]) -> CommitResult:
     for cid in sorted(deleted):
         prog.delete_checkpoint(prog.checkpoints[cid])
     jobs, part = prog.demote(images, blocks)
-    tid = prog.tx_add(part, jobs) if part is not None else None
+    tid = prog.txn.add(part, jobs) if part is not None else None
     return CommitResult(ok=True, tid=tid, freed={k: prog.pools[k].free - n for k, n in before.items()})
 
 
