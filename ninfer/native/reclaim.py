@@ -159,10 +159,10 @@ def commit(prog: "Program", actions: list[Action]) -> CommitResult:
         return CommitResult(ok=False, reason="host: the destinations do not fit first-fit")
     before = {k: prog.pools[k].free for k in (MAIN, STATE)}
     for cid in sorted(dropped):                 # safe duplicates first: nothing is lost
-        prog.drop_host_copy(prog.checkpoints[cid])
+        prog.placement.drop_host_copy(prog.checkpoints[cid])
     for cid in sorted(deleted):
         prog.delete_checkpoint(prog.checkpoints[cid])
-    jobs, part = prog.demote(images, blocks)
+    jobs, part = prog.placement.demote(images, blocks)
     tid = prog.txn.add(part, jobs) if part is not None else None
     return CommitResult(ok=True, tid=tid, freed={k: prog.pools[k].free - n for k, n in before.items()})
 
