@@ -8,8 +8,9 @@ written positions, gives back the pages past the new frontier, stores the contin
 samples where the ledger ends (seeded per position: sampler.py) and lets the draft backend catch
 up. It never reserves, binds or captures: those are the caller's, before and after.
 
-Invariant: between calls a running sequence's directory covers its frontier exactly and its
-slot's continuation hidden is the hidden at frontier - 1 (what an exact hit samples from).
+After a call a running sequence's directory covers its frontier exactly (kv_directory.py checks
+it) and its slot's continuation hidden is the hidden at frontier - 1 (what an exact hit samples
+from).
 """
 
 from __future__ import annotations

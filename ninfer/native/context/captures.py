@@ -42,7 +42,7 @@ class Captures:
         self.txn = txn
 
     def prepare(self, owner: Owner, retire: list[tuple[Checkpoint, Owner]] = (),
-                        replace: list[tuple[Checkpoint, Owner]] = ()) -> CaptureDest | None:
+                replace: list[tuple[Checkpoint, Owner]] = ()) -> CaptureDest | None:
         """Destination first (seed: 跨过语义 frontier 前准备目的 state): a Device slot, else the
         Host (its copy joins the context transaction), else nothing. Permitted old points
         retire first; a failed save does not bring them back (seed: 新保存失败不恢复旧点).

@@ -278,8 +278,5 @@ class KvDirectory:
                 raise IntegrityError(f"checkpoint {c.cid}'s draft pages disagree with its coverage "
                                      f"[{c.draft_base}, {c.draft_frontier})")
 
-    def is_empty(self) -> bool:
-        return not self.blocks
-
     def leased(self) -> bool:
         return any(b.leases for b in self.blocks.values())
