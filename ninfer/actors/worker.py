@@ -101,8 +101,8 @@ class Worker:
         return P.WorkerInfo(
             protocol=P.PROTOCOL_VERSION, model_type=cfg.model_type, vocab_size=cfg.vocab_size,
             max_context=lay.max_context, eos_ids=list(self.eos_ids), max_concurrency=lay.max_concurrency,
-            kv_pages=lay.main_pages, state_slots=lay.state_slots, page_bytes=self.prog.mem.page_bytes,
-            image_bytes=self.prog.mem.image_bytes, host_capacity=lay.host_capacity_bytes,
+            kv_pages=lay.main_pages, state_slots=lay.state_slots, page_bytes=self.prog.page_bytes,
+            image_bytes=self.prog.image_bytes, host_capacity=lay.host_capacity_bytes,
             prefill_chunk_tokens=lay.prefill_chunk_tokens, exec_identity=self.prog.exec_identity,
             dtype=lay.dtype, h2d_bytes_per_s=self.calibration[0], prefill_s_per_token=self.calibration[1],
             vision_merge=self.prog.vision_merge,
@@ -157,8 +157,7 @@ class Worker:
                           spec=self.prog.spec_peak(seq, 1))
 
     def checkpoint(self, cid: int, generation: int) -> Checkpoint | None:
-        ck = self.prog.checkpoints.get(cid)
-        return ck if ck is not None and ck.generation == generation else None
+        return self.prog.checkpoint(cid, generation)
 
     def retires(self, retire: list[P.Retire]) -> list[tuple[Checkpoint, P.Owner]]:
         return [(ck, r.owner) for r in retire if (ck := self.checkpoint(r.cid, r.generation)) is not None]
@@ -185,7 +184,7 @@ class Worker:
         reply.bytes_h2d, reply.bytes_d2h = prog.bytes_h2d, prog.bytes_d2h
         reply.faults_fired = self.faults.fired()
         reply.spec = prog.spec.stats if prog.spec is not None else None
-        reply.uncovered, prog.uncovered = prog.uncovered, []
+        reply.uncovered = prog.take_uncovered()
         reply.vision = prog.encoder.stats if prog.encoder is not None else None
         reply.graphs = prog.graphs.stats if prog.graphs is not None else None
         g = prog.grammar_stats
@@ -233,7 +232,7 @@ class Worker:
             reply.settled += [_settled(r, 1) for r in done]
             return P.CompletionsOut([P.TxRef(r.tid, r.generation) for r in done])
         if isinstance(c, P.Commit):
-            return P.CommitOut(reclaim.commit(prog, c.actions))
+            return P.CommitOut(prog.apply(c.actions))
         if isinstance(c, P.Quote):
             return P.FactsOut(reclaim.quote(prog))
         if isinstance(c, P.CheckIntegrity):
@@ -356,7 +355,7 @@ class _StepRun:
         for the blocks the chain's own take-backs let go of (a pause touches them): a later
         step names them as quoted, and that is no change since the quote."""
         if isinstance(r, P.Reclaim):
-            return P.Applied(index, commit=reclaim.commit(self.prog, reclaim.as_touched(r.actions, touched)))
+            return P.Applied(index, commit=self.prog.apply(reclaim.as_touched(r.actions, touched)))
         seq = self.prog.sequences[r.sid]
         held = [(b, b.version) for blocks in seq.blocks.values() for b in blocks]
         paused = self.prog.pause(seq, r.to_host, r.host_victims)
@@ -470,12 +469,12 @@ class _StepRun:
             return None, P.CaptureResult.STALE_ROOM, None
         deleted = {a.cid for a in cap.room if isinstance(a, P.Delete)}
         images, blocks = reclaim.migrations_of(prog, cap.room)
-        sizes = prog.demotion_sizes(images, blocks) + [prog.mem.image_bytes]
+        sizes = prog.demotion_sizes(images, blocks) + [prog.image_bytes]
         dropped = {a.cid for a in cap.room if isinstance(a, P.DropHostCopy)}
         fits_host = place_first_fit(prog.host_holes_after(deleted, dropped), sizes) is not None
         if freed[0].now.get(P.STATE, 0) < 1 and not fits_host:
             return None, P.CaptureResult.NO_ROOM, None
-        res = reclaim.commit(prog, cap.room)
+        res = prog.apply(cap.room)
         dest = prog.prepare_capture(cap.owner, (), self.w.retires(cap.replace)) if res.ok else None
         if dest is None:
             return None, P.CaptureResult.STALE_ROOM if not res.ok else P.CaptureResult.NO_ROOM, res

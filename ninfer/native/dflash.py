@@ -41,25 +41,27 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ninfer.native.layout import DFLASH
+from ninfer.native.layout import DFLASH, Layout
 from ninfer.native.model.config import PAGE_SIZE
 from ninfer.native.model.dflash import DFlashDraft, DraftBlock
 from ninfer.native.objects import Checkpoint, Sequence
 from ninfer.native.speculative import DraftBackend, Pending
 
 if TYPE_CHECKING:
-    from ninfer.native.program import Program
+    from ninfer.native.context.kv_directory import KvDirectory
+    from ninfer.native.model.model import HybridModel
 
 
 class DFlashBackend(DraftBackend):
     kind = DFLASH
 
-    def __init__(self, prog: "Program"):
-        super().__init__(prog, prog.layout.spec_method)
-        self.draft = DFlashDraft.load(prog.layout.draft_dir, prog.model)
+    def __init__(self, kv: "KvDirectory", checkpoints: dict[int, Checkpoint], layout: Layout,
+                 model: "HybridModel"):
+        super().__init__(kv, checkpoints, layout, model, layout.spec_method)
+        self.draft = DFlashDraft.load(layout.draft_dir, model)
         self.taps = self.draft.taps
         self.window = self.draft.cfg.window            # the draft's sliding window (DFlash2), or None
-        self.cache = self.draft.new_cache(prog.layout.kv_pages[DFLASH])
+        self.cache = self.draft.new_cache(layout.kv_pages[DFLASH])
 
     def rows(self, out, lo: int, keep: int) -> torch.Tensor:
         return out.taps[lo:lo + keep]
@@ -81,12 +83,11 @@ class DFlashBackend(DraftBackend):
 
     def noted(self, ck: Checkpoint) -> None:
         if not self.complete(ck):
-            self.prog.uncovered.append((ck.cid, ck.generation))
+            self.uncovered.append((ck.cid, ck.generation))
 
     # ---- after the target's forward -----------------------------------------------------
     def after_call(self, pending: list[Pending]) -> None:
         """Append every sequence's new context, then draft a block for those that sampled."""
-        prog = self.prog
         append_rows, positions, slots = [], [], []
         blocks: list[tuple[Sequence, int]] = []
         for p in pending:
@@ -106,7 +107,7 @@ class DFlashBackend(DraftBackend):
                 append_rows.append(p.rows[d - f0:f - f0])
                 positions.append(pos)
                 slots.append(table[pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE)
-                prog.mark_written(seq, d, f, DFLASH)
+                self.kv.mark_written(seq, d, f, DFLASH)
                 seq.draft_frontier = f
                 self.stats.entries += f - d
             self._slide(seq)
@@ -115,7 +116,7 @@ class DFlashBackend(DraftBackend):
                 blocks.append((seq, n))
         with torch.no_grad():
             if append_rows:
-                dev = prog.device
+                dev = self.device
                 self.draft.append(self.cache, torch.cat(append_rows), torch.cat(positions).to(dev),
                                   torch.cat(slots).to(dev))
             if blocks:
@@ -134,6 +135,6 @@ class DFlashBackend(DraftBackend):
             return
         blocks = seq.blocks[DFLASH]
         for b in blocks[:drop]:
-            self.prog.drop_holder(b, seq.sid)
+            self.kv.drop_holder(b, seq.sid)
         del blocks[:drop]
         seq.draft_base = first * PAGE_SIZE

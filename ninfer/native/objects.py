@@ -19,12 +19,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import count
 
+from ninfer.errors import NInferError
 from ninfer.native.model.config import PAGE_SIZE
 from ninfer.native.stores import Extent, Reservation
 from ninfer.protocol import CkptKind, Owner, Phase
 from ninfer.sampling_params import SamplingParams
 
 _generation = count(1)
+
+
+class NativeError(NInferError):
+    """A request to the Program that contradicts its physical truth (a policy bug)."""
 
 
 def next_generation() -> int:

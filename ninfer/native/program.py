@@ -1,162 +1,66 @@
-"""The Native Program: the worker's physical truth (seed: Native Program 与其 stores).
+"""The Native Program: the worker's physical truth (seed: Native Program 与其 stores) — a façade.
 
 It owns the model, the Device/Host memory and the stores, and every mutable fact about them:
 sequences (ledger + frontiers + KV directory + writer state slot), checkpoints (exact restore
 points), reservations, leases and the context transaction. Policy never reaches inside; the
-worker calls these methods for the plan's intents and reports what they did.
+worker calls these verbs for the plan's intents and reports what they did. Each verb's
+docstring says what it reads and what it writes; the work is done by one part per job::
+
+    Program (the worker's verbs)
+      ├─ runner.ModelRunner                    one forward call: verify, sample, commit
+      ├─ context.writers.Writers               bind (Move / Fork, read-back), freeze, pause, release
+      ├─ context.captures.Captures             save destinations, the saves themselves
+      ├─ context.host_placement.HostPlacement  demotions, Host holes, safe duplicates
+      ├─ context.checkpoints.Checkpoints       the checkpoint table and its owners
+      ├─ context.kv_directory.KvDirectory      KV blocks: pages, Host replicas, holders, COW
+      ├─ context.slots.StateSlots              state slots and their holders
+      └─ context.transaction.ContextTx         the one context transaction
+
+The parts know each other only through their public methods, wired here; the draft backends
+(speculative.py, dflash.py) reach their pool through the KV directory's. The read side and the
+one reclaim writer (``apply``) form the ``ContextCache`` contract (context/contract.py) that
+reclaim.py and the worker's permit checks rely on; ``check_integrity`` runs every part's
+invariants.
 
 Unit life cycle::
 
-    unit_demand -> reserve_unit -> execute (allocate from the reservation, write, sample,
-    commit, optional capture) -> settle (return the unused reservation)
-
-The context transaction (at most one at a time; seed: Program 同时至多有一个上下文事务) carries
-binds with read-back, Host captures, demotions and pause snapshots. A later copy joins the
-running transaction while its copies are still in flight; its completion comes once all of
-them finished. Each part follows the seed's order (sources and destinations → leases and
-reservations → copies → completion → publish → release sources) and knows how to abort: a copy
-error aborts the whole transaction — leases dropped, destinations freed, sequences whose
-read-back failed released, captures and pause snapshots that could not be written deleted —
-and the report names exactly what it cost. A late or duplicate completion names a transaction
-that is gone (or has another generation) and changes nothing.
+    seq_demand -> reserve_unit -> [prepare_capture] -> execute (allocate from the reservation,
+    write, sample, commit, capture) -> settle (return the unused reservation)
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from itertools import count
 
-import torch
-
-from ninfer.errors import NInferError
 from ninfer.faults import FaultPlan
-from ninfer.native import graphs
-from ninfer.native.layout import KV_KINDS, MAIN, MTP, STATE, Layout
-from ninfer.native.memory import Memory
-from ninfer.native.model.config import PAGE_SIZE
-from ninfer.native.model.forward import ForwardBatch, SeqInput
-from ninfer.native.model.model import HybridModel
-from ninfer.native.objects import (
-    Checkpoint,
-    KvBlock,
-    Sequence,
-    StateImage,
-    next_generation,
-    pages_for,
-)
-from ninfer.native.sampler import PROMPT_ROWS, prompt_logprobs, sample_token, stop_reason, token_logprobs
+from ninfer.native import calibration, graphs, reclaim
+from ninfer.native.context.captures import CaptureDest, Captures
+from ninfer.native.context.checkpoints import Checkpoints
+from ninfer.native.context.host_placement import HostPlacement
+from ninfer.native.context.kv_directory import KvDirectory
+from ninfer.native.context.slots import StateSlots
+from ninfer.native.context.transaction import ContextTx, Transaction, TxSettled
+from ninfer.native.context.writers import BindOutcome, PauseResult, Writers
 from ninfer.native.dflash import DFlashBackend
-from ninfer.native.speculative import MtpBackend, Pending
-from ninfer.native.stores import (
-    Extent,
-    HostArena,
-    IdPool,
-    IntegrityError,
-    Reservation,
-    allocate,
-    reserve_all,
-    settle,
-)
+from ninfer.native.layout import KV_KINDS, MAIN, STATE, Layout
+from ninfer.native.memory import Memory
+from ninfer.native.model.model import HybridModel
+from ninfer.native.objects import Checkpoint, KvBlock, NativeError, Sequence, next_generation
+from ninfer.native.runner import ModelRunner, RowResult, UnitRow
+from ninfer.native.speculative import MtpBackend
+from ninfer.native.stores import Extent, HostArena, IdPool, IntegrityError, reserve_all, settle
 from ninfer.native.transfer import TransferEngine
-from ninfer.placement import merge_extents, place_first_fit
-from ninfer.protocol import (
-    BindMode,
-    CkptKind,
-    Delete,
-    Owner,
-    Phase,
-    PromptLogprob,
-    Refusal,
-    SnapshotOwner,
-    TokenLogprob,
-    UnitKind,
-    unit_pages,
-)
+from ninfer.placement import place_first_fit
+from ninfer.protocol import Action, BindMode, CommitResult, Delete, DropHostCopy, Owner, Refusal, UnitKind
 from ninfer.sampling_params import SamplingParams
 
-Job = Callable[[], None]
 log = logging.getLogger("ninfer.native")
 
-
-class NativeError(NInferError):
-    """A request to the Program that contradicts its physical truth (a policy bug)."""
-
-
-@dataclass
-class CaptureDest:
-    """A save's destination, prepared before the unit crosses the frontier."""
-
-    owner: Owner
-    res: Reservation | None = None      # a Device slot (reserved)
-    ext: Extent | None = None           # or a Host extent
-
-
-@dataclass
-class UnitRow:
-    """One row of an execute call. ``n_tokens == 0`` samples from the continuation hidden
-    (an exact hit); otherwise ledger[frontier : frontier + n_tokens] are computed."""
-
-    seq: Sequence
-    n_tokens: int
-    kind: UnitKind = UnitKind.DECODE
-    capture: CaptureDest | None = None
-
-
-@dataclass
-class RowResult:
-    sid: int
-    frontier: int
-    committed: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)   # one per committed token, when asked
-    finish_reason: str | None = None
-    prompt_logprobs: list[PromptLogprob] = field(default_factory=list)   # prompt tokens prompt_from.. (asked)
-    prompt_from: int = 0
-    captured: Checkpoint | None = None
-    capture_tid: int | None = None
-
-
-@dataclass
-class BindOutcome:
-    ok: bool
-    shortfall: dict[str, int] = field(default_factory=dict)
-    tid: int | None = None           # set when read-back copies are in flight
-    refusal: Refusal = Refusal.NONE
-    detail: str = ""
-
-
-@dataclass
-class PauseResult:
-    snapshot: Checkpoint | None      # None: destructive (Replay)
-    tid: int | None
-    freed: dict[str, int]            # Device units freed at once
-
-
-@dataclass(eq=False)
-class TxPart:
-    kind: str                                    # "bind" | "capture" | "demote" | "pause"
-    publish: Callable[[], None]
-    abort: Callable[[], tuple[list[int], list[int]]]   # -> (failed sids, lost cids)
-
-
-@dataclass(eq=False)
-class Transaction:
-    tid: int
-    generation: int
-    parts: list[TxPart] = field(default_factory=list)
-
-
-@dataclass
-class TxSettled:
-    tid: int
-    generation: int
-    ok: bool
-    error: str = ""
-    failed_sids: list[int] = field(default_factory=list)
-    lost_cids: list[int] = field(default_factory=list)
+# the names the worker and the tests take from here
+__all__ = ["Program", "NativeError", "CaptureDest", "UnitRow", "RowResult", "BindOutcome", "PauseResult",
+           "TxSettled", "BindMode", "UnitKind"]
 
 
 class Program:
@@ -186,48 +90,67 @@ class Program:
         self.transfers = TransferEngine(self.device, copy_engine, faults)
         self.exec_identity = hashlib.blake2b(
             (repr(model.cfg) + str(model.dtype) + model.path.name).encode(), digest_size=16).digest()
-        self._ids = count(1)
-        self.grammar_stats = None                    # structured.GrammarStats once a grammar ran
-        self.sequences: dict[int, Sequence] = {}
-        self.checkpoints: dict[int, Checkpoint] = {}
-        self.blocks: dict[int, KvBlock] = {}
-        self.tx: Transaction | None = None
-        self._settled: list[TxSettled] = []          # transactions settled outside progress()
-        self._slot_owner: dict[int, object] = {}     # state slot -> Sequence | Checkpoint | StateImage
-        self._orphans: set[StateImage] = set()       # images of deleted checkpoints still being read
-        self.bytes_h2d = 0                           # observation: copies submitted each way
-        self.bytes_d2h = 0
-        self._changed_blocks: set[int] = set()       # placement changed since the last report
-        self._changed_ckpts: set[int] = set()
-        self._host_only: set[int] = set()            # blocks with only a Host replica
-        self._paged: dict[int, KvBlock] = {}         # blocks with a Device page
-        # checkpoints that lack the coverage their restore needs (DFlash), for the next reply
-        self.uncovered: list[tuple[int, int]] = []
+        self._ids = count(1)                          # sids, cids, bids, tids: one id space
+        self.sequences: dict[int, Sequence] = {}     # the live sequences
+        self.txn = ContextTx(self.transfers, self._ids)
+        self.kv = KvDirectory(self.pools, self.host, self.mem, self._ids)
+        self.slots = StateSlots(self.pools, self.host)
+        self.cks = Checkpoints(self.kv, self.slots, self.host, self._ids, self.exec_identity)
+        self.checkpoints = self.cks.table
+        self.blocks = self.kv.blocks
+        self.placement = HostPlacement(self.kv, self.slots, self.cks, self.sequences, self.host, self.mem, self.txn)
+        self.writers = Writers(self.pools, self.kv, self.slots, self.cks, self.placement, self.txn, self.sequences,
+                               self.host, self.mem)
+        self.captures = Captures(self.pools, self.cks, self.slots, self.host, self.mem, self.txn)
         self.spec = None                             # the draft backend (speculative.py), when configured
         if layout.spec_method == "mtp":
-            self.spec = MtpBackend(self)
+            self.spec = MtpBackend(self.kv, self.checkpoints, layout, model)
         elif layout.spec_method:
-            self.spec = DFlashBackend(self)
-        self.graphs: graphs.GraphRunner | None = None   # the forward's graphs (graphs.py)
-        if backend is not None:
-            self.graphs = graphs.GraphRunner(model, self.mem.cache, backend, layout.max_concurrency,
-                                             layout.max_context, *self.mem.scratch,
-                                             taps=self.spec.taps if self.spec is not None else (),
-                                             verify_tokens=layout.spec_tokens + 1 if layout.spec_tokens else 0,
-                                             chunk_tokens=layout.prefill_chunk_tokens)
-            self.graphs.capture_all()
+            self.spec = DFlashBackend(self.kv, self.checkpoints, layout, model)
+        self.cks.draft = self.spec
+        self.runner = ModelRunner(model, self.mem, self.kv, self.spec, self.encoder, layout, backend)
 
-    # ==== identity =====================================================================
+    # ==== sizes and observation ==========================================================
+    @property
+    def image_bytes(self) -> int:
+        return self.mem.image_bytes
+
+    @property
+    def page_bytes(self) -> int:
+        return self.mem.page_bytes
+
+    @property
+    def tx(self) -> Transaction | None:
+        return self.txn.current
+
+    @property
+    def bytes_h2d(self) -> int:
+        return self.txn.bytes_h2d
+
+    @property
+    def bytes_d2h(self) -> int:
+        return self.txn.bytes_d2h
+
+    @property
+    def host_only_pages(self) -> int:
+        return self.kv.host_only_pages
+
+    @property
+    def graphs(self) -> graphs.GraphRunner | None:
+        return self.runner.graphs
+
+    @property
+    def grammar_stats(self):
+        return self.runner.grammar_stats
+
     def input_digest(self, tokens: tuple[int, ...] | list[int], media: bytes = b"") -> bytes:
-        h = hashlib.blake2b(digest_size=16)
-        h.update(self.exec_identity)
-        h.update(media)
-        h.update(torch.tensor(list(tokens), dtype=torch.int64).numpy().tobytes())
-        return h.digest()
+        """The input identity of ``tokens`` under this Program's execution identity. Reads nothing mutable."""
+        return self.cks.digest(tokens, media)
 
-    # ==== sequences ====================================================================
+    # ==== sequences and units =============================================================
     def new_sequence(self, ledger: list[int], prompt_len: int, params: SamplingParams,
                      eos_ids: tuple[int, ...], media: list = ()) -> Sequence:
+        """A new unbound sequence (MATERIALIZING, nothing held). Writes: the live sequences."""
         if media and self.encoder is None:
             raise NativeError("a prompt with images on a model without a vision tower")
         seq = Sequence(sid=next(self._ids), generation=next_generation(), ledger=list(ledger),
@@ -235,44 +158,32 @@ class Program:
         if media:
             from ninfer.native.media import SeqMedia
             seq.media = SeqMedia.build(seq.ledger, prompt_len, list(media), self.vision_merge)
-        seq.blocks = self._dirs()
+        seq.blocks = self.kv.empty()
         self.sequences[seq.sid] = seq
         return seq
 
-    def _dirs(self) -> dict[str, list[KvBlock]]:
-        """An empty KV directory per kind this Program keeps."""
-        return {MAIN: [], self.spec.kind: []} if self.spec is not None else {MAIN: []}
-
-    def _page0(self, obj: Sequence | Checkpoint, kind: str) -> int:
-        """The page number of a directory's first entry: a draft backend's directory starts at
-        its base (DraftBackend.page0), Main's at 0."""
-        return 0 if kind == MAIN else obj.draft_base // PAGE_SIZE
-
     def spec_peak(self, seq: Sequence, n_tokens: int) -> int:
-        """Drafts a unit of ``n_tokens`` verifies (its speculative peak)."""
+        """Drafts a unit of ``n_tokens`` verifies (its speculative peak). Reads: the pending drafts."""
         return len(self.spec.drafts_for(seq, n_tokens)) if self.spec is not None else 0
 
-    def unit_demand(self, sid: int, frontier: int, blocks: list[KvBlock], n_tokens: int) -> dict[str, int]:
-        """Main pages a unit of ``n_tokens`` at ``frontier`` over ``blocks`` needs: growth pages
-        plus a tail copy when the frontier is inside a block this writer may not append to."""
-        tail = not frontier % PAGE_SIZE or self.can_append(blocks[frontier // PAGE_SIZE], sid, frontier)
-        return {MAIN: unit_pages(frontier, n_tokens, len(blocks), tail)}
-
     def seq_demand(self, seq: Sequence, n_tokens: int) -> dict[str, int]:
-        """What reserving the sequence's next unit adds to what it already holds reserved."""
-        demand = self.unit_demand(seq.sid, seq.frontier, seq.blocks[MAIN], n_tokens + self.spec_peak(seq, n_tokens))
+        """What reserving the sequence's next unit adds to what it already holds reserved.
+        Reads: its frontier, Main directory (tail claim), pending drafts and reservation."""
+        demand = self.kv.unit_demand(seq.sid, seq.frontier, seq.blocks[MAIN], n_tokens + self.spec_peak(seq, n_tokens))
         return {k: max(0, n - seq.reservation.amounts.get(k, 0)) for k, n in demand.items()}
 
     def tail_ok(self, seq: Sequence) -> bool:
-        f, blocks = seq.frontier, seq.blocks[MAIN]
-        return not f % PAGE_SIZE or (bool(blocks) and self.can_append(blocks[f // PAGE_SIZE], seq.sid, f))
+        """May the sequence append at its frontier without a tail copy? Reads its tail block."""
+        return self.kv.tail_ok(seq)
 
-    def can_append(self, block: KvBlock, sid: int, f: int) -> bool:
-        return block.filled == f % PAGE_SIZE and block.appender in (None, sid)
+    def shortfall(self, demand: dict[str, int]) -> dict[str, int]:
+        """Per pool, what the unreserved free units lack for ``demand``. Reads the pools."""
+        return {k: n - self.pools[k].available for k, n in demand.items() if n > self.pools[k].available}
 
     def reserve_unit(self, seq: Sequence, n_tokens: int) -> dict[str, int]:
         """Reserve the unit's typed demand on top of what the sequence already holds.
-        Returns {} on success, else the exact shortfall per pool (nothing reserved)."""
+        Returns {} on success, else the exact shortfall per pool (nothing reserved).
+        Writes: the pools' reservations and the sequence's reservation."""
         res, short = reserve_all(self.pools, self.seq_demand(seq, n_tokens))
         if res is None:
             return short
@@ -281,1028 +192,198 @@ class Program:
         return {}
 
     def settle(self, seq: Sequence) -> None:
+        """Return what the sequence's reservation did not use. Writes: the pools' reservations."""
         settle(self.pools, seq.reservation)
 
-    def shortfall(self, demand: dict[str, int]) -> dict[str, int]:
-        return {k: n - self.pools[k].available for k, n in demand.items() if n > self.pools[k].available}
+    def execute(self, rows: list[UnitRow]) -> list[RowResult]:
+        """Run one call (runner.py), then finish the captures its rows prepared.
+        Reads: the rows' ledgers, reservations and drafts. Writes: their KV directories, state
+        slots, frontiers and ledgers (committed tokens), the draft backend's coverage, and per
+        capture a new checkpoint (a Device slot copy, or a Host copy joining the transaction)."""
+        results = self.runner.execute(rows)
+        for r, res in zip(rows, results):
+            if r.capture is not None:
+                res.captured, res.capture_tid = self.captures.finish(r.seq, r.capture)
+                r.capture = None
+        return results
 
-    # ==== binding ======================================================================
+    def prepare_capture(self, owner: Owner, retire: list[tuple[Checkpoint, Owner]] = (),
+                        replace: list[tuple[Checkpoint, Owner]] = ()) -> CaptureDest | None:
+        """A save's destination before the unit runs: a reserved Device slot, else a Host extent,
+        else None (captures.py). Writes: releases the ``retire`` holds, and the ``replace``
+        holds only with a destination; reserves the slot or allocates the extent."""
+        return self.captures.prepare(owner, retire, replace)
+
+    def drop_capture(self, dest: CaptureDest) -> None:
+        """Return an unused destination (its unit did not run). Writes: the pool or the Host."""
+        self.captures.drop(dest)
+
+    # ==== binding and the sequence's end ===================================================
     def bind_demand(self, sid: int, source: Checkpoint | None, mode: BindMode,
                     first_tokens: int) -> dict[str, int]:
-        """Read-only: State, missing KV, growth and tail pages to bind and run the first unit."""
-        if source is None:
-            return {STATE: 1, **self.unit_demand(sid, 0, [], first_tokens)}
-        slot = 0 if self._slot_handover(source, mode) else 1
-        missing = sum(1 for b in source.blocks[MAIN] if b.page is None)
-        unit = self.unit_demand(sid, source.frontier, source.blocks[MAIN], first_tokens)
-        return {STATE: slot, MAIN: missing + unit[MAIN]}
-
-    def _slot_handover(self, src: Checkpoint, mode: BindMode) -> bool:
-        """Can the writer take the source's Device slot instead of a new one? Move: always.
-        Fork: when slots are short and a Host replica keeps the old identity restorable
-        (seed: Device 槽紧张且有 Host 副本时 … 将 Device 槽交给新的 active identity)."""
-        img = src.image
-        if img.slot is None or img.leases:
-            return False
-        return mode is BindMode.MOVE or (img.host is not None and self.pools[STATE].available == 0)
+        """State, missing KV, growth and tail pages to bind and run the first unit. Reads the
+        source's replicas and leases and the state pool."""
+        return self.writers.bind_demand(sid, source, mode, first_tokens)
 
     def check_source(self, seq_ledger: list[int], src: Checkpoint, mode: BindMode, mover: Owner | None
                      ) -> tuple[Refusal, str]:
-        """Adoption checks exact identity (seed: 采用前还要校验 token、位置、媒体与执行身份)."""
-        f = src.frontier
-        if f > len(seq_ledger) or tuple(seq_ledger[:f]) != src.tokens:
-            return Refusal.NOT_EXACT, f"checkpoint {src.cid} is not an exact prefix of the sequence"
-        if src.digest != self.input_digest(src.tokens):
-            return Refusal.NOT_EXACT, f"checkpoint {src.cid} has a different execution identity"
-        if mode is BindMode.MOVE:
-            others = [o for o in src.owners if o != mover]
-            if others:
-                return Refusal.NOT_MOVABLE, f"checkpoint {src.cid} cannot be moved: still held by {others}"
-        if any(b.leases for b in src.blocks[MAIN]) or src.image.leases:
-            return Refusal.SOURCE_IN_FLIGHT, f"a copy of checkpoint {src.cid} is in flight"
-        return Refusal.NONE, ""
+        """Why ``src`` may not be adopted (exact prefix, execution identity, owners for a Move,
+        copies in flight), or (NONE, ""). Reads the source."""
+        return self.writers.check_source(seq_ledger, src, mode, mover)
 
     def bind(self, seq: Sequence, source: Checkpoint | None, mode: BindMode = BindMode.FORK,
              first_tokens: int = 0, mover: Owner | None = None,
              retire: list[tuple[Checkpoint, Owner]] = ()) -> BindOutcome:
-        """Give ``seq`` a writer state and KV directory equal to ``source`` (None = the empty
-        prefix) and reserve its first unit. Move consumes the source (its owners other than
-        ``mover`` must be gone); Fork keeps it. A bind that needs read-back joins the context
-        transaction and leaves the sequence MATERIALIZING until it is published.
-
-        ``retire`` lists (checkpoint, owner) holds the policy permits this bind to give up:
-        what they would really free counts toward the demand, and they are released only once
-        the bind is admitted (seed: 绑定先检查退休后的实际可用资源，接纳后退休获准替代的更深私有点;
-        a failed bind retires nothing)."""
-        if seq.slot is not None or seq.phase not in (Phase.MATERIALIZING, Phase.PAUSED):
-            raise NativeError(f"sequence {seq.sid} is already bound")
-        if source is not None and source.cid not in self.checkpoints:
-            return BindOutcome(ok=False, refusal=Refusal.STALE_SOURCE, detail=f"checkpoint {source.cid} is gone")
-        if source is not None:
-            why, detail = self.check_source(seq.ledger, source, mode, mover)
-            if why:
-                return BindOutcome(ok=False, refusal=why, detail=detail)
-        demand = self.bind_demand(seq.sid, source, mode, first_tokens)
-        retire = [(c, o) for c, o in retire if c is not source and c.cid in self.checkpoints]
-        res, short = reserve_all(self.pools, demand)
-        if res is None:
-            freed = self.freed_by_retiring(retire)
-            if not retire or any(n > freed.get(k, 0) for k, n in short.items()):
-                return BindOutcome(ok=False, shortfall=short)
-            self._retire(retire)
-            res, short = reserve_all(self.pools, demand)
-            assert res is not None, "retirement freed less than simulated"
-        else:
-            self._retire(retire)
-        seq.reservation = res
-        reads: list[Job] = []
-        if source is None:
-            seq.slot = self._take_slot(seq, res)
-            self.mem.zero_slot(seq.slot)
-            seq.frontier = seq.draft_base = seq.draft_frontier = 0
-        else:
-            reads, after, abort = self._bind_from(seq, source, mode, res)
-        self._drop_own_snapshot(seq)
-        if not reads:
-            seq.phase = Phase.RUNNING
-            return BindOutcome(ok=True)
-        seq.phase = Phase.MATERIALIZING
-        tid = self.tx_add(TxPart("bind", lambda: self._finish_bind(seq, after), abort), reads)
-        return BindOutcome(ok=True, tid=tid)
-
-    def _drop_own_snapshot(self, seq: Sequence) -> None:
-        """A resumed sequence has no pause snapshot any more: consumed by a Move, or given up
-        when it resumes from another source (Replay)."""
-        snap, owner = seq.snapshot, SnapshotOwner(seq.sid)
-        seq.snapshot = None
-        if snap is not None and snap.cid in self.checkpoints and owner in snap.owners:
-            self.release_owner(snap, owner)
+        """Give ``seq`` a writer state and KV directory equal to ``source`` (None: the empty
+        prefix) and reserve its first unit (writers.py). Writes: the pools, a state slot, the
+        source's blocks (a new holder, pages read back), the source itself on a Move (consumed),
+        the permitted ``retire`` holds (released once admitted), the sequence's own snapshot
+        (given up), and the context transaction when something is read back."""
+        return self.writers.bind(seq, source, mode, first_tokens, mover, retire)
 
     def freed_by_retiring(self, retire: list[tuple[Checkpoint, Owner]]) -> dict[str, int]:
-        """Device units that releasing these holds would really free (read-only): only
-        checkpoints whose last owner is released go, and only blocks all of whose holders go."""
-        gone = {c.cid for c, o in retire if c.owners == {o: 1} and not c.image.leases}
-        return self.freed_by_deleting(gone)
+        """Device units releasing these holds would free. Reads their checkpoints and blocks."""
+        return self.cks.freed_by_retiring(retire)
 
-    def freed_by_deleting(self, gone: set[int], also_gone_sids: set[int] = frozenset()) -> dict[str, int]:
-        """Device units freed if these checkpoints (and sequences' holds) disappeared."""
-        freed = {STATE: sum(1 for cid in gone if self.checkpoints[cid].image.slot is not None
-                            and not self.checkpoints[cid].image.leases)}
-        seen: set[int] = set()
-        for cid in gone:
-            for kind, blocks in self.checkpoints[cid].blocks.items():
-                for b in blocks:
-                    if (b.bid not in seen and b.page is not None and not b.leases
-                            and b.holders <= gone | also_gone_sids):
-                        seen.add(b.bid)
-                        freed[kind] = freed.get(kind, 0) + 1
-        return freed
-
-    def _retire(self, retire: list[tuple[Checkpoint, Owner]]) -> None:
-        for c, owner in retire:
-            if c.cid in self.checkpoints and owner in c.owners:
-                self.release_owner(c, owner)
-
-    def _take_slot(self, holder, res: Reservation) -> int:
-        slot = allocate(self.pools, res, STATE)
-        self._slot_owner[slot] = holder
-        return slot
-
-    def _bind_from(self, seq: Sequence, src: Checkpoint, mode: BindMode, res: Reservation):
-        """Install the source's state and KV references. Returns (read-back jobs, what to run
-        when they are published, what to run if they fail); no jobs when all is on the Device."""
-        reads: list[Job] = []
-        leased: list = []
-        fetched: list[KvBlock] = []
-        detached = None                      # a moved image's Host extent, freed after its read
-        seq.frontier = src.frontier
-        img = src.image
-        if self._slot_handover(src, mode):
-            seq.slot = img.slot
-            self._slot_owner[seq.slot] = seq
-            img.slot = None
-        else:
-            seq.slot = self._take_slot(seq, res)
-            if img.slot is not None:
-                self.mem.copy_slot(img.slot, seq.slot)
-            else:
-                reads.append(self.mem.host_to_slot(img.host, seq.slot))
-                self.bytes_h2d += self.mem.image_bytes
-                if mode is BindMode.MOVE:
-                    detached, img.host = img.host, None
-                else:
-                    img.leases += 1
-                    leased.append(img)
-        for kind, blocks in src.blocks.items():
-            seq.blocks[kind] = list(blocks)
-            for b in blocks:
-                b.holders.add(seq.sid)
-                if b.page is None:
-                    self._page_in(b, allocate(self.pools, res, kind))
-                    b.leases += 1           # in-flight read-back: nobody may rely on it yet
-                    leased.append(b)
-                    fetched.append(b)
-                    reads.append(self.mem.host_to_page(b.host, b.page))
-                    self.bytes_h2d += self.mem.page_bytes
-                    b.touch()
-        seq.draft_base, seq.draft_frontier = src.draft_base, src.draft_frontier
-        self._claim_tail(seq)
-        lost = [src.cid] if mode is BindMode.MOVE and detached is not None else []
-        if mode is BindMode.MOVE:
-            self.delete_checkpoint(src, keep_content=True)
-
-        def after() -> None:
-            for obj in leased:
-                self.unlease(obj)
-            if detached is not None:
-                self.host.release(detached)
-
-        def abort() -> tuple[list[int], list[int]]:
-            """The read-back failed: the fetched pages hold nothing valid (their Host replicas
-            still do); the sequence is released; a moved-out image is lost."""
-            for b in fetched:
-                self._page_out(b)
-                b.touch()
-            for obj in leased:
-                self.unlease(obj)
-            if detached is not None:
-                self.host.release(detached)
-            self.fail_sequence(seq)
-            return [seq.sid], lost
-        return reads, after, abort
-
-    def _finish_bind(self, seq: Sequence, after: Callable[[], None]) -> None:
-        after()
-        if seq.phase is Phase.MATERIALIZING:
-            seq.phase = Phase.RUNNING
-        if seq.cancel_requested:
-            self.release(seq)
-
-    def fail_sequence(self, seq: Sequence) -> None:
-        if seq.sid not in self.sequences:
-            return
-        self.settle(seq)
-        self._drop_execution(seq)
-        seq.phase = Phase.FINISHED
-        self.sequences.pop(seq.sid, None)
-
-    def _claim_tail(self, seq: Sequence) -> None:
-        for kind, f in ((MAIN, seq.frontier), (self.spec.kind if self.spec else MTP, seq.draft_frontier)):
-            blocks = seq.blocks.get(kind)
-            if f % PAGE_SIZE and blocks and len(blocks) == pages_for(f) - self._page0(seq, kind) \
-                    and self.can_append(blocks[-1], seq.sid, f):
-                blocks[-1].appender = seq.sid
-
-    # ==== execution ====================================================================
-    def execute(self, rows: list[UnitRow]) -> list[RowResult]:
-        """Run one call: rows of at most one token and at most one multi-token chunk, sample
-        where the ledger ends, commit, and capture where asked. Rows must hold their
-        reservations and their capture destinations (``prepare_capture``). With MTP a decode
-        row also verifies its sequence's drafts, and the head catches up and drafts before any
-        capture (speculative.py)."""
-        if sum(1 for r in rows if r.n_tokens > 1) > 1:
-            raise NativeError("at most one prefill/replay chunk per call")
-        compute = [r for r in rows if r.n_tokens > 0]
-        seqs_in, drafts = [], []
-        for r in compute:
-            seq = r.seq
-            if seq.phase is not Phase.RUNNING:
-                raise NativeError(f"sequence {seq.sid} is {seq.phase.name}, not bound")
-            end = seq.frontier + r.n_tokens
-            if end > len(seq.ledger):
-                raise NativeError(f"unit beyond the ledger of sequence {seq.sid}")
-            d = self.spec.drafts_for(seq, r.n_tokens) if self.spec is not None else []
-            drafts.append(d)
-            self.prepare_blocks(seq, end + len(d))
-            seqs_in.append(SeqInput(token_ids=seq.ledger[seq.frontier:end] + d, start=seq.frontier,
-                                    page_table=[b.page for b in seq.blocks[MAIN]], state_slot=seq.slot,
-                                    logits="all" if d else "last", verify=bool(d),
-                                    rope_positions=seq.media.rows(seq.frontier, end + len(d)) if seq.media else None))
-        results = {r.seq.sid: RowResult(sid=r.seq.sid, frontier=r.seq.frontier) for r in rows}
-        pending = []
-        if seqs_in:
-            batch = ForwardBatch.build(seqs_in, self.device)
-            prev = {r.seq.sid: self.mem.hidden[r.seq.slot].clone() for r in compute
-                    if self.spec is not None and self.spec.needs_prev and r.seq.frontier > 0}
-            embeds = None
-            if any(r.seq.media is not None and r.seq.media.overlapping(r.seq.frontier, r.seq.frontier + r.n_tokens)
-                   for r in compute):
-                from ninfer.native.media import call_embeds
-                embeds = call_embeds(self.model.embed, [t for s_in in seqs_in for t in s_in.token_ids],
-                                     batch.cu[:-1], [(r.seq.frontier, r.n_tokens, r.seq.media) for r in compute],
-                                     self.encoder, self.model.cfg.vocab_size)
-            taps = self.spec.taps if self.spec is not None else ()
-            out = (self.graphs.forward(batch, embeds, taps) if self.graphs is not None
-                   else self.model.forward(batch, self.mem.cache, embeds, taps))
-            # the grammar masks of the rows about to sample, on the CPU while the device runs
-            # the forward (its launches are asynchronous; sampling reads the logits after this)
-            for r in compute:
-                if r.seq.params.structured is not None and r.seq.frontier + r.n_tokens == len(r.seq.ledger):
-                    self._grammar(r.seq).allowed()
-            li = 0                                # the row of out.logits of the sequence's first logits row
-            for i, r in enumerate(compute):
-                seq, d, res = r.seq, drafts[i], results[r.seq.sid]
-                f0, lo = seq.frontier, batch.cu[i]
-                if d:
-                    keep = self._verify(seq, res, d, out.logits[li:li + len(d) + 1])
-                    li += len(d) + 1
-                    if keep < len(d) + 1:
-                        self.model.roll_back(self.mem.cache, batch, i, seq.slot, keep)
-                else:
-                    keep = r.n_tokens
-                    li += 1
-                self.mark_written(seq, f0, f0 + keep)
-                seq.frontier = f0 + keep
-                self._trim(seq)
-                self.mem.hidden[seq.slot] = out.all_hidden[lo + keep - 1]
-                res.frontier = seq.frontier
-                if not d and seq.params.prompt_logprobs is not None:
-                    self._prompt_logprobs(seq, res, out.all_hidden[lo:lo + keep], f0)
-                if not d and seq.frontier == len(seq.ledger) and not seq.finished:
-                    self._sample(seq, res, out.logits[li - 1])
-                if self.spec is not None:
-                    if r.kind in (UnitKind.DECODE, UnitKind.VERIFY):
-                        self.spec.note_verify(d, res.committed)
-                    pending.append((seq, f0, prev.get(seq.sid), self.spec.rows(out, lo, keep), bool(res.committed)))
-        for r in rows:
-            seq, res = r.seq, results[r.seq.sid]
-            if r.n_tokens == 0 and seq.frontier == len(seq.ledger) and not seq.finished:
-                prev_h = self.mem.hidden[seq.slot].clone() if self.spec is not None and self.spec.needs_prev else None
-                self._sample(seq, res, None)
-                if self.spec is not None:
-                    pending.append((seq, seq.frontier, prev_h, None, True))
-        if self.spec is not None:
-            self.spec.after_call([Pending(*p) for p in pending])
-        out_rows = []
-        for r in rows:
-            seq, res = r.seq, results[r.seq.sid]
-            if r.capture is not None:
-                res.captured, res.capture_tid = self._finish_capture(seq, r.capture)
-                r.capture = None
-            out_rows.append(res)
-        return out_rows
-
-    def _prompt_logprobs(self, seq: Sequence, res: RowResult, hidden: torch.Tensor, f0: int) -> None:
-        """vLLM's prompt_logprobs from the rows this call computed (positions f0 ..): the logits
-        of position i give prompt token i + 1's entry. Each position's entry is made once: a
-        Replay recomputing positions this sequence already reported skips them
-        (``seq.prompt_next``)."""
-        a, b = max(f0, seq.prompt_next), min(f0 + hidden.shape[0], seq.prompt_len - 1)
-        if a >= b:
-            return
-        res.prompt_from = a + 1
-        for i in range(a, b, PROMPT_ROWS):
-            e = min(b, i + PROMPT_ROWS)
-            logits = self.model.logits(hidden[i - f0:e - f0])
-            res.prompt_logprobs += prompt_logprobs(logits, seq.ledger[i + 1:e + 1], seq.params.prompt_logprobs)
-        seq.prompt_next = b
-
-    def _verify(self, seq: Sequence, res: RowResult, drafts: list[int], logits: torch.Tensor) -> int:
-        """Sample every verified position in order (the seeded per-position sampler, as without
-        drafts) and keep a draft only while it equals the sampled token. Returns how many inputs
-        of the verify row stand (1 + the drafts kept)."""
-        for i in range(len(drafts) + 1):
-            tok = self._sample(seq, res, logits[i])
-            if seq.finished or i == len(drafts) or tok != drafts[i]:
-                return i + 1
-        raise AssertionError("unreachable")
-
-    def _sample(self, seq: Sequence, res: RowResult, logits: torch.Tensor | None) -> int:
-        if logits is None:       # exact hit: sample from the continuation hidden
-            logits = self.model.logits(self.mem.hidden[seq.slot][None])[0]
-        pos = len(seq.ledger)
-        g = self._grammar(seq) if seq.params.structured is not None else None
-        allowed = g.allowed().to(logits.device) if g is not None else None
-        tok = sample_token(logits, seq.params, pos, seq.ledger[:seq.prompt_len], seq.outputs, seq.eos_ids, allowed)
-        seq.ledger.append(tok)
-        res.committed.append(tok)
-        if seq.params.logprobs is not None:
-            # only a newly sampled token gets an entry: Replay recomputes committed positions
-            # as inputs and never samples them again, so each token's logprob is made once
-            res.logprobs.append(token_logprobs(logits, tok, seq.params.logprobs))
-        seq.finished = stop_reason(tok, seq.n_generated, seq.params, seq.eos_ids)
-        if g is not None:
-            g.accept(tok)
-            if g.complete and seq.finished is None:
-                seq.finished = "stop"            # the grammar is done: nothing else may follow
-        res.finish_reason = seq.finished
-        return tok
-
-    def _model_dir(self):
-        if self.model.source is None:
-            raise NativeError("structured outputs need the model's directory (its tokenizer.json)")
-        return self.model.source
-
-    def _grammar(self, seq: Sequence):
-        """The sequence's grammar state, rebuilt from its committed output when it has none (a
-        destructive pause dropped it, or the sequence came with outputs): never sampled again."""
-        if seq.grammar is None:
-            from ninfer.structured import GrammarState, GrammarStats, book_for
-            book = book_for(self._model_dir(), self.model.cfg.vocab_size, seq.eos_ids)
-            if self.grammar_stats is None:
-                self.grammar_stats = GrammarStats()
-            seq.grammar = GrammarState.rebuilt(seq.params.structured, book, seq.ledger[:seq.prompt_len],
-                                               seq.outputs, self.grammar_stats)
-        else:
-            seq.grammar.sync(seq.outputs)
-        return seq.grammar
-
-    def _trim(self, seq: Sequence) -> None:
-        """Pages past the frontier's last (a verify row's rejected tail) go back to the pool."""
-        blocks = seq.blocks[MAIN]
-        keep = pages_for(seq.frontier)
-        for b in blocks[keep:]:
-            self.drop_holder(b, seq.sid)
-        del blocks[keep:]
-
-    def prepare_blocks(self, seq: Sequence, end: int, kind: str = MAIN, f: int | None = None,
-                        res: Reservation | None = None) -> None:
-        """Allocate growth pages and copy a tail the sequence may not append to (COW), for the
-        ``kind`` directory written from ``f`` (default: Main at the execution frontier)."""
-        blocks, p0 = seq.blocks[kind], self._page0(seq, kind)
-        f = seq.frontier if f is None else f
-        i = f // PAGE_SIZE - p0
-        tail = blocks[i] if f % PAGE_SIZE and len(blocks) > i else None
-        if tail is not None and not self.can_append(tail, seq.sid, f):
-            new = self._new_block(kind, seq, res)
-            if tail.page is None:
-                raise NativeError(f"block {tail.bid} has no Device replica")
-            copy = self.mem.copy_page_prefix if kind == MAIN else self.spec.copy_page_prefix
-            copy(tail.page, new.page, f % PAGE_SIZE)
-            new.filled = f % PAGE_SIZE
-            blocks[i] = new
-            self.drop_holder(tail, seq.sid)
-        elif tail is not None:
-            tail.appender = seq.sid
-        while len(blocks) < pages_for(end) - p0:
-            blocks.append(self._new_block(kind, seq, res))
-        for b in blocks:
-            if b.page is None or b.leases:
-                raise NativeError(f"block {b.bid} of sequence {seq.sid} is not resident")
-
-    def _new_block(self, kind: str, seq: Sequence, res: Reservation | None = None) -> KvBlock:
-        b = KvBlock(bid=next(self._ids), kind=kind, holders={seq.sid}, appender=seq.sid,
-                    sink=self._changed_blocks)
-        self._page_in(b, allocate(self.pools, res if res is not None else seq.reservation, kind))
-        self.blocks[b.bid] = b
-        return b
-
-    def mark_written(self, seq: Sequence, start: int, end: int, kind: str = MAIN) -> None:
-        blocks, p0 = seq.blocks[kind], self._page0(seq, kind)
-        for p in range(start // PAGE_SIZE, pages_for(end)):
-            b = blocks[p - p0]
-            b.filled = max(b.filled, min(PAGE_SIZE, end - p * PAGE_SIZE))
-            if b.host is not None and b.host_filled < b.filled:
-                self._release_host(b)      # the Host copy no longer holds everything
-            b.touch()
-
-    # ==== captures =====================================================================
-    def prepare_capture(self, owner: Owner, retire: list[tuple[Checkpoint, Owner]] = (),
-                        replace: list[tuple[Checkpoint, Owner]] = ()) -> CaptureDest | None:
-        """Destination first (seed: 跨过语义 frontier 前准备目的 state): a Device slot, else the
-        Host (its copy joins the context transaction), else nothing. Permitted old points
-        retire first; a failed save does not bring them back (seed: 新保存失败不恢复旧点).
-        ``replace`` holds go only with a save that happens: released once a destination is
-        found, or first when releasing them is what frees the destination."""
-        self._retire(list(retire))
-        replace = [(c, o) for c, o in replace if c.cid in self.checkpoints and o in c.owners]
-        dest = self._capture_dest(owner)
-        if dest is None and replace and self._retiring_frees_a_destination(replace):
-            self._retire(replace)
-            return self._capture_dest(owner)
-        if dest is not None:
-            self._retire(replace)
-        return dest
-
-    def _retiring_frees_a_destination(self, retire: list[tuple[Checkpoint, Owner]]) -> bool:
-        if self.freed_by_retiring(retire).get(STATE, 0) >= 1:
-            return True
-        return any(c.owners == {o: 1} and not c.image.leases and c.image.host is not None
-                   and c.image.host.size >= self.mem.image_bytes for c, o in retire)
-
-    def _capture_dest(self, owner: Owner) -> CaptureDest | None:
-        res, _ = reserve_all(self.pools, {STATE: 1})
-        if res is not None:
-            return CaptureDest(owner, res=res)
-        ext = self.host.allocate(self.mem.image_bytes, kind="state")
-        if ext is not None:
-            return CaptureDest(owner, ext=ext)
-        return None
-
-    def drop_capture(self, dest: CaptureDest) -> None:
-        """Return an unused destination (the unit did not run)."""
-        if dest.res is not None:
-            settle(self.pools, dest.res)
-        if dest.ext is not None:
-            self.host.release(dest.ext)
-
-    def _finish_capture(self, seq: Sequence, dest: CaptureDest) -> tuple[Checkpoint, int | None]:
-        image = StateImage()
-        ck = self._new_checkpoint(CkptKind.CACHE, seq, image, dest.owner)
-        if dest.res is not None:
-            image.slot = self._take_slot(ck, dest.res)
-            self.mem.copy_slot(seq.slot, image.slot)
-            return ck, None
-        image.host = dest.ext
-        image.leases += 1          # not a query source until the copy is published
-        job = self.mem.slot_to_host(seq.slot, dest.ext, snapshot_now=True)
-        self.bytes_d2h += self.mem.image_bytes
-
-        def abort() -> tuple[list[int], list[int]]:
-            self.unlease(image)
-            if ck.cid in self.checkpoints:
-                self.delete_checkpoint(ck)
-            return [], [ck.cid]
-        return ck, self.tx_add(TxPart("capture", lambda: self.unlease(image), abort), [job])
-
-    # ==== checkpoints ==================================================================
-    def _new_checkpoint(self, kind: CkptKind, seq: Sequence, image: StateImage, owner: Owner) -> Checkpoint:
-        tokens = tuple(seq.ledger[:seq.frontier])
-        ck = Checkpoint(sink=self._changed_ckpts, cid=next(self._ids), generation=next_generation(), kind=kind, tokens=tokens,
-                        digest=self.input_digest(tokens), image=image, blocks={}, owners={owner: 1})
-        cover = {MAIN: seq.frontier}
-        if self.spec is not None:
-            ck.draft_base, ck.draft_frontier = self.spec.coverage(seq)
-            cover[self.spec.kind] = ck.draft_frontier
-        for k, blocks in seq.blocks.items():
-            # a coverage that starts at the same base as the sequence's directory: a prefix of it
-            ck.blocks[k] = blocks[:max(0, pages_for(cover[k]) - self._page0(ck, k))]
-            for b in ck.blocks[k]:
-                b.holders.add(ck.cid)
-                b.touch()
-        self.checkpoints[ck.cid] = ck
-        if self.spec is not None:
-            self.spec.noted(ck)
-        return ck
-
-    def add_owner(self, ck: Checkpoint, owner: Owner) -> None:
-        ck.owners[owner] = ck.owners.get(owner, 0) + 1
-        ck.touch()
-
-    def release_owner(self, ck: Checkpoint, owner: Owner) -> bool:
-        """Drop one logical hold; the checkpoint is deleted with its last owner. True if deleted."""
-        n = ck.owners.get(owner, 0)
-        if n == 0:
-            raise NativeError(f"checkpoint {ck.cid} has no owner {owner!r}")
-        if n == 1:
-            del ck.owners[owner]
-        else:
-            ck.owners[owner] = n - 1
-        ck.touch()
-        if not ck.owners:
-            self.delete_checkpoint(ck)
-            return True
-        return False
-
-    def delete_ok(self, a: Delete) -> str:
-        """Why a quoted deletion may not be committed now ("" = it may)."""
-        ck = self.checkpoints.get(a.cid)
-        if ck is None or ck.generation != a.generation:
-            return f"checkpoint {a.cid} is gone"
-        if ck.version != a.version:
-            return f"checkpoint {a.cid} changed since the quote"
-        if ck.image.leases or any(b.leases for b in ck.blocks[MAIN]):
-            return f"checkpoint {a.cid} is being read"
-        return ""
-
-    def delete_checkpoint(self, ck: Checkpoint, keep_content: bool = False) -> None:
-        """Remove a checkpoint. ``keep_content``: its Device state and block holds were handed
-        over. Replicas still being read are freed when their reader finishes."""
-        del self.checkpoints[ck.cid]
-        for blocks in ck.blocks.values():
-            for b in blocks:
-                self.drop_holder(b, ck.cid)
-        if ck.image.leases:
-            self._orphans.add(ck.image)
-            if ck.image.slot is not None:
-                self._slot_owner[ck.image.slot] = ck.image
-        elif not keep_content:
-            self._free_image(ck.image)
-        elif ck.image.host is not None:
-            self.host.release(ck.image.host)
-            ck.image.host = None
-        ck.owners.clear()
-
-    def unlease(self, obj: KvBlock | StateImage) -> None:
-        """A reader finished: drop its lease and free the replica if nobody holds it any more."""
-        obj.leases -= 1
-        if obj.leases:
-            return
-        if isinstance(obj, KvBlock):
-            if not obj.holders:
-                self._free_block(obj)
-        elif obj in self._orphans:
-            self._orphans.discard(obj)
-            self._free_image(obj)
-
-    def _free_image(self, image: StateImage) -> None:
-        if image.slot is not None:
-            self._release_slot(image.slot)
-            image.slot = None
-        if image.host is not None:
-            self.host.release(image.host)
-            image.host = None
-
-    def _page_in(self, b: KvBlock, page: int) -> None:
-        b.page = page
-        self._paged[b.bid] = b
-
-    def _page_out(self, b: KvBlock) -> None:
-        self.pools[b.kind].release(b.page)
-        b.page = None
-        self._paged.pop(b.bid, None)
-
-    def device_checkpoints(self) -> set[int]:
-        """Checkpoints with any Device content (a state slot or a KV page) — found through the
-        slots and the paged blocks, so O(Device capacity), never a directory scan."""
-        out = {o.cid for o in self._slot_owner.values() if isinstance(o, Checkpoint)}
-        for b in self._paged.values():
-            out.update(h for h in b.holders if h in self.checkpoints)
-        return out
-
-    def _release_slot(self, slot: int) -> None:
-        del self._slot_owner[slot]
-        self.pools[STATE].release(slot)
-
-    def drop_holder(self, b: KvBlock, holder: int) -> None:
-        b.holders.discard(holder)
-        if b.appender == holder:
-            b.appender = None
-        b.touch()
-        if not b.holders and not b.leases:
-            self._free_block(b)
-
-    def _free_block(self, b: KvBlock) -> None:
-        if b.page is not None:
-            self._page_out(b)
-        if b.host is not None:
-            self.host.release(b.host)
-            b.host = None
-        del self.blocks[b.bid]
-        self._host_only.discard(b.bid)
-
-    # ==== calibration =================================================================
-    def calibrate(self, tokens: int = 32) -> tuple[float, float]:
-        """Measured (Host→Device bytes/s, prefill seconds per token) for the source cost model
-        (seed: 机器传输与 artifact prefill 校准影响排序): a StateImage-sized copy from (pinned)
-        Host memory to the device, and a scratch prefill through the real execute path (the
-        second of two, after warm-up). Leaves nothing held."""
-        n = max(self.mem.image_bytes, 1 << 16)
-        pin = self.device.type == "cuda"
-        src = torch.empty(n, dtype=torch.uint8, pin_memory=pin)
-        dst = torch.empty(n, dtype=torch.uint8, device=self.device)
-        best = float("inf")
-        for _ in range(3):
-            t0 = time.perf_counter()
-            dst.copy_(src, non_blocking=pin)
-            if pin:
-                torch.cuda.synchronize(self.device)
-            best = min(best, time.perf_counter() - t0)
-        h2d = n / max(best, 1e-9)
-        tokens = max(2, min(tokens, self.layout.max_context - 1, self.layout.main_pages * 64 - 1))
-        vocab = self.model.cfg.vocab_size
-        per_token = 0.0
-        for _ in range(2):
-            seq = self.new_sequence([(7 * i + 3) % vocab for i in range(tokens)], tokens,
-                                    SamplingParams(max_tokens=1, ignore_eos=True), eos_ids=())
-            if not self.bind(seq, None).ok or self.reserve_unit(seq, tokens - 1):
-                self.release(seq)
-                return h2d, 0.0
-            t0 = time.perf_counter()
-            self.execute([UnitRow(seq, tokens - 1, UnitKind.PREFILL)])
-            per_token = (time.perf_counter() - t0) / (tokens - 1)
-            self.settle(seq)
-            self.release(seq)
-        return h2d, per_token
-
-    # ==== placement reports ===========================================================
-    def placement_changes(self) -> list[tuple[int, int, bool, int]]:
-        """(cid, generation, image on the Device, Main pages only on the Host) of every
-        checkpoint whose placement changed since the last call — O(what changed), so the
-        controller's restore-cost mirror never needs a scan of the directory."""
-        cids = {c for c in self._changed_ckpts if c in self.checkpoints}
-        for bid in self._changed_blocks:
-            b = self.blocks.get(bid)
-            if b is None:
-                self._host_only.discard(bid)
-                continue
-            if b.page is None:
-                self._host_only.add(bid)
-            else:
-                self._host_only.discard(bid)
-            cids.update(h for h in b.holders if h in self.checkpoints)
-        self._changed_blocks.clear()
-        self._changed_ckpts.clear()
-        out = []
-        for cid in sorted(cids):
-            ck = self.checkpoints[cid]
-            host_pages = sum(1 for b in ck.blocks.get(MAIN, ()) if b.page is None)
-            out.append((cid, ck.generation, ck.image.slot is not None, host_pages))
-        return out
-
-    @property
-    def host_only_pages(self) -> int:
-        return len(self._host_only)
-
-    def _release_host(self, b: KvBlock) -> None:
-        self.host.release(b.host)
-        b.host, b.host_filled = None, 0
-
-    # ==== demotion (Device -> Host) ====================================================
-    def demote(self, images: list[Checkpoint], blocks: list[KvBlock]) -> tuple[list[Job], TxPart | None]:
-        """Move these Device replicas to the Host: a replica that already has a complete Host
-        copy is freed at once, the others get a Host destination (first-fit; the caller checked
-        the placement), are leased and copied; their Device replica is freed when the copies
-        are published. An abort keeps the Device replicas and frees the destinations."""
-        jobs: list[Job] = []
-        moving_images: list[Checkpoint] = []
-        moving_blocks: list[KvBlock] = []
-        for ck in images:
-            img = ck.image
-            if img.host is not None:
-                self._release_slot(img.slot)
-                img.slot = None
-                ck.touch()
-                continue
-            img.host = self.host.allocate(self.mem.image_bytes, kind="state")
-            if img.host is None:
-                raise NativeError("a demotion's Host destination does not fit (placement was not checked)")
-            img.leases += 1
-            jobs.append(self.mem.slot_to_host(img.slot, img.host, snapshot_now=False))
-            self.bytes_d2h += self.mem.image_bytes
-            moving_images.append(ck)
-        for b in blocks:
-            if b.leases:
-                raise NativeError(f"block {b.bid} is being read: it cannot be demoted now")
-            if b.host is not None and b.host_filled >= b.filled:
-                self._page_out(b)
-                b.touch()
-                continue
-            if b.host is not None:
-                self._release_host(b)
-            b.host = self.host.allocate(self.mem.page_bytes, kind=f"kv:{b.kind}")
-            if b.host is None:
-                raise NativeError("a demotion's Host destination does not fit (placement was not checked)")
-            b.host_filled = b.filled
-            b.leases += 1
-            jobs.append(self.mem.page_to_host(b.page, b.host))
-            self.bytes_d2h += self.mem.page_bytes
-            moving_blocks.append(b)
-        if not jobs:
-            return [], None
-
-        def publish() -> None:
-            for ck in moving_images:
-                img = ck.image
-                if img.slot is not None and img not in self._orphans:
-                    self._release_slot(img.slot)
-                    img.slot = None
-                    ck.touch()
-                self.unlease(img)
-            for b in moving_blocks:
-                if b.page is not None and b.holders:
-                    self._page_out(b)
-                    b.touch()
-                self.unlease(b)
-
-        def abort() -> tuple[list[int], list[int]]:
-            """The copies failed: the Device replicas stay (reported as a placement change,
-            so the controller's mirror, which moved them on commit, is corrected)."""
-            for ck in moving_images:
-                img = ck.image
-                if img.host is not None:
-                    self.host.release(img.host)
-                    img.host = None
-                self.unlease(img)
-                self._changed_ckpts.add(ck.cid)
-            for b in moving_blocks:
-                if b.host is not None and b.bid in self.blocks:
-                    self._release_host(b)
-                self.unlease(b)
-                self._changed_blocks.add(b.bid)
-            return [], []
-        return jobs, TxPart("demote", publish, abort)
-
-    def demotion_sizes(self, images: list[Checkpoint], blocks: list[KvBlock],
-                       dropped: set[int] = frozenset()) -> list[int]:
-        """Host bytes the demotion of these replicas allocates, in allocation order —
-        ``dropped``: checkpoints whose Host duplicates are released first (their copies must
-        then be written again)."""
-        cks = [self.checkpoints[cid] for cid in dropped if cid in self.checkpoints]
-        gone_images = {ck.cid for ck in cks if ck.image.slot is not None and ck.image.host is not None}
-        gone_pages = {b.bid for ck in cks for b in self._dup_pages(ck)}
-        return ([self.mem.image_bytes for ck in images if ck.image.host is None or ck.cid in gone_images]
-                + [self.mem.page_bytes for b in blocks
-                   if not (b.host is not None and b.host_filled >= b.filled) or b.bid in gone_pages])
-
-    def host_holes_after(self, deleted: set[int], dropped: set[int] = frozenset()) -> list[tuple[int, int]]:
-        """Free Host extents once the deleted checkpoints' exclusive Host replicas, and the
-        safe Host duplicates of the ``dropped`` ones, are gone (adjacent extents merge, as the
-        arena does)."""
-        extents = list(self.host.free_extents())
-        for cid in deleted:
-            ck = self.checkpoints[cid]
-            if ck.image.host is not None:
-                extents.append((ck.image.host.offset, ck.image.host.size))
-            for b in ck.blocks[MAIN]:
-                if b.host is not None and not b.leases and b.holders <= deleted:
-                    extents.append((b.host.offset, b.host.size))
-        for cid in dropped:
-            extents += [(e.offset, e.size) for e in self.host_duplicates(self.checkpoints[cid])]
-        return merge_extents(sorted(set(extents)))
-
-    def host_duplicates(self, ck: Checkpoint) -> list[Extent]:
-        """The Host replicas of this checkpoint's content that the Device holds too and nobody
-        reads: its StateImage's, and its Main KV pages' (a restore reads pages back and keeps
-        their Host copies). Releasing them loses nothing."""
-        img = ck.image
-        out = [img.host] if img.slot is not None and img.host is not None and not img.leases else []
-        return out + [b.host for b in self._dup_pages(ck)]
-
-    def _dup_pages(self, ck: Checkpoint) -> list[KvBlock]:
-        """Its pages on both media that nobody reads or writes now (a live sequence's page keeps
-        its copy: a Snapshot pause would need it)."""
-        return [b for b in ck.blocks[MAIN] if b.page is not None and b.host is not None and not b.leases
-                and not any(h in self.sequences for h in b.holders)]
-
-    def drop_host_copy(self, ck: Checkpoint) -> None:
-        """Release a checkpoint's safe Host duplicates (seed: Host 先释放安全的重复副本)."""
-        img = ck.image
-        if img.slot is not None and img.host is not None and not img.leases:
-            self.host.release(img.host)
-            img.host = None
-            ck.touch()
-        for b in self._dup_pages(ck):          # its content is unchanged: no new version
-            self._release_host(b)
-            self._changed_blocks.add(b.bid)
-
-    # ==== lifecycle ====================================================================
     def freeze(self, seq: Sequence, owner: Owner) -> Checkpoint:
-        """Normal finish: the legal execution state becomes a checkpoint (the new E) and the
-        sequence is released (seed: 正常结束将合法执行态 freeze 为新 E)."""
-        self.settle(seq)
-        ck = self._handover(seq, CkptKind.CACHE, owner)
-        self.sequences.pop(seq.sid)
-        seq.phase = Phase.FINISHED
-        return ck
-
-    def pause_plan(self, seq: Sequence) -> tuple[list[KvBlock], list[int]]:
-        """Read-only: the blocks a Snapshot pause demotes — those no other bound sequence reads
-        (seed: 其他 active 正在使用的不可变页可以继续共享) — and the Host bytes it allocates (its
-        StateImage first)."""
-        blocks = [b for b in seq.blocks[MAIN] if b.page is not None and not b.leases
-                  and not any(h in self.sequences and h != seq.sid for h in b.holders)]
-        sizes = [self.mem.image_bytes] + [self.mem.page_bytes for b in blocks
-                                          if not (b.host is not None and b.host_filled >= b.filled)]
-        return blocks, sizes
+        """Normal finish: the writer state becomes a checkpoint owned by ``owner`` (the new E)
+        and the sequence leaves. Writes: its reservation (settled), a new checkpoint that takes
+        its slot and blocks, the live sequences."""
+        return self.writers.freeze(seq, owner)
 
     def pause(self, seq: Sequence, to_host: bool = False, victims: list[Delete] = ()) -> PauseResult:
-        """Give back the lane at a stable commit boundary, freeing Device memory (seed: Snapshot
-        只复制释放 Device 所缺的唯一内容 … 保存资源不足时使用不新增 Device 分配的破坏性暂停并转为 Replay).
-
-        ``to_host``: the writer state and KV references become a SNAPSHOT checkpoint owned by
-        the sequence, and its unique Device content (what no other bound sequence reads) is
-        demoted to the Host — after deleting ``victims`` for the destination, all verified
-        first. When the destination does not fit (or a victim changed), nothing is deleted and
-        the pause is destructive: the execution state is dropped and the request resumes by
-        Replay. It never pauses anyone else to save this one."""
-        if seq.phase is not Phase.RUNNING:
-            raise NativeError(f"only a bound sequence can pause (sequence {seq.sid} is {seq.phase.name})")
-        self.settle(seq)
-        before = {k: self.pools[k].free for k in (MAIN, STATE)}
-        snap, tid = None, None
-        if to_host and self._snapshot_fits(seq, victims):
-            for a in victims:
-                self.delete_checkpoint(self.checkpoints[a.cid])
-            blocks, _ = self.pause_plan(seq)
-            snap = self._handover(seq, CkptKind.SNAPSHOT, SnapshotOwner(seq.sid))
-            jobs, part = self.demote([snap], blocks)
-            if part is not None:
-                revoke = part.abort
-
-                def abort() -> tuple[list[int], list[int]]:
-                    revoke()                    # the copy failed: the snapshot is revoked (Replay)
-                    if snap.cid in self.checkpoints:
-                        self.delete_checkpoint(snap)
-                    if seq.snapshot is snap:
-                        seq.snapshot = None
-                    return [], [snap.cid]
-                tid = self.tx_add(TxPart("pause", part.publish, abort), jobs)
-        else:
-            self._drop_execution(seq)
-        seq.snapshot = snap
-        seq.phase = Phase.PAUSED
-        return PauseResult(snap, tid, {k: self.pools[k].free - n for k, n in before.items()})
-
-    def _snapshot_fits(self, seq: Sequence, victims: list[Delete]) -> bool:
-        if any(self.delete_ok(a) for a in victims):
-            return False
-        _, sizes = self.pause_plan(seq)
-        return place_first_fit(self.host_holes_after({a.cid for a in victims}), sizes) is not None
-
-    def _handover(self, seq: Sequence, kind: CkptKind, owner: Owner) -> Checkpoint:
-        """Turn the writer into an immutable checkpoint at the current frontier (Move)."""
-        image = StateImage(slot=seq.slot)
-        ck = self._new_checkpoint(kind, seq, image, owner)
-        self._slot_owner[seq.slot] = ck
-        seq.slot = None
-        for blocks in seq.blocks.values():
-            for b in blocks:
-                self.drop_holder(b, seq.sid)
-        seq.blocks = self._dirs()
-        seq.drafts = []
-        return ck
-
-    def _drop_execution(self, seq: Sequence) -> None:
-        if seq.slot is not None:
-            self._release_slot(seq.slot)
-            seq.slot = None
-        for blocks in seq.blocks.values():
-            for b in blocks:
-                self.drop_holder(b, seq.sid)
-        seq.blocks = self._dirs()
-        seq.drafts = []
-        seq.draft_base = seq.draft_frontier = 0
-        seq.grammar = None                 # execution state too: Replay rebuilds it from the ledger
+        """Give back the lane (writers.py): a Snapshot to the Host when it fits after deleting
+        ``victims``, else destructive (Replay). Writes: its reservation, the victims, a SNAPSHOT
+        checkpoint and the demotion of its unique content (joining the transaction), or the
+        sequence's slot and blocks (dropped)."""
+        return self.writers.pause(seq, to_host, victims)
 
     def release(self, seq: Sequence) -> None:
-        """Cancel / error / done without saving: free everything the sequence holds. While its
-        read-back is in flight the release waits for the real reader (seed: 提交后等待真实
-        reader 完成再释放) and happens when the transaction settles."""
-        if seq.phase is Phase.MATERIALIZING and seq.slot is not None and self.tx is not None:
-            seq.cancel_requested = True
-            return
-        self.settle(seq)
-        if seq.slot is not None or any(seq.blocks.values()):
-            self._drop_execution(seq)
-        if seq.snapshot is not None and seq.snapshot.cid in self.checkpoints:
-            self.release_owner(seq.snapshot, SnapshotOwner(seq.sid))
-        seq.snapshot = None
-        seq.phase = Phase.FINISHED
-        self.sequences.pop(seq.sid, None)
+        """Cancel / error / done without saving: free everything the sequence holds (deferred
+        to the settlement while its read-back is in flight). Writes: its reservation, slot,
+        blocks and snapshot hold, the live sequences."""
+        self.writers.release(seq)
 
-    # ==== the context transaction ======================================================
-    def tx_add(self, part: TxPart, jobs: list[Job]) -> int:
-        """Start the context transaction, or join the running one while its copies are still
-        in flight. One whose copies all finished is settled first (its completion may still be
-        on its way; it will find the transaction gone)."""
-        tx = self.tx
-        if tx is not None and not self.transfers.can_join(tx.tid, tx.generation):
-            if self.transfers.finished(tx.tid, tx.generation):
-                self._settled.append(self.publish(tx.tid, tx.generation, self.transfers.error_of(tx.tid, tx.generation)))
-            tx = self.tx
-        if tx is None:
-            tx = self.tx = Transaction(next(self._ids), next_generation())
-        tx.parts.append(part)
-        for job in jobs:
-            self.transfers.submit(tx.tid, tx.generation, job)
-        return tx.tid
+    def fail_sequence(self, seq: Sequence) -> None:
+        """Its unit failed: drop its execution state and let it go. Writes as ``release``."""
+        self.writers.fail_sequence(seq)
 
+    # ==== checkpoints =====================================================================
+    def checkpoint(self, cid: int, generation: int) -> Checkpoint | None:
+        """The checkpoint a reference names, or None when it is gone. Reads the table."""
+        return self.cks.get(cid, generation)
+
+    def add_owner(self, ck: Checkpoint, owner: Owner) -> None:
+        """One more logical hold. Writes: its owners and version."""
+        self.cks.add_owner(ck, owner)
+
+    def release_owner(self, ck: Checkpoint, owner: Owner) -> bool:
+        """Drop one hold; the checkpoint is deleted with its last (True). Writes: its owners and
+        version; on deletion the table, its blocks' holders and its image's replicas."""
+        return self.cks.release_owner(ck, owner)
+
+    def delete_ok(self, a: Delete) -> str:
+        """Why a quoted deletion may not be committed now ("" = it may). Reads the checkpoint."""
+        return self.cks.delete_ok(a)
+
+    def device_checkpoints(self) -> set[int]:
+        """Checkpoints with Device content. Reads the slots and the paged blocks."""
+        return self.cks.device_checkpoints()
+
+    # ==== Host placement and reclaim ========================================================
+    def demotion_sizes(self, images: list[Checkpoint], blocks: list[KvBlock],
+                       dropped: set[int] = frozenset()) -> list[int]:
+        """Host bytes these demotions allocate, in order. Reads the replicas."""
+        return self.placement.demotion_sizes(images, blocks, dropped)
+
+    def host_holes_after(self, deleted: set[int], dropped: set[int] = frozenset()) -> list[tuple[int, int]]:
+        """The Host's free extents once these checkpoints' replicas are gone. Reads the arena."""
+        return self.placement.host_holes_after(deleted, dropped)
+
+    def host_duplicates(self, ck: Checkpoint) -> list[Extent]:
+        """Its safe Host duplicates. Reads its replicas and the live sequences."""
+        return self.placement.host_duplicates(ck)
+
+    def pause_plan(self, seq: Sequence) -> tuple[list[KvBlock], list[int]]:
+        """The blocks a Snapshot pause demotes and the Host bytes it allocates. Reads its blocks."""
+        return self.placement.pause_plan(seq)
+
+    def apply(self, actions: list[Action]) -> CommitResult:
+        """The one writer of reclaim (context/contract.py): every action or none. Reads the
+        actions' checkpoints and blocks (reclaim.verify) and the Host's free extents. Writes:
+        the named safe Host duplicates (released), checkpoints (deleted) and replicas (demoted:
+        the copies join the context transaction)."""
+        why = reclaim.verify(self, actions)
+        if why:
+            return CommitResult(ok=False, reason=f"stale: {why}")
+        deleted = {a.cid for a in actions if isinstance(a, Delete)}
+        dropped = {a.cid for a in actions if isinstance(a, DropHostCopy)}
+        images, blocks = reclaim.migrations_of(self, actions)
+        sizes = self.placement.demotion_sizes(images, blocks, dropped)
+        if sizes and place_first_fit(self.placement.host_holes_after(deleted, dropped), sizes) is None:
+            return CommitResult(ok=False, reason="host: the destinations do not fit first-fit")
+        before = {k: self.pools[k].free for k in (MAIN, STATE)}
+        for cid in sorted(dropped):                 # safe duplicates first: nothing is lost
+            self.placement.drop_host_copy(self.checkpoints[cid])
+        for cid in sorted(deleted):
+            self.cks.delete(self.checkpoints[cid])
+        jobs, part = self.placement.demote(images, blocks)
+        tid = self.txn.add(part, jobs) if part is not None else None
+        return CommitResult(ok=True, tid=tid, freed={k: self.pools[k].free - n for k, n in before.items()})
+
+    # ==== reports ===========================================================================
+    def placement_changes(self) -> list[tuple[int, int, bool, int]]:
+        """(cid, generation, image on the Device, Main pages only on the Host) of every
+        checkpoint whose placement changed since the last call — O(what changed). Writes: the
+        change marks (cleared) and the Host-only page index."""
+        return self.cks.placement_changes()
+
+    def take_uncovered(self) -> list[tuple[int, int]]:
+        """(cid, generation) of the checkpoints found to lack the coverage their restore needs
+        (DFlash) since the last call. Writes: that list (emptied)."""
+        return self.spec.take_uncovered() if self.spec is not None else []
+
+    def calibrate(self, tokens: int = 32) -> tuple[float, float]:
+        """Measured (Host→Device bytes/s, prefill seconds per token) (calibration.py). Leaves
+        nothing held."""
+        return calibration.calibrate(self, tokens)
+
+    # ==== the context transaction ============================================================
     def progress(self) -> list[TxSettled]:
-        """One progress point: settle every transaction whose completion was delivered."""
-        out, self._settled = self._settled, []
-        for tid, gen, error in self.transfers.drain():
-            r = self.publish(tid, gen, error)
-            if r is not None:
-                out.append(r)
-        return out
+        """One progress point: settle every delivered completion (publish, or abort all parts)."""
+        return self.txn.progress()
 
     def publish(self, tid: int, generation: int, error: str = "") -> TxSettled | None:
-        """Settle one completion: publish every part, or abort every part when a copy failed.
-        A completion for a transaction that is gone, or with another generation (a reused
-        descriptor), changes nothing and returns None."""
-        tx = self.tx
-        if tx is None or tx.tid != tid or tx.generation != generation:
-            return None
-        self.tx = None
-        self.transfers.forget(tid, generation)
-        out = TxSettled(tid, generation, ok=not error, error=error)
-        for part in tx.parts:
-            if error:
-                failed, lost = part.abort()
-                out.failed_sids += failed
-                out.lost_cids += lost
-            else:
-                part.publish()
-        return out
+        """Settle one completion; a stale one (gone, other generation) changes nothing."""
+        return self.txn.publish(tid, generation, error)
 
     def overdue(self) -> list[TxSettled]:
-        """Settle the running transaction if its copies finished but no completion was
-        delivered (dropped). The controller asks after its completion timeout."""
-        tx = self.tx
-        if tx is not None and self.transfers.finished(tx.tid, tx.generation):
-            r = self.publish(tx.tid, tx.generation, self.transfers.error_of(tx.tid, tx.generation))
-            return [r] if r is not None else []
-        return []
+        """Settle the transaction whose copies finished but whose completion never came."""
+        return self.txn.overdue()
 
     def wait_transfers(self, timeout: float) -> None:
         """Block (without spinning) until a copy finishes or ``timeout`` passes."""
-        if self.transfers.pending:
-            self.transfers.wait(timeout)
+        self.txn.wait(timeout)
 
-    # ==== integrity ====================================================================
+    # ==== integrity ==========================================================================
     def check_integrity(self, idle: bool = False) -> None:
-        """Books balance: pools, Host extents, block holders and slot ownership. ``idle``
-        additionally requires no reservations, leases or transactions."""
+        """Books balance: pools, Host extents, and every part's invariants (written beside the
+        structures they govern). ``idle`` additionally requires no reservations, leases,
+        orphaned images or transactions. Reads everything, writes nothing."""
         for pool in self.pools.values():
             pool.check_integrity()
         self.host.check_integrity()
-        dirs: dict[int, list[KvBlock]] = {}
-        for s in self.sequences.values():
-            dirs[s.sid] = [b for bl in s.blocks.values() for b in bl]
-        for c in self.checkpoints.values():
-            dirs[c.cid] = [b for bl in c.blocks.values() for b in bl]
-        counted: dict[int, set[int]] = {}
-        for owner, blocks in dirs.items():
-            for b in blocks:
-                counted.setdefault(b.bid, set()).add(owner)
-        for bid, b in self.blocks.items():
-            if counted.get(bid, set()) != b.holders:
-                raise IntegrityError(f"block {bid}: holders {sorted(b.holders)} != directories {sorted(counted.get(bid, set()))}")
-            if b.page is None and b.host is None:
-                raise IntegrityError(f"block {bid} has no replica")
-        if set(counted) - set(self.blocks):
-            raise IntegrityError("a directory names a deleted block")
-        for kind in self._dirs():
-            pages = [b.page for b in self.blocks.values() if b.page is not None and b.kind == kind]
-            if len(pages) != len(set(pages)) or set(pages) != self.pools[kind].used_ids():
-                raise IntegrityError(f"{kind} pool pages and block replicas disagree")
-        if {b.bid for b in self.blocks.values() if b.page is not None} != set(self._paged):
-            raise IntegrityError("the paged-block index disagrees with the blocks")
-        for slot, holder in self._slot_owner.items():
-            if isinstance(holder, Checkpoint) and holder.image.slot != slot:
-                raise IntegrityError(f"slot {slot} names checkpoint {holder.cid}, which is not in it")
-        slots = {s.slot: s for s in self.sequences.values() if s.slot is not None}
-        slots.update({c.image.slot: c for c in self.checkpoints.values() if c.image.slot is not None})
-        slots.update({img.slot: img for img in self._orphans if img.slot is not None})
-        if set(slots) != self.pools[STATE].used_ids() or set(slots) != set(self._slot_owner):
-            raise IntegrityError("state slots and their owners disagree")
-        for sq in self.sequences.values():      # between calls a directory covers its frontier exactly
-            if sq.phase is Phase.RUNNING and len(sq.blocks[MAIN]) != pages_for(sq.frontier):
-                raise IntegrityError(f"sequence {sq.sid} holds {len(sq.blocks[MAIN])} Main pages at frontier {sq.frontier}")
-            if sq.phase is Phase.RUNNING and self.spec is not None and \
-                    len(sq.blocks[self.spec.kind]) != pages_for(sq.draft_frontier) - self._page0(sq, self.spec.kind):
-                raise IntegrityError(f"sequence {sq.sid} holds {len(sq.blocks[self.spec.kind])} draft pages over its "
-                                     f"draft coverage [{sq.draft_base}, {sq.draft_frontier})")
-        for c in self.checkpoints.values():
-            if not c.owners:
-                raise IntegrityError(f"checkpoint {c.cid} has no owner")
-            if c.image.slot is None and c.image.host is None:
-                raise IntegrityError(f"checkpoint {c.cid} has no StateImage replica")
-            if self.spec is not None and \
-                    len(c.blocks.get(self.spec.kind, ())) != max(0, pages_for(c.draft_frontier) - self._page0(c, self.spec.kind)):
-                raise IntegrityError(f"checkpoint {c.cid}'s draft pages disagree with its coverage "
-                                     f"[{c.draft_base}, {c.draft_frontier})")
+        self.kv.check_integrity(self.sequences.values(), self.checkpoints.values())
+        self.slots.check_integrity(self.sequences.values(), self.checkpoints.values(), idle)
+        self.cks.check_integrity()
+        self.writers.check_integrity()
         if idle:
             for pool in self.pools.values():
                 if pool.reserved:
                     raise IntegrityError(f"{pool.kind}: {pool.reserved} units still reserved")
-            if self.tx is not None or self.transfers.busy:
-                raise IntegrityError("a transaction is still in flight")
-            if any(b.leases for b in self.blocks.values()) or any(c.image.leases for c in self.checkpoints.values()):
+            self.txn.check_integrity(idle)
+            if self.kv.leased() or self.cks.leased():
                 raise IntegrityError("a reader lease is still held")
-            if self._orphans:
-                raise IntegrityError("an orphaned StateImage was never freed")
 
     def is_empty(self) -> bool:
         """Nothing held at all (after every sequence and checkpoint is released)."""
@@ -1311,4 +392,5 @@ class Program:
                 and self.host.used_bytes == 0)
 
     def shutdown(self) -> None:
+        """Stop the copy path (its thread or stream); nothing else is released."""
         self.transfers.shutdown()

@@ -5,7 +5,11 @@ A quote is a read-only snapshot of physical facts — pools, Host extents, every
 its owners and replicas, every KV block with its real holder set — taken in one synchronous
 call, so deletion and migration candidates are judged on the same facts. It takes no
 references. A commit names the actions and the versions it relied on; the Program re-checks
-generations, versions, holders and pins and executes all of them, or none ("stale").
+generations, versions, holders and pins (``verify``) and executes all of them, or none
+("stale"): ``ContextCache.apply``, the context cache's one writer of these actions.
+
+Everything here reads the context cache through its contract (context/contract.py) and changes
+nothing.
 
 Actions:
     Delete(cid)            the checkpoint disappears for all its owners; blocks whose last
@@ -33,28 +37,28 @@ import msgspec
 
 from ninfer.placement import place_first_fit
 from ninfer.protocol import (
-    MAIN, STATE, Action, BlockFact, CheckpointFact, CommitResult, Delete, DemoteBlocks, DemoteState,
-    DropHostCopy, Facts, PoolFact, Reclaim, Remedy, TakeBack,
+    MAIN, STATE, Action, BlockFact, CheckpointFact, Delete, DemoteBlocks, DemoteState, DropHostCopy, Facts,
+    PoolFact, Reclaim, Remedy, TakeBack,
 )
 
 if TYPE_CHECKING:
-    from ninfer.native.objects import Checkpoint
-    from ninfer.native.program import Program
+    from ninfer.native.context.contract import ContextCache
+    from ninfer.native.objects import Checkpoint, KvBlock
 
 
 # ---- quote ------------------------------------------------------------------------------
 
-def _holder_ids(prog: "Program", b) -> tuple[int, ...]:
+def _holder_ids(prog: "ContextCache", b) -> tuple[int, ...]:
     return tuple(sorted(h if h in prog.checkpoints else -h for h in b.holders))
 
 
-def _pinned(prog: "Program", b, released: set[int] = frozenset()) -> bool:
+def _pinned(prog: "ContextCache", b, released: set[int] = frozenset()) -> bool:
     """A read is in flight or a sequence holds it (``released``: sequences an earlier remedy of
     the same chain pauses destructively — they will have let go)."""
     return b.leases > 0 or any(h in prog.sequences and h not in released for h in b.holders)
 
 
-def quote(prog: "Program", host_window: list[int] | None = None) -> Facts:
+def quote(prog: "ContextCache", host_window: list[int] | None = None) -> Facts:
     """Physical facts. ``host_window`` None: every checkpoint and block. A list: a scoped
     quote — every checkpoint with Device content (so every Device reclaim candidate and every
     co-holder of a Device page), the listed Host-resident checkpoints, and the blocks of these
@@ -83,18 +87,17 @@ def quote(prog: "Program", host_window: list[int] | None = None) -> Facts:
     }
     pools = {k: PoolFact(k, p.size, p.free, p.reserved) for k, p in prog.pools.items()}
     return Facts(pools=pools, host_capacity=prog.host.capacity, host_free=tuple(prog.host.free_extents()),
-                 image_bytes=prog.mem.image_bytes, page_bytes=prog.mem.page_bytes, checkpoints=cks,
+                 image_bytes=prog.image_bytes, page_bytes=prog.page_bytes, checkpoints=cks,
                  blocks=blocks, tx_busy=prog.tx is not None, partial=len(cks) < len(prog.checkpoints))
 
 
 # ---- commit -----------------------------------------------------------------------------
 
-def _current(prog: "Program", cid: int, generation: int) -> "Checkpoint | None":
-    ck = prog.checkpoints.get(cid)
-    return ck if ck is not None and ck.generation == generation else None
+def _current(prog: "ContextCache", cid: int, generation: int) -> "Checkpoint | None":
+    return prog.checkpoint(cid, generation)
 
 
-def verify(prog: "Program", actions: list[Action], gone: set[int] = frozenset(),
+def verify(prog: "ContextCache", actions: list[Action], gone: set[int] = frozenset(),
            released: set[int] = frozenset()) -> str:
     """Why these actions may not be committed now ("" = they may). ``gone``: checkpoints an
     earlier remedy of the same intent deletes; ``released``: sequences an earlier remedy of it
@@ -138,33 +141,11 @@ def as_touched(actions: list[Action], touched: dict[tuple[int, int], int]) -> li
             if isinstance(a, DemoteBlocks) else a for a in actions]
 
 
-def migrations_of(prog: "Program", actions: list[Action]):
+def migrations_of(prog: "ContextCache", actions: list[Action]):
     """The replicas a commit migrates, each once (checkpoints that share a block both name it)."""
     images = list({a.cid: prog.checkpoints[a.cid] for a in actions if isinstance(a, DemoteState)}.values())
     blocks = list({bid: prog.blocks[bid] for a in actions if isinstance(a, DemoteBlocks) for bid in a.bids}.values())
     return images, blocks
-
-
-def commit(prog: "Program", actions: list[Action]) -> CommitResult:
-    """Execute every action or none. Deletes free at once; migrations whose Host replica is
-    missing get their destinations first-fit and join the context transaction."""
-    why = verify(prog, actions)
-    if why:
-        return CommitResult(ok=False, reason=f"stale: {why}")
-    deleted = {a.cid for a in actions if isinstance(a, Delete)}
-    dropped = {a.cid for a in actions if isinstance(a, DropHostCopy)}
-    images, blocks = migrations_of(prog, actions)
-    sizes = prog.demotion_sizes(images, blocks, dropped)
-    if sizes and place_first_fit(prog.host_holes_after(deleted, dropped), sizes) is None:
-        return CommitResult(ok=False, reason="host: the destinations do not fit first-fit")
-    before = {k: prog.pools[k].free for k in (MAIN, STATE)}
-    for cid in sorted(dropped):                 # safe duplicates first: nothing is lost
-        prog.drop_host_copy(prog.checkpoints[cid])
-    for cid in sorted(deleted):
-        prog.delete_checkpoint(prog.checkpoints[cid])
-    jobs, part = prog.demote(images, blocks)
-    tid = prog.tx_add(part, jobs) if part is not None else None
-    return CommitResult(ok=True, tid=tid, freed={k: prog.pools[k].free - n for k, n in before.items()})
 
 
 # ---- simulation ---------------------------------------------------------------------------
@@ -192,7 +173,7 @@ class _Sim:
     copies: set[int] = field(default_factory=set)          # checkpoints whose Host duplicates go
 
 
-def simulate(prog: "Program", remedies: list[Remedy], skipped: set[int] | None = None) -> list[Freed]:
+def simulate(prog: "ContextCache", remedies: list[Remedy], skipped: set[int] | None = None) -> list[Freed]:
     """Cumulative Freed after each remedy. A reclaim step that could not be committed
     (changed since its quote, or its Host destinations do not fit after the steps before it)
     is skipped — its index goes to ``skipped`` — and the later steps are still tried one by one
@@ -239,7 +220,7 @@ def simulate(prog: "Program", remedies: list[Remedy], skipped: set[int] | None =
     return out
 
 
-def _freed(prog: "Program", sim: _Sim) -> Freed:
+def _freed(prog: "ContextCache", sim: _Sim) -> Freed:
     """What the simulated remedies free — looking only at what they touch (their checkpoints,
     the paused sequences, the demoted blocks), never at the whole directory."""
     now = {STATE: 0, MAIN: 0}
@@ -286,4 +267,4 @@ def _freed(prog: "Program", sim: _Sim) -> Freed:
     return Freed(now, later)
 
 
-__all__ = ["quote", "commit", "verify", "simulate", "Freed", "BlockFact", "CheckpointFact", "PoolFact"]
+__all__ = ["quote", "verify", "simulate", "Freed", "BlockFact", "CheckpointFact", "PoolFact"]

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from ninfer.native.layout import MTP
+from ninfer.native.layout import MTP, Layout
 from ninfer.native.model.config import PAGE_SIZE
 from ninfer.native.model.mtp import MtpEntries, MtpHead
 from ninfer.native.objects import Checkpoint, Sequence, pages_for
@@ -46,7 +46,8 @@ from ninfer.native.stores import reserve_all, settle
 from ninfer.protocol import SpecStats, unit_pages
 
 if TYPE_CHECKING:
-    from ninfer.native.program import Program
+    from ninfer.native.context.kv_directory import KvDirectory
+    from ninfer.native.model.model import HybridModel
 
 
 class Catchup(NamedTuple):
@@ -74,16 +75,29 @@ class DraftBackend:
     """What every draft backend shares: its typed pool and directory (``kind``), the coverage
     [draft_base, draft_frontier) of sequences and checkpoints, the pending drafts of a decode
     row, the counters. A directory lists the pages from ``draft_base // 64`` on (``page0``):
-    positions below the base (a restarted or windowed context) hold no page."""
+    positions below the base (a restarted or windowed context) hold no page. Its blocks live in
+    the Program's KV directory and are reached through its public API only; the checkpoint
+    table is read (never written) to pick the coverage to drop when the pool is short."""
 
     kind: str = MTP
     needs_prev: bool = False           # after_call wants the continuation hidden before the call
     taps: tuple[int, ...] = ()         # target layers whose outputs the backend reads
 
-    def __init__(self, prog: "Program", method: str):
-        self.prog = prog
-        self.k = prog.layout.spec_tokens
+    def __init__(self, kv: "KvDirectory", checkpoints: dict[int, Checkpoint], layout: Layout,
+                 model: "HybridModel", method: str):
+        self.kv = kv
+        self.checkpoints = checkpoints
+        self.layout = layout
+        self.device = model.device
+        self.k = layout.spec_tokens
         self.stats = SpecStats(method=method, by_position=[0] * self.k, offered=[0] * self.k)
+        # checkpoints that lack the coverage their restore needs (DFlash), for the next reply
+        self.uncovered: list[tuple[int, int]] = []
+        kv.attach_draft(self.kind, self.copy_page_prefix)
+
+    def take_uncovered(self) -> list[tuple[int, int]]:
+        out, self.uncovered = self.uncovered, []
+        return out
 
     # ---- verify -------------------------------------------------------------------------
     def drafts_for(self, seq: Sequence, n_tokens: int) -> list[int]:
@@ -110,7 +124,7 @@ class DraftBackend:
     def _budget(self, seq: Sequence) -> int:
         """Drafts the next verify may carry: within max_tokens (the bonus token included) and the context."""
         left = seq.params.max_tokens - seq.n_generated - 1
-        room = self.prog.layout.max_context - 1 - seq.frontier
+        room = self.layout.max_context - 1 - seq.frontier
         return max(0, min(self.k, left, room))
 
     # ---- the directory ----------------------------------------------------------------------
@@ -125,19 +139,19 @@ class DraftBackend:
     def _room(self, seq: Sequence, m: int, end: int) -> bool:
         """Allocate the pages for positions m .. end-1 (tail copy included) from the pool;
         short, drop checkpoints' coverage first. False: still short (nothing held)."""
-        prog, kind = self.prog, self.kind
+        kv, kind = self.kv, self.kind
         blocks, p0 = seq.blocks[kind], self.page0(seq)
         i = m // PAGE_SIZE - p0
-        tail = not m % PAGE_SIZE or len(blocks) <= i or prog.can_append(blocks[i], seq.sid, m)
+        tail = not m % PAGE_SIZE or len(blocks) <= i or kv.can_append(blocks[i], seq.sid, m)
         need = unit_pages(m, end - m, p0 + len(blocks), tail)
-        res, short = reserve_all(prog.pools, {kind: need})
+        res, short = reserve_all(kv.pools, {kind: need})
         if res is None:
             self._drop_coverage(short[kind])
-            res, short = reserve_all(prog.pools, {kind: need})
+            res, short = reserve_all(kv.pools, {kind: need})
             if res is None:
                 return False
-        prog.prepare_blocks(seq, end, kind, m, res)
-        settle(prog.pools, res)
+        kv.prepare(seq, end, kind, m, res)
+        settle(kv.pools, res)
         return True
 
     def _trim(self, seq: Sequence) -> None:
@@ -145,13 +159,13 @@ class DraftBackend:
         blocks = seq.blocks[self.kind]
         keep = pages_for(seq.draft_frontier) - self.page0(seq)
         for b in blocks[keep:]:
-            self.prog.drop_holder(b, seq.sid)
+            self.kv.drop_holder(b, seq.sid)
         del blocks[keep:]
 
     def _restart(self, seq: Sequence, base: int) -> None:
         """The backend's context restarts at ``base``: positions below it are never covered."""
         for b in seq.blocks[self.kind]:
-            self.prog.drop_holder(b, seq.sid)
+            self.kv.drop_holder(b, seq.sid)
         seq.blocks[self.kind] = []
         seq.draft_base = seq.draft_frontier = base
         self.stats.restarts += 1
@@ -159,17 +173,16 @@ class DraftBackend:
     def _drop_coverage(self, pages: int) -> None:
         """Free pages by dropping checkpoints' coverage (outputs never depend on it): Host-resident
         points first, then the oldest. O(checkpoints), only when the pool is short."""
-        prog = self.prog
-        cks = sorted((c for c in prog.checkpoints.values() if c.blocks.get(self.kind)),
+        cks = sorted((c for c in self.checkpoints.values() if c.blocks.get(self.kind)),
                      key=lambda c: (c.image.slot is not None, c.cid))
         for ck in cks:
-            if prog.pools[self.kind].available >= pages:
+            if self.kv.pools[self.kind].available >= pages:
                 return
             self.drop_coverage(ck)
 
     def drop_coverage(self, ck: Checkpoint) -> None:
         for b in ck.blocks.get(self.kind, ()):
-            self.prog.drop_holder(b, ck.cid)
+            self.kv.drop_holder(b, ck.cid)
         ck.blocks[self.kind] = []
         ck.draft_base = ck.draft_frontier = 0
         ck.touch()
@@ -178,7 +191,7 @@ class DraftBackend:
 
     def noted(self, ck: Checkpoint) -> None:
         """A new or changed checkpoint: a backend whose restore needs coverage reports a point
-        that lacks it (``Program.uncovered``) so the policy stops offering it as a source."""
+        that lacks it (``uncovered``) so the policy stops offering it as a source."""
 
     def copy_page_prefix(self, src: int, dst: int, n: int) -> None:
         """Tail copy (COW) of the backend's page ``src`` into ``dst``: its first n positions."""
@@ -201,10 +214,11 @@ class MtpBackend(DraftBackend):
     kind = MTP
     needs_prev = True
 
-    def __init__(self, prog: "Program"):
-        super().__init__(prog, "mtp")
-        self.head = MtpHead(prog.model)
-        self.cache = self.head.new_cache(prog.layout.kv_pages[MTP])
+    def __init__(self, kv: "KvDirectory", checkpoints: dict[int, Checkpoint], layout: Layout,
+                 model: "HybridModel"):
+        super().__init__(kv, checkpoints, layout, model, "mtp")
+        self.head = MtpHead(model)
+        self.cache = self.head.new_cache(layout.kv_pages[MTP])
 
     def rows(self, out, lo: int, keep: int) -> torch.Tensor:
         return out.all_hidden[lo:lo + keep]
@@ -212,7 +226,7 @@ class MtpBackend(DraftBackend):
     # ---- the head after the target's forward ----------------------------------------------
     def after_call(self, pending: list[Pending]) -> None:
         """Catch the head up on every sequence of the call and draft for the next one."""
-        prog, head = self.prog, self.head
+        head = self.head
         work: list[Catchup] = []
         for p in pending:
             seq = p.seq
@@ -241,7 +255,7 @@ class MtpBackend(DraftBackend):
         with torch.no_grad():
             out = head.forward(entries, self.cache)
             for w in work:
-                prog.mark_written(w.seq, w.start, w.end, MTP)
+                self.kv.mark_written(w.seq, w.start, w.end, MTP)
                 w.seq.draft_frontier = w.end
                 self.stats.entries += w.end - w.start
             rows = [i for i, w in enumerate(work) if w.drafts > 0]

@@ -10,7 +10,7 @@ import pytest
 
 import ninfer
 from ninfer.errors import RequestError
-from ninfer.native import program
+from ninfer.native import runner
 from tests.engine.harness import (
     assert_logprobs_close,
     assert_prompt_logprobs_close,
@@ -52,8 +52,8 @@ def test_top_alternatives_are_ordered_and_greedy_picks_the_first(make):
 def test_logprobs_none_computes_and_sends_nothing(make, tiny_model, monkeypatch):
     """A request that did not ask never reaches token_logprobs, even batched with one that did."""
     calls = []
-    real = program.token_logprobs
-    monkeypatch.setattr(program, "token_logprobs", lambda *a: calls.append(a) or real(*a))
+    real = runner.token_logprobs
+    monkeypatch.setattr(runner, "token_logprobs", lambda *a: calls.append(a) or real(*a))
     h = make(max_concurrency=2)
     pa, pb = random_prompt(30, seed=4), random_prompt(50, seed=5)
     a = h.submit(pa, max_tokens=6, logprobs=2)

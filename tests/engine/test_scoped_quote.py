@@ -72,8 +72,8 @@ def test_device_decisions_on_a_scoped_quote_equal_those_on_the_whole_directory(m
             if not named <= set(facts.checkpoints):
                 compared["outside"] += 1          # the best Host victim lay beyond the window
                 return got
-            assert {i: (v.remedies, v.on_short, v.error, v.covered) for i, v in got[0].items()} == \
-                   {i: (v.remedies, v.on_short, v.error, v.covered) for i, v in want[0].items()}
+            assert {i: (v.remedies, v.on_short, v.contract, v.covered) for i, v in got[0].items()} == \
+                   {i: (v.remedies, v.on_short, v.contract, v.covered) for i, v in want[0].items()}
             compared["partial"] += 1
         compared["n"] += 1
         return got

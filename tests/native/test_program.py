@@ -9,7 +9,7 @@ import pytest
 from ninfer.faults import Fault
 from ninfer.native.layout import MAIN, STATE
 from ninfer.native.program import BindMode, UnitKind, UnitRow
-from ninfer.native.reclaim import commit, quote
+from ninfer.native.reclaim import quote
 from ninfer.protocol import Delete, DemoteBlocks, DemoteState, DropHostCopy, Phase, Refusal, SnapshotOwner
 from ninfer.reference import reference_generate
 from tests.factories import random_prompt
@@ -69,7 +69,7 @@ def _capture_at(prog, prompt, owner="rec", where="auto"):
 def _demote_all(prog, ck):
     f = quote(prog)
     cf = f.checkpoints[ck.cid]
-    res = commit(prog, [DemoteState(ck.cid, ck.generation, cf.version),
+    res = prog.apply([DemoteState(ck.cid, ck.generation, cf.version),
                         DemoteBlocks(ck.cid, ck.generation, cf.blocks, tuple(f.blocks[b].version for b in cf.blocks))])
     assert res.ok, res.reason
     settle_transfers(prog)
@@ -271,12 +271,12 @@ def test_stale_commit_is_refused_and_changes_nothing(prog):
     ck = _capture_at(prog, random_prompt(30, seed=4))
     f = quote(prog)
     prog.add_owner(ck, "other")                    # holders changed after the quote
-    res = commit(prog, [Delete(ck.cid, ck.generation, f.checkpoints[ck.cid].version)])
+    res = prog.apply([Delete(ck.cid, ck.generation, f.checkpoints[ck.cid].version)])
     assert not res.ok and "stale" in res.reason
     assert ck.cid in prog.checkpoints
     prog.release_owner(ck, "other")
     f = quote(prog)
-    res = commit(prog, [Delete(ck.cid, ck.generation, f.checkpoints[ck.cid].version)])
+    res = prog.apply([Delete(ck.cid, ck.generation, f.checkpoints[ck.cid].version)])
     assert res.ok and res.freed[STATE] == 1 and ck.cid not in prog.checkpoints
 
 
@@ -288,7 +288,7 @@ def test_late_duplicate_and_reordered_completions_change_nothing(tiny_model, ora
     assert ck.image.slot is None and ck.image.host is not None and ck.image.leases == 0
     f = quote(prog)
     cf = f.checkpoints[ck.cid]
-    res = commit(prog, [DemoteBlocks(ck.cid, ck.generation, cf.blocks, tuple(f.blocks[b].version for b in cf.blocks))])
+    res = prog.apply([DemoteBlocks(ck.cid, ck.generation, cf.blocks, tuple(f.blocks[b].version for b in cf.blocks))])
     assert res.ok and res.tid is not None
     tx = prog.tx
     settled = settle_transfers(prog)                          # duplicates arrive too: ignored
@@ -353,7 +353,7 @@ def test_dropped_completion_is_recovered_after_timeout(tiny_model, oracle):
     ck = _capture_at(prog, prompt)
     f = quote(prog)
     cf = f.checkpoints[ck.cid]
-    res = commit(prog, [DemoteState(ck.cid, ck.generation, cf.version)])
+    res = prog.apply([DemoteState(ck.cid, ck.generation, cf.version)])
     assert res.ok and res.tid is not None
     prog.wait_transfers(0.5)
     assert prog.progress() == [] and prog.tx is not None     # nothing is delivered ...
@@ -459,7 +459,7 @@ def test_failed_demotion_keeps_the_device_replica(prog):
     ck = _capture_at(prog, random_prompt(64, seed=42))
     _fail_next_copy(prog)
     f = quote(prog)
-    res = commit(prog, [DemoteState(ck.cid, ck.generation, f.checkpoints[ck.cid].version)])
+    res = prog.apply([DemoteState(ck.cid, ck.generation, f.checkpoints[ck.cid].version)])
     assert res.ok and res.tid is not None
     [t] = settle_transfers(prog)
     assert not t.ok and t.failed_sids == [] and t.lost_cids == []
@@ -534,7 +534,7 @@ def test_a_block_shared_by_two_demoted_checkpoints_is_copied_once(prog, oracle):
     acts = [DemoteBlocks(c.cid, c.generation, f.checkpoints[c.cid].blocks,
                          tuple(f.blocks[x].version for x in f.checkpoints[c.cid].blocks)) for c in (a, b)]
     d2h = prog.bytes_d2h
-    res = commit(prog, acts)
+    res = prog.apply(acts)
     assert res.ok and prog.bytes_d2h - d2h == 2 * prog.mem.page_bytes      # blocks 0 and 1, once each
     shared = a.blocks[MAIN][0]
     assert shared.page is not None and shared.leases == 1                  # still read by its copy
@@ -579,7 +579,7 @@ def test_host_copies_of_pages_read_back_are_safe_duplicates(tiny_model, oracle):
     ck = _capture_at(prog, prompt[:128])
     f = quote(prog)
     cf = f.checkpoints[ck.cid]
-    assert commit(prog, [DemoteBlocks(ck.cid, ck.generation, cf.blocks,
+    assert prog.apply([DemoteBlocks(ck.cid, ck.generation, cf.blocks,
                                       tuple(f.blocks[b].version for b in cf.blocks))]).ok
     settle_transfers(prog)
     assert all(b.page is None and b.host is not None for b in ck.blocks[MAIN])
@@ -597,12 +597,12 @@ def test_host_copies_of_pages_read_back_are_safe_duplicates(tiny_model, oracle):
     assert prog.demotion_sizes([], blocks) == []                          # copies there: free at once
     assert prog.demotion_sizes([], blocks, {ck.cid}) == [prog.mem.page_bytes] * 2
     free, size = prog.host.free_bytes, sum(e.size for e in pages)
-    assert commit(prog, [DropHostCopy(ck.cid, ck.generation, f.checkpoints[ck.cid].version)]).ok
+    assert prog.apply([DropHostCopy(ck.cid, ck.generation, f.checkpoints[ck.cid].version)]).ok
     assert prog.host.free_bytes == free + size
     assert all(b.page is not None and b.host is None for b in ck.blocks[MAIN])
     f = quote(prog)
     cf = f.checkpoints[ck.cid]
-    res = commit(prog, [DemoteBlocks(ck.cid, ck.generation, cf.blocks, tuple(f.blocks[b].version for b in cf.blocks))])
+    res = prog.apply([DemoteBlocks(ck.cid, ck.generation, cf.blocks, tuple(f.blocks[b].version for b in cf.blocks))])
     assert res.ok and res.tid is not None                                 # written again
     settle_transfers(prog)
     _restores_exactly_then_empty(prog, ck, prompt[:128], oracle, 3)
@@ -620,9 +620,9 @@ def test_a_safe_host_duplicate_is_released_without_losing_the_checkpoint(tiny_mo
     ck.image.host = ext
     free, size = prog.host.free_bytes, ext.size
     f = quote(prog)
-    assert commit(prog, [DropHostCopy(ck.cid, ck.generation, f.checkpoints[ck.cid].version)]).ok
+    assert prog.apply([DropHostCopy(ck.cid, ck.generation, f.checkpoints[ck.cid].version)]).ok
     assert ck.image.host is None and ck.image.slot is not None and prog.host.free_bytes == free + size
-    assert not commit(prog, [DropHostCopy(ck.cid, ck.generation, quote(prog).checkpoints[ck.cid].version)]).ok
+    assert not prog.apply([DropHostCopy(ck.cid, ck.generation, quote(prog).checkpoints[ck.cid].version)]).ok
     s = new_seq(prog, prompt + [5, 6], 4)
     assert prog.bind(s, ck).ok
     assert run_to_end(prog, s) == oracle(prompt + [5, 6], 4)

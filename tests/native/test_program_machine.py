@@ -13,7 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from ninfer.faults import Fault, FaultPlan
 from ninfer.native.program import BindMode, UnitKind
-from ninfer.native.reclaim import commit, quote
+from ninfer.native.reclaim import quote
 from ninfer.protocol import Delete, DemoteBlocks, DemoteState, Phase, SnapshotOwner
 from ninfer.reference import reference_generate
 from tests.factories import random_prompt
@@ -138,7 +138,7 @@ class ProgramMachine(RuleBasedStateMachine):
             if not bids:
                 return
             action = DemoteBlocks(ck.cid, ck.generation, bids, tuple(f.blocks[b].version for b in bids))
-        commit(self.prog, [action])          # may be refused (stale, no Host room): nothing changes
+        self.prog.apply([action])          # may be refused (stale, no Host room): nothing changes
 
     @rule()
     def fail_next_copy(self):

@@ -72,11 +72,11 @@ def _plain(t, dtype: torch.dtype) -> torch.Tensor:
 
 def _down_side_by_side(w: MoeWeights, dtype: torch.dtype) -> torch.Tensor:
     """The experts' down projections side by side, [H, E*I] (built once per layer, kept on ``w``)."""
-    down = getattr(w, "_down_cat", None)
+    down = w.down_cat
     if down is None or down.dtype != dtype:
         e, h, i = w.down.shape
         down = _plain(w.down, dtype).permute(1, 0, 2).reshape(h, e * i).contiguous()
-        w._down_cat = down                    # derived from w.down, never saved or moved
+        w.down_cat = down                     # derived from w.down, never saved or moved
     return down
 
 

@@ -30,6 +30,7 @@ class MoeWeights:
     shared_up_proj: torch.Tensor | None = None
     shared_down_proj: torch.Tensor | None = None
     shared_gate: torch.Tensor | None = None
+    down_cat: torch.Tensor | None = None          # the CPU's dense form: ``down`` side by side [H, E*I], derived once
 
 
 def sparse_moe(x: torch.Tensor, w: MoeWeights, dense: bool = False) -> torch.Tensor:
