@@ -218,7 +218,7 @@ class RuleMonitor:
     def ended(self, core: "EngineCore", plan: "Plan", reply: P.StepReply) -> None:
         """Outcomes and the state the cycle left."""
         self.cycles += 1
-        sched, b = core.sched, self._before
+        b = self._before
         by_iid = {o.iid: o for o in reply.intents}
         fresh_ok = [i for i in plan.items if i.kind is ItemKind.FRESH and by_iid.get(i.iid) is not None
                     and by_iid[i.iid].outcome is Outcome.OK]
