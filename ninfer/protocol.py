@@ -441,11 +441,16 @@ class Reclaim(msgspec.Struct, tag="reclaim", array_like=True, gc=False):
 
 
 class TakeBack(msgspec.Struct, tag="take_back", array_like=True, gc=False):
-    """Pause a resident for the requester (its lane and capacity); the route as in Pause."""
+    """Pause a resident for the requester (its lane and capacity); the route as in Pause. The
+    one take-back mechanism: for memory (a step of the remedy chain, committed only as part of
+    the prefix that covers the shortfall) and for a lane (``lane``: the oldest paused request's
+    resume needs the victim's lane, which the worker does not count — it leads the resume's
+    remedies and is committed before the permit check, whatever the shortfall)."""
 
     sid: int
     to_host: bool = False
     host_victims: list[Delete] = []
+    lane: bool = False
 
 
 Remedy = Reclaim | TakeBack

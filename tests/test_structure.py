@@ -101,3 +101,39 @@ def test_no_private_name_of_another_module_is_used():
                 if (mod, f"{ast.unparse(owner)}.{n.attr}") not in ALLOWED_PRIVATE:
                     bad.append(f"{mod}: reads {ast.unparse(owner)}.{n.attr}")
     assert not bad, "\n".join(bad)
+
+
+def test_only_the_request_book_writes_a_requests_phase():
+    """RequestBook.move is the controller's one writer of ``Request.phase`` (its transitions
+    are checked there): no other assignment to a ``.phase`` in the controller or the policy."""
+    bad = []
+    for mod, f in sorted(_modules().items()):
+        if not mod.startswith(("ninfer.engine", "ninfer.policy")) or mod == "ninfer.engine.books":
+            continue
+        for n in ast.walk(ast.parse(f.read_text())):
+            targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, (ast.AnnAssign, ast.AugAssign)) else []
+            bad += [f"{mod}:{n.lineno}: {ast.unparse(t)}" for t in targets
+                    if isinstance(t, ast.Attribute) and t.attr == "phase"]
+    assert not bad, "\n".join(bad)
+
+
+def test_a_phase_transition_the_state_machine_lacks_is_refused():
+    import pytest
+
+    from ninfer.engine.books import TRANSITIONS, PhaseError, RequestBook
+    from ninfer.engine.request import Request
+    from ninfer.protocol import Phase
+
+    req = Request.__new__(Request)
+    req.rid = "r"
+    for start, ends in TRANSITIONS.items():
+        for end in Phase:
+            req.phase = start
+            if end in ends:
+                RequestBook.move(req, end)
+                assert req.phase is end
+            else:
+                with pytest.raises(PhaseError, match=f"{start.name} -> {end.name}"):
+                    RequestBook.move(req, end)
+                assert req.phase is start
+    assert Phase.PAUSED in TRANSITIONS[Phase.RUNNING] and Phase.RUNNING not in TRANSITIONS[Phase.FINISHED]

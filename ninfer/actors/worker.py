@@ -319,10 +319,13 @@ class _StepRun:
         return out
 
     def _permit(self, demand: Callable[[], dict[str, int]], credit: dict[str, int],
-                remedies: list[P.Remedy], out: P.IntentOut) -> P.Outcome:
+                remedies: list[P.Remedy], out: P.IntentOut, first: int = 0,
+                touched: dict[tuple[int, int], int] | None = None) -> P.Outcome:
         """The permit check with its remedies: OK when it fits now (after committing the
         smallest prefix of remedies that makes it fit), WAIT when a prefix makes it fit once
-        its copies publish (committed), else SHORT with nothing committed."""
+        its copies publish (committed), else SHORT with nothing committed. ``first``: the
+        index of ``remedies[0]`` in the intent's list (after a lane take-back it committed);
+        ``touched``: blocks that take-back let go of (see ``_remedy``)."""
         short = self._short(demand(), credit)
         if not short:
             return P.Outcome.OK
@@ -335,10 +338,10 @@ class _StepRun:
         for wait in (False, True):
             for k, f in enumerate(freed):
                 if f.covers(short, wait):
-                    touched: dict[tuple[int, int], int] = {}
+                    touched = {} if touched is None else touched
                     for i in range(k + 1):
                         if i not in skipped:
-                            out.applied.append(self._remedy(i, remedies[i], touched))
+                            out.applied.append(self._remedy(first + i, remedies[i], touched))
                     if wait:
                         return P.Outcome.WAIT
                     short = self._short(demand(), credit)
@@ -386,8 +389,16 @@ class _StepRun:
                 return P.IntentOut(it.iid, P.Outcome.REFUSED, why, detail=detail)
         retire = self.w.retires(it.retire)
         credit = prog.freed_by_retiring([(c, o) for c, o in retire if c is not src])
+        # a lane take-back leads the remedies: committed whatever the shortfall (the lane is
+        # what the resume needs of it), before the permit is checked
+        touched: dict[tuple[int, int], int] = {}
+        lead = 0
+        while lead < len(it.remedies) and isinstance(r := it.remedies[lead], P.TakeBack) and r.lane:
+            if r.sid in prog.sequences and prog.sequences[r.sid].phase is P.Phase.RUNNING:
+                out.applied.append(self._remedy(lead, r, touched))
+            lead += 1
         out.outcome = self._permit(lambda: prog.bind_demand(seq.sid, src, it.mode, it.first_tokens),
-                                   credit, it.remedies, out)
+                                   credit, it.remedies[lead:], out, lead, touched)
         if out.outcome is not P.Outcome.OK:
             self._drop_new(it, seq)
             return out

@@ -49,9 +49,27 @@ class EngineStats:
     tokens_generated: int = 0
 
 
+# A request's phase transitions (controller side), the only ones RequestBook.move makes:
+# admitted (bound, its read-back in flight or not), its read-back settled, paused (a lane given
+# back), resumed (bound again), ended (from any phase: finished, cancelled, failed).
+TRANSITIONS: dict[P.Phase, frozenset[P.Phase]] = {
+    P.Phase.QUEUED: frozenset({P.Phase.MATERIALIZING, P.Phase.RUNNING, P.Phase.FINISHED}),
+    P.Phase.MATERIALIZING: frozenset({P.Phase.RUNNING, P.Phase.PAUSED, P.Phase.FINISHED}),
+    P.Phase.RUNNING: frozenset({P.Phase.PAUSED, P.Phase.FINISHED}),
+    P.Phase.PAUSED: frozenset({P.Phase.MATERIALIZING, P.Phase.RUNNING, P.Phase.FINISHED}),
+    P.Phase.FINISHED: frozenset(),
+}
+
+
+class PhaseError(RuntimeError):
+    """A phase transition the controller's state machine does not have (a programming error)."""
+
+
 class RequestBook:
-    """Open requests by id and by worker sequence, and where their events go. Invariant: a
-    request is in ``by_sid`` exactly while ``req.sid`` names its sequence."""
+    """Open requests by id and by worker sequence, and where their events go; the owner of a
+    request's phase transitions (``move``: the only writer of ``req.phase``, checked against
+    TRANSITIONS). Invariant: a request is in ``by_sid`` exactly while ``req.sid`` names its
+    sequence."""
 
     def __init__(self, sink: Callable[[P.Event], None]):
         self.requests: dict[str, Request] = {}
@@ -59,9 +77,18 @@ class RequestBook:
         self.sink = sink
         self.life = Lifecycle(sink)
 
-    def bind(self, req: Request, sid: int) -> None:
+    def bind(self, req: Request, sid: int, materializing: bool) -> None:
+        """The worker bound ``req`` as sequence ``sid`` (fresh or resumed); it runs at once or
+        once its read-back settles."""
+        self.move(req, P.Phase.MATERIALIZING if materializing else P.Phase.RUNNING)
         req.sid = sid
         self.by_sid[sid] = req
+
+    @staticmethod
+    def move(req: Request, phase: P.Phase) -> None:
+        if phase not in TRANSITIONS[req.phase]:
+            raise PhaseError(f"request {req.rid}: no transition {req.phase.name} -> {phase.name}")
+        req.phase = phase
 
     def unbind(self, req: Request) -> None:
         """The worker released its sequence."""

@@ -153,7 +153,8 @@ class EngineCore:
         t0 = time.perf_counter()
         progressed = False
         if self._needs_quote(plan):
-            cmds, progressed = self._quote_and_settle(plan, cmds)
+            progressed = self._quote_and_settle(plan, cmds)
+            cmds = []                         # the quote step sent them
         if self.monitor is not None:
             self.monitor.settled(self, plan)
         reply = self._send(P.StepPlan(next(self._steps), commands=[c for c, _ in cmds], intents=plan.intents()))
@@ -167,7 +168,7 @@ class EngineCore:
         return self.pressure.needs_quote(plan.needs(), len(plan.captures()), self.pools, self.host_largest,
                                          plan.take_back is not None)
 
-    def _quote_and_settle(self, plan: Plan, cmds) -> tuple[list[tuple[P.Command, object]], bool]:
+    def _quote_and_settle(self, plan: Plan, cmds) -> bool:
         """The quote step (it runs the lifecycle commands first) and the pressure settle on
         its facts. The quote is scoped — the Device's content plus a window of the best Host
         candidates the records rank (O(Device capacity + window), never the directory); when a
@@ -191,16 +192,9 @@ class EngineCore:
             self.stats.wide_quotes += 1
             reply = self._send(P.StepPlan(next(self._steps), quote=True, demands=plan.queries(), host_window=window))
             progressed = self.outcomes.apply(reply, Plan(), []) or progressed
-        plan.settle(settlement)
+        plan.settle(settlement)          # the lane take-back too: it leads the resume's remedies
         self.outcomes.evidence_used(settlement.evidence)
-        out = []
-        if settlement.take_back is not None:
-            victim = plan.take_back
-            to_host, host_victims = settlement.take_back
-            out.append((P.Pause(victim.sid, to_host, host_victims),
-                        PauseFollow(victim, tuple(host_victims), "lane_take_back")))
-            self.stats.take_backs += 1
-        return out, progressed
+        return progressed
 
     def _host_window(self, k: int) -> list[int]:
         """The best ``k`` Host candidates the records rank, and every pause snapshot (few: one per
@@ -318,7 +312,7 @@ class EngineCore:
                           source_wait_s=wait)
         timings = self.life.timings(req)
         self.life.summary(req, timings, lost)
-        req.phase = Phase.FINISHED
+        self.books.move(req, Phase.FINISHED)
         self.sched.remove(req)
         self.books.close(req)
         self.stats.finished += 1

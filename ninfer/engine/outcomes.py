@@ -127,7 +127,7 @@ class Outcomes:
             if req is None:
                 continue
             if kind is TxPart.BIND and s.ok and req.phase is Phase.MATERIALIZING:
-                req.phase = Phase.RUNNING
+                self.books.move(req, Phase.RUNNING)
                 self.rm.book(req).source_cid = None
             elif kind is TxPart.PAUSE:
                 causes.add(req.rid)            # its own release is not a resume event for it
@@ -188,7 +188,7 @@ class Outcomes:
             self.committed(list(victims), P.CommitResult(ok=True))
         req.snapshot = out.snapshot
         req.replay_target = req.frontier
-        req.phase = Phase.PAUSED
+        self.books.move(req, Phase.PAUSED)
         req.recovery_pending = False          # a pause ends the permit it held (its sequence let go)
         now = time.monotonic()
         route = "snapshot" if out.snapshot else "replay"
@@ -206,7 +206,10 @@ class Outcomes:
             if a.paused is not None:
                 victim = self.books.of_sid(a.paused.sid)
                 if victim is not None:
-                    self.paused(victim, a.paused, remedy.host_victims, "taken_back")
+                    self.paused(victim, a.paused, remedy.host_victims,
+                                "lane_take_back" if remedy.lane else "taken_back")
+                if remedy.lane:
+                    self.stats.take_backs += 1
         if out.paused is not None:
             self.paused(item.req, out.paused, item.intent.on_short.host_victims, "cannot_progress")
 
@@ -294,9 +297,8 @@ class Outcomes:
         return bool(out.applied)
 
     def _bound(self, req: Request, out: P.IntentOut) -> None:
-        self.books.bind(req, out.sid)
+        self.books.bind(req, out.sid, out.tid is not None)
         req.facts = out.facts
-        req.phase = Phase.MATERIALIZING if out.tid is not None else Phase.RUNNING
         self.txs.book(out.tid, TxPart.BIND, req)
         self.sched.admit(req)
 

@@ -102,6 +102,12 @@ class Plan:
                 item.intent.on_short = v.on_short
         for item, (room, refused) in zip(self.captures(), s.rooms):
             item.spec.capture.room, item.room_refused = room, refused
+        if s.take_back is not None and self.take_back is not None:
+            # the lane take-back leads the resume's remedies (the resume is the plan's first item)
+            to_host, victims = s.take_back
+            resume = next((i for i in self.items if i.kind is RESUME), None)
+            if resume is not None:
+                resume.intent.remedies.insert(0, P.TakeBack(self.take_back.sid, to_host, victims, lane=True))
 
     def saves(self) -> list[tuple[Request, SavePoint, object]]:
         """The saves' (request, save point, record) for their room, in plan order."""
