@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
+from filelock import FileLock
 
 torch.set_num_threads(int(os.environ.get("NINFER_TORCH_THREADS", "1")))
 # every engine built in the suite checks the seed's rules as invariants on every cycle
@@ -13,12 +15,29 @@ torch.set_num_threads(int(os.environ.get("NINFER_TORCH_THREADS", "1")))
 os.environ.setdefault("NINFER_RULE_MONITOR", "1")
 
 
+def shared_build(tmp_path_factory, name: str, build) -> str:
+    """``build(directory)`` once per test session — under pytest-xdist once for all its workers
+    (in their common base directory, under a lock): the qwen3_next tiny model fits its MTP head
+    and the drafts fit themselves (~15 s each on one core), deterministically. Tests only read
+    these directories (a test that edits one copies it first)."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    target = base / f"shared-{name}"
+    with FileLock(str(target) + ".lock"):
+        if not (target / ".built").exists():
+            shutil.rmtree(target, ignore_errors=True)
+            build(target)
+            (target / ".built").touch()
+    return str(target)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     """The default tiny hybrid model (qwen3_next), with tokenizer and chat template."""
     from ninfer.tiny.build import make_tiny_model
 
-    return str(make_tiny_model(tmp_path_factory.mktemp("tiny_next"), seed=0, arch="qwen3_next"))
+    return shared_build(tmp_path_factory, "tiny_next", lambda d: make_tiny_model(d, seed=0, arch="qwen3_next"))
 
 
 @pytest.fixture(scope="session")
@@ -43,7 +62,8 @@ def tiny_dflash(tiny_model, tmp_path_factory) -> str:
     """A DFlash draft for the tiny model (block 8, fitted to it: drafts are really accepted)."""
     from ninfer.tiny.dflash import make_tiny_dflash
 
-    return str(make_tiny_dflash(tiny_model, tmp_path_factory.mktemp("tiny_dflash"), kind="dflash", seed=0))
+    return shared_build(tmp_path_factory, "tiny_dflash",
+                        lambda d: make_tiny_dflash(tiny_model, d, kind="dflash", seed=0))
 
 
 @pytest.fixture(scope="session")
@@ -52,8 +72,8 @@ def tiny_dflash2(tiny_model, tmp_path_factory) -> str:
     already slide it (the real drafts' 2,048 is tested on its own)."""
     from ninfer.tiny.dflash import make_tiny_dflash
 
-    return str(make_tiny_dflash(tiny_model, tmp_path_factory.mktemp("tiny_dflash2"), kind="dflash2", seed=1,
-                                window=96))
+    return shared_build(tmp_path_factory, "tiny_dflash2",
+                        lambda d: make_tiny_dflash(tiny_model, d, kind="dflash2", seed=1, window=96))
 
 
 MODEL_FIXTURES = {"tiny_model", "tiny_qwen3", "tiny_vision", "tiny_dflash", "tiny_dflash2"}

@@ -143,10 +143,9 @@ def head() -> Iterator[Head]:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> str:
-    from ninfer.tiny.build import make_tiny_model
-
-    return str(make_tiny_model(tmp_path_factory.mktemp("deploy") / "tiny", seed=0, arch="qwen3_next"))
+def tiny(tiny_model) -> str:
+    """The suite's tiny model (start.sh only reads it)."""
+    return tiny_model
 
 
 class Server(NamedTuple):

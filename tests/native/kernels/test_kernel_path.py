@@ -40,8 +40,10 @@ def _compare(prep, rows, dtype="float32") -> None:
     assert torch.equal(got.logits.argmax(-1), ref.logits.argmax(-1))
 
 
-@pytest.mark.parametrize("with_chunk", [False, True], ids=["decode-only", "with-chunk"])
-@pytest.mark.parametrize("n_decode", [1, 5, 8], ids=lambda n: f"B{n}")
+# decode rows alone at the batch edges and between them; beside a chunk, one odd batch (each
+# with-chunk case is ~15 s under the Triton interpreter)
+@pytest.mark.parametrize(("n_decode", "with_chunk"), [(1, False), (5, False), (8, False), (5, True)],
+                         ids=["B1-decode-only", "B5-decode-only", "B8-decode-only", "B5-with-chunk"])
 def test_the_kernel_path_equals_the_batched_path(tiny_model, with_chunk, n_decode):
     prep = prepared(tiny_model, "float32")
     _compare(prep, prep.step(n_decode, with_chunk))
