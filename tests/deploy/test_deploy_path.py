@@ -143,9 +143,12 @@ def head() -> Iterator[Head]:
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_model) -> str:
-    """The suite's tiny model (start.sh only reads it)."""
-    return tiny_model
+def tiny(tiny_model, tmp_path_factory) -> str:
+    """The suite's tiny model (start.sh only reads it), served as ``tiny``: a link of that name
+    (the served model name is the directory's)."""
+    link = tmp_path_factory.mktemp("deploy") / "tiny"
+    link.symlink_to(tiny_model)
+    return str(link)
 
 
 class Server(NamedTuple):

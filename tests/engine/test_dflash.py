@@ -16,7 +16,7 @@ import pytest
 from ninfer.errors import ConfigError
 from ninfer.native.objects import pages_for
 from tests.engine.harness import force_pause, oracle, pause_while_drafting, run
-from tests.engine.test_invariance import count_speculation, run_workloads
+from tests.engine.test_invariance import count_speculation, run_workloads, seeds
 from tests.factories import random_prompt
 
 TOTALS: Counter = Counter()
@@ -31,7 +31,7 @@ def drafts(tiny_dflash, tiny_dflash2) -> dict[str, str]:
     return {"dflash": tiny_dflash, "dflash2": tiny_dflash2}
 
 
-def _sweep(tiny_model: str, drafts: dict[str, str], seeds: list[int], totals: Counter = TOTALS,
+def _sweep(tiny_model: str, drafts: dict[str, str], sweep: list[int], totals: Counter = TOTALS,
            options: bool = False) -> None:
     """DFlash (even seeds) and DFlash2 with a 96-position window (odd seeds), 1..7 drafts per
     block, in the oracle sweep's workloads (``options``: the sampling-options sweep's)."""
@@ -39,8 +39,8 @@ def _sweep(tiny_model: str, drafts: dict[str, str], seeds: list[int], totals: Co
         method = ("dflash", "dflash2")[seed % 2]
         return {"speculative": {"method": method, "draft": drafts[method],
                                 "num_tokens": random.Random(seed).randint(1, 7)}, "options": options}
-    all_stats = run_workloads(tiny_model, seeds, overrides)
-    for seed, stats in zip(seeds, all_stats):
+    all_stats = run_workloads(tiny_model, sweep, overrides)
+    for seed, stats in zip(sweep, all_stats):
         assert stats["speculative"]["method"] == overrides(seed)["speculative"]["method"]
     count_speculation(totals, all_stats)
 
@@ -48,9 +48,9 @@ def _sweep(tiny_model: str, drafts: dict[str, str], seeds: list[int], totals: Co
 @pytest.mark.slow
 def test_random_workloads_with_dflash_match_the_oracle(tiny_model, drafts):
     """The oracle sweep's workloads (pressure, both pause routes, hits, faults, sampling,
-    logprobs) with DFlash and DFlash2 (10 workloads, on every core): every completed request
-    equals the isolated run; nothing leaks."""
-    _sweep(tiny_model, drafts, [7000 + s for s in range(10)])
+    logprobs) with DFlash and DFlash2 (6 workloads, 10 with NINFER_SWEEP=full, on every core):
+    every completed request equals the isolated run; nothing leaks."""
+    _sweep(tiny_model, drafts, seeds(7000, 6, 10))
 
 
 @pytest.mark.slow
@@ -62,7 +62,7 @@ def test_sampling_options_with_dflash_match_the_oracle(tiny_model, drafts):
     from tests.engine.test_invariance import TOTALS as SWEEP
     totals: Counter = Counter()
     before = Counter(SWEEP)
-    _sweep(tiny_model, drafts, [8200 + s for s in range(8)], totals, options=True)
+    _sweep(tiny_model, drafts, seeds(8200, 6, 8), totals, options=True)
     seen = Counter(SWEEP) - before
     assert totals["accepted"] and totals["rejected"] and seen["constrained"], (dict(totals), dict(seen))
 

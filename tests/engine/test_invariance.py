@@ -253,6 +253,11 @@ SWEEP_DEFAULT = 50
 FULL = os.environ.get("NINFER_SWEEP") == "full"
 
 
+def seeds(first: int, suite: int, full: int) -> list[int]:
+    """A sweep's seeds: ``suite`` of them in the suite, ``full`` with NINFER_SWEEP=full."""
+    return [first + s for s in range(full if FULL else suite)]
+
+
 def _counted(model_dir: str, seed: int, overrides: dict) -> tuple[dict, Counter]:
     """One workload in a sweep's worker process: its stats and what it added to TOTALS."""
     import os
