@@ -1,10 +1,11 @@
 """A long-running engine keeps its policy state bounded (issue: bounded policy cost).
 
-2,000 requests — chats that continue, retries of raw prompts, shared system prompts, fresh
+1,000 requests — chats that continue, retries of raw prompts, shared system prompts, fresh
 prompts — through one engine with a small Device and Host: the per-request tables are gone
 once each request ends, the logical records and checkpoints stay within what the pools can
-hold, the demand summary and the deleted-point memory stay at their caps, and every output
-still equals the oracle's on a sample. The CPU cost per request over the run (first 200 vs
+hold, the demand summary and the deleted-point memory reach their caps (by ~250 requests) and
+stay there, and every output still equals the oracle's on a sample. (2,000 requests showed the
+same plateau — 13-14 records, 17 checkpoints at most from request 400 on — at twice the time.) The CPU cost per request over the run (first 200 vs
 last 200) is a benchmark, not a timed test: ``ninfer bench cache-scale`` reports it.
 """
 
@@ -17,11 +18,11 @@ import pytest
 from tests.engine.harness import oracle
 from tests.factories import random_prompt
 
-N = 2000
+N = 1000
 
 
 @pytest.mark.slow
-def test_two_thousand_requests_keep_policy_state_bounded(make_harness, tiny_model):
+def test_a_thousand_requests_keep_policy_state_bounded(make_harness, tiny_model):
     h = make_harness(max_concurrency=4, max_context=256, kv_capacity=8 * 64, prefill_chunk_tokens=128,
                      context_cache={"device_state_slots": 4, "host_capacity_bytes": 6 << 20})
     rm, sched = h.core.rm, h.core.sched
@@ -68,5 +69,5 @@ def test_two_thousand_requests_keep_policy_state_bounded(make_harness, tiny_mode
     # every checkpoint keeps a StateImage on the Device or the Host
     assert peak["ckpts"] <= slots + host_images, peak
     assert peak["records"] <= 2 * (slots + host_images) + 4, peak
-    assert len(rm.summary) <= 256 and len(rm.remembered) <= 256
+    assert len(rm.summary) == 256 and len(rm.remembered) == 256      # reached, and held to the cap
     h.check_clean()
