@@ -128,7 +128,9 @@ def test_copy_error_fails_nothing_but_the_lost_save_and_integrity_returns(tiny_m
 @pytest.mark.parametrize("kind", ["completion_delay", "completion_drop", "completion_duplicate",
                                   "completion_reorder"])
 def test_completion_faults_keep_outputs_exact(tiny_model, kind):
-    eng = _start(tiny_model, {"kind": kind, "count": 0, "steps": 3})
+    # a dropped completion is settled by the timeout: 0.2 s instead of the default 2 s per transfer
+    eng = _start(tiny_model, {"kind": kind, "count": 0, "steps": 3},
+                 **({"completion_timeout_s": 0.2} if kind == "completion_drop" else {}))
     try:
         base = random_prompt(100, seed=40)
         prompts = [base + random_prompt(20, seed=41 + i) for i in range(3)]
