@@ -3,33 +3,16 @@
 from __future__ import annotations
 
 import os
-import shutil
 
 import pytest
 import torch
-from filelock import FileLock
+
+from tests.factories import shared_build
 
 torch.set_num_threads(int(os.environ.get("NINFER_TORCH_THREADS", "1")))
 # every engine built in the suite checks the seed's rules as invariants on every cycle
 # (ninfer/engine/monitor.py) — in this process, in spawned sweep workers and in Ray actors
 os.environ.setdefault("NINFER_RULE_MONITOR", "1")
-
-
-def shared_build(tmp_path_factory, name: str, build) -> str:
-    """``build(directory)`` once per test session — under pytest-xdist once for all its workers
-    (in their common base directory, under a lock): the qwen3_next tiny model fits its MTP head
-    and the drafts fit themselves (~15 s each on one core), deterministically. Tests only read
-    these directories (a test that edits one copies it first)."""
-    base = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        base = base.parent
-    target = base / f"shared-{name}"
-    with FileLock(str(target) + ".lock"):
-        if not (target / ".built").exists():
-            shutil.rmtree(target, ignore_errors=True)
-            build(target)
-            (target / ".built").touch()
-    return str(target)
 
 
 @pytest.fixture(scope="session")

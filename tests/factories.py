@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import torch
+from filelock import FileLock
 
 from ninfer.native.model.config import PAGE_SIZE
 from ninfer.native.model.forward import ForwardBatch, SeqInput
@@ -29,3 +33,20 @@ def logits_in_chunks(model: HybridModel, tokens: list[int], cuts: list[int], pag
         seq = SeqInput(token_ids=tokens[lo:hi], start=lo, page_table=page_table, state_slot=slot, logits="all")
         rows.append(model.forward(ForwardBatch.build([seq], model.device), cache).logits)
     return torch.cat(rows)
+
+
+def shared_build(tmp_path_factory, name: str, build) -> str:
+    """``build(directory)`` once per test session — under pytest-xdist once for all its workers
+    (in their common base directory, under a lock): the qwen3_next tiny model fits its MTP head
+    and the drafts fit themselves (~15 s each on one core), deterministically. Tests only read
+    these directories (a test that edits one copies it first)."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    target = base / f"shared-{name}"
+    with FileLock(str(target) + ".lock"):
+        if not (target / ".built").exists():
+            shutil.rmtree(target, ignore_errors=True)
+            build(target)
+            (target / ".built").touch()
+    return str(target)

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.factories import shared_build
+
 
 def _ninfer(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -20,10 +22,11 @@ def _ninfer(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
-    d = tmp_path_factory.mktemp("cli") / "tiny"
-    r = _ninfer("make-tiny-model", str(d), "--seed", "0")
-    assert r.returncode == 0, r.stderr
-    return d
+    """``ninfer make-tiny-model DIR --seed 0`` — once for both xdist workers (shared_build)."""
+    def build(d):
+        r = _ninfer("make-tiny-model", str(d), "--seed", "0")
+        assert r.returncode == 0, r.stderr
+    return Path(shared_build(tmp_path_factory, "cli_tiny", build))
 
 
 @pytest.mark.slow          # builds a tiny model through the CLI (a minute on 2 cores)
