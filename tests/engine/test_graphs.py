@@ -28,7 +28,7 @@ def _check_graphs(all_stats: list[dict], padded: bool = True) -> None:
 
 def test_workloads_with_graphs_match_the_oracle(tiny_model, monkeypatch):
     monkeypatch.setenv("NINFER_GRAPHS", "replay")        # inherited by the sweep's processes
-    stats = run_workloads(tiny_model, REGRESSION_SEEDS + seeds(7000, 3, 7))
+    stats = run_workloads(tiny_model, REGRESSION_SEEDS + seeds(7000, 1, 7))
     _check_graphs(stats)
     g = [s["graphs"] for s in stats]
     # without a draft backend every chunk of the budget has a graph: a call runs eagerly only
@@ -45,7 +45,7 @@ def test_speculative_workloads_with_decode_graphs_match_the_oracle(tiny_model, t
             return {"speculative": {"method": "mtp", "num_tokens": k}}
         return {"speculative": {"method": "dflash", "draft": tiny_dflash, "num_tokens": k}}
     # decode calls of speculating sequences carry k drafts: the "verify" profile's graphs
-    stats = run_workloads(tiny_model, seeds(7100, 4, 6), overrides)
+    stats = run_workloads(tiny_model, seeds(7100, 3, 6), overrides)
     _check_graphs(stats, padded=False)
     assert sum(x["graphs"]["verify_replays"] for x in stats) > 0
     # a row with fewer drafts (near max_tokens) or a plain decode row beside verify rows is
