@@ -63,9 +63,13 @@ class ContextCacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     divergence_min_tokens: int | None = 16
     # offer saves at anticipated positions too: a prompt's end less a doubling ladder of tails
     # (divergence_min_tokens x 1, 2, 4, 8, 16) and less the longer tails real divergences showed
-    # most often — each an optional save (admission table) and a unit cut; false: only where a
+    # most often — each an optional save (admission table); false: only where a
     # second request really parted (divergence positions) and at input boundaries
     anticipate: bool = True
+    # take the saves a prefill chunk crosses inside it: the forward keeps the state at each save
+    # point as it passes (one forward, several StateImages) where the worker can (no draft
+    # backend); false: every save point ends its unit (one forward per save point)
+    inner_saves: bool = True
 
     def __post_init__(self) -> None:
         if self.divergence_min_tokens is not None and self.divergence_min_tokens < 1:

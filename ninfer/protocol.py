@@ -421,17 +421,22 @@ class Capture(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     retire: list[Retire] = []
     room: list[Action] = []
     replace: list[Retire] = []     # holds given up only if the save finds its destination
+    # 0: the state at the unit's end; else a position strictly inside the unit (an inner cut: the
+    # forward keeps the state there as it crosses it — no unit ends for the save's sake)
+    at: int = 0
 
 
 class UnitSpec(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """One execution unit: ``n_tokens == 0`` samples from the continuation hidden (an exact
     hit); otherwise ledger[frontier : frontier + n_tokens] are computed. Units of at most one
-    token run in the Control/Decode batch, longer ones as the cycle's prefill turn."""
+    token run in the Control/Decode batch, longer ones as the cycle's prefill turn. ``captures``:
+    its saves in position order — inner cuts first, the end's (``at == 0``) last — each prepared
+    in that order before the unit runs."""
 
     n_tokens: int
     kind: UnitKind
     hold: bool = False             # keep the unused reservation (full recovery permit)
-    capture: Capture | None = None
+    captures: list[Capture] = []
 
 
 class Reclaim(msgspec.Struct, tag="reclaim", array_like=True, gc=False):
@@ -595,6 +600,15 @@ class CaptureResult(IntEnum):
     STALE_ROOM = 3      # the admitted replacements changed since the quote
 
 
+class CaptureOut(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What became of one of a unit's captures (``UnitSpec.captures``, same order)."""
+
+    result: CaptureResult = CaptureResult.NONE
+    captured: CkptRef | None = None
+    tid: int | None = None                 # its Host copy's transaction
+    room_applied: CommitResult | None = None
+
+
 class TokenLogprob(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """The log-probability of one committed output token and, when asked, its top
     alternatives: raw log_softmax of the model's logits in float64 (before penalties,
@@ -625,10 +639,7 @@ class UnitOut(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ran: bool
     committed: list[int] = []
     finish: FinishReason | None = None
-    capture: CaptureResult = CaptureResult.NONE
-    captured: CkptRef | None = None
-    capture_tid: int | None = None
-    room_applied: CommitResult | None = None
+    captures: list[CaptureOut] = []     # one per UnitSpec.captures entry
     facts: SeqFacts | None = None
     error: str | None = None       # the forward failed: the sequence was released
     logprobs: list[TokenLogprob] = []   # one per committed token, when the request asked
@@ -787,6 +798,7 @@ class WorkerInfo(msgspec.Struct):
     h2d_bytes_per_s: float = 0.0       # measured at startup (0: not calibrated)
     prefill_s_per_token: float = 0.0
     vision_merge: int = 0              # the vision tower's spatial merge size (0: no vision tower)
+    inner_cuts: bool = False           # it saves at positions inside a unit (Capture.at; no draft backend)
 
 
 # ---- codecs (module level: importable by Ray workers) --------------------------------------

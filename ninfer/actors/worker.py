@@ -105,7 +105,7 @@ class Worker:
             image_bytes=self.prog.image_bytes, host_capacity=lay.host_capacity_bytes,
             prefill_chunk_tokens=lay.prefill_chunk_tokens, exec_identity=self.prog.exec_identity,
             dtype=lay.dtype, h2d_bytes_per_s=self.calibration[0], prefill_s_per_token=self.calibration[1],
-            vision_merge=self.prog.vision_merge,
+            vision_merge=self.prog.vision_merge, inner_cuts=self.prog.inner_cuts,
         )
 
     def handle(self, data: bytes) -> bytes:
@@ -432,11 +432,16 @@ class _StepRun:
             batch.append((iid, unit, seq))
         if not batch:
             return
-        rows, dests = [], []
+        rows, outs = [], []
         for iid, unit, seq in batch:
-            dest, result, room = self._capture(unit.capture) if unit.capture is not None else (None, P.CaptureResult.NONE, None)
-            rows.append(UnitRow(seq, unit.n_tokens, unit.kind, dest))
-            dests.append((result, room))
+            row, caps = UnitRow(seq, unit.n_tokens, unit.kind), []
+            for cap in unit.captures:         # in position order, each destination before the unit
+                dest, result, room = self._capture(cap)
+                caps.append(P.CaptureOut(result, room_applied=room))
+                if dest is not None:
+                    row.captures.append((cap.at or None, dest))
+            rows.append(row)
+            outs.append(caps)
         try:
             if self.w.faults.fire("forward_error"):
                 raise FaultInjected("injected forward error")
@@ -444,23 +449,27 @@ class _StepRun:
         except Exception as exc:            # device or programming error: this call's rows fail
             log.exception("execute failed")
             error = f"{type(exc).__name__}: {exc}"
-            for (iid, unit, seq), row, (result, room) in zip(batch, rows, dests):
+            for (iid, unit, seq), row, caps in zip(batch, rows, outs):
                 self.ran.add(iid)
-                if row.capture is not None:
-                    self.prog.drop_capture(row.capture)
+                for _, dest in row.captures:
+                    self.prog.drop_capture(dest)
                 self.prog.fail_sequence(seq)
                 # what the save's preparation already did stands (seed: 新保存失败不恢复旧点):
                 # its retirements, its superseded holds when it had found a destination, its room
-                self.reply.units.append(P.UnitOut(seq.sid, ran=False, error=error, capture=result, room_applied=room))
+                self.reply.units.append(P.UnitOut(seq.sid, ran=False, error=error, captures=caps))
             return
-        for (iid, unit, seq), r, (result, room) in zip(batch, results, dests):
+        for (iid, unit, seq), r, caps in zip(batch, results, outs):
             self.ran.add(iid)
             if not unit.hold:
                 self.prog.settle(seq)
+            made = iter(r.saved)           # the saved ones, in order
+            for c in caps:
+                if c.result is P.CaptureResult.SAVED:
+                    ck, c.tid = next(made)
+                    c.captured = ckpt_ref(ck)
             u = P.UnitOut(seq.sid, ran=True, committed=r.committed,
                           finish=P.FinishReason[r.finish_reason.upper()] if r.finish_reason else None,
-                          capture=result, captured=ckpt_ref(r.captured), capture_tid=r.capture_tid,
-                          room_applied=room, facts=self.w.seq_facts(seq), logprobs=r.logprobs,
+                          captures=caps, facts=self.w.seq_facts(seq), logprobs=r.logprobs,
                           prompt_logprobs=r.prompt_logprobs, prompt_from=r.prompt_from)
             self.reply.units.append(u)
 

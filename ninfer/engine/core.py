@@ -73,7 +73,8 @@ class EngineCore:
         self.cmdq = CommandQueue()              # commands decided between cycles
         self.stats = EngineStats()
         self.telemetry = Telemetry()           # latency histograms and token counters
-        self.planner = CyclePlanner(self.sched, self.rm, self.chunk)
+        self.planner = CyclePlanner(self.sched, self.rm, self.chunk,
+                                    inner=config.context_cache.inner_saves and self.info.inner_cuts)
         self.outcomes = Outcomes(self.sched, self.rm, self.books, self.txs, self.cmdq, self.stats, self.telemetry,
                                  self.info.image_bytes)
         self._tickets = itertools.count()

@@ -244,7 +244,7 @@ class RuleMonitor:
             return
         adopted = any(i.adm is not None and i.adm.cached for i in fresh_ok)
         items = {i.req.sid: i for i in plan.items if i.unit is not None}
-        computed = any(u.captured is not None or (u.ran and u.sid in items and (
+        computed = any(any(c.captured is not None for c in u.captures) or (u.ran and u.sid in items and (
             items[u.sid].unit.kind is P.UnitKind.PREFILL
             or (items[u.sid].unit.kind is P.UnitKind.DECODE and len(items[u.sid].req.outputs) <= len(u.committed))))
             for u in reply.units)

@@ -25,7 +25,7 @@ from ninfer.engine.books import CommandQueue, EngineStats, Follow, FreezeFollow,
 from ninfer.engine.planning import Item, Plan, Wait, WaitKind
 from ninfer.engine.request import Request
 from ninfer.engine.telemetry import Telemetry
-from ninfer.engine.units import account
+from ninfer.engine.units import Save, account
 from ninfer.errors import ErrorKind
 from ninfer.policy.pressure import ItemKind
 from ninfer.policy.resources import ResourceManager
@@ -309,8 +309,9 @@ class Outcomes:
             return False
         if u.error:
             self.stats.device_errors += 1
-            if item.sp is not None and u.capture is not CaptureResult.NONE:
-                self._save_prepared(req, item, u)
+            for save, c in self._capture_outs(item, u):
+                if c.result is not CaptureResult.NONE:
+                    self._save_prepared(req, save, c)
             self.books.unbind(req)
             self.books.fail(req, ErrorKind.DEVICE_ERROR, f"the forward call failed: {u.error}")
             return True
@@ -327,8 +328,8 @@ class Outcomes:
             self.rm.observe_prefill(req, req.frontier - unit.n_tokens, req.frontier)
         if req.replay_target is not None and req.frontier >= req.replay_target:
             req.replay_target = None
-        if item.sp is not None:
-            self._saved(req, item, u, host_room)
+        for save, c in self._capture_outs(item, u):
+            self._saved(req, save, c, host_room)
         if req.params.prompt_logprobs is not None and not self._prompt_logprobs(req, u):
             return True
         if u.committed:
@@ -365,45 +366,53 @@ class Outcomes:
                        f"{have + 1}..{last} were never computed (a restored prefix skipped them)")
         return False
 
-    def _save_prepared(self, req: Request, item: Item, u: P.UnitOut) -> None:
+    @staticmethod
+    def _capture_outs(item: Item, u: P.UnitOut) -> list[tuple[Save, P.CaptureOut]]:
+        """Each save of the unit with what became of its capture (``CaptureOut()``, NONE, for a
+        save that sent none: declined or shared) — the worker answers the captures in order."""
+        outs = iter(u.captures)
+        return [(sv, next(outs, P.CaptureOut()) if sv.capture is not None else P.CaptureOut())
+                for sv in item.unit.saves]
+
+    def _save_prepared(self, req: Request, save: Save, c: P.CaptureOut) -> None:
         """The unit failed after its save was prepared: the worker had given up the retired
         holds, the superseded ones too when it found a destination (SAVED), and committed the
         admitted room — a failed save does not bring them back, so the mirror follows."""
         rm = self.rm
-        rm.retired(req, item.unit.retire)
-        if u.capture is CaptureResult.SAVED:
-            rm.retired(req, item.unit.replace)
-        if u.room_applied is not None:
-            self.committed(item.spec.capture.room, u.room_applied)
+        rm.retired(req, save.retire)
+        if c.result is CaptureResult.SAVED:
+            rm.retired(req, save.replace)
+        if c.room_applied is not None:
+            self.committed(save.capture.room, c.room_applied)
 
-    def _saved(self, req: Request, item: Item, u: P.UnitOut, host_room: bool) -> None:
-        """The unit ended on a save point: attach the capture, or count the skipped save."""
+    def _saved(self, req: Request, save: Save, c: P.CaptureOut, host_room: bool) -> None:
+        """The unit crossed or ended on a save point: attach the capture, or count the skipped save."""
         rm = self.rm
         book = rm.book(req)
-        if item.sp in book.save_points:
-            book.save_points.remove(item.sp)
-        if item.unit.shared is not None and item.unit.shared.cid in rm.table.ckpts:
-            for r in item.unit.retire + item.unit.replace:   # no capture ran to give them up
+        if save.sp in book.save_points:
+            book.save_points.remove(save.sp)
+        if save.shared is not None and save.shared.cid in rm.table.ckpts:
+            for r in save.retire + save.replace:   # no capture ran to give them up
                 self.cmdq.put(P.ReleaseOwner(r.cid, r.generation, r.owner))
-            rm.retired(req, item.unit.retire + item.unit.replace)
-            self.cmdq.extend(rm.on_captured(req, item.sp, item.unit.shared.ref, shared=True))
+            rm.retired(req, save.retire + save.replace)
+            self.cmdq.extend(rm.on_captured(req, save.sp, save.shared.ref, shared=True))
             return
-        rm.retired(req, item.unit.retire)
-        if u.room_applied is not None:
-            self.committed(item.spec.capture.room, u.room_applied)
-        if u.captured is not None:
-            rm.retired(req, item.unit.replace)         # superseded by the save that happened
-            self.txs.book(u.capture_tid, TxPart.CAPTURE, req)
-            self.cmdq.extend(rm.on_captured(req, item.sp, u.captured))
-        elif u.capture is not CaptureResult.NONE or item.unit.declined:
-            if item.unit.declined:
+        rm.retired(req, save.retire)
+        if c.room_applied is not None:
+            self.committed(save.capture.room, c.room_applied)
+        if c.captured is not None:
+            rm.retired(req, save.replace)         # superseded by the save that happened
+            self.txs.book(c.tid, TxPart.CAPTURE, req)
+            self.cmdq.extend(rm.on_captured(req, save.sp, c.captured))
+        elif c.result is not CaptureResult.NONE or save.declined:
+            if save.declined:
                 cause = "skipped_no_turn"
-            elif item.room_refused:
+            elif save.room_refused:
                 cause = "skipped_no_admission"
             else:
                 cause = "skipped_no_room"
-            rm.on_skipped(req, item.sp, cause)
-            if u.capture is not CaptureResult.NONE and host_room:
+            rm.on_skipped(req, save.sp, cause)
+            if c.result is not CaptureResult.NONE and host_room:
                 self.stats.captures_skipped_with_room += 1
 
     def _recovered(self, req: Request) -> None:

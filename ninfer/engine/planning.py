@@ -14,8 +14,8 @@ left the books as they were).
     4. fresh       the scan (head + up to C followers) with the lane and overtaking bounds as
                    guards; no free lane: the scanned keep their valuable sources (waiting refs)
 
-Every unit that ends on a save point carries its capture, unless a full recovery permit is
-active (seed: 恢复期跳过可选 capture).
+Every unit carries a capture for each save point it crosses or ends on, unless a full recovery
+permit is active (seed: 恢复期跳过可选 capture).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from ninfer import protocol as P
 from ninfer.engine.request import Request
-from ninfer.engine.units import Unit, next_unit
+from ninfer.engine.units import Save, Unit, next_unit
 from ninfer.policy.pressure import CHUNK, FRESH, RESUME, ROW, Contract, ItemKind, Need, Settlement, Verdict
 from ninfer.policy.resources import OPTIONAL_CUTS, Admission, SaveKind, SavePoint
 from ninfer.protocol import BindMode, SnapshotOwner, WaiterOwner, unit_pages
@@ -50,9 +50,7 @@ class Item:
     adm: Admission | None = None
     route: str = ""                          # a resume: "snapshot" | "replay" (the public pause route)
     save_points: list[SavePoint] = field(default_factory=list)   # a fresh bind's, tentative
-    sp: SavePoint | None = None              # the save point its unit ends on
     contract: Contract | None = None         # the capacity contract fails it if still short
-    room_refused: bool = False               # the admission table gave its save no room
 
     @property
     def spec(self) -> P.UnitSpec | None:
@@ -100,8 +98,8 @@ class Plan:
             item.contract = v.contract       # fails it only if the worker confirms it is still short
             if isinstance(item.intent, P.RowIntent):
                 item.intent.on_short = v.on_short
-        for item, (room, refused) in zip(self.captures(), s.rooms):
-            item.spec.capture.room, item.room_refused = room, refused
+        for (_, save), (room, refused) in zip(self.captures(), s.rooms):
+            save.capture.room, save.room_refused = room, refused
         if s.take_back is not None and self.take_back is not None:
             # the lane take-back leads the resume's remedies (the resume is the plan's first item)
             to_host, victims = s.take_back
@@ -111,7 +109,7 @@ class Plan:
 
     def saves(self) -> list[tuple[Request, SavePoint, object]]:
         """The saves' (request, save point, record) for their room, in plan order."""
-        return [(i.req, i.sp, i.adm.record if i.adm is not None else None) for i in self.captures()]
+        return [(i.req, sv.sp, i.adm.record if i.adm is not None else None) for i, sv in self.captures()]
 
     def by_iid(self) -> dict[int, Item]:
         return {i.iid: i for i in self.items}
@@ -122,8 +120,10 @@ class Plan:
     def intents(self) -> list[P.Intent]:
         return [i.intent for i in self.items]
 
-    def captures(self) -> list[Item]:
-        return [i for i in self.items if i.spec is not None and i.spec.capture is not None]
+    def captures(self) -> list[tuple[Item, Save]]:
+        """Every save with a capture sent, by item and position (the order of the step's captures)."""
+        return [(i, sv) for i in self.items if i.spec is not None and i.unit is not None
+                for sv in i.unit.saves if sv.capture is not None]
 
     def queries(self) -> list[P.DemandQuery]:
         out = []
@@ -142,8 +142,10 @@ class CyclePlanner:
     holds those two, never the core;
     what the last reply said that planning needs comes in as an argument of ``build``."""
 
-    def __init__(self, sched: "Scheduler", rm: "ResourceManager", chunk: int):
-        self.sched, self.rm, self.chunk = sched, rm, chunk
+    def __init__(self, sched: "Scheduler", rm: "ResourceManager", chunk: int, inner: bool = False):
+        """``inner``: the worker takes saves inside a unit (``WorkerInfo.inner_cuts``) and the
+        config wants it — a unit then ends on no save point (units.py)."""
+        self.sched, self.rm, self.chunk, self.inner = sched, rm, chunk, inner
         self.host_kv_pages = 0
         self._iids = itertools.count(1)
 
@@ -195,48 +197,61 @@ class CyclePlanner:
         return plan
 
     # ---- residents ------------------------------------------------------------------
-    def _capture(self, req: Request, unit: Unit, save_points: list[SavePoint], recovery: bool,
-                 rec=None, released: set = frozenset()) -> tuple[P.Capture | None, SavePoint | None]:
-        if unit.save_index is None:
-            return None, None
-        sp = save_points[unit.save_index]
+    def _captures(self, req: Request, unit: Unit, recovery: bool, rec=None,
+                  released: set = frozenset()) -> list[P.Capture]:
+        """Each save of the unit decided (declined, shared, or a capture), in position order;
+        the captures to send."""
+        out: list[P.Capture] = []
+        anchors: tuple[set[int], int] = (set(), 0)        # earlier anchor saves: replaced, added
+        for save in unit.saves:
+            cap = self._capture(req, save, recovery, rec, released, anchors)
+            if SaveKind.ANCHOR in save.sp.kinds and not save.declined:
+                anchors = (anchors[0] | {r.cid for r in save.replace}, anchors[1] + 1)
+            if cap is not None:
+                save.capture = cap
+                out.append(cap)
+        return out
+
+    def _capture(self, req: Request, save: Save, recovery: bool, rec, released: set,
+                 anchors: tuple[set[int], int]) -> P.Capture | None:
+        sp = save.sp
         # rule: recovery-skips-captures
         if recovery:
-            unit.declined = True             # a full recovery permit is active: no optional save
-            return None, sp
+            save.declined = True             # a full recovery permit is active: no optional save
+            return None
         rm = self.rm
         retire = rm.retire_for(req, sp, rec)
         replace: list[P.Retire] = []
         if SaveKind.ANCHOR in sp.kinds:
-            got = rm.anchor_replace(req, sp, rec)
+            got = rm.anchor_replace(req, sp, rec, anchors)
             if got is None:
-                unit.declined = True         # no safe replacement: the save is given up
-                return None, sp
+                save.declined = True         # no safe replacement: the save is given up
+                return None
             replace = got
-        unit.retire, unit.replace = list(retire), list(replace)
+        save.retire, save.replace = list(retire), list(replace)
         # rule: one-physical-point
         existing = rm.existing_point(req, sp.frontier, released)
         if existing is not None:
             # the same position and identity is already kept: one physical point, several
             # logical holders (its owners are added once the unit ran; kept safe meanwhile)
-            unit.shared = existing
+            save.shared = existing
             self.keep.add(existing.cid)
-            return None, sp
-        return P.Capture(sp.owners[0], retire, replace=replace), sp
+            return None
+        return P.Capture(sp.owners[0], retire, replace=replace, at=sp.frontier if save.inner else 0)
 
     def _resident(self, req: Request, kind: ItemKind, recovery: bool) -> Item:
         f = req.facts
         points = _cuts(self.rm.book(req).save_points, recovery)
-        unit = next_unit(req, f.frontier, f.ledger_len, self.chunk, points)
+        unit = next_unit(req, f.frontier, f.ledger_len, self.chunk, points, self.inner)
         if unit.kind is P.UnitKind.DECODE and f.spec:
             unit.kind = P.UnitKind.VERIFY    # the decode row also verifies f.spec drafts (seed: Decode/Verify)
-        cap, sp = self._capture(req, unit, points, recovery)
-        spec = P.UnitSpec(unit.n_tokens, unit.kind, hold=req.recovery_pending, capture=cap)
+        caps = self._captures(req, unit, recovery)
+        spec = P.UnitSpec(unit.n_tokens, unit.kind, hold=req.recovery_pending, captures=caps)
         iid = next(self._iids)
         # rule: verify-peak-demand
         n = unit.n_tokens + (f.spec if unit.kind is P.UnitKind.VERIFY else 0)   # the speculative peak
         demand = {P.MAIN: max(0, unit_pages(f.frontier, n, f.blocks, f.tail_ok) - f.reserved)}
-        return Item(iid, req, kind, P.RowIntent(iid, req.sid, spec), unit, Need(iid, req, kind, demand), sp=sp)
+        return Item(iid, req, kind, P.RowIntent(iid, req.sid, spec), unit, Need(iid, req, kind, demand))
 
     # ---- resume ---------------------------------------------------------------------
     def _resume(self, req: Request) -> Item:
@@ -321,10 +336,10 @@ class CyclePlanner:
                 released.add(WaiterOwner(req.rid))
             save_points = rm.save_plan(req, adm.frontier, adm.record)
             points = _cuts(save_points, recovery)
-            unit = next_unit(req, adm.frontier, len(req.prompt), self.chunk, points)
-            cap, sp = self._capture(req, unit, points, recovery, adm.record, released)
+            unit = next_unit(req, adm.frontier, len(req.prompt), self.chunk, points, self.inner)
+            caps = self._captures(req, unit, recovery, adm.record, released)
             iid = next(self._iids)
-            spec = P.UnitSpec(unit.n_tokens, unit.kind, capture=cap)
+            spec = P.UnitSpec(unit.n_tokens, unit.kind, captures=caps)
             source = adm.source.ref if adm.source else None
             if source is not None:
                 plan.sources.add(source.cid)
@@ -334,7 +349,7 @@ class CyclePlanner:
                                   retire=adm.retire, unit=spec)
             need = Need(iid, req, FRESH, self._bind_demand(source, adm.mode, adm.frontier, unit.n_tokens),
                         source.cid if source is not None else None)
-            items.append(Item(iid, req, FRESH, intent, unit, need, adm=adm, save_points=save_points, sp=sp))
+            items.append(Item(iid, req, FRESH, intent, unit, need, adm=adm, save_points=save_points))
             budgets.append(budget)
             producers.append((req, adm.frontier, save_points))
         guards = sched.fresh_guards([i.iid for i in items], budgets, lanes)

@@ -13,7 +13,7 @@ profiles:
   ``chunk_sizes`` (64, 128, 256, … up to the prefill chunk budget), the chunk padded to it.
 
 Every other call — a chunk longer than the budget, two chunks, image embeddings or MRoPE rows,
-unusual logits rows — runs eagerly (the fallback, counted in ``GraphStats.eager``).
+unusual logits rows, a chunk with inner save cuts — runs eagerly (the fallback, counted in ``GraphStats.eager``).
 
 Buckets are vLLM's capture sizes cut at ``max_concurrency``: 1, 2, 4, 8, then every multiple
 of 8 (and 0 for a chunk alone). A call of n rows replays the smallest bucket >= n; rows n .. B-1
@@ -612,7 +612,7 @@ class GraphRunner:
         rows every decode and verify row of the call is a row of 1 + k inputs (fewer real ones
         padded inside it)."""
         if (embeds is not None or batch.rope_positions is not None or tuple(taps) != tuple(self.taps)
-                or not batch.usual_logits):
+                or not batch.usual_logits or batch.cuts):        # a chunk with inner cuts: eager
             return None
         n_dec, n_ver = len(batch.decode_seqs), len(batch.verify_seqs)
         if n_dec and batch.decode_block_table.shape[1] > self.width:

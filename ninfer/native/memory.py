@@ -119,15 +119,26 @@ class Memory:
         c.ssm[:, dst] = c.ssm[:, src]
         self.hidden[dst] = self.hidden[src]
 
+    def write_image(self, dst: int, image: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        """Write a StateImage's parts — conv [Ll, C, K-1], ssm [Ll, Hv, Dk, Dv], hidden [H], as
+        a forward kept them at an inner cut — into slot ``dst``."""
+        c = self.cache
+        c.conv[:, dst] = image[0]
+        c.ssm[:, dst] = image[1]
+        self.hidden[dst] = image[2]
+
     def slot_to_host(self, slot: int, ext: Extent, snapshot_now: bool) -> Job:
+        c = self.cache
+        return self.image_to_host((c.conv[:, slot], c.ssm[:, slot], self.hidden[slot]), ext, snapshot_now)
+
+    def image_to_host(self, src: tuple[torch.Tensor, ...], ext: Extent, snapshot_now: bool) -> Job:
         """D2H of a StateImage. ``snapshot_now``: the writer keeps computing in that slot, so the
         source is cloned at submission — on the CPU before the copy thread reads it; on CUDA on
         the compute stream, in its order (the copy stream waits for compute before the job runs,
         but compute never waits for the copy stream, so the slot itself may be overwritten by the
         next step while the D2H is still reading). The clone is marked used by the copy stream,
-        so the caching allocator keeps it until that copy is done."""
-        c = self.cache
-        src = (c.conv[:, slot], c.ssm[:, slot], self.hidden[slot])
+        so the caching allocator keeps it until that copy is done. ``src``: a slot's parts, or
+        an image a forward kept at an inner cut (``write_image``)."""
         if snapshot_now:
             src = tuple(t.clone() for t in src)
         dst = self._image_views(ext)

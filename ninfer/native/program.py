@@ -112,6 +112,14 @@ class Program:
 
     # ==== sizes and observation ==========================================================
     @property
+    def inner_cuts(self) -> bool:
+        """Whether a unit may save at positions inside it (``UnitRow.captures``): the eager
+        forward keeps those images itself. Not with a draft backend (its coverage exists only
+        at a unit's end), nor where chunks replay graphs (a graph keeps no inner state: such a
+        chunk would run eagerly, so a save ends its unit instead, as before)."""
+        return self.spec is None and not (self.runner.graphs is not None and self.runner.graphs.chunk_sizes)
+
+    @property
     def image_bytes(self) -> int:
         return self.mem.image_bytes
 
@@ -199,12 +207,14 @@ class Program:
         """Run one call (runner.py), then finish the captures its rows prepared.
         Reads: the rows' ledgers, reservations and drafts. Writes: their KV directories, state
         slots, frontiers and ledgers (committed tokens), the draft backend's coverage, and per
-        capture a new checkpoint (a Device slot copy, or a Host copy joining the transaction)."""
+        capture a new checkpoint (a Device slot copy, or a Host copy joining the transaction), at
+        the row's end or at an inner cut (the image the forward kept there)."""
         results = self.runner.execute(rows)
         for r, res in zip(rows, results):
-            if r.capture is not None:
-                res.captured, res.capture_tid = self.captures.finish(r.seq, r.capture)
-                r.capture = None
+            for at, dest in r.captures:
+                cut = (at, res.cut_images.pop(at)) if at is not None else None
+                res.saved.append(self.captures.finish(r.seq, dest, cut))
+            r.captures = []
         return results
 
     def prepare_capture(self, owner: Owner, retire: list[tuple[Checkpoint, Owner]] = (),

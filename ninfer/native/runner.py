@@ -40,7 +40,13 @@ class UnitRow:
     seq: Sequence
     n_tokens: int
     kind: UnitKind = UnitKind.DECODE
-    capture: CaptureDest | None = None
+    # the saves prepared for the unit, in order: (an inner cut's position, or None for the
+    # unit's end; its destination) — finished by the caller after the call
+    captures: list[tuple[int | None, CaptureDest]] = field(default_factory=list)
+
+    @property
+    def cuts(self) -> list[int]:
+        return [at for at, _ in self.captures if at is not None]
 
 
 @dataclass
@@ -52,8 +58,18 @@ class RowResult:
     finish_reason: str | None = None
     prompt_logprobs: list[PromptLogprob] = field(default_factory=list)   # prompt tokens prompt_from.. (asked)
     prompt_from: int = 0
-    captured: Checkpoint | None = None
-    capture_tid: int | None = None
+    cut_images: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # per UnitRow.captures entry: the checkpoint made and its Host copy's transaction (the caller's)
+    saved: list[tuple[Checkpoint, int | None]] = field(default_factory=list)
+
+    @property
+    def captured(self) -> Checkpoint | None:
+        """The last save's checkpoint (the unit's end's, when it had one)."""
+        return self.saved[-1][0] if self.saved else None
+
+    @property
+    def capture_tid(self) -> int | None:
+        return self.saved[-1][1] if self.saved else None
 
 
 class ModelRunner:
@@ -80,7 +96,8 @@ class ModelRunner:
         """Run one call: rows of at most one token and at most one multi-token chunk, sample
         where the ledger ends and commit. Rows must hold their reservations. With a draft
         backend a decode row also verifies its sequence's drafts, and the backend catches up
-        and drafts after the forward (speculative.py). Captures are the caller's, after this."""
+        and drafts after the forward (speculative.py). Captures are the caller's, after this;
+        a row's inner cuts (``UnitRow.captures``) leave their images in ``RowResult.cut_images``."""
         if sum(1 for r in rows if r.n_tokens > 1) > 1:
             raise NativeError("at most one prefill/replay chunk per call")
         compute = [r for r in rows if r.n_tokens > 0]
@@ -93,11 +110,13 @@ class ModelRunner:
             if end > len(seq.ledger):
                 raise NativeError(f"unit beyond the ledger of sequence {seq.sid}")
             d = self.spec.drafts_for(seq, r.n_tokens) if self.spec is not None else []
+            if r.cuts and (d or self.spec is not None):
+                raise NativeError("inner save cuts need a forward without a draft backend")
             drafts.append(d)
             self.kv.prepare(seq, end + len(d))
             seqs_in.append(SeqInput(token_ids=seq.ledger[seq.frontier:end] + d, start=seq.frontier,
                                     page_table=[b.page for b in seq.blocks[MAIN]], state_slot=seq.slot,
-                                    logits="all" if d else "last", verify=bool(d),
+                                    logits="all" if d else "last", verify=bool(d), cuts=r.cuts,
                                     rope_positions=seq.media.rows(seq.frontier, end + len(d)) if seq.media else None))
         results = {r.seq.sid: RowResult(sid=r.seq.sid, frontier=r.seq.frontier) for r in rows}
         pending = []
@@ -136,6 +155,8 @@ class ModelRunner:
                 seq.frontier = f0 + keep
                 self.kv.trim(seq)
                 self.mem.hidden[seq.slot] = out.all_hidden[lo + keep - 1]
+                if r.cuts:
+                    self._cut_images(batch, i, r.cuts, f0, lo, out.all_hidden, res)
                 res.frontier = seq.frontier
                 if not d and seq.params.prompt_logprobs is not None:
                     self._prompt_logprobs(seq, res, out.all_hidden[lo:lo + keep], f0)
@@ -155,6 +176,16 @@ class ModelRunner:
         if self.spec is not None:
             self.spec.after_call([Pending(*p) for p in pending])
         return [results[r.seq.sid] for r in rows]
+
+    @staticmethod
+    def _cut_images(batch: ForwardBatch, i: int, cuts: list[int], f0: int, lo: int, hidden: torch.Tensor,
+                    res: RowResult) -> None:
+        """The StateImage at each inner cut of row ``i``: every GDN layer's kept conv and ssm state
+        there (cache order) and the hidden at the position before it (what an exact hit samples)."""
+        for j, at in enumerate(cuts):
+            conv = torch.stack([layer[i][j][0] for layer in batch.cut_states])
+            ssm = torch.stack([layer[i][j][1] for layer in batch.cut_states])
+            res.cut_images[at] = (conv, ssm, hidden[lo + at - f0 - 1].clone())
 
     def _prompt_logprobs(self, seq: Sequence, res: RowResult, hidden: torch.Tensor, f0: int) -> None:
         """vLLM's prompt_logprobs from the rows this call computed (positions f0 ..): the logits

@@ -644,19 +644,24 @@ class ResourceManager:
         return [P.Retire(info.cid, info.ref.generation, rec.owner(Role.INPUT))]
 
     # rule: anchor-replacement
-    def anchor_replace(self, req: Request, sp: SavePoint, rec: PrivateRecord | None = None) -> list[P.Retire] | None:
+    def anchor_replace(self, req: Request, sp: SavePoint, rec: PrivateRecord | None = None,
+                       earlier: tuple[set[int], int] = (frozenset(), 0)) -> list[P.Retire] | None:
         """The anchor hold a new anchor at ``sp`` supersedes (seed: 锚点同位置更新，超限替换最旧
         发布点；无法安全替换则放弃本次保存): the record's anchor at the same position (its
         history changed) is updated in place; at the limit, an anchor no longer on this
         request's history goes before a still-valid one, oldest published first. Given up only
         if the save happens. None: replacing is unsafe (the point is being adopted right
-        now) — the save is given up."""
+        now) — the save is given up. ``earlier``: the anchors earlier saves of the same unit
+        replace and how many anchors they add — decided as if those saves had happened first,
+        as separate units would (the unit crosses them in that order)."""
         rec = rec or self.book(req).record
-        live = [(cid, info) for cid in rec.anchors if (info := self.table.ckpts.get(cid)) is not None]
+        gone, added = earlier
+        live = [(cid, info) for cid in rec.anchors
+                if cid not in gone and (info := self.table.ckpts.get(cid)) is not None]
         same = [cid for cid, info in live if info.frontier == sp.frontier]
         if same:
             victim = same[0]
-        elif len(live) >= MAX_ANCHORS:
+        elif len(live) + added >= MAX_ANCHORS:
             stale = [cid for cid, info in live
                      if info.frontier > len(req.prompt) or tuple(req.prompt[: info.frontier]) != info.tokens]
             victim = (stale or [cid for cid, _ in live])[0]
@@ -701,7 +706,7 @@ class ResourceManager:
         return benefit, own, rec is not None and rec.level == Level.REUSE
 
     def _computes_across(self, req: Request, f: int) -> bool:
-        """The unit that ends on ``f`` is a new prefill commit crossing a candidate position this
+        """The unit that crosses or ends on ``f`` is a new prefill commit crossing a candidate position this
         request did not observe yet (``observe_prefill`` records it when it commits); a Replay
         is no observation."""
         book = self.books.get(req.rid)

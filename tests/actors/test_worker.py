@@ -69,7 +69,7 @@ def test_a_short_intent_commits_no_remedy_that_does_not_cover_it(worker):
 
 def _capture_plan(iid: int, rid: str, n: int, owner, room=()) -> P.BindIntent:
     b = _bind(iid, rid, n)
-    b.unit = P.UnitSpec(n, P.UnitKind.PREFILL, capture=P.Capture(owner, room=list(room)))
+    b.unit = P.UnitSpec(n, P.UnitKind.PREFILL, captures=[P.Capture(owner, room=list(room))])
     return b
 
 
@@ -83,7 +83,7 @@ def test_a_saves_admitted_room_is_committed_only_when_it_needs_it(tiny_model, sl
     try:
         first = _step(w, [_capture_plan(1, "a", 20, P.EntryOwner(1))])
         [unit] = first.units
-        old = unit.captured
+        old = unit.captures[0].captured
         assert old is not None and old.device
         w.handle(P.encode(P.StepPlan(2, commands=[P.Release(first.intents[0].sid)])))
         [fx] = P.decode_reply(w.handle(P.encode(P.StepPlan(3, commands=[P.Quote()])))).commands
@@ -91,11 +91,12 @@ def test_a_saves_admitted_room_is_committed_only_when_it_needs_it(tiny_model, sl
         room = [P.Delete(old.cid, old.generation, version)]
         reply = _step(w, [_capture_plan(4, "b", 30, P.EntryOwner(2), room)])
         [u] = reply.units
-        assert u.capture is P.CaptureResult.SAVED and u.captured is not None
+        [c] = u.captures
+        assert c.result is P.CaptureResult.SAVED and c.captured is not None
         if slot_free:
-            assert u.room_applied is None and old.cid in w.prog.checkpoints
+            assert c.room_applied is None and old.cid in w.prog.checkpoints
         else:
-            assert u.room_applied is not None and u.room_applied.ok and old.cid not in w.prog.checkpoints
+            assert c.room_applied is not None and c.room_applied.ok and old.cid not in w.prog.checkpoints
     finally:
         w.shutdown()
 
@@ -110,7 +111,7 @@ def test_reclaim_steps_are_trimmed_to_the_shortfall_and_a_stale_one_is_skipped(t
         points = []
         for i in range(3):                              # three cached points fill the extra slots
             r = _step(w, [_capture_plan(10 + i, f"p{i}", 20, P.EntryOwner(i + 1))])
-            points.append(r.units[0].captured)
+            points.append(r.units[0].captures[0].captured)
             w.handle(P.encode(P.StepPlan(20 + i, commands=[P.Release(r.intents[0].sid)])))
         [fx] = P.decode_reply(w.handle(P.encode(P.StepPlan(30, commands=[P.Quote()])))).commands
         dels = [P.Delete(c.cid, c.generation, fx.facts.checkpoints[c.cid].version) for c in points]
@@ -176,7 +177,7 @@ def test_a_chain_may_demote_a_block_its_own_take_back_lets_go_of(tiny_model):
                                         context_cache={"device_state_slots": 1, "host_capacity_bytes": page}))
     try:
         first = _step(w, [_capture_plan(1, "a", 40, P.EntryOwner(1))])
-        sid, point = first.intents[0].sid, first.units[0].captured
+        sid, point = first.intents[0].sid, first.units[0].captures[0].captured
         [fx] = P.decode_reply(w.handle(P.encode(P.StepPlan(2, commands=[P.Quote()])))).commands
         [shared] = [b for b in fx.facts.blocks.values() if point.cid in b.holders and -sid in b.holders]
         assert shared.pinned and fx.facts.pools["main"].available == 1

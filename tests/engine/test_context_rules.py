@@ -406,11 +406,14 @@ def test_source_ties_break_by_session_hint_then_private_use_then_newer_publicati
         rm.table.forget_ckpt(cid)
 
 
-def test_rewrite_execution_frontiers_split_the_math_even_without_a_save(roomy, tiny_model):
+@pytest.mark.parametrize("inner", [True, False], ids=["inner-saves", "saves-cut"])
+def test_rewrite_execution_frontiers_split_the_math_even_without_a_save(roomy, tiny_model, inner):
     """Seed: rewrite_execution_frontiers 另行约束数学执行的切分 … 实际恢复位置前移或可选保存失败都不
     改变这些数学边界 — a split point that is no save point (here the restore position C lies
-    before it) still ends a prefill unit there; the chunk would otherwise run through it."""
-    h = roomy(max_concurrency=1, kv_capacity=8 * 64, prefill_chunk_tokens=128)
+    before it) still ends a prefill unit there; the chunk would otherwise run through it. With
+    inner saves C is saved inside the first unit; without, C ends a unit of its own."""
+    h = roomy(max_concurrency=1, kv_capacity=8 * 64, prefill_chunk_tokens=128,
+              context_cache={"device_state_slots": 4, "host_capacity_bytes": 16 << 20, "inner_saves": inner})
     units: list[int] = []
     step = h.core.client.step
 
@@ -423,6 +426,8 @@ def test_rewrite_execution_frontiers_split_the_math_even_without_a_save(roomy, t
     prompt = random_prompt(100, seed=86)
     rid = h.submit(prompt, max_tokens=2, recovery_frontier=30, split_points=[37])
     h.run(until=lambda: h.done(rid))
-    assert units[:3] == [30, 7, 63], units              # C = 30 is saved; 37 only splits
+    want = [37, 63] if inner else [30, 7, 63]          # C = 30 is saved; 37 only splits
+    assert units[:len(want)] == want, units
+    assert 30 in cache_points(h)
     assert h.finals[rid].token_ids == oracle(tiny_model, prompt, max_tokens=2)
     h.check_clean()

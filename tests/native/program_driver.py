@@ -37,7 +37,7 @@ def settle_transfers(prog: Program, timeout: float = 5.0) -> list:
 
 def row(prog: Program, seq, n: int, kind: UnitKind, capture_owner=None) -> UnitRow:
     dest = prog.prepare_capture(capture_owner) if capture_owner is not None else None
-    return UnitRow(seq, n, kind, dest)
+    return UnitRow(seq, n, kind, [(None, dest)] if dest is not None else [])
 
 
 def step(prog: Program, seq, chunk: int = 1000, capture_owner=None, stop_at: int | None = None):

@@ -346,16 +346,35 @@ def test_only_a_real_restore_is_a_hit_and_a_missing_deeper_point_is_a_lost_hit_w
 
 # ---- unit-cuts --------------------------------------------------------------------------------
 def test_a_prefill_unit_ends_at_a_save_point_a_split_point_or_the_chunk_never_past_the_ledger():
-    """unit-cuts: a unit ends exactly on the next save point (also one at the chunk's end), on a
-    rewrite execution frontier, at the chunk, and never past the ledger; a save point at the
-    frontier itself was captured already and cuts nothing."""
+    """unit-cuts: without inner saves a unit ends exactly on the next save point (also one at the
+    chunk's end), on a rewrite execution frontier, at the chunk, and never past the ledger; a save
+    point at the frontier itself was captured already and cuts nothing."""
     req = Req("r", 1, T[:100], split_points=[70])
     sps = [SavePoint(0, [], []), SavePoint(30, [], []), SavePoint(64, [], [])]
+    at = lambda u: [(sv.sp.frontier, sv.inner) for sv in u.saves]        # noqa: E731
     u = next_unit(req, 0, 100, 64, sps)
-    assert (u.n_tokens, u.kind, u.save_index) == (30, UnitKind.PREFILL, 1)
+    assert (u.n_tokens, u.kind, at(u)) == (30, UnitKind.PREFILL, [(30, False)])
     u = next_unit(req, 30, 100, 34, sps)
-    assert (u.n_tokens, u.save_index) == (34, 2)           # the save point at the chunk's end
+    assert (u.n_tokens, at(u)) == (34, [(64, False)])      # the save point at the chunk's end
     u = next_unit(req, 64, 100, 64, sps)
-    assert (u.n_tokens, u.save_index) == (6, None)         # the rewrite execution frontier at 70
+    assert (u.n_tokens, at(u)) == (6, [])                  # the rewrite execution frontier at 70
     u = next_unit(req, 70, 100, 64, sps)
-    assert (u.n_tokens, u.save_index) == (30, None)        # up to the ledger's end, not the chunk's
+    assert (u.n_tokens, at(u)) == (30, [])                 # up to the ledger's end, not the chunk's
+
+
+def test_with_inner_saves_a_unit_crosses_its_save_points_and_still_ends_at_a_split_point_or_the_chunk():
+    """unit-cuts with inner saves (the worker keeps states inside a unit): the unit runs to the
+    chunk, a rewrite execution frontier or the ledger's end, and carries every save point it
+    crosses — inside it (inner) or on its end — in position order; none at its own frontier."""
+    req = Req("r", 1, T[:100], split_points=[70])
+    sps = [SavePoint(0, [], []), SavePoint(30, [], []), SavePoint(50, [], []), SavePoint(64, [], []),
+           SavePoint(90, [], [])]
+    at = lambda u: [(sv.sp.frontier, sv.inner) for sv in u.saves]        # noqa: E731
+    u = next_unit(req, 0, 100, 64, sps, inner=True)
+    assert (u.n_tokens, u.kind, at(u)) == (64, UnitKind.PREFILL, [(30, True), (50, True), (64, False)])
+    u = next_unit(req, 30, 100, 64, sps, inner=True)
+    assert (u.n_tokens, at(u)) == (40, [(50, True), (64, True)])         # the split point at 70
+    u = next_unit(req, 70, 100, 64, sps, inner=True)
+    assert (u.n_tokens, at(u)) == (30, [(90, True)])                     # the ledger's end
+    u = next_unit(req, 64, 100, 4, sps, inner=True)
+    assert (u.n_tokens, at(u)) == (4, [])                                # the chunk

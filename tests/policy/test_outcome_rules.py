@@ -152,7 +152,7 @@ def test_a_chunk_that_cannot_get_its_permit_gives_up_its_turn():
 # ---- chunk-rotation ----------------------------------------------------------------------------
 def _ran(w: World, req: Request, n: int, kind: P.UnitKind, iid: int, ran: bool = True) -> None:
     """``req``'s unit of ``n`` tokens came back (ran or not) with its frontier moved on."""
-    unit = Unit(n, kind, None)
+    unit = Unit(n, kind)
     item = Item(iid, req, CHUNK if n > 1 else ROW, P.RowIntent(iid, req.sid, P.UnitSpec(n, kind)), unit,
                 Need(iid, req, CHUNK, {}))
     f = req.facts

@@ -80,16 +80,25 @@ class Captures:
         if dest.ext is not None:
             self.host.release(dest.ext)
 
-    def finish(self, seq: Sequence, dest: CaptureDest) -> tuple[Checkpoint, int | None]:
+    def finish(self, seq: Sequence, dest: CaptureDest, cut: tuple[int, tuple] | None = None
+               ) -> tuple[Checkpoint, int | None]:
+        """The checkpoint of the save: at the sequence's frontier from its slot, or at an inner
+        ``cut`` — (position, the image the forward kept there) — from that image."""
         image = StateImage()
-        ck = self.cks.new(CkptKind.CACHE, seq, image, dest.owner)
+        ck = self.cks.new(CkptKind.CACHE, seq, image, dest.owner, at=cut[0] if cut is not None else None)
         if dest.res is not None:
             image.slot = self.slots.take(ck, dest.res)
-            self.mem.copy_slot(seq.slot, image.slot)
+            if cut is not None:
+                self.mem.write_image(image.slot, cut[1])
+            else:
+                self.mem.copy_slot(seq.slot, image.slot)
             return ck, None
         image.host = dest.ext
         image.leases += 1          # not a query source until the copy is published
-        job = self.mem.slot_to_host(seq.slot, dest.ext, snapshot_now=True)
+        if cut is not None:        # the forward's own tensors: nothing overwrites them
+            job = self.mem.image_to_host(cut[1], dest.ext, snapshot_now=self.mem.device.type == "cuda")
+        else:
+            job = self.mem.slot_to_host(seq.slot, dest.ext, snapshot_now=True)
         self.txn.count(d2h=self.mem.image_bytes)
 
         def abort() -> tuple[list[int], list[int]]:

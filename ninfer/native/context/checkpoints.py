@@ -100,14 +100,19 @@ class Checkpoints:
         return out
 
     # ---- writes --------------------------------------------------------------------------------
-    def new(self, kind: CkptKind, seq: Sequence, image: StateImage, owner: Owner) -> Checkpoint:
+    def new(self, kind: CkptKind, seq: Sequence, image: StateImage, owner: Owner, at: int | None = None) -> Checkpoint:
         """A checkpoint of ``seq`` at its frontier, over ``image``: it holds the prefix of the
         sequence's directories its coverage needs (Main: [0, frontier); the draft backend's:
-        what the backend says a checkpoint carries)."""
-        tokens = tuple(seq.ledger[:seq.frontier])
+        what the backend says a checkpoint carries). ``at``: an inner cut before the frontier
+        (a position its last call crossed; no draft backend) — the prefix [0, at) of the same
+        blocks (the sequence, their appender, wrote past it: a binder copies the tail first)."""
+        f = seq.frontier if at is None else at
+        if at is not None and (self.draft is not None or not 0 < at <= seq.frontier):
+            raise NativeError(f"no checkpoint at {at} of sequence {seq.sid} (frontier {seq.frontier})")
+        tokens = tuple(seq.ledger[:f])
         ck = Checkpoint(sink=self._changed, cid=next(self._ids), generation=next_generation(), kind=kind, tokens=tokens,
                         digest=self.digest(tokens), image=image, blocks={}, owners={owner: 1})
-        cover = {MAIN: seq.frontier}
+        cover = {MAIN: f}
         if self.draft is not None:
             ck.draft_base, ck.draft_frontier = self.draft.coverage(seq)
             cover[self.draft.kind] = ck.draft_frontier

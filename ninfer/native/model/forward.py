@@ -71,6 +71,9 @@ class SeqInput:
     # start + delta on all rows when decoding after an image); None = start .. end - 1 on all rows
     rope_positions: torch.Tensor | None = None
     verify: bool = False            # a speculative verify row (see the module docstring)
+    # positions strictly inside the chunk (start < p < start + len) whose GDN and conv states the
+    # call keeps besides the final one (``ForwardBatch.cut_states``): an inner save's image
+    cuts: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -133,6 +136,12 @@ class ForwardBatch:
     # so each captured graph does not keep its own (13.8 GiB over 21 graphs for Qwen3-Next at
     # k = 3). Valid until the next forward, as the kept states are (the roll-back reads them first).
     spec_steps: torch.Tensor | None = None
+    # a chunk's inner cuts (``SeqInput.cuts``): sequence index -> row offsets inside it, in order;
+    # its GDN runs segment by segment as separate units would (conv, then the chunked rule, from
+    # the state the previous segment left), and each GDN layer appends to ``cut_states``
+    # {sequence index: [(conv state, ssm state) at each cut]} (state dtypes; cache order)
+    cuts: dict[int, list[int]] = field(default_factory=dict)
+    cut_states: list[dict[int, list[tuple[torch.Tensor, torch.Tensor]]]] = field(default_factory=list)
     # per-call metadata a forward path builds once and every layer reuses (paths.KernelPath)
     kernel_meta: dict = field(default_factory=dict)
     # the chunk of ``chunk_seqs`` padded to a static length (a graph's "chunk" profile; see the
@@ -175,6 +184,9 @@ class ForwardBatch:
             for p in range(s.start, end):
                 pos.append(p)
                 slots.append(s.page_table[p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE)
+            if s.cuts and (s.verify or n == 1 or not all(s.start < p < end for p in s.cuts)
+                           or sorted(set(s.cuts)) != list(s.cuts)):
+                raise ValueError(f"cuts {s.cuts} must lie strictly inside the chunk [{s.start}, {end}), in order")
             if s.logits == "all":
                 rows.extend(range(base, base + n))
             elif s.logits == "last":
@@ -236,6 +248,7 @@ class ForwardBatch:
             verify_len=next(iter(lens)) if len(lens) == 1 else 0,
             decode_kv_slots=decode_kv_slots(fields["decode_block_table"], fields["decode_kv_lens"], max_len),
             rope_positions=rope,
+            cuts={i: [p - s.start for p in s.cuts] for i, s in enumerate(seqs) if s.cuts},
             usual_logits=all(s.logits == ("all" if s.verify else "last") for s in seqs),
             **fields,
         )

@@ -98,7 +98,9 @@ def _attention_alone(out, q, k_cache, v_cache, batch, scale, seqs, op=paged_atte
 
 def _gdn_alone(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split, seqs, ops=gdn) -> None:
     """Each of ``seqs`` by itself: a chunk in the chunked form, a decode row in the recurrent
-    form with N = 1; its rows of ``core`` and its state slot are written."""
+    form with N = 1; its rows of ``core`` and its state slot are written. A chunk with inner cuts
+    (``batch.cuts``) runs segment by segment and keeps the state at each cut (``batch.cut_states``)."""
+    cut: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for s in seqs:
         lo, hi = batch.cu[s], batch.cu[s + 1]
         slot = int(batch.state_slots[s])
@@ -109,12 +111,27 @@ def _gdn_alone(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, spl
                 q[:, None], k[:, None], v[:, None], g[lo:hi, None], beta[lo:hi, None], ssm_states[slot:slot + 1])
             o, new_conv, new_ssm = o[:, 0], new_conv[0], new_ssm[0]
         else:
-            y, new_conv = ops.causal_conv1d(mixed[lo:hi], conv_states[slot], conv_w)
-            q, k, v = split(y)
-            o, new_ssm = ops.chunk_gated_delta_rule(q, k, v, g[lo:hi], beta[lo:hi], ssm_states[slot])
+            new_conv, new_ssm = conv_states[slot], ssm_states[slot]
+            a, kept = lo, []
+            for b in (*(lo + c for c in batch.cuts.get(s, ())), hi):
+                # each segment as its own unit would run it: from the state the last one stored
+                y, new_conv = ops.causal_conv1d(mixed[a:b], new_conv, conv_w)
+                q, k, v = split(y)
+                core[a:b], new_ssm = ops.chunk_gated_delta_rule(q, k, v, g[a:b], beta[a:b], new_ssm)
+                new_conv, new_ssm = new_conv.to(conv_states.dtype), new_ssm.to(ssm_states.dtype)
+                if b < hi:
+                    kept.append((new_conv, new_ssm))
+                a = b
+            if kept:
+                cut[s] = kept
+            conv_states[slot] = new_conv
+            ssm_states[slot] = new_ssm
+            continue
         core[lo:hi] = o
         conv_states[slot] = new_conv.to(conv_states.dtype)
         ssm_states[slot] = new_ssm.to(ssm_states.dtype)
+    if batch.cuts:
+        batch.cut_states.append(cut)
 
 
 def _gdn_padded(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split, ops=gdn) -> None:
