@@ -8,7 +8,6 @@ BIN := $(VENV)/bin
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
 
 demo: $(BIN)/python
 	$(BIN)/pip install --quiet -e .

@@ -48,9 +48,9 @@ def _sweep(tiny_model: str, drafts: dict[str, str], sweep: list[int], totals: Co
 @pytest.mark.slow
 def test_random_workloads_with_dflash_match_the_oracle(tiny_model, drafts):
     """The oracle sweep's workloads (pressure, both pause routes, hits, faults, sampling,
-    logprobs) with DFlash and DFlash2 (4 workloads, 10 with NINFER_SWEEP=full, on every core):
+    logprobs) with DFlash and DFlash2 (3 workloads, 10 with NINFER_SWEEP=full, on every core):
     every completed request equals the isolated run; nothing leaks."""
-    _sweep(tiny_model, drafts, seeds(7000, 4, 10))
+    _sweep(tiny_model, drafts, seeds(7000, 3, 10))
 
 
 @pytest.mark.slow
@@ -62,7 +62,7 @@ def test_sampling_options_with_dflash_match_the_oracle(tiny_model, drafts):
     from tests.engine.test_invariance import TOTALS as SWEEP
     totals: Counter = Counter()
     before = Counter(SWEEP)
-    _sweep(tiny_model, drafts, seeds(8200, 4, 8), totals, options=True)
+    _sweep(tiny_model, drafts, seeds(8200, 3, 8), totals, options=True)
     seen = Counter(SWEEP) - before
     assert totals["accepted"] and totals["rejected"] and seen["constrained"], (dict(totals), dict(seen))
 

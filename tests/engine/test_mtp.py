@@ -31,10 +31,10 @@ def _mtp(seed: int) -> dict:
 @pytest.mark.slow
 def test_random_workloads_with_mtp_match_the_oracle(tiny_model):
     """The oracle sweep's workloads (pressure, pauses of both routes, cache hits, faults,
-    greedy and seeded sampling, logprobs) with k = 1..4 drafts per step (6 workloads, 12 with
+    greedy and seeded sampling, logprobs) with k = 1..4 drafts per step (4 workloads, 12 with
     NINFER_SWEEP=full, on every core): every completed request equals the isolated run without
     speculation; nothing leaks."""
-    count_speculation(SPEC_TOTALS, run_workloads(tiny_model, seeds(5000, 6, 12), _mtp))
+    count_speculation(SPEC_TOTALS, run_workloads(tiny_model, seeds(5000, 4, 12), _mtp))
 
 
 @pytest.mark.slow
@@ -43,7 +43,7 @@ def test_sampling_options_with_mtp_match_the_oracle(tiny_model):
     min_p) with MTP drafts: a draft is kept only where the constrained, seeded sampler draws it,
     so every completed request still equals the oracle without speculation."""
     totals: Counter = Counter()
-    count_speculation(totals, run_workloads(tiny_model, seeds(8100, 6, 12),
+    count_speculation(totals, run_workloads(tiny_model, seeds(8100, 4, 12),
                                             lambda seed: {**_mtp(seed), "options": True}))
     assert totals["accepted"] and totals["rejected"] and totals["pauses"], dict(totals)
 

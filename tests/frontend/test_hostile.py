@@ -29,6 +29,7 @@ import pytest
 from tests.serving import free_port, wait_up
 
 pytestmark = pytest.mark.slow
+FULL = os.environ.get("NINFER_SWEEP") == "full"      # docs/testing.md "Running"
 
 KEY = "hostile-key"
 AUTH = {"authorization": f"Bearer {KEY}"}
@@ -495,7 +496,9 @@ def _budget(target: float, ambient: float) -> float:
     return target if ambient < target else ambient + target
 
 
-@pytest.mark.parametrize("transport", ["inproc", pytest.param("ray", marks=pytest.mark.ray)])
+# the hostile inputs are refused by the frontend whatever the transport: the suite runs them over
+# Ray (the deployed shape), NINFER_SWEEP=full over both
+@pytest.mark.parametrize("transport", (["inproc"] if FULL else []) + [pytest.param("ray", marks=pytest.mark.ray)])
 def test_hostile_requests_are_4xx_without_stalling_anyone(tiny_model, tmp_path, transport):
     assert all_cases() >= 200, all_cases()
     out = _run(tiny_model, tmp_path, transport)
