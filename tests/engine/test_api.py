@@ -139,3 +139,24 @@ def test_config_from_toml_and_shutdown(tiny_model, tmp_path):
         assert len(out.token_ids) >= 1
     with pytest.raises(RequestError, match="shut down"):
         eng.generate([1, 2, 3])
+
+
+def test_cpu_threads_sets_the_forwards_torch_threads(tiny_model, monkeypatch):
+    """``cpu_threads``: the control thread, where an in-process worker's forward runs, sets that
+    many torch threads (1 by default, DESIGN §8); the outputs are the oracle's."""
+    import threading
+
+    import torch
+
+    from tests.engine.harness import oracle
+    calls, real = [], torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads",
+                        lambda n: (calls.append((threading.current_thread().name, n)), real(n))[1])
+    prompt = random_prompt(40, seed=3)
+    eng = ninfer.Engine.start(tiny_model, config={**CFG, "cpu_threads": 2}, dtype="float64", transport="inproc")
+    try:
+        assert eng.generate(prompt, max_tokens=4, ignore_eos=True).result(60).token_ids == \
+            oracle(tiny_model, prompt, max_tokens=4)
+    finally:
+        eng.shutdown()
+    assert ("ninfer-control", 2) in calls, calls
