@@ -320,7 +320,7 @@ def test_random_workloads_match_the_oracle(tiny_model):
 # test_a_chain_may_demote_a_block_its_own_take_back_lets_go_of)
 # the suite runs 8000-8005 and 8023 (NINFER_SWEEP=full: all 25)
 OPTION_SEEDS = [8000 + s for s in range(25)] if FULL else [8000 + s for s in range(6)] + [8023]
-PROMPT_LOGPROB_SEEDS = seeds(8500, 8, 12)
+PROMPT_LOGPROB_SEEDS = seeds(8500, 6, 12)
 
 
 @pytest.mark.slow
@@ -417,7 +417,7 @@ def run_api_workload(model_dir: str, seed: int) -> Counter:
 @pytest.mark.slow
 def test_workloads_through_the_api_survive_worker_deaths_and_controller_restarts(tiny_model):
     totals: Counter = Counter()
-    n = 24 if FULL else 8
+    n = 24 if FULL else 6
     for seed in range(n):
         totals += run_api_workload(tiny_model, seed)
     print("\napi workloads:", dict(totals))
