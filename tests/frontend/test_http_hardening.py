@@ -117,10 +117,12 @@ def test_health_answers_while_huge_inputs_are_processed(server, http):
         t.start()
     lat = []
     with httpx.Client(base_url=server, timeout=10) as h:
-        while any(t.is_alive() for t in threads):
+        while True:                      # at least one probe: the three may be refused before the first
             t0 = time.perf_counter()
             assert h.get("/health").status_code == 200
             lat.append(time.perf_counter() - t0)
+            if not any(t.is_alive() for t in threads):
+                break
             time.sleep(0.02)
     for t in threads:
         t.join()
