@@ -40,6 +40,13 @@ def _image(prog, ck) -> tuple[torch.Tensor, ...]:
     return tuple(t.clone() for t in prog.mem._image_views(ck.image.host))
 
 
+def _closed(prog) -> None:
+    """Nothing is held any more; the Program shuts down."""
+    prog.check_integrity(idle=True)
+    assert prog.is_empty()
+    prog.shutdown()
+
+
 def _unit(prog, seq, n, saves):
     """One prefill unit of ``n`` tokens saving at ``saves`` (positions; the end as None)."""
     assert not prog.reserve_unit(seq, n)
@@ -85,9 +92,7 @@ def test_one_unit_saves_at_its_inner_cuts_what_units_ending_there_would(tiny_mod
         assert run_to_end(prog, s) == oracle(prompt[:f] + [7], 6), f
         prog.release(s)
         prog.release_owner(ck, f"cap{f if f < 150 else None}")
-    prog.check_integrity(idle=True)
-    assert prog.is_empty()
-    prog.shutdown()
+    _closed(prog)
 
 
 def test_an_inner_save_with_no_device_slot_goes_to_the_host_and_restores(tiny_model, oracle):
@@ -111,9 +116,7 @@ def test_an_inner_save_with_no_device_slot_goes_to_the_host_and_restores(tiny_mo
     assert run_to_end(prog, r) == oracle(prompt[:70] + [9], 6)
     prog.release(r)
     prog.release_owner(ck, "cap70")
-    prog.check_integrity(idle=True)
-    assert prog.is_empty()
-    prog.shutdown()
+    _closed(prog)
 
 
 def test_a_failed_host_copy_of_an_inner_save_loses_only_that_save(tiny_model, oracle):
@@ -131,9 +134,7 @@ def test_a_failed_host_copy_of_an_inner_save_loses_only_that_save(tiny_model, or
     assert not t.ok and t.lost_cids == [ck.cid] and ck.cid not in prog.checkpoints
     assert run_to_end(prog, s) == oracle(prompt, 4)       # the writer goes on untouched
     prog.release(s)
-    prog.check_integrity(idle=True)
-    assert prog.is_empty()
-    prog.shutdown()
+    _closed(prog)
 
 
 @pytest.mark.parametrize("cuts", [[0], [5], [3, 3], [4, 2], [8]])

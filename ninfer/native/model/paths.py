@@ -109,7 +109,7 @@ def _gdn_alone(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, spl
             q, k, v = split(y)
             o, new_ssm = ops.recurrent_gated_delta_rule(
                 q[:, None], k[:, None], v[:, None], g[lo:hi, None], beta[lo:hi, None], ssm_states[slot:slot + 1])
-            o, new_conv, new_ssm = o[:, 0], new_conv[0], new_ssm[0]
+            core[lo:hi], new_conv, new_ssm = o[:, 0], new_conv[0], new_ssm[0]
         else:
             new_conv, new_ssm = conv_states[slot], ssm_states[slot]
             a, kept = lo, []
@@ -124,10 +124,6 @@ def _gdn_alone(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, spl
                 a = b
             if kept:
                 cut[s] = kept
-            conv_states[slot] = new_conv
-            ssm_states[slot] = new_ssm
-            continue
-        core[lo:hi] = o
         conv_states[slot] = new_conv.to(conv_states.dtype)
         ssm_states[slot] = new_ssm.to(ssm_states.dtype)
     if batch.cuts:
