@@ -14,9 +14,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import torch
-
 from ninfer.api import Engine
+from ninfer.native.threads import pin as pin_threads
 from ninfer.progress import note
 from ninfer.reference import reference_generate
 
@@ -58,7 +57,7 @@ def _turns(city: str) -> list[list[dict]]:
 
 def run_demo(model_dir: str | Path = "models/tiny", dtype: str = "float32", transport: str = "ray",
              max_tokens: int = 40) -> int:
-    torch.set_num_threads(1)
+    pin_threads(1)
     path = ensure_model(model_dir)
     print(f"starting the engine on {path} ({dtype}, transport={transport}) ...")
     t0 = time.perf_counter()

@@ -100,8 +100,6 @@ class ControlLoop:
 
     # ---- the control thread -------------------------------------------------------------------
     def _loop(self) -> None:
-        import torch
-        torch.set_num_threads(self.config.cpu_threads)     # an in-process worker's forward runs here
         while not self._stop:
             self.wake.clear()
             try:

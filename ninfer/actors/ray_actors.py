@@ -95,12 +95,9 @@ class GpuWorkerActor:
     A Worker that could not be built leaves its exception for ``info`` to raise."""
 
     def __init__(self, model_dir: str, config: bytes, controller_name: str, faults: bytes):
-        import torch
-
         from ninfer.actors.worker import Worker, WorkerDeath
         ask_normal_priority("GPU worker")
         cfg = decode_config(config)
-        torch.set_num_threads(cfg.cpu_threads)
         if cfg.log_format:
             configure_logging(cfg.log_format)
         self._controller_name = controller_name

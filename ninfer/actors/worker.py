@@ -38,6 +38,7 @@ from ninfer.native.model.model import HybridModel
 from ninfer.native.objects import Checkpoint, Sequence
 from ninfer.native.program import CaptureDest, NativeError, PauseResult, Program, TxSettled, UnitRow
 from ninfer.native.stores import IntegrityError
+from ninfer.native.threads import pin as pin_threads
 from ninfer.placement import place_first_fit
 
 log = logging.getLogger("ninfer.worker")
@@ -83,6 +84,8 @@ def load_vision_tower(model_dir: str | Path, model: HybridModel, device):
 class Worker:
     def __init__(self, model_dir: str | Path, config: EngineConfig, notify: Callable[[], None] | None = None,
                  faults: list[Fault] | None = None):
+        self.threads = config.cpu_threads
+        pin_threads(self.threads)             # before the copy thread starts; calibrate runs here too
         device = pick_device(config.device)
         model = HybridModel.load(model_dir, config.dtype, device)
         self.eos_ids = load_eos_ids(model_dir, model.cfg)
@@ -109,7 +112,11 @@ class Worker:
         )
 
     def handle(self, data: bytes) -> bytes:
-        """The wire entry point: bytes in, bytes out (same for every transport)."""
+        """The wire entry point: bytes in, bytes out (same for every transport). The forward runs on
+        the caller's thread (the control thread in process, the step channel's in the actor):
+        ``cpu_threads`` torch threads there, whatever another thread set (``native/threads.py``)."""
+        if torch.get_num_threads() != self.threads:
+            pin_threads(self.threads)
         return P.encode(self.step(P.decode_plan(data)))
 
     def wait(self, timeout: float) -> None:

@@ -175,14 +175,14 @@ def run(model_dir: str, out: str | None = None, plot: str | None = None, transpo
     the defaults are the committed measurement."""
     import sys
 
-    import torch
+    from ninfer.native.threads import pin as pin_threads
 
     from ninfer.benchmarks.common import ensure_model, report, table
     from ninfer.progress import bar
     from ninfer.reference import reference_generate
     # the oracle runs on this thread: one thread, as the engine's own threads (a second one only
     # fights them and the other cores' work; it made the default run ~2x slower on 2 busy cores)
-    torch.set_num_threads(1)
+    pin_threads(1)
     model_dir = ensure_model(model_dir)
     mismatches: list[int] = []
     refs: dict[tuple, list[int]] = {}

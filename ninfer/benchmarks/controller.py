@@ -96,11 +96,11 @@ def run(model_dir: str, out: str | None = None, plot: str | None = None, concurr
         pressure=(2, 4, 8), decode_tokens: int = 64, prompt_tokens: int = 32, dtype: str = "float32") -> dict:
     """Steady decode at each C of ``concurrency``, then the pressure mode at each C of ``pressure``
     (either may be empty); the defaults are the committed measurement."""
-    import torch
+    from ninfer.native.threads import pin as pin_threads
 
     from ninfer.benchmarks.common import ensure_model, report
     from ninfer.progress import bar
-    torch.set_num_threads(1)       # this thread runs the cycle and the worker, as the control loop does
+    pin_threads(1)       # this thread runs the cycle and the worker, as the control loop does
     model_dir = ensure_model(model_dir)
     points = [("steady", c) for c in concurrency] + [("pressure", c) for c in pressure]
     rows = [measure(model_dir, c, mode, decode_tokens, dtype, prompt_tokens)

@@ -19,6 +19,7 @@ from ninfer.native.model import paths
 from ninfer.native.model.config import PAGE_SIZE
 from ninfer.native.model.forward import ForwardBatch, ModelCache, SeqInput
 from ninfer.native.model.model import HybridModel
+from ninfer.native.threads import pin as pin_threads
 
 CONTEXT, STEPS, REPEATS = 160, 32, 3
 
@@ -69,7 +70,7 @@ def measure(model: HybridModel, c: int) -> list[dict]:
 
 def run(model_dir: str, out: str | None = None, dtype: str = "float32", plot: str | None = None) -> dict:
     from ninfer.benchmarks.common import ensure_model, report
-    torch.set_num_threads(1)
+    pin_threads(1)
     model = HybridModel.load(ensure_model(model_dir), dtype)
     rows = []
     for c in (1, 2, 4, 8):

@@ -345,8 +345,8 @@ def engine_runs(model_dir: str, reqs: list[TraceRequest], fl: Floors, arrival: A
                 timeout: float) -> tuple[list[dict], dict]:
     """One fresh engine per (transport, capacity) of ``runs``: its row (outputs of ``check_n``
     requests compared with the reference, the integrity verdict) and its requests."""
-    import torch
-    torch.set_num_threads(1)         # the oracle on this thread: one, as the engine's own
+    from ninfer.native.threads import pin as pin_threads
+    pin_threads(1)         # the oracle on this thread: one, as the engine's own
     refs: dict = {}
     idx = sample(len(reqs), check_n)
     rows, series = [], {}

@@ -31,6 +31,7 @@ from collections.abc import Callable
 import torch
 
 from ninfer.faults import FaultInjected, FaultPlan
+from ninfer.native.threads import pin as pin_threads
 
 log = logging.getLogger("ninfer.transfer")
 
@@ -108,7 +109,7 @@ class TransferEngine:
             return f"{type(exc).__name__}: {exc}"
 
     def _worker(self) -> None:
-        torch.set_num_threads(1)
+        pin_threads(1)
         while True:
             item = self._jobs.get()
             if item is None:
