@@ -150,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", choices=["qwen3_next", "qwen3", "qwen3_5_vision"], default="qwen3_next",
                    help="hybrid Qwen3-Next (default), pure-attention Qwen3, or Qwen3.5 with a vision tower")
     p.add_argument("--no-fit-mtp", dest="fit_mtp", action="store_false",
-                   help="keep qwen3_next's MTP head random (default: fit it to the target, ~13 s)")
+                   help="keep qwen3_next's MTP head random (default: fit it to the target, ~5 s)")
     p.set_defaults(func=_make_tiny_model)
 
     p = sub.add_parser("make-tiny-dflash", help="generate a DFlash / DFlash2 draft directory for a tiny target")

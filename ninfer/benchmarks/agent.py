@@ -175,9 +175,8 @@ def run(model_dir: str, out: str | None = None, plot: str | None = None, transpo
     the defaults are the committed measurement."""
     import sys
 
-    from ninfer.native.threads import pin as pin_threads
-
     from ninfer.benchmarks.common import ensure_model, report, table
+    from ninfer.native.threads import pin as pin_threads
     from ninfer.progress import bar
     from ninfer.reference import reference_generate
     # the oracle runs on this thread: one thread, as the engine's own threads (a second one only

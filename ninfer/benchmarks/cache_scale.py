@@ -156,9 +156,8 @@ def run(model_dir: str, out: str | None = None, plot: str | None = None, sizes=(
     """Each size of ``sizes`` in turn (a fill, the measurements, then the Host-full run); the
     defaults are the committed measurement (several minutes on 2 cores, most of it the 10k fill
     and its Host-full run; 100 + 1k take about 30 s)."""
-    from ninfer.native.threads import pin as pin_threads
-
     from ninfer.benchmarks.common import ensure_model, report
+    from ninfer.native.threads import pin as pin_threads
     from ninfer.progress import bar, note
     pin_threads(1)       # this thread runs the cycle and the worker, as the control loop does
     model_dir = ensure_model(model_dir)

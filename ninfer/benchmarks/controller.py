@@ -96,9 +96,8 @@ def run(model_dir: str, out: str | None = None, plot: str | None = None, concurr
         pressure=(2, 4, 8), decode_tokens: int = 64, prompt_tokens: int = 32, dtype: str = "float32") -> dict:
     """Steady decode at each C of ``concurrency``, then the pressure mode at each C of ``pressure``
     (either may be empty); the defaults are the committed measurement."""
-    from ninfer.native.threads import pin as pin_threads
-
     from ninfer.benchmarks.common import ensure_model, report
+    from ninfer.native.threads import pin as pin_threads
     from ninfer.progress import bar
     pin_threads(1)       # this thread runs the cycle and the worker, as the control loop does
     model_dir = ensure_model(model_dir)

@@ -56,9 +56,8 @@ class NInferSide:
 
     def __init__(self, model_dir: str, lanes: int, max_context: int, chunk: int | None, dtype: str, timeout: float,
                  threads: int = 1):
-        from ninfer.native.threads import pin as pin_threads
-
         from ninfer.api import Engine
+        from ninfer.native.threads import pin as pin_threads
         pin_threads(threads)        # as the engine's own worker (cpu_threads; DESIGN §8)
         cfg = {"max_concurrency": lanes, "max_context": max_context, "cpu_threads": threads,
                "context_cache": {"host_capacity_bytes": 1 << 30}}

@@ -9,7 +9,7 @@ template that renders image parts; NInfer loads its text model and vision tower
 unchanged in transformers and goes through the same loader as a real checkpoint.
 
 A random MTP head's drafts would never match the random target, so for qwen3_next the head is
-then fitted to it (ninfer/tiny/mtp_fit.py: ~13 s of training on the target's own
+then fitted to it (ninfer/tiny/mtp_fit.py: ~5 s of fitting on the target's own
 trajectories; only the ``mtp.*`` tensors change) and some drafts are accepted.
 ``fit_mtp=False`` (CLI ``--no-fit-mtp``) keeps the random head.
 """
