@@ -58,7 +58,7 @@ class NInferSide:
                  threads: int = 1):
         from ninfer.api import Engine
         from ninfer.native.threads import pin as pin_threads
-        pin_threads(threads)        # as the engine's own worker (cpu_threads; DESIGN §8)
+        pin_threads(1)        # this driver thread: one; the engine's forward runs ``threads`` (cpu_threads)
         cfg = {"max_concurrency": lanes, "max_context": max_context, "cpu_threads": threads,
                "context_cache": {"host_capacity_bytes": 1 << 30}}
         if chunk is not None:

@@ -162,3 +162,26 @@ def test_cpu_threads_sets_the_forwards_torch_threads(tiny_model, monkeypatch):
         eng.shutdown()
     forward = [n for name, n in seen if name == "ninfer-control"]        # the oracle runs on this thread
     assert forward and set(forward) == {2}, seen
+
+
+def test_the_worker_is_built_on_a_thread_of_its_own(tiny_model, monkeypatch):
+    """The model is loaded and calibrated at ``cpu_threads`` on a thread that then exits, and the
+    caller's torch thread count is left as it was: an OpenMP team left on the caller's thread
+    would put the process over its cores, and libgomp then lets the forward's team sleep between
+    ops (a 2-thread forward ran 3x slower; ``native/threads.py``)."""
+    import torch
+
+    from ninfer.native.model.model import HybridModel
+    from ninfer.native.threads import pin
+    seen, load = [], HybridModel.load
+    monkeypatch.setattr(HybridModel, "load", staticmethod(lambda *a, **k: (
+        seen.append((threading.current_thread().name, torch.get_num_threads())), load(*a, **k))[1]))
+    before = pin(1)
+    eng = ninfer.Engine.start(tiny_model, config={**CFG, "cpu_threads": 2}, dtype="float32", transport="inproc")
+    try:
+        assert eng.generate(random_prompt(20, seed=4), max_tokens=2).result(60).token_ids
+        assert torch.get_num_threads() == before == 1
+        assert seen == [("ninfer-worker-build", 2)], seen
+        assert not any(t.name == "ninfer-worker-build" for t in threading.enumerate())
+    finally:
+        eng.shutdown()
