@@ -16,6 +16,7 @@ it.
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -23,6 +24,7 @@ from ninfer.policy.history import HistoryTrie
 from ninfer.policy.index import PrefixIndex
 from ninfer.protocol import MAX_ANCHORS, MAX_MARKERS, CkptKind, CkptRef, EntryOwner, Owner, RecordOwner, Role  # noqa: F401
 
+RECENT_ADDS = 64      # new cache points a cached prefix list is brought up to date over (RecordTable.prefixes_of)
 
 
 class Level(StrEnum):
@@ -106,6 +108,7 @@ class RecordTable:
         self.index = PrefixIndex()                  # live cache points by exact prefix digest
         self.histories = HistoryTrie()              # their token content (and live prompts): divergence positions
         self._adds = 0                              # cache points indexed so far (an epoch)
+        self._recent: deque[int] = deque(maxlen=RECENT_ADDS)   # the cids of the last adds, oldest first
         self._prefixes: dict[int, tuple[int, list[tuple[int, int]]]] = {}   # cid -> (epoch, list)
         self.dirty: set[int] = set()                # cids whose owners, evidence or placement changed
 
@@ -126,6 +129,7 @@ class RecordTable:
                 self.index.add(ref.cid, tokens)
                 self.histories.insert(("ck", ref.cid), tokens)
                 self._adds += 1
+                self._recent.append(ref.cid)
         info.owners.add(owner)
         return info
 
@@ -168,17 +172,29 @@ class RecordTable:
     def prefixes_of(self, cid: int) -> list[tuple[int, int]]:
         """(frontier, cid) of the live cache points that are exact prefixes of ``cid`` (itself
         excluded; identical aliases included), deepest first — through the prefix index, never
-        a directory scan. Kept until a new point is indexed; deleted ones are filtered out."""
+        a directory scan. Kept across new points: a list taken at most ``RECENT_ADDS`` adds ago is
+        brought up to date by checking only the points added since (the pressure planner asks this
+        for every candidate every cycle, and a busy cache indexes new points every cycle: a
+        lookup hashes the whole token list); deleted ones are filtered out."""
         got = self._prefixes.get(cid)
         if got is None or got[0] != self._adds:
             info = self.ckpts.get(cid)
             out: list[tuple[int, int]] = []
             if info is not None:
                 toks = info.tokens
-                for other in self.index.lookup(list(toks), len(toks)):
-                    o = self.ckpts.get(other)
-                    if other != cid and o is not None and o.tokens == toks[: o.frontier]:
-                        out.append((o.frontier, other))
+                since = self._adds - got[0] if got is not None else None
+                if since is not None and since <= len(self._recent):
+                    out = list(got[1])             # checkpoint ids are never reused (one id space)
+                    for other in list(self._recent)[len(self._recent) - since:]:
+                        o = self.ckpts.get(other)
+                        if (other != cid and o is not None and o.frontier <= len(toks)
+                                and o.tokens == toks[: o.frontier]):
+                            out.append((o.frontier, other))
+                else:
+                    for other in self.index.lookup(list(toks), len(toks)):
+                        o = self.ckpts.get(other)
+                        if other != cid and o is not None and o.tokens == toks[: o.frontier]:
+                            out.append((o.frontier, other))
                 out.sort(reverse=True)
             got = self._prefixes[cid] = (self._adds, out)
         return [(f, o) for f, o in got[1] if o in self.ckpts]

@@ -1,0 +1,53 @@
+"""``RecordTable.prefixes_of``: the live cache points that are exact prefixes of a point, deepest
+first — kept across new points and brought up to date over the last ``RECENT_ADDS`` adds only.
+Model-free: fabricated points, any order of adds, deletes and queries, against a brute force."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ninfer import protocol as P
+from ninfer.policy.records import RECENT_ADDS, RecordTable
+
+# a few token histories with shared prefixes: points are their prefixes (and identical aliases)
+HISTORIES = [(1, 2, 3, 4, 5, 6, 7, 8), (1, 2, 3, 9, 9, 9), (1, 2, 7, 7), (5, 5, 5, 5, 5)]
+
+
+def _brute(table: RecordTable, cid: int) -> list[tuple[int, int]]:
+    toks = table.ckpts[cid].tokens
+    return sorted(((o.frontier, other) for other, o in table.ckpts.items()
+                   if other != cid and o.ref.kind is P.CkptKind.CACHE and o.frontier <= len(toks)
+                   and o.tokens == toks[:o.frontier]), reverse=True)
+
+
+ops = st.lists(st.one_of(
+    st.tuples(st.just("add"), st.integers(0, len(HISTORIES) - 1), st.integers(1, 8)),
+    st.tuples(st.just("drop"), st.integers(0, 200), st.just(0)),
+    st.tuples(st.just("ask"), st.integers(0, 200), st.just(0)),
+    st.tuples(st.just("burst"), st.integers(0, len(HISTORIES) - 1), st.integers(RECENT_ADDS - 2, RECENT_ADDS + 2)),
+), max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops)
+def test_prefixes_stay_exact_across_adds_and_deletes(steps):
+    table, cids, owner = RecordTable(), [], P.EntryOwner(1)
+    for op, a, b in steps:
+        if op in ("add", "burst"):
+            hist = HISTORIES[a]
+            for k in range(1 if op == "add" else b):
+                n = min(b if op == "add" else 1 + k % len(hist), len(hist))
+                cid = len(cids) + 1
+                table.add_ckpt(P.CkptRef(cid, 1, n, P.CkptKind.CACHE, True, False), hist[:n], owner)
+                cids.append(cid)
+        elif cids:
+            cid = cids[a % len(cids)]
+            if cid not in table.ckpts:
+                continue
+            if op == "drop":
+                table.drop_owner(cid, owner)
+            else:
+                assert table.prefixes_of(cid) == _brute(table, cid)
+    for cid in table.ckpts:
+        assert table.prefixes_of(cid) == _brute(table, cid)
