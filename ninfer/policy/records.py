@@ -183,18 +183,14 @@ class RecordTable:
             if info is not None:
                 toks = info.tokens
                 since = self._adds - got[0] if got is not None else None
-                if since is not None and since <= len(self._recent):
-                    out = list(got[1])             # checkpoint ids are never reused (one id space)
-                    for other in list(self._recent)[len(self._recent) - since:]:
-                        o = self.ckpts.get(other)
-                        if (other != cid and o is not None and o.frontier <= len(toks)
-                                and o.tokens == toks[: o.frontier]):
-                            out.append((o.frontier, other))
+                if since is not None and since <= len(self._recent):    # ids are never reused (one id space)
+                    out, found = list(got[1]), list(self._recent)[len(self._recent) - since:]
                 else:
-                    for other in self.index.lookup(list(toks), len(toks)):
-                        o = self.ckpts.get(other)
-                        if other != cid and o is not None and o.tokens == toks[: o.frontier]:
-                            out.append((o.frontier, other))
+                    found = self.index.lookup(list(toks), len(toks))
+                for other in found:
+                    o = self.ckpts.get(other)
+                    if other != cid and o is not None and o.tokens == toks[: o.frontier]:
+                        out.append((o.frontier, other))
                 out.sort(reverse=True)
             got = self._prefixes[cid] = (self._adds, out)
         return [(f, o) for f, o in got[1] if o in self.ckpts]
