@@ -126,6 +126,8 @@ class Pressure:
         self.sched = sched
         self.rm = rm
         self.info = info
+        # the owners' classes for the planners of one settlement (Planner's ``survey``)
+        self._survey: dict | None = None
 
     # ---- prediction (no quote) --------------------------------------------------------
     def fits(self, needs: list[Need], pools: dict[str, P.PoolState]) -> bool:
@@ -208,12 +210,19 @@ class Pressure:
         (on the last covering plan, so its Host room is what the remedies leave), then each save's
         room after what the needs use (``saves``: request, save point, record; ``protect``: the
         plan's adopted sources and kept points)."""
+        self._survey = {}
+        try:
+            return self._settle_cycle(needs, facts, demands, tx_busy, keep, take_back, saves, protect)
+        finally:
+            self._survey = None
+
+    def _settle_cycle(self, needs, facts, demands, tx_busy, keep, take_back, saves, protect) -> Settlement:
         short = _Short()
         verdicts, last = self.settle(needs, facts, demands, tx_busy, keep, short)
         out = Settlement(verdicts)
         if take_back is not None and take_back.live:
             planner = last or Planner(facts, self.rm.table, self.protected(take_back), lambda o: False,
-                                      window_short=short)
+                                      window_short=short, survey=self._survey)
             out.take_back = self.pause_route(take_back, planner, facts)
         used = sum(demands.get(n.iid, n.demand or {}).get(P.STATE, 0) for n in needs)
         rooms = self.save_rooms(saves, used, facts, last, protect, short)
@@ -265,14 +274,14 @@ class Pressure:
         rights = self.rights(n)
         may, snaps = self._revoker(n.req, rights)
         planner = Planner(facts, self.rm.table, self.protected(n.req) | protect, may, snaps, prior,
-                          window_short=window_short)
+                          window_short=window_short, survey=self._survey)
         before = {k: planner.freed_so_far(k) for k in short}
         actions, covered = planner.plan(short)
         # rule: deletions-only-alternative
         if not covered:
             # the candidate list stays: deletions alone may cover what a demotion first did not
             alt = Planner(facts, self.rm.table, self.protected(n.req) | protect, may, snaps, prior, demote=False,
-                          window_short=window_short)
+                          window_short=window_short, survey=self._survey)
             alt_actions, alt_covered = alt.plan(short)
             if alt_covered:
                 planner, actions, covered = alt, alt_actions, True
@@ -433,7 +442,7 @@ class Pressure:
         conditional: the worker commits them only if they make the save fit."""
         benefit, own, owner_reuse = self.rm.capture_terms(req, sp, rec)
         p = Planner(facts, self.rm.table, self.protected(req) | protect, lambda o: False, None, planner,
-                    window_short=window_short)
+                    window_short=window_short, survey=self._survey)
         room = p.plan_capture(benefit, own, owner_reuse)
         return room, room is None and bool(p.cands), own is not None
 

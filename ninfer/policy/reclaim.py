@@ -52,6 +52,61 @@ class Candidate:
     frontier: int
 
 
+class FactsIndex:
+    """What one quote's facts say about blocks, indexed once and lazily: facts are frozen, and
+    one settlement builds many planners over the same facts (one per need, its deletions-only
+    alternative, the pause routes and the capture rooms)."""
+
+    __slots__ = ("facts", "_listers", "_releasable", "_movable")
+
+    def __init__(self, facts: P.Facts):
+        self.facts = facts
+        self._listers: dict[int, list[int]] | None = None
+        self._releasable: list[tuple[int, tuple[int, ...]]] | None = None
+        self._movable: dict[int, list[int]] = {}
+
+    @property
+    def listers(self) -> dict[int, list[int]]:
+        """Block -> the checkpoints that list it."""
+        if self._listers is None:
+            listers: dict[int, list[int]] = {}
+            for cid, c in self.facts.checkpoints.items():
+                for bid in c.blocks:
+                    listers.setdefault(bid, []).append(cid)
+            self._listers = listers
+        return self._listers
+
+    @property
+    def releasable(self) -> list[tuple[int, tuple[int, ...]]]:
+        """(block, holders) of the Device blocks no sequence pins (sequence holders are negative)."""
+        if self._releasable is None:
+            self._releasable = [(bid, b.holders) for bid, b in self.facts.blocks.items() if b.device and not b.pinned]
+        return self._releasable
+
+    def movable(self, cid: int) -> list[int]:
+        """Device blocks of this checkpoint that only checkpoints hold (no resident writer)."""
+        got = self._movable.get(cid)
+        if got is None:
+            blocks = self.facts.blocks
+            got = self._movable[cid] = [bid for bid in self.facts.checkpoints[cid].blocks
+                                        if (b := blocks[bid]).device and not b.pinned
+                                        and all(h > 0 for h in b.holders)]
+        return got
+
+
+_INDEXES: list[FactsIndex] = []         # the latest few (a settlement plans on a quote and on it less a pause)
+
+
+def facts_index(facts: P.Facts) -> FactsIndex:
+    """The index of this facts object."""
+    for ix in _INDEXES:
+        if ix.facts is facts:
+            return ix
+    ix = FactsIndex(facts)
+    _INDEXES[:] = [ix] + _INDEXES[:2]
+    return ix
+
+
 def _owner_record(owner: Owner, table: RecordTable):
     if isinstance(owner, EntryOwner):
         return table.entries.get(owner.entry)
@@ -78,6 +133,10 @@ def _classify(owners: tuple[Owner, ...], table: RecordTable, may_revoke: Callabl
     return cls
 
 
+def _never(owner: Owner) -> bool:
+    return False
+
+
 def _demand_time(owners: tuple[Owner, ...], table: RecordTable) -> float:
     times = [rec.evidence.demand_time or 0.0 for o in owners if (rec := _owner_record(o, table)) is not None]
     return max(times, default=0.0)
@@ -89,14 +148,16 @@ class Planner:
     def __init__(self, facts: P.Facts, table: RecordTable, protect: set[int],
                  may_revoke: Callable[[Owner], bool], tickets: dict[Owner, int] | None = None,
                  prior: "Planner | None" = None, demote: bool = True,
-                 window_short: Callable[[], None] | None = None):
+                 window_short: Callable[[], None] | None = None, survey: dict | None = None):
         """``prior``: an earlier planning pass over the same quote in this cycle (another
         intent's remedies): what it chose is not chosen again, and its Host destinations stay
         placed. ``demote=False``: deletions only (the alternative when a plan that started
         with demotions cannot cover the gap). On scoped facts (``facts.partial``: the Device's
         content and a window of Host candidates) ``window_short`` is called when a Host
         placement found no admissible victims inside the window — the caller may quote a
-        wider one and plan again."""
+        wider one and plan again. ``survey``: the owners' classes and demand times, shared by the
+        passes of one settlement (the records do not change while it plans); per cid, so a pass
+        on the same checkpoints less a pause shares it too."""
         self.demote = demote
         self.window_short = window_short or (prior.window_short if prior else None)
         self.f = facts
@@ -111,14 +172,28 @@ class Planner:
         self.dup_pages: set[int] = set(prior.dup_pages) if prior else set()       # ... of these blocks
         self._memo_version: tuple | None = None        # the Host placement memo and the state it was taken on
         self._memo: dict = {}
+        self._release: tuple | None = None             # (victim count, blocks they free, _releasable)
+        self._ticket_memo: dict[int, int | None] = {}
+        self.ix = facts_index(facts)
         self.cands: dict[int, Candidate] = {}
-        self._prefix_cache: dict[int, list[tuple[int, int]]] = {}
+        # exact prefixes of a point: the same on the same facts (a pass in the same settlement)
+        self.prefix_memo: dict[int, list[tuple[int, int]]] = (
+            prior.prefix_memo if prior is not None and prior.f is facts else {})
+        if survey is None:
+            survey = prior.survey if prior is not None and prior.table is table else {}
+        self.survey = survey
         for cid, c in facts.checkpoints.items():
             if cid in protect or c.leased:
                 continue
-            cls = _classify(c.owners, table, may_revoke)
+            got = survey.get(cid)
+            if got is None or got[0] is not c.owners:
+                # a class without revocable holds does not depend on who may revoke
+                revocable = any(isinstance(o, (WaiterOwner, SnapshotOwner)) for o in c.owners)
+                got = survey[cid] = (c.owners, revocable, None if revocable else _classify(c.owners, table, _never),
+                                     _demand_time(c.owners, table))
+            cls = _classify(c.owners, table, may_revoke) if got[1] else got[2]
             if cls is not None:
-                hot = _demand_time(c.owners, table)
+                hot = got[3]
                 # rule: revocation-order
                 if cls >= Cls.WAITER:     # revocable holds: the youngest holder's first (seed: 优先考虑较年轻等待者)
                     hot = -max((self.tickets.get(o, -1) for o in c.owners
@@ -212,12 +287,12 @@ class Planner:
         excluded), deepest first — found through the prefix index (one pass over the tokens),
         never by scanning the directory. Cached for this pass. On scoped facts a point outside
         them (Host content only) is live when the records still know it."""
-        got = self._prefix_cache.get(cid)
+        got = self.prefix_memo.get(cid)
         if got is None:
             live = self.f.checkpoints
             got = [(f, o) for f, o in self.table.prefixes_of(cid)
                    if o in live or (self.f.partial and o in self.table.ckpts)]
-            self._prefix_cache[cid] = got
+            self.prefix_memo[cid] = got
         return got
 
     def fallback(self, cid: int, gone: set[int]) -> int:
@@ -252,30 +327,55 @@ class Planner:
                     out.add(bid)
         return out
 
+    def _freed_by_victims(self) -> set[int]:
+        """The Device blocks the plan's deletions free so far (memoised: victims only grow)."""
+        if self._release is None or self._release[0] != len(self.victims):
+            self._release = (len(self.victims), self._freed_blocks(self.victims), None)
+        return self._release[1]
+
+    def _releasable(self) -> dict[int, list[tuple]]:
+        """Per checkpoint, the Device blocks a deletion of it might free: (block, its holders
+        left besides the victims, the checkpoints that list it, whether a victim lists it).
+        Built once per victim set: a pass asks it for every option."""
+        self._freed_by_victims()
+        if self._release[2] is None:
+            victims = self.victims
+            by_member: dict[int, list[tuple]] = {}
+            for bid, holders in self.ix.releasable:
+                rest = frozenset(h for h in holders if h not in victims)
+                if any(h < 0 for h in rest):
+                    continue                     # a sequence holds it: no deletion frees it
+                listers = self.ix.listers.get(bid, ())
+                entry = (bid, rest, listers, any(c in victims for c in listers))
+                for m in rest or listers:
+                    by_member.setdefault(m, []).append(entry)
+            self._release = (*self._release[:2], by_member)
+        return self._release[2]
+
     # rule: useful-release
     def freed_by_delete(self, group: frozenset[int], pool: str) -> int:
         """Device units of ``pool`` that deleting ``group`` (with the victims already chosen)
-        frees in addition — shared references are counted once."""
+        frees in addition — shared references are counted once: a block goes when all its
+        holders go and a deleted checkpoint lists it; what the victims and the chosen
+        demotions free already does not count."""
         if pool == P.STATE:
             return sum(1 for cid in group
                        if self.f.checkpoints[cid].image_device and cid not in self.demoted_images)
-        before = self._freed_blocks(self.victims) | self.demoted_blocks
-        after = self._freed_blocks(self.victims | group) | self.demoted_blocks
-        return len(after - before)
+        before = self._freed_by_victims() | self.demoted_blocks
+        freed = {bid for m in group for bid, rest, listers, by_victim in self._releasable().get(m, ())
+                 if rest <= group and (by_victim or not group.isdisjoint(listers))}
+        return len(freed - before)
 
     def freed_so_far(self, pool: str) -> int:
         """What the actions chosen so far (for any pool) free in ``pool``."""
         if pool == P.STATE:
             return len(self.demoted_images) + sum(
                 1 for cid in self.victims if self.f.checkpoints[cid].image_device and cid not in self.demoted_images)
-        return len(self._freed_blocks(self.victims) | self.demoted_blocks)
+        return len(self._freed_by_victims() | self.demoted_blocks)
 
     def movable_blocks(self, cid: int) -> list[int]:
         """Device blocks of this checkpoint that only checkpoints hold (no resident writer)."""
-        c = self.f.checkpoints[cid]
-        return [bid for bid in c.blocks
-                if self.f.blocks[bid].device and not self.f.blocks[bid].pinned
-                and bid not in self.demoted_blocks and all(h > 0 for h in self.f.blocks[bid].holders)]
+        return [bid for bid in self.ix.movable(cid) if bid not in self.demoted_blocks]
 
     # ==== Host placement ===================================================================
     def _host_freed_by(self, gone: set[int]) -> list[tuple[int, int]]:
@@ -488,29 +588,30 @@ class Planner:
         return actions, True
 
     def _migrating(self) -> set[int]:
-        return self.demoted_images | {cid for cid, c in self.f.checkpoints.items()
-                                      if set(c.blocks) & self.demoted_blocks}
+        listers = self.ix.listers
+        return self.demoted_images | {cid for bid in self.demoted_blocks for cid in listers.get(bid, ())}
 
     def _delete_options(self, pool: str) -> list[frozenset[int]]:
         """Victim sets worth deleting for this pool: single checkpoints, and for every Device
         block all its remaining holders together (shared content goes only when every holder
         goes; aliases deleted together are not each other's fallback)."""
         migrating = self._migrating()
-        sets: set[frozenset[int]] = {frozenset({cid}) for cid in self.cands
-                                     if cid not in self.victims and cid not in migrating}
+        sets: dict[frozenset[int], None] = {frozenset({cid}): None for cid in self.cands
+                                            if cid not in self.victims and cid not in migrating}
         if pool == P.MAIN:
-            for b in self.f.blocks.values():
-                if not b.device or b.pinned or b.bid in self.demoted_blocks:
-                    continue
-                rest = frozenset(h for h in b.holders if h not in self.victims)
-                if rest and all(h in self.cands and h not in migrating for h in rest):
-                    sets.add(rest)
-        return sorted(sets, key=sorted)
+            for entries in self._releasable().values():
+                for bid, rest, _, _ in entries:
+                    if (rest and rest not in sets and bid not in self.demoted_blocks
+                            and all(h in self.cands and h not in migrating for h in rest)):
+                        sets[rest] = None
+        return list(sets)
 
     def _ticket(self, cid: int) -> int | None:
         """The original ticket of the pause snapshot this checkpoint is (None: not one)."""
-        return min((self.tickets[o] for o in self.f.checkpoints[cid].owners
-                    if isinstance(o, SnapshotOwner) and o in self.tickets), default=None)
+        if cid not in self._ticket_memo:
+            self._ticket_memo[cid] = min((self.tickets[o] for o in self.f.checkpoints[cid].owners
+                                          if isinstance(o, SnapshotOwner) and o in self.tickets), default=None)
+        return self._ticket_memo[cid]
 
     # rule: host-admission
     def host_admission(self, cand: Candidate):
@@ -537,11 +638,9 @@ class Planner:
             if cid in self.victims:
                 continue
             c = self.f.checkpoints[cid]
-            may, budget = self.host_admission(cand)
-            admissible = lambda v, cid=cid, may=may: may(v) and v.cid != cid          # noqa: E731
             if pool == P.STATE and self.demote and c.image_device and cid not in self.demoted_images:
                 sizes = [] if self._host_copy(cid) else [self.f.image_bytes]
-                host = self.place_host(sizes, admissible, budget)
+                host = self._demotion_room(cand, sizes)
                 if host is not None:
                     options.append((cand.cls, cand.demand_time, host[1], 1, ("demote_state", cid), sizes, host[0]))
             if pool == P.MAIN and self.demote:
@@ -549,7 +648,7 @@ class Planner:
                 # rule: page-groups
                 while blocks:                 # page groups that do not fit are halved and retried
                     sizes = [self.f.page_bytes for b in blocks if not self._page_on_host(b)]
-                    host = self.place_host(sizes, admissible, budget, keep=frozenset(blocks))
+                    host = self._demotion_room(cand, sizes, frozenset(blocks))
                     if host is not None:
                         options.append((cand.cls, cand.demand_time, host[1], len(blocks),
                                         ("demote_blocks", cid, tuple(blocks)), sizes, host[0]))
@@ -562,6 +661,14 @@ class Planner:
                 hot = max(self.cands[c].demand_time for c in group)
                 options.append((cls, hot, self.loss(group), freed, ("delete", group), [], []))
         return options
+
+    def _demotion_room(self, cand: Candidate, sizes: list[int], keep: frozenset[int] = frozenset()):
+        """``place_host`` for a demotion of ``cand`` under its Host admission (judged only when
+        the Host has no room as it is: most demotions place without victims)."""
+        if not sizes or self._fits(set(), set(), sizes):
+            return [], 0
+        may, budget = self.host_admission(cand)
+        return self.place_host(sizes, lambda v: may(v) and v.cid != cand.cid, budget, keep=keep)
 
     # rule: reclaim-ranking
     def _best(self, pool: str, short: int):

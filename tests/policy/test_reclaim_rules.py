@@ -131,6 +131,26 @@ def test_a_deletion_counts_only_what_it_frees_beyond_the_plan_so_far():
     assert pl.freed_by_delete(frozenset({1, 2}), P.STATE) == 1
     pl.victims.add(3)                                        # its page is freed already
     assert pl.freed_by_delete(frozenset({2}), P.MAIN) == 1
+    assert pl.freed_by_delete(frozenset({2, 3}), P.MAIN) == 1    # naming the victim again adds nothing
+
+
+def test_a_page_shared_with_a_victim_goes_with_its_last_other_holder():
+    """useful-release: a page two points share frees only when both go — the second one's
+    deletion frees it once the first is a victim, and not before."""
+    q = Quote(main=8, slots=4, host=8 * IMG)
+    q.ckpt(4, 64)
+    q.ckpt(5, 64, n_blocks=0)
+    [bid] = q.cks[4].blocks
+    b, c = q.blocks[bid], q.cks[5]
+    q.blocks[bid] = P.BlockFact(bid, b.version, b.kind, (4, 5), False, True, False, b.filled, None)
+    q.cks[5] = P.CheckpointFact(c.cid, c.generation, c.version, c.kind, c.frontier, c.owners, c.image_device,
+                                c.image_host, c.leased, (bid,), c.image_at)
+    pl = q.planner()
+    assert pl.freed_by_delete(frozenset({5}), P.MAIN) == 0
+    assert pl.freed_by_delete(frozenset({4, 5}), P.MAIN) == 1
+    pl.victims.add(4)
+    assert pl.freed_by_delete(frozenset({5}), P.MAIN) == 1
+    assert pl.freed_so_far(P.MAIN) == 0
 
 
 # ---- state-before-kv --------------------------------------------------------------------------
