@@ -119,6 +119,7 @@ class TxPart(enum.Enum):
     PAUSE = "pause"          # a pause snapshot: on the Host once it settles
     CAPTURE = "capture"      # a save's copy
     DEMOTE = "demote"        # a committed demotion's copies
+    RELEASE = "release"      # a unit waits for the capacity this transaction's demotions release
 
 
 class TxBook:

@@ -129,6 +129,8 @@ class Outcomes:
             if kind is TxPart.BIND and s.ok and req.phase is Phase.MATERIALIZING:
                 self.books.move(req, Phase.RUNNING)
                 self.rm.book(req).source_cid = None
+            elif kind is TxPart.RELEASE:
+                req.awaiting_release.discard(s.tid)    # published or aborted: its gap is asked again
             elif kind is TxPart.PAUSE:
                 causes.add(req.rid)            # its own release is not a resume event for it
                 snap = req.snapshot
@@ -235,6 +237,12 @@ class Outcomes:
         if item.kind in (ItemKind.ROW, ItemKind.CHUNK):
             if out.facts is not None and req.phase is Phase.RUNNING:
                 req.facts = out.facts
+            if out.outcome is Outcome.WAIT:
+                # the reclaim committed for this unit frees its capacity once its copies publish
+                # (the unit may still run in this step, after the Control/Decode batch)
+                for tid in {a.commit.tid for a in out.applied if a.commit is not None and a.commit.tid is not None}:
+                    req.awaiting_release.add(tid)
+                    self.txs.book(tid, TxPart.RELEASE, req)
             # rule: chunk-short-gives-turn
             if item.kind is ItemKind.CHUNK and out.outcome is Outcome.SHORT and req.phase is Phase.RUNNING:
                 self.sched.rotate(req)             # a chunk that cannot run gives up its turn
@@ -319,6 +327,7 @@ class Outcomes:
             req.facts = u.facts
         if not u.ran:
             return False
+        req.awaiting_release.clear()         # its permit was refreshed after Control/Decode and ran
         unit = item.unit
         before = (req.usage.prefill_tokens, req.usage.replay_tokens)
         account(req, unit)

@@ -48,6 +48,9 @@ class Request:
     snapshot: CkptRef | None = None         # its own pause snapshot (Snapshot route)
     replay_target: int | None = None        # frontier to rebuild before new progress
     recovery_pending: bool = False          # holds the full recovery permit
+    # transactions whose release its next unit waits for (its permit came back WAIT: the
+    # reclaim committed for it frees the capacity once these copies publish)
+    awaiting_release: set[int] = field(default_factory=set)
 
     @property
     def prompt(self) -> list[int]:

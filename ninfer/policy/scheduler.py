@@ -127,13 +127,15 @@ class Scheduler:
 
     def rows(self) -> list[Request]:
         """Running residents whose next unit is a Decode/Control row, in permit order."""
-        out = [r for r in self.resident.values() if r.phase is Phase.RUNNING and r.live and not _in_prefill(r)]
+        out = [r for r in self.resident.values()
+               if r.phase is Phase.RUNNING and r.live and not _in_prefill(r) and not _awaits_release(r)]
         # rule: permit-order
         return sorted(out, key=lambda r: (r is not self.recovery, r.ticket))
 
     def chunk_order(self) -> list[Request]:
         """Residents needing a prefill/replay chunk: recovery first, then the rotation."""
-        need = {rid for rid, r in self.resident.items() if r.phase is Phase.RUNNING and r.live and _in_prefill(r)}
+        need = {rid for rid, r in self.resident.items()
+                if r.phase is Phase.RUNNING and r.live and _in_prefill(r) and not _awaits_release(r)}
         # rule: chunk-order
         order = [self.resident[rid] for rid in self.turn if rid in need]
         if self.recovery is not None and self.recovery in order:
@@ -237,3 +239,12 @@ def _in_prefill(req: Request) -> bool:
     """Input remains to compute (initial prefill or Replay)."""
     f = req.facts
     return f is not None and f.frontier < f.ledger_len - 1
+
+
+# rule: wait-for-release
+def _awaits_release(req: Request) -> bool:
+    """Its unit's permit came back WAIT: the reclaim committed for it frees the capacity once
+    its copies publish. Until that transaction settles the unit is not planned again — the
+    real gap is asked once the copies complete (seed: 完成后重新查询真实缺口), never by quoting
+    and reclaiming for the same gap every cycle meanwhile (未完成的异步事件不自旋等待)."""
+    return bool(req.awaiting_release)

@@ -10,6 +10,8 @@ worker (milliseconds). tests/mutations.py breaks each rule in several ways and n
                              of the prefill rotation
     chunk-rotation           a resident whose prefill/replay chunk ran goes to the back of the
                              rotation; a decode row or a unit that did not run keeps its place
+    wait-for-release         a unit whose permit came back WAIT is not planned again until the
+                             transaction of its committed reclaim settles
 """
 
 from __future__ import annotations
@@ -147,6 +149,57 @@ def test_a_chunk_that_cannot_get_its_permit_gives_up_its_turn():
     w.out.apply(_short(1), Plan(items=[_chunk_item(a, 1)]), [])
     assert [r.rid for r in w.sched.chunk_order()] == ["b", "a"]
     assert a.phase is Phase.RUNNING and a.finish_reason is None
+
+
+# ---- wait-for-release ----------------------------------------------------------------------
+def _waited(w: World, req: Request, n: int, iid: int, tid: int, ran: bool = False) -> None:
+    """``req``'s unit of ``n`` tokens came back WAIT: a demotion committed for it, its copies in
+    transaction ``tid`` (and the unit ran after the Control/Decode batch when ``ran``)."""
+    demote = P.Reclaim([P.DemoteBlocks(40 + iid, 1, (400 + iid,), (1,))])
+    intent = P.RowIntent(iid, req.sid, P.UnitSpec(n, P.UnitKind.PREFILL if n > 1 else P.UnitKind.DECODE),
+                         remedies=[demote])
+    item = Item(iid, req, CHUNK if n > 1 else ROW, intent, Unit(n, intent.unit.kind), Need(iid, req, CHUNK, {}))
+    out = P.IntentOut(iid, Outcome.WAIT, shortfall={P.MAIN: 1},
+                      applied=[P.Applied(0, commit=P.CommitResult(True, tid=tid))])
+    f = req.facts
+    units = [P.UnitOut(req.sid, True, facts=P.SeqFacts(f.frontier + n, f.ledger_len, 0, True, 0))] if ran else []
+    w.out.apply(P.StepReply(1, intents=[out], units=units), Plan(items=[item]), [])
+
+
+def _settle(w: World, tid: int, ok: bool = True) -> None:
+    w.out.apply(P.StepReply(2, settled=[P.Settled(tid, 1, ok, point=1)]), Plan(), [])
+
+
+def test_a_unit_waiting_for_its_release_is_not_planned_again_until_the_copies_settle():
+    """wait-for-release: a's chunk and c's decode row came back WAIT (a demotion committed for
+    each, its copies in flight): neither is planned again — b prefills meanwhile, and no quote
+    and reclaim for the same gaps is made — until their transaction settles (published, or
+    aborted: either way the real gap is asked again); then a has its turn back and c its row."""
+    w = World()
+    a, b, c = w.request("a"), w.request("b"), w.request("c", prompt=PROMPT[:1])
+    for sid, r in enumerate((a, b, c), 1):
+        w.resident(r, sid)
+    c.facts = P.SeqFacts(frontier=0, ledger_len=1, blocks=0, tail_ok=True, reserved=0)
+    assert [r.rid for r in w.sched.chunk_order()] == ["a", "b"] and w.sched.rows() == [c]
+    _waited(w, a, 32, 1, tid=5)
+    _waited(w, c, 1, 2, tid=6)
+    assert [r.rid for r in w.sched.chunk_order()] == ["b"], "a waits for its release"
+    assert w.sched.rows() == [], "c waits for its release"
+    _settle(w, 6, ok=False)
+    assert w.sched.rows() == [c], "an aborted release is asked again too"
+    assert [r.rid for r in w.sched.chunk_order()] == ["b"]
+    _settle(w, 5)
+    assert [r.rid for r in w.sched.chunk_order()] == ["a", "b"], "a keeps its turn"
+
+
+def test_a_waiting_chunk_that_ran_after_the_decode_batch_is_planned_next_cycle():
+    """wait-for-release: a chunk whose permit came back WAIT but was refreshed after the
+    Control/Decode batch and ran (its copies published in time) waits for nothing."""
+    w = World()
+    a = w.request("a")
+    w.resident(a, 1)
+    _waited(w, a, 32, 1, tid=5, ran=True)
+    assert w.sched.chunk_order() == [a]
 
 
 # ---- chunk-rotation ----------------------------------------------------------------------------

@@ -20,6 +20,7 @@ class R:
     snapshot: object = None
     replay_target: int | None = None
     recovery_pending: bool = False
+    awaiting_release: set = field(default_factory=set)
     finish_reason: object = None
     cancel_requested: bool = False
 

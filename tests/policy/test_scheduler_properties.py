@@ -17,7 +17,7 @@ from tests.policy.test_scheduler import R
 # success, is what the overtaking rules are about (uniform ops gave ~1 such scan in 400 examples)
 OPS = st.lists(st.tuples(st.sampled_from(["arrive"] * 4 + ["scan"] * 3 + [
     "admit", "pause", "finish", "event", "event", "own_event", "recover", "recovered", "wait", "unwait",
-    "cancel", "materialize"]), st.integers(0, 10 ** 6)), min_size=20, max_size=60)
+    "cancel", "materialize", "await_release", "released"]), st.integers(0, 10 ** 6)), min_size=20, max_size=60)
 
 
 def _check(s: Scheduler, reqs: list[R], overtaken: dict[str, int]) -> None:
@@ -32,8 +32,13 @@ def _check(s: Scheduler, reqs: list[R], overtaken: dict[str, int]) -> None:
     rows = s.rows()
     assert [(r is not s.recovery, r.ticket) for r in rows] == sorted((r is not s.recovery, r.ticket) for r in rows)
     assert all(r.phase is Phase.RUNNING and r.live for r in rows)
-    # the chunk turn: the recovery holder first
+    # wait-for-release: a unit waiting for its committed reclaim's copies is planned by neither turn,
+    # and every other running, live resident is planned by one of them
     order = s.chunk_order()
+    assert not any(r.awaiting_release for r in rows + order)
+    assert {r.rid for r in rows + order} == {r.rid for r in s.resident.values()
+                                             if r.phase is Phase.RUNNING and r.live and not r.awaiting_release}
+    # the chunk turn: the recovery holder first
     if s.recovery is not None and s.recovery in order:
         assert order[0] is s.recovery
     # victims: younger, running, live, not the holder; youngest first
@@ -93,6 +98,11 @@ def test_scheduler_decisions_follow_the_rules_in_any_state(C, ops):
             r = pool[x % len(pool)]
             r.phase = Phase.RUNNING
             s.admit(r)
+        elif op == "await_release" and s.resident:
+            list(s.resident.values())[x % len(s.resident)].awaiting_release.add(x % 3)
+        elif op == "released":
+            for r in reqs:
+                r.awaiting_release.discard(x % 3)
         elif op == "materialize" and s.resident:
             r = list(s.resident.values())[x % len(s.resident)]
             r.phase = Phase.MATERIALIZING if r.phase is Phase.RUNNING else Phase.RUNNING
