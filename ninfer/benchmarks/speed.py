@@ -219,7 +219,7 @@ def run(model_dir: str, out: str | None = None, plot: str | None = None, dtype: 
         vs_vllm: bool = False, vllm_python: str = VLLM_PYTHON, concurrency=(1, 4, 8), prompt_tokens: int = 2000,
         prefill_prompts: int = 16, decode_tokens: int = 128, trace: str | None = DEFAULT_TRACE,
         trace_limit: int = 300, time_scale: float = 1.0, repeats: int = 3, lanes: int = 8,
-        max_context: int = 4096, chunk: int | None = None, threads: int = 1) -> dict:
+        max_context: int = 4096, chunk: int | None = 2048, threads: int = 2) -> dict:
     from ninfer.benchmarks.common import ensure_model, report
     from ninfer.benchmarks.trace_input import ordinary_vocab
     from ninfer.progress import bar

@@ -19,7 +19,7 @@ import pytest
 from ninfer.benchmarks import speed
 
 TINY = dict(concurrency=(1, 2), prompt_tokens=64, prefill_prompts=2, decode_tokens=4, trace_limit=6,
-            time_scale=0.0, repeats=2, lanes=2, max_context=512)
+            time_scale=0.0, repeats=2, lanes=2, max_context=512, chunk=None, threads=1)   # the suite: one thread
 
 STUB = '''
 import itertools, time
