@@ -32,6 +32,7 @@ from ninfer import protocol as P
 from ninfer.config import EngineConfig
 from ninfer.faults import Fault, FaultInjected, FaultPlan
 from ninfer.native import reclaim
+from ninfer.native.heap import keep_freed_memory
 from ninfer.native.layout import resolve_layout
 from ninfer.native.model.config import load_eos_ids
 from ninfer.native.model.model import HybridModel
@@ -88,6 +89,7 @@ class Worker:
         self.threads = config.cpu_threads
         device = pick_device(config.device)
         if device.type == "cpu":
+            keep_freed_memory()     # the forward's temporaries reuse freed memory (native/heap.py)
             # built and calibrated on a thread of its own at ``cpu_threads``, which then exits: an
             # OpenMP team left on the caller's thread would put the process over its cores, and
             # libgomp then lets the forward's team sleep between ops instead of spinning (measured,
