@@ -95,6 +95,34 @@ def test_one_unit_saves_at_its_inner_cuts_what_units_ending_there_would(tiny_mod
     _closed(prog)
 
 
+def test_the_cpu_path_takes_its_inner_cuts_in_one_pass_with_the_same_images(tiny_model):
+    """fp32 runs the CPU path, whose chunk rule gives the states at the cuts from one pass
+    (``paths._chunk_cut_pass``): the images equal, to fp32 rounding, those units ending on each
+    point make; the writer's own state after the unit is the one pass's."""
+    prog = make_program(tiny_model, dtype="float32", max_concurrency=4, kv_capacity=2048,
+                        context_cache={"host_capacity_bytes": 32 << 20})
+    prompt = random_prompt(200, seed=44)
+    a = new_seq(prog, prompt, 4)
+    assert prog.bind(a, None).ok
+    res = _unit(prog, a, 200, [3, 64, 130, None])         # in the first block, on a boundary, inside a later one
+    cks = [ck for ck, _ in res.saved]
+    assert [ck.frontier for ck in cks] == [3, 64, 130, 200]
+    b = new_seq(prog, prompt, 4)
+    assert prog.bind(b, None).ok
+    sep = [_unit(prog, b, n, [None]).captured for n in (3, 61, 66, 70)]
+    for ck, ref in zip(cks, sep):
+        for x, y in zip(_image(prog, ck), _image(prog, ref)):
+            assert torch.allclose(x, y, rtol=1e-4, atol=1e-5), (ck.frontier, (x - y).abs().max())
+    assert run_to_end(prog, a) == run_to_end(prog, b)
+    for s in (a, b):
+        prog.release(s)
+    for ck in cks:
+        prog.release_owner(ck, f"cap{ck.frontier if ck.frontier < 200 else None}")
+    for ck in sep:
+        prog.release_owner(ck, "capNone")
+    _closed(prog)
+
+
 def test_an_inner_save_with_no_device_slot_goes_to_the_host_and_restores(tiny_model, oracle):
     prog = _program(tiny_model)
     prompt = random_prompt(120, seed=42)

@@ -11,6 +11,11 @@ oracle keeps the references (``paths.BATCHED``; ``paths.for_device``).
 * ``delta_rule_step`` — ``gdn.recurrent_gated_delta_rule`` for one step of N decode rows as
   batched matrix products over (row, head) — k^T S, S + k delta^T, q^T S — instead of broadcast
   products summed over [N, Hv, Dk, Dv] temporaries, and key heads shared by view, not repeated.
+* ``chunk_delta_rule`` — ``gdn.chunk_gated_delta_rule`` (a prefill chunk's delta rule) with the
+  key heads' products k k^T and q k^T made once per key head, not per value head; the two
+  triangular solves as one over [v | k e^G]; blocks first in memory, so each step of the
+  block loop reads contiguous slices; the loop doing only the state hand-over (two batched
+  products), the outputs of all blocks after it in two batched products.
 * ``rms_norm`` — ``ops.rms_norm`` through torch's one fused op (the reference is ~10 ops).
 * ``dense_moe`` — ``moe.sparse_moe`` for a few rows (decode, short chunks): every expert over
   every row as two matmuls over the experts' weights side by side, the unchosen experts' rows
@@ -23,6 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ninfer.native.model import gdn
 from ninfer.native.model.config import PAGE_SIZE
 from ninfer.native.model.fp8 import linear
 from ninfer.native.model.moe import MoeWeights, with_shared
@@ -127,6 +133,94 @@ def delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     s = torch.baddbmm(s, k.transpose(1, 2), delta)
     o = torch.bmm(q, s)
     return o.view(n, hv, dv).to(v.dtype), s.view(n, hv, dk, dv)
+
+
+def chunk_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     state: torch.Tensor, chunk: int = gdn.CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gdn.chunk_gated_delta_rule``'s contract: q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g, beta:
+    [T, Hv]; state: [Hv, Dk, Dv] -> o [T, Hv, Dv] (dtype of v), final state (accumulation
+    dtype). The same blocks and the same algebra (see there), arranged for the CPU: with n blocks
+    of C tokens and value head h reading key head h // (Hv / Hk),
+
+        KK, QK   = k k^T, q k^T per key head                              [n, Hk, C, C]
+        [U | W]  = (I + strict_lower(beta KK ∘ D))^-1 beta [v | k e^G]      one solve
+        S_i      = state entering block i (the loop: S_{i+1} = e^{G_C} S_i + k_dec^T (U_i - W_i S_i))
+        o        = (q e^G) S + (QK ∘ D) (U - W S)                           all blocks at once
+    """
+    o, s, _ = chunk_delta_rule_cuts(q, k, v, g, beta, state, (), chunk)
+    return o, s
+
+
+def chunk_delta_rule_cuts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                          state: torch.Tensor, cuts: tuple[int, ...] | list[int], chunk: int = gdn.CHUNK,
+                          ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """``chunk_delta_rule``, plus the state after each of ``cuts`` tokens (0 < r < T, ascending):
+    what the rule run over the first r tokens alone would return, from the same pass. At r = i C + o
+    (block i, o of its tokens in)::
+
+        S_r = e^{G_o} S_i + (k ∘ e^{G_o - G})[:o]^T (U - W S_i)[:o]      (G_o: the decay through token o)
+
+    the block hand-over truncated to the block's first o tokens (a token's U - W S row reads only
+    the tokens before it in its block). Equal to the segment-by-segment states to rounding."""
+    out_dtype, acc = v.dtype, acc_dtype(v.dtype)
+    t, hk, dk = k.shape
+    hv, dv = v.shape[1], v.shape[2]
+    rep = hv // hk
+    pad = (-t) % chunk
+    n = (t + pad) // chunk
+
+    def blocks(x: torch.Tensor) -> torch.Tensor:          # [T, H, D] -> [n, H, C, D], contiguous
+        x = F.pad(x, (0, 0, 0, 0, 0, pad)) if pad else x  # padding: k = 0, beta = 0, g = 0
+        return x.view(n, chunk, x.shape[1], x.shape[2]).transpose(1, 2).contiguous()
+
+    q = blocks(l2norm(q.to(acc)) * (dk ** -0.5))                          # [n, Hk, C, Dk]
+    k = blocks(l2norm(k.to(acc)))
+    v = blocks(v.to(acc))                                                 # [n, Hv, C, Dv]
+    gb = torch.stack([g.to(acc), beta.to(acc)])                           # [2, T, Hv]
+    gb = (F.pad(gb, (0, 0, 0, pad)) if pad else gb).view(2, n, chunk, hv).transpose(2, 3)
+    G, b = gb[0].cumsum(-1), gb[1].reshape(n, hk, rep, chunk, 1)          # [n, Hv, C]
+    kt = k.transpose(-1, -2)
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=v.device).tril()
+    decay = (G[..., :, None] - G[..., None, :]).masked_fill_(~lower, float("-inf")).exp_()
+    decay = decay.view(n, hk, rep, chunk, chunk)                          # D, zero above the diagonal
+    system = ((k @ kt)[:, :, None] * decay).mul_(b)                       # unit diagonal ignored
+    e_g = G.exp().view(n, hk, rep, chunk, 1)
+    rhs = torch.cat([v.view(n, hk, rep, chunk, dv), k[:, :, None] * e_g], -1).mul_(b)
+    uw = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True).view(n, hv, chunk, dv + dk)
+    v_new, w = uw[..., :dv].contiguous(), uw[..., dv:].contiguous()    # U, then U - W S in place
+    intra = ((q @ kt)[:, :, None] * decay).view(n, hv, chunk, chunk)
+    q_dec = (q[:, :, None] * e_g).view(n, hv, chunk, dk)
+    k_dec_t = (k[:, :, None] * (G[..., -1:] - G).exp_().view(n, hk, rep, chunk, 1)).view(n, hv, chunk, dk)
+    k_dec_t = k_dec_t.transpose(-1, -2).contiguous()
+    block_decay = G[..., -1].exp()[..., None, None]                      # [n, Hv, 1, 1]
+    entering = torch.empty(n + 1, hv, dk, dv, dtype=acc, device=v.device)
+    entering[0] = state
+    for i in range(n):
+        s = entering[i]
+        v_new[i].baddbmm_(w[i], s, alpha=-1)
+        torch.mul(s, block_decay[i], out=entering[i + 1]).baddbmm_(k_dec_t[i], v_new[i])
+    out = (q_dec @ entering[:n]).add_(intra @ v_new)                      # [n, Hv, C, Dv]
+    at = []
+    for r in cuts:
+        i, o = divmod(r, chunk)
+        if not o:
+            at.append(entering[i].clone())
+            continue
+        gi = G[i, :, :o]                                                  # [Hv, o]
+        kd = (k[i, :, None, :o] * (gi[:, -1:] - gi).exp().view(hk, rep, o, 1)).view(hv, o, dk)
+        at.append(torch.baddbmm(entering[i] * gi[:, -1].exp()[:, None, None], kd.transpose(1, 2), v_new[i, :, :o]))
+    s = entering[n]
+    return out.transpose(1, 2).reshape(n * chunk, hv, dv)[:t].to(out_dtype), s, at
+
+
+class GdnOps:
+    """``gdn``'s ops as a path calls them (``BatchedPath._gdn_ops``), the chunk rule replaced."""
+
+    causal_conv1d = staticmethod(gdn.causal_conv1d)
+    causal_conv1d_step = staticmethod(gdn.causal_conv1d_step)
+    recurrent_gated_delta_rule = staticmethod(gdn.recurrent_gated_delta_rule)
+    chunk_gated_delta_rule = staticmethod(chunk_delta_rule)
+    chunk_delta_rule_cuts = staticmethod(chunk_delta_rule_cuts)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:

@@ -99,7 +99,8 @@ def _attention_alone(out, q, k_cache, v_cache, batch, scale, seqs, op=paged_atte
 def _gdn_alone(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split, seqs, ops=gdn) -> None:
     """Each of ``seqs`` by itself: a chunk in the chunked form, a decode row in the recurrent
     form with N = 1; its rows of ``core`` and its state slot are written. A chunk with inner cuts
-    (``batch.cuts``) runs segment by segment and keeps the state at each cut (``batch.cut_states``)."""
+    (``batch.cuts``) keeps the state at each cut (``batch.cut_states``): in one pass where the ops
+    can (``_chunk_cut_pass``), else segment by segment."""
     cut: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for s in seqs:
         lo, hi = batch.cu[s], batch.cu[s + 1]
@@ -110,6 +111,11 @@ def _gdn_alone(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, spl
             o, new_ssm = ops.recurrent_gated_delta_rule(
                 q[:, None], k[:, None], v[:, None], g[lo:hi, None], beta[lo:hi, None], ssm_states[slot:slot + 1])
             core[lo:hi], new_conv, new_ssm = o[:, 0], new_conv[0], new_ssm[0]
+        elif batch.cuts.get(s) and hasattr(ops, "chunk_delta_rule_cuts"):
+            core[lo:hi], new_conv, new_ssm, kept = _chunk_cut_pass(
+                ops, mixed[lo:hi], conv_states[slot], ssm_states[slot], conv_w, g[lo:hi], beta[lo:hi], split,
+                batch.cuts[s])
+            cut[s] = [(c.to(conv_states.dtype), h.to(ssm_states.dtype)) for c, h in kept]
         else:
             new_conv, new_ssm = conv_states[slot], ssm_states[slot]
             a, kept = lo, []
@@ -128,6 +134,19 @@ def _gdn_alone(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, spl
         ssm_states[slot] = new_ssm.to(ssm_states.dtype)
     if batch.cuts:
         batch.cut_states.append(cut)
+
+
+def _chunk_cut_pass(ops, x, conv0, ssm0, conv_w, g, beta, split, cuts):
+    """A chunk with inner cuts in one pass (ops with ``chunk_delta_rule_cuts``: the CPU's): one
+    conv over the chunk (row by row the same arithmetic as segment by segment), the conv state at
+    a cut r the K-1 inputs before it, the delta rule's states at the cuts from the same pass.
+    Returns the chunk's outputs, its final conv and delta-rule states, and (conv, state) per cut."""
+    y, new_conv = ops.causal_conv1d(x, conv0, conv_w)
+    k1 = conv0.shape[1]
+    xs = torch.cat([conv0.t().to(x.dtype), x], dim=0)                         # [K-1+T, C]
+    q, k, v = split(y)
+    o, new_ssm, at = ops.chunk_delta_rule_cuts(q, k, v, g, beta, ssm0, cuts)
+    return o, new_conv, new_ssm, [(xs[r:r + k1].t().contiguous(), h) for r, h in zip(cuts, at)]
 
 
 def _gdn_padded(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split, ops=gdn) -> None:
@@ -302,6 +321,9 @@ class CpuPath(BatchedPath):
     name = "cpu"
     chunk_attention = staticmethod(cpu_ops.chunk_attention)
     rms_norm = staticmethod(cpu_ops.rms_norm)
+
+    def _gdn_ops(self):
+        return cpu_ops.GdnOps
 
     def _decode_rows(self, mixed, g, beta, conv_w, conv_states, ssm_states, slots, split, ops):
         y, new_conv = gdn.causal_conv1d_step(mixed, conv_states.index_select(0, slots), conv_w)

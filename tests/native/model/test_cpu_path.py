@@ -104,6 +104,53 @@ def test_delta_rule_step_equals_the_recurrent_rule(dtype, heads):
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("heads", [(2, 2), (2, 4), (1, 4)], ids=lambda h: f"Hk{h[0]}-Hv{h[1]}")
+@pytest.mark.parametrize("tokens", [2, 63, 64, 65, 200], ids=lambda t: f"T{t}")
+def test_chunk_delta_rule_equals_the_chunked_rule(dtype, heads, tokens):
+    """The CPU chunk rule against ``gdn.chunk_gated_delta_rule``: padded last blocks (63, 65, 200),
+    one exact block (64), one block of two (2), every key-to-value head ratio, a nonzero entering
+    state; outputs and the final state."""
+    from ninfer.native.model.cpu_ops import chunk_delta_rule
+    from ninfer.native.model.gdn import chunk_gated_delta_rule
+    hk, hv = heads
+    dt, g = DTYPES[dtype], torch.Generator().manual_seed(tokens * 10 + hk + hv)
+    d = 16
+    q, k = (torch.randn(tokens, hk, d, generator=g).to(dt) for _ in range(2))
+    v = torch.randn(tokens, hv, d, generator=g).to(dt)
+    gate, beta = -torch.rand(tokens, hv, generator=g).to(dt), torch.rand(tokens, hv, generator=g).to(dt)
+    state = torch.randn(hv, d, d, generator=g).to(torch.float64 if dt == torch.float64 else torch.float32)
+    o, s = chunk_delta_rule(q, k, v, gate, beta, state)
+    ro, rs = chunk_gated_delta_rule(q, k, v, gate, beta, state)
+    assert o.dtype == dt and o.shape == (tokens, hv, d) and s.dtype == rs.dtype and s.shape == state.shape
+    assert rel_err(s, rs) < OP_REL["float32" if dt == torch.bfloat16 else dtype]     # the state is fp32 in bf16
+    assert rel_err(o, ro) < OP_REL[dtype]
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("cuts", [(1,), (5, 64), (63, 65, 128, 199), (100,)], ids=lambda c: "-".join(map(str, c)))
+def test_chunk_delta_rule_cuts_gives_the_state_the_first_r_tokens_leave(dtype, cuts):
+    """The states at inner cuts from one pass: each equal to the chunked rule's final state over
+    the first r tokens alone (cuts inside the first block, on a block boundary, one short of and
+    one past it, inside a later block); the outputs and final state as without cuts."""
+    from ninfer.native.model.cpu_ops import chunk_delta_rule, chunk_delta_rule_cuts
+    from ninfer.native.model.gdn import chunk_gated_delta_rule
+    dt, g = DTYPES[dtype], torch.Generator().manual_seed(sum(cuts))
+    t, hk, hv, d = 200, 2, 4, 16
+    q, k = (torch.randn(t, hk, d, generator=g).to(dt) for _ in range(2))
+    v = torch.randn(t, hv, d, generator=g).to(dt)
+    gate, beta = -torch.rand(t, hv, generator=g).to(dt), torch.rand(t, hv, generator=g).to(dt)
+    state = torch.randn(hv, d, d, generator=g).to(torch.float64 if dt == torch.float64 else torch.float32)
+    o, s, at = chunk_delta_rule_cuts(q, k, v, gate, beta, state, cuts)
+    o1, s1 = chunk_delta_rule(q, k, v, gate, beta, state)
+    assert torch.equal(o, o1) and torch.equal(s, s1) and len(at) == len(cuts)
+    rel = OP_REL["float32" if dt == torch.bfloat16 else dtype]
+    for r, got in zip(cuts, at):
+        _, ref = chunk_gated_delta_rule(q[:r], k[:r], v[:r], gate[:r], beta[:r], state)
+        assert got.dtype == ref.dtype and got.shape == ref.shape
+        assert rel_err(got, ref) < rel, r
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("zero_centered", [True, False], ids=["zero-centered", "plain"])
 def test_rms_norm_equals_the_reference(dtype, zero_centered):
     from ninfer.native.model.cpu_ops import rms_norm as fused
