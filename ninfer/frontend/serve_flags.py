@@ -78,8 +78,9 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
                    default=None, metavar="SIZE",
                    help="memory_budget_bytes: bytes for KV pages, state slots and workspace (e.g. 8G), "
                         "instead of --gpu-memory-utilization")
-    g.add_argument("--max-num-batched-tokens", type=_human_int, default=None, metavar="N",
-                   help="prefill_chunk_tokens: the prompt tokens one step computes")
+    g.add_argument("--max-num-batched-tokens", type=_chunk_arg, default=None, metavar="N|auto",
+                   help="prefill_chunk_tokens: the prompt tokens one step computes (default without --config: "
+                        "auto, sized at startup from the measured forward)")
     g.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="accepted: context reuse is exact and always on (--no-enable-prefix-caching is ignored "
@@ -115,7 +116,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         if args.kv_cache_memory < 1:
             raise ConfigError(f"--kv-cache-memory={args.kv_cache_memory} is out of range: allowed >= 1 byte")
         over["memory_budget_bytes"] = args.kv_cache_memory
-    if args.max_num_batched_tokens is not None:
+    if args.max_num_batched_tokens is None and args.config is None:
+        over["prefill_chunk_tokens"] = "auto"      # the server sized to the machine (a config file keeps its own)
+    elif args.max_num_batched_tokens == "auto":
+        over["prefill_chunk_tokens"] = "auto"
+    elif args.max_num_batched_tokens is not None:
         if args.max_num_batched_tokens < 1:
             raise ConfigError(f"--max-num-batched-tokens={args.max_num_batched_tokens} is out of range: "
                               "allowed >= 1")
@@ -238,6 +243,11 @@ def bind(host: str, port_: int) -> socket.socket:
         raise NInferError(f"cannot listen on {host}:{port_}: {why}") from None
     sock.set_inheritable(True)
     return sock
+
+
+def _chunk_arg(text: str) -> int | str:
+    """``--max-num-batched-tokens``: a number as ``_human_int`` reads it, or ``auto``."""
+    return "auto" if text.strip() == "auto" else _human_int(text)
 
 
 def _human_int(text: str) -> int:

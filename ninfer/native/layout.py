@@ -69,7 +69,7 @@ def graph_bytes(cfg: ModelConfig, ec: EngineConfig, device: torch.device, itemsi
     fused = getattr(torch, ec.dtype) in KERNEL_DTYPES            # CUDA in these dtypes: the kernel path
     if device.type != "cuda" or ec.enforce_eager or not_capturable(cfg, fused):
         return 0
-    keys = plan(ec.max_concurrency, spec_tokens + 1 if spec_tokens else 0, ec.prefill_chunk_tokens,
+    keys = plan(ec.max_concurrency, spec_tokens + 1 if spec_tokens else 0, ec.chunk_budget,
                 chunk_cap(cfg, fused))
     largest = max(tokens(key) for key in keys)
     rows = sum((key[1] * key[2] + 1 if key[0] == CHUNK else tokens(key)) + tokens(key) for key in keys)
@@ -124,7 +124,7 @@ def resolve_layout(cfg: ModelConfig, ec: EngineConfig, device: torch.device,
     image = cfg.state_image_bytes(_itemsize(state_dtype(dtype)), item, item)
     slots = ec.max_concurrency + ec.device_state_slots
     # verify rows keep every step's recurrent state until the accepted prefix is known
-    work = workspace_bytes(cfg, ec.prefill_chunk_tokens, item) + ec.max_concurrency * (k + 1) * image * (k > 0)
+    work = workspace_bytes(cfg, ec.chunk_budget, item) + ec.max_concurrency * (k + 1) * image * (k > 0)
     lo, hi = kv_page_bounds(max_ctx, ec.max_concurrency)
     graph = graph_bytes(cfg, ec, device, item, main_bytes, image, k)
     margin = spec.draft_pages if fixed_pages else draft_pages(0, ec.max_concurrency, k, method)
@@ -159,6 +159,6 @@ def resolve_layout(cfg: ModelConfig, ec: EngineConfig, device: torch.device,
         kv_page_bytes={MAIN: main_bytes, MTP: 0, DFLASH: 0, pool: draft_bytes},
         state_slots=slots, state_image_bytes=image,
         host_capacity_bytes=ec.host_capacity(image), workspace_bytes=work, graph_bytes=graph,
-        dtype=ec.dtype, prefill_chunk_tokens=ec.prefill_chunk_tokens, spec_tokens=k,
+        dtype=ec.dtype, prefill_chunk_tokens=ec.chunk_budget, spec_tokens=k,
         spec_method=method if k else "", draft_dir=(spec.draft or "") if spec is not None else "",
     )

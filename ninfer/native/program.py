@@ -34,6 +34,8 @@ import hashlib
 import logging
 from itertools import count
 
+import msgspec
+
 from ninfer.faults import FaultPlan
 from ninfer.native import calibration, graphs, reclaim
 from ninfer.native.context.captures import CaptureDest, Captures
@@ -357,6 +359,15 @@ class Program:
         """Measured (Host→Device bytes/s, prefill seconds per token) (calibration.py). Leaves
         nothing held."""
         return calibration.calibrate(self, tokens)
+
+    def size_chunk(self) -> int:
+        """``prefill_chunk_tokens="auto"``: the chunk measured to fit (``calibration.auto_chunk``)
+        becomes the layout's, within the budget the layout was sized for. Leaves nothing held."""
+        chunk, fixed, per_token = calibration.auto_chunk(self)
+        log.info("prefill_chunk_tokens=auto: %d tokens (forward %.1f ms + %.1f us a token)", chunk,
+                 1e3 * fixed, 1e6 * per_token)
+        self.layout = msgspec.structs.replace(self.layout, prefill_chunk_tokens=chunk)
+        return chunk
 
     # ==== the context transaction ============================================================
     def progress(self) -> list[TxSettled]:

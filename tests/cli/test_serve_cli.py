@@ -183,3 +183,26 @@ def test_human_readable_sizes_as_vllm_reads_them():
     assert _human_int("32768") == 32768
     assert _human_int("32k") == 32000 and _human_int("32K") == 32768
     assert _human_int("8G") == 8 << 30 and _human_int("1.5m") == 1_500_000
+
+
+@pytest.mark.parametrize("argv, chunk", [
+    ((), "auto"),                                          # the server sized to the machine
+    (("--max-num-batched-tokens", "auto"), "auto"),
+    (("--max-num-batched-tokens", "2k"), 2000),
+    (("--max-num-batched-tokens", "128"), 128),
+], ids=["default", "auto", "human", "number"])
+def test_the_server_sizes_its_chunk_unless_told(argv, chunk):
+    from ninfer.cli import build_parser
+    from ninfer.frontend.serve_flags import engine_config
+    args = build_parser().parse_args(["serve", "m", *argv])
+    assert engine_config(args).prefill_chunk_tokens == chunk
+
+
+def test_a_config_file_keeps_its_chunk(tmp_path):
+    from ninfer.cli import build_parser
+    from ninfer.frontend.serve_flags import engine_config
+    (tmp_path / "a.toml").write_text("max_concurrency = 2\n")
+    (tmp_path / "b.toml").write_text("prefill_chunk_tokens = 96\n")
+    for name, chunk in (("a", 256), ("b", 96)):
+        args = build_parser().parse_args(["serve", "m", "--config", str(tmp_path / f"{name}.toml")])
+        assert engine_config(args).prefill_chunk_tokens == chunk
