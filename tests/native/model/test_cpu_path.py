@@ -105,11 +105,12 @@ def test_delta_rule_step_equals_the_recurrent_rule(dtype, heads):
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("heads", [(2, 2), (2, 4), (1, 4)], ids=lambda h: f"Hk{h[0]}-Hv{h[1]}")
-@pytest.mark.parametrize("tokens", [2, 63, 64, 65, 200], ids=lambda t: f"T{t}")
+@pytest.mark.parametrize("tokens", [2, 16, 17, 32, 33, 63, 64, 65, 200], ids=lambda t: f"T{t}")
 def test_chunk_delta_rule_equals_the_chunked_rule(dtype, heads, tokens):
     """The CPU chunk rule against ``gdn.chunk_gated_delta_rule``: padded last blocks (63, 65, 200),
-    one exact block (64), one block of two (2), every key-to-value head ratio, a nonzero entering
-    state; outputs and the final state."""
+    one exact block (64), the short chunks' blocks of 16 and 32 at and past their edges (2, 16,
+    17, 32, 33), every key-to-value head ratio, a nonzero entering state; outputs and the final
+    state."""
     from ninfer.native.model.cpu_ops import chunk_delta_rule
     from ninfer.native.model.gdn import chunk_gated_delta_rule
     hk, hv = heads
@@ -128,14 +129,16 @@ def test_chunk_delta_rule_equals_the_chunked_rule(dtype, heads, tokens):
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("cuts", [(1,), (5, 64), (63, 65, 128, 199), (100,)], ids=lambda c: "-".join(map(str, c)))
-def test_chunk_delta_rule_cuts_gives_the_state_the_first_r_tokens_leave(dtype, cuts):
+@pytest.mark.parametrize("t", [200, 30], ids=["T200", "T30"])
+def test_chunk_delta_rule_cuts_gives_the_state_the_first_r_tokens_leave(dtype, cuts, t):
     """The states at inner cuts from one pass: each equal to the chunked rule's final state over
     the first r tokens alone (cuts inside the first block, on a block boundary, one short of and
     one past it, inside a later block); the outputs and final state as without cuts."""
     from ninfer.native.model.cpu_ops import chunk_delta_rule, chunk_delta_rule_cuts
     from ninfer.native.model.gdn import chunk_gated_delta_rule
+    cuts = tuple(r for r in cuts if r < t) or (t // 2,)     # a 30-token chunk: blocks of 32
     dt, g = DTYPES[dtype], torch.Generator().manual_seed(sum(cuts))
-    t, hk, hv, d = 200, 2, 4, 16
+    hk, hv, d = 2, 4, 16
     q, k = (torch.randn(t, hk, d, generator=g).to(dt) for _ in range(2))
     v = torch.randn(t, hv, d, generator=g).to(dt)
     gate, beta = -torch.rand(t, hv, generator=g).to(dt), torch.rand(t, hv, generator=g).to(dt)
