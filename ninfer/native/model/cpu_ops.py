@@ -104,9 +104,9 @@ def dense_moe(x: torch.Tensor, w: MoeWeights) -> torch.Tensor:
     if w.norm_topk_prob:
         top_w = top_w / top_w.sum(-1, keepdim=True)
     route = torch.zeros(x.shape[0], e, dtype=x.dtype, device=x.device).scatter_(1, top_i, top_w.to(x.dtype))
-    gate_up = F.linear(x, _plain(w.gate_up, x.dtype).reshape(e * two_i, hidden)).view(-1, e, 2, inter)
+    gate_up = linear(x, _plain(w.gate_up, x.dtype).reshape(e * two_i, hidden)).view(-1, e, 2, inter)
     h = F.silu(gate_up[:, :, 0]) * gate_up[:, :, 1] * route[:, :, None]
-    out = F.linear(h.reshape(-1, e * inter), _down_side_by_side(w, x.dtype))
+    out = linear(h.reshape(-1, e * inter), _down_side_by_side(w, x.dtype))
     return with_shared(out, x, w)
 
 

@@ -137,16 +137,46 @@ def stack(ws: list, dtype: torch.dtype):
 
 
 # ---- multiplying ------------------------------------------------------------------------------
-def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` for a plain or an FP8 weight."""
-    if not isinstance(w, Fp8Weight):
+def rows_bucket(m: int) -> int:
+    """The row count a CPU half-precision matmul of ``m`` rows runs at (``linear``): up to 16 as
+    it is, then the next multiple of 64, past 1,024 of 256."""
+    if m <= 16:
+        return m
+    step = 64 if m <= 1024 else 256
+    return -(-m // step) * step
+
+
+def _bucketed(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` of a CPU bf16 / fp16 ``x`` [M, K] with M padded by zero rows to
+    ``rows_bucket(M)``. oneDNN builds (JIT-compiles) a kernel for every new M in these dtypes —
+    ~0.65 ms a linear against ~45 us once built (measured, 2 cores, [M, 128] x [128, 256]) — and
+    a forward meets a new M with every chunk length and, in the MoE, every expert's row count:
+    a 300-token bf16 forward ran 33 ms when its length was new, 22 when repeated. A row's
+    result does not read the other rows; the padding costs at most one bucket of rows."""
+    m = x.shape[0]
+    b = rows_bucket(m)
+    if b == m:
         return F.linear(x, w, bias)
+    padded = x.new_zeros(b, x.shape[1])
+    padded[:m] = x
+    return F.linear(padded, w, bias)[:m]
+
+
+def _half_cpu(x: torch.Tensor) -> bool:
+    return x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu"
+
+
+def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` for a plain or an FP8 weight (a CPU bf16 / fp16 one at bucketed row counts)."""
+    if not isinstance(w, Fp8Weight):
+        return _bucketed(x, w, bias) if _half_cpu(x) else F.linear(x, w, bias)
     if x.is_cuda and _scaled_mm_usable(w):
         try:
             return _scaled_mm(x, w, bias)
         except (RuntimeError, TypeError, NotImplementedError) as exc:
             _refuse(exc)
-    return F.linear(x, w.dequantize(x.dtype), bias)
+    w = w.dequantize(x.dtype)
+    return _bucketed(x, w, bias) if _half_cpu(x) else F.linear(x, w, bias)
 
 
 SCALED_MM: dict[str, object] = {"ok": None}

@@ -162,3 +162,29 @@ def test_rms_norm_equals_the_reference(dtype, zero_centered):
     x, w = torch.randn(7, 3, 64, generator=g).to(DTYPES[dtype]), (0.1 * torch.randn(64, generator=g)).to(DTYPES[dtype])
     got, ref = fused(x, w, 1e-6, zero_centered), rms_norm(x, w, 1e-6, zero_centered)
     assert got.dtype == ref.dtype and rel_err(got, ref) <= OP_REL[dtype]
+
+
+def test_half_precision_cpu_matmuls_run_at_bucketed_row_counts(monkeypatch):
+    """A CPU bf16 / fp16 ``linear`` pads its rows to ``rows_bucket`` (oneDNN compiles a kernel per
+    new row count in these dtypes; ~0.65 ms each): the product seen by ``F.linear`` has the bucket's
+    rows, the caller gets its own rows, equal to the unpadded product to the dtype's rounding;
+    fp32 and float64 are left as they are."""
+    import torch.nn.functional as F
+
+    from ninfer.native.model import fp8
+    assert [fp8.rows_bucket(m) for m in (1, 16, 17, 64, 65, 1024, 1025, 1280, 1281)] == \
+        [1, 16, 64, 64, 128, 1024, 1280, 1280, 1536]
+    seen, real = [], F.linear
+    monkeypatch.setattr(fp8.F, "linear", lambda x, w, b=None: (seen.append(x.shape[0]), real(x, w, b))[1])
+    g = torch.Generator().manual_seed(7)
+    w, b = torch.randn(24, 32, generator=g), torch.randn(24, generator=g)
+    for dt in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        for m in (3, 17, 100, 1100):
+            seen.clear()
+            x = torch.randn(m, 32, generator=g)
+            got = fp8.linear(x.to(dt), w.to(dt), b.to(dt))
+            assert got.shape == (m, 24) and got.dtype == dt
+            half = dt in (torch.bfloat16, torch.float16)
+            assert seen == [fp8.rows_bucket(m) if half else m]
+            ref = real(x.to(dt), w.to(dt), b.to(dt))
+            assert rel_err(got, ref) <= (1e-2 if half else 0.0)
