@@ -253,15 +253,16 @@ class _TorchOps:
 class BatchedPath(_TorchOps):
     name = "batched"
     chunk_attention = staticmethod(paged_attention)       # one chunk's queries over its paged KV
+    decode_attention = staticmethod(decode_attention)     # the decode rows' one query each
 
     def attention(self, q, k_cache, v_cache, batch, scale):
         if batch.all_decode:
-            return decode_attention(q, k_cache, v_cache, batch.decode_block_table, batch.decode_kv_lens, scale,
+            return self.decode_attention(q, k_cache, v_cache, batch.decode_block_table, batch.decode_kv_lens, scale,
                                     batch.decode_kv_slots)
         out = torch.empty_like(q)
         if batch.decode_seqs:
             rows = batch.decode_rows
-            out.index_copy_(0, rows, decode_attention(q.index_select(0, rows), k_cache, v_cache,
+            out.index_copy_(0, rows, self.decode_attention(q.index_select(0, rows), k_cache, v_cache,
                                                       batch.decode_block_table, batch.decode_kv_lens, scale,
                                                       batch.decode_kv_slots))
         if batch.verify_len:                      # the verify rows in one op, the chunk alone
@@ -320,6 +321,7 @@ class CpuPath(BatchedPath):
 
     name = "cpu"
     chunk_attention = staticmethod(cpu_ops.chunk_attention)
+    decode_attention = staticmethod(cpu_ops.decode_attention)
     rms_norm = staticmethod(cpu_ops.rms_norm)
 
     def _gdn_ops(self):
