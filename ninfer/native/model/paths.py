@@ -257,14 +257,14 @@ class BatchedPath(_TorchOps):
 
     def attention(self, q, k_cache, v_cache, batch, scale):
         if batch.all_decode:
-            return self.decode_attention(q, k_cache, v_cache, batch.decode_block_table, batch.decode_kv_lens, scale,
-                                    batch.decode_kv_slots)
+            return self.decode_attention(q, k_cache, v_cache, batch.decode_block_table, batch.decode_kv_lens,
+                                         scale, batch.decode_kv_slots)
         out = torch.empty_like(q)
         if batch.decode_seqs:
             rows = batch.decode_rows
             out.index_copy_(0, rows, self.decode_attention(q.index_select(0, rows), k_cache, v_cache,
-                                                      batch.decode_block_table, batch.decode_kv_lens, scale,
-                                                      batch.decode_kv_slots))
+                                                           batch.decode_block_table, batch.decode_kv_lens, scale,
+                                                           batch.decode_kv_slots))
         if batch.verify_len:                      # the verify rows in one op, the chunk alone
             rows = batch.verify_rows
             ends = batch.verify_starts + batch.verify_ends if batch.verify_ends is not None else None
