@@ -110,6 +110,7 @@ def test_the_cpu_path_takes_its_inner_cuts_in_one_pass_with_the_same_images(tiny
     b = new_seq(prog, prompt, 4)
     assert prog.bind(b, None).ok
     sep = [_unit(prog, b, n, [None]).captured for n in (3, 61, 66, 70)]
+    settle_transfers(prog)                # eight saves: the last ones' images go to the Host
     for ck, ref in zip(cks, sep):
         for x, y in zip(_image(prog, ck), _image(prog, ref)):
             assert torch.allclose(x, y, rtol=1e-4, atol=1e-5), (ck.frontier, (x - y).abs().max())
