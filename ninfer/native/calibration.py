@@ -29,7 +29,7 @@ def _prefill_s(prog: "Program", tokens: int) -> float | None:
     """Seconds of one scratch prefill of ``tokens`` tokens through the Program's verbs (the
     second of two, after warm-up); None if the layout cannot hold it. Leaves nothing held."""
     vocab = prog.model.cfg.vocab_size
-    best = None
+    took = None
     for _ in range(2):
         seq = prog.new_sequence([(7 * i + 3) % vocab for i in range(tokens + 1)], tokens + 1,
                                 SamplingParams(max_tokens=1, ignore_eos=True), eos_ids=())
@@ -38,10 +38,10 @@ def _prefill_s(prog: "Program", tokens: int) -> float | None:
             return None
         t0 = time.perf_counter()
         prog.execute([UnitRow(seq, tokens, UnitKind.PREFILL)])
-        best = time.perf_counter() - t0
+        took = time.perf_counter() - t0
         prog.settle(seq)
         prog.release(seq)
-    return best
+    return took
 
 
 def auto_chunk(prog: "Program", small: int = 64) -> tuple[int, float, float]:
@@ -79,17 +79,5 @@ def calibrate(prog: "Program", tokens: int = 32) -> tuple[float, float]:
         best = min(best, time.perf_counter() - t0)
     h2d = n / max(best, 1e-9)
     tokens = max(2, min(tokens, prog.layout.max_context - 1, prog.layout.main_pages * 64 - 1))
-    vocab = prog.model.cfg.vocab_size
-    per_token = 0.0
-    for _ in range(2):
-        seq = prog.new_sequence([(7 * i + 3) % vocab for i in range(tokens)], tokens,
-                                SamplingParams(max_tokens=1, ignore_eos=True), eos_ids=())
-        if not prog.bind(seq, None).ok or prog.reserve_unit(seq, tokens - 1):
-            prog.release(seq)
-            return h2d, 0.0
-        t0 = time.perf_counter()
-        prog.execute([UnitRow(seq, tokens - 1, UnitKind.PREFILL)])
-        per_token = (time.perf_counter() - t0) / (tokens - 1)
-        prog.settle(seq)
-        prog.release(seq)
-    return h2d, per_token
+    took = _prefill_s(prog, tokens - 1)
+    return h2d, 0.0 if took is None else took / (tokens - 1)
