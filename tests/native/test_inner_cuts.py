@@ -98,18 +98,23 @@ def test_one_unit_saves_at_its_inner_cuts_what_units_ending_there_would(tiny_mod
 def test_the_cpu_path_takes_its_inner_cuts_in_one_pass_with_the_same_images(tiny_model):
     """fp32 runs the CPU path, whose chunk rule gives the states at the cuts from one pass
     (``paths._chunk_cut_pass``): the images equal, to fp32 rounding, those units ending on each
-    point make; the writer's own state after the unit is the one pass's."""
+    point make; the writer's own state after the unit is the one pass's. The first cut lies
+    before the conv's window is full, so its conv state is partly the one the chunk started from."""
     prog = make_program(tiny_model, dtype="float32", max_concurrency=4, kv_capacity=2048,
                         context_cache={"host_capacity_bytes": 32 << 20})
     prompt = random_prompt(200, seed=44)
     a = new_seq(prog, prompt, 4)
     assert prog.bind(a, None).ok
-    res = _unit(prog, a, 200, [3, 64, 130, None])         # in the first block, on a boundary, inside a later one
+    # a chunk from position 40: cuts in its first block (the conv state partly the one it started
+    # from), on a block boundary, inside a later block
+    _unit(prog, a, 40, [])
+    res = _unit(prog, a, 160, [42, 104, 170, None])
     cks = [ck for ck, _ in res.saved]
-    assert [ck.frontier for ck in cks] == [3, 64, 130, 200]
+    assert [ck.frontier for ck in cks] == [42, 104, 170, 200]
     b = new_seq(prog, prompt, 4)
     assert prog.bind(b, None).ok
-    sep = [_unit(prog, b, n, [None]).captured for n in (3, 61, 66, 70)]
+    _unit(prog, b, 40, [])
+    sep = [_unit(prog, b, n, [None]).captured for n in (2, 62, 66, 30)]
     settle_transfers(prog)                # eight saves: the last ones' images go to the Host
     for ck, ref in zip(cks, sep):
         for x, y in zip(_image(prog, ck), _image(prog, ref)):

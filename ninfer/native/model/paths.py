@@ -143,10 +143,15 @@ def _chunk_cut_pass(ops, x, conv0, ssm0, conv_w, g, beta, split, cuts):
     Returns the chunk's outputs, its final conv and delta-rule states, and (conv, state) per cut."""
     y, new_conv = ops.causal_conv1d(x, conv0, conv_w)
     k1 = conv0.shape[1]
-    xs = torch.cat([conv0.t().to(x.dtype), x], dim=0)                         # [K-1+T, C]
+
+    def conv_at(r: int) -> torch.Tensor:        # the K-1 inputs before r: [C, K-1]
+        if r >= k1:
+            return x[r - k1:r].t().contiguous()
+        return torch.cat([conv0[:, r:].to(x.dtype), x[:r].t()], dim=1)
+
     q, k, v = split(y)
     o, new_ssm, at = ops.chunk_delta_rule_cuts(q, k, v, g, beta, ssm0, cuts)
-    return o, new_conv, new_ssm, [(xs[r:r + k1].t().contiguous(), h) for r, h in zip(cuts, at)]
+    return o, new_conv, new_ssm, [(conv_at(r), h) for r, h in zip(cuts, at)]
 
 
 def _gdn_padded(core, mixed, g, beta, conv_w, conv_states, ssm_states, batch, split, ops=gdn) -> None:
