@@ -9,7 +9,7 @@ loads (a port in use is found in a second, not after minutes of loading).
     --dtype auto|bfloat16|float32   dtype (auto: the config's; float16 is refused)
     --gpu-memory-utilization F      gpu_memory_utilization
     --kv-cache-memory[-bytes] SIZE  memory_budget_bytes (KV pages + state slots + workspace)
-    --max-num-batched-tokens N      prefill_chunk_tokens
+    --max-num-batched-tokens N|auto prefill_chunk_tokens (auto when neither it nor --config is given)
     --enforce-eager                 enforce_eager
     --enable-prefix-caching         accepted: NInfer's context reuse is exact and always on
 """
