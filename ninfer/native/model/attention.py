@@ -78,7 +78,8 @@ def decode_kv_slots(block_table: torch.Tensor, kv_lens: torch.Tensor, max_len: i
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_table: torch.Tensor, kv_lens: torch.Tensor, scale: float,
-                     kv_slots: torch.Tensor | None = None, bases: torch.Tensor | None = None) -> torch.Tensor:
+                     kv_slots: torch.Tensor | None = None, bases: torch.Tensor | None = None,
+                     compute: torch.dtype | None = None) -> torch.Tensor:
     """One query per row for B decode rows, batched over rows (no per-row Python loop).
 
     q: [B, H, D], row b at position kv_lens[b] - 1; k_cache, v_cache: [P, 64, Hkv, D];
@@ -92,7 +93,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     The keys of every row are gathered token by token into [B, L, Hkv, D] (L = max kv_len:
     no page padding is copied); slots past a row's kv_len are masked to -inf. GQA without
     repeating K/V: one bmm per key head (Hkv is a small constant of the model), each over the
-    strided [B, L, D] view of that head.
+    strided [B, L, D] view of that head. ``compute``: the dtype the query and the gathered keys
+    and values are multiplied in (default q's; the CPU path's bf16 passes fp32,
+    ``cpu_ops.decode_attention``); the result is in q's dtype either way.
     """
     b, h, d = q.shape
     hkv = k_cache.shape[2]
@@ -100,6 +103,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if kv_slots is None:
         kv_slots = decode_kv_slots(block_table, kv_lens, block_table.shape[1] * PAGE_SIZE)
     flat = kv_slots.reshape(-1)
+    out_dtype = q.dtype
+    q = q.to(compute or out_dtype)
     k = k_cache.view(-1, hkv * d).index_select(0, flat).view(b, -1, hkv, d).to(q.dtype)  # [B, L, Hkv, D]
     v = v_cache.view(-1, hkv * d).index_select(0, flat).view(b, -1, hkv, d).to(q.dtype)
     pos = torch.arange(k.shape[1], device=q.device)[None, :]
@@ -111,7 +116,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     scores = (scores * scale).masked_fill(masked[:, None, None, :], float("-inf"))  # [B, Hkv, rep, L]
     probs = torch.softmax(scores.to(acc_dtype(q.dtype)), dim=-1).to(q.dtype)
     out = torch.stack([torch.bmm(probs[:, g], v[:, :, g]) for g in range(hkv)], 1)  # [B, Hkv, rep, D]
-    return out.reshape(b, h, d)
+    return out.reshape(b, h, d).to(out_dtype)
 
 
 def verify_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
