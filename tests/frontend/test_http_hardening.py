@@ -480,7 +480,11 @@ def test_logprobs_chat_and_completions_equal_the_oracle(client, http, served):
     streamed = [e for ch in client.chat.completions.create(
         model="tiny", messages=USER, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3, stream=True)
         if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
-    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in got], abs=1e-6)
+    # the same tokens; the logprobs to fp32 rounding: the second request restores the first's
+    # cached prefix and computes its tail in other chunks (bit equality holds in float64, the
+    # oracle's dtype — tests/engine/test_invariance.py), ~2e-6 apart here when run alone
+    assert [e.token for e in streamed] == [e.token for e in got]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in got], abs=1e-4)
     c = client.completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0, logprobs=2)
     lp = c.choices[0].logprobs
     assert lp.token_logprobs == pytest.approx([w.logprob for w in want], abs=1e-4)
