@@ -23,6 +23,7 @@ order, unneeded ones are dropped again, and if nothing admissible places it noth
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
@@ -57,13 +58,17 @@ class FactsIndex:
     one settlement builds many planners over the same facts (one per need, its deletions-only
     alternative, the pause routes and the capture rooms)."""
 
-    __slots__ = ("facts", "_listers", "_releasable", "_movable")
+    __slots__ = ("facts", "_listers", "_releasable", "_movable", "_touch", "_held", "_shared", "_groups")
 
     def __init__(self, facts: P.Facts):
         self.facts = facts
         self._listers: dict[int, list[int]] | None = None
         self._releasable: list[tuple[int, tuple[int, ...]]] | None = None
         self._movable: dict[int, list[int]] = {}
+        self._touch: dict[int, list[int]] | None = None
+        self._held: dict[int, list[int]] = {}
+        self._shared: dict[frozenset[int], list[int]] = {}
+        self._groups: dict[frozenset[int], dict] = {}
 
     @property
     def listers(self) -> dict[int, list[int]]:
@@ -91,6 +96,70 @@ class FactsIndex:
             got = self._movable[cid] = [bid for bid in self.facts.checkpoints[cid].blocks
                                         if (b := blocks[bid]).device and not b.pinned
                                         and all(h > 0 for h in b.holders)]
+        return got
+
+    def _scan(self) -> None:
+        """One pass over the releasable blocks no sequence holds: per checkpoint the blocks it
+        holds or lists (``reach``) and those it holds; the blocks with two or more holders."""
+        touch: dict[int, list[int]] = {}
+        held: dict[int, list[int]] = {}
+        shared: dict[frozenset[int], list[int]] = {}
+        listers = self.listers
+        for bid, holders in self.releasable:
+            if any(h < 0 for h in holders):
+                continue                         # a sequence holds it: no deletion frees it
+            for m in holders:
+                held.setdefault(m, []).append(bid)
+            lst = listers.get(bid, ())
+            for m in set(holders).union(lst):
+                touch.setdefault(m, []).append(bid)
+            if len(holders) > 1 and len(set(holders)) > 1:
+                shared.setdefault(frozenset(holders), []).append(bid)
+        self._touch, self._held, self._shared = touch, held, shared
+
+    def reach(self, cid: int) -> int:
+        """How many Device blocks a deletion could free that this checkpoint holds or lists: a
+        deletion frees no block that none of its members holds or lists, whatever the victims."""
+        if self._touch is None:
+            self._scan()
+        return len(self._touch.get(cid, ()))
+
+    def entries(self, m: int, victims: frozenset[int]) -> list[tuple]:
+        """The Device blocks a deletion of ``m`` might free once ``victims`` are deleted: (block,
+        its holders left besides the victims, the checkpoints that list it, whether a victim
+        lists it) — each block ``m`` holds, or lists once no holder is left."""
+        if self._touch is None:
+            self._scan()
+        out = []
+        blocks, listers = self.facts.blocks, self.listers
+        for bid in self._touch.get(m, ()):
+            rest = frozenset(h for h in blocks[bid].holders if h not in victims)
+            lst = listers.get(bid, ())
+            if m in rest or (not rest and m in lst):
+                out.append((bid, rest, lst, any(c in victims for c in lst)))
+        return out
+
+    def groups(self, victims: frozenset[int]) -> dict[frozenset[int], list[int]]:
+        """The groups of two or more holders left on a block once ``victims`` are deleted, with
+        their blocks (kept per victim set: the passes of a settlement mostly share one)."""
+        got = self._groups.get(victims)
+        if got is None:
+            if self._touch is None:
+                self._scan()
+            hit = {bid for v in victims for bid in self._held.get(v, ())}
+            got = {}
+            for g, bids in self._shared.items():
+                keep = [b for b in bids if b not in hit] if hit else bids
+                if keep:
+                    got[g] = keep
+            blocks = self.facts.blocks
+            for bid in hit:
+                rest = frozenset(h for h in blocks[bid].holders if h not in victims)
+                if len(rest) > 1:
+                    got.setdefault(rest, []).append(bid)
+            if len(self._groups) > 8:
+                self._groups.clear()
+            self._groups[victims] = got
         return got
 
 
@@ -172,13 +241,16 @@ class Planner:
         self.dup_pages: set[int] = set(prior.dup_pages) if prior else set()       # ... of these blocks
         self._memo_version: tuple | None = None        # the Host placement memo and the state it was taken on
         self._memo: dict = {}
-        self._release: tuple | None = None             # (victim count, blocks they free, _releasable)
+        self._release: tuple | None = None             # (victim count, blocks they free, entries, groups)
         self._ticket_memo: dict[int, int | None] = {}
         self.ix = facts_index(facts)
         self.cands: dict[int, Candidate] = {}
         # exact prefixes of a point: the same on the same facts (a pass in the same settlement)
         self.prefix_memo: dict[int, list[tuple[int, int]]] = (
             prior.prefix_memo if prior is not None and prior.f is facts else {})
+        self.least_memo: dict[int, int] = prior.least_memo if prior is not None and prior.f is facts else {}
+        self._orders: dict[str, list[tuple]] = {}     # per pool: the options by their rank's lower bound
+        self._groups_seen: set[frozenset[int]] = set()
         if survey is None:
             survey = prior.survey if prior is not None and prior.table is table else {}
         self.survey = survey
@@ -330,27 +402,24 @@ class Planner:
     def _freed_by_victims(self) -> set[int]:
         """The Device blocks the plan's deletions free so far (memoised: victims only grow)."""
         if self._release is None or self._release[0] != len(self.victims):
-            self._release = (len(self.victims), self._freed_blocks(self.victims), None)
+            self._release = (len(self.victims), self._freed_blocks(self.victims), {}, None)
         return self._release[1]
 
-    def _releasable(self) -> dict[int, list[tuple]]:
-        """Per checkpoint, the Device blocks a deletion of it might free: (block, its holders
-        left besides the victims, the checkpoints that list it, whether a victim lists it).
-        Built once per victim set: a pass asks it for every option."""
+    def _entries(self, m: int) -> list[tuple]:
+        """``FactsIndex.entries`` of ``m`` for the victims so far (memoised per victim set)."""
         self._freed_by_victims()
-        if self._release[2] is None:
-            victims = self.victims
-            by_member: dict[int, list[tuple]] = {}
-            for bid, holders in self.ix.releasable:
-                rest = frozenset(h for h in holders if h not in victims)
-                if any(h < 0 for h in rest):
-                    continue                     # a sequence holds it: no deletion frees it
-                listers = self.ix.listers.get(bid, ())
-                entry = (bid, rest, listers, any(c in victims for c in listers))
-                for m in rest or listers:
-                    by_member.setdefault(m, []).append(entry)
-            self._release = (*self._release[:2], by_member)
-        return self._release[2]
+        memo = self._release[2]
+        got = memo.get(m)
+        if got is None:
+            got = memo[m] = self.ix.entries(m, frozenset(self.victims))
+        return got
+
+    def _groups(self) -> dict[frozenset[int], list[int]]:
+        """``FactsIndex.groups`` for the victims so far."""
+        self._freed_by_victims()
+        if self._release[3] is None:
+            self._release = (*self._release[:3], self.ix.groups(frozenset(self.victims)))
+        return self._release[3]
 
     # rule: useful-release
     def freed_by_delete(self, group: frozenset[int], pool: str) -> int:
@@ -362,7 +431,7 @@ class Planner:
             return sum(1 for cid in group
                        if self.f.checkpoints[cid].image_device and cid not in self.demoted_images)
         before = self._freed_by_victims() | self.demoted_blocks
-        freed = {bid for m in group for bid, rest, listers, by_victim in self._releasable().get(m, ())
+        freed = {bid for m in group for bid, rest, listers, by_victim in self._entries(m)
                  if rest <= group and (by_victim or not group.isdisjoint(listers))}
         return len(freed - before)
 
@@ -599,11 +668,10 @@ class Planner:
         sets: dict[frozenset[int], None] = {frozenset({cid}): None for cid in self.cands
                                             if cid not in self.victims and cid not in migrating}
         if pool == P.MAIN:
-            for entries in self._releasable().values():
-                for bid, rest, _, _ in entries:
-                    if (rest and rest not in sets and bid not in self.demoted_blocks
-                            and all(h in self.cands and h not in migrating for h in rest)):
-                        sets[rest] = None
+            for rest, bids in self._groups().items():
+                if (rest not in sets and any(bid not in self.demoted_blocks for bid in bids)
+                        and all(h in self.cands and h not in migrating for h in rest)):
+                    sets[rest] = None
         return list(sets)
 
     def _ticket(self, cid: int) -> int | None:
@@ -632,35 +700,120 @@ class Planner:
         return own, lambda: cand.frontier - self.fallback(cand.cid, self.victims)
 
     def _options(self, pool: str, short: int) -> list[tuple]:
-        """(cls, demand time, loss, freed, action, host sizes, host victims) per option."""
+        """(cls, demand time, loss, freed, action, host sizes, host victims) per option — every
+        option, each evaluated: the exhaustive form of ``_choose`` (the tests hold the two equal)."""
         options = []
         for cid, cand in self.cands.items():
-            if cid in self.victims:
-                continue
-            c = self.f.checkpoints[cid]
-            if pool == P.STATE and self.demote and c.image_device and cid not in self.demoted_images:
-                sizes = [] if self._host_copy(cid) else [self.f.image_bytes]
-                host = self._demotion_room(cand, sizes)
-                if host is not None:
-                    options.append((cand.cls, cand.demand_time, host[1], 1, ("demote_state", cid), sizes, host[0]))
-            if pool == P.MAIN and self.demote:
-                blocks = self.movable_blocks(cid)[-short:]
-                # rule: page-groups
-                while blocks:                 # page groups that do not fit are halved and retried
-                    sizes = [self.f.page_bytes for b in blocks if not self._page_on_host(b)]
-                    host = self._demotion_room(cand, sizes, frozenset(blocks))
-                    if host is not None:
-                        options.append((cand.cls, cand.demand_time, host[1], len(blocks),
-                                        ("demote_blocks", cid, tuple(blocks)), sizes, host[0]))
-                        break
-                    blocks = blocks[len(blocks) // 2:] if len(blocks) > 1 else []
+            if cid not in self.victims:
+                options += self._demotion_options(cand, pool, short)
         for group in self._delete_options(pool):
-            freed = self.freed_by_delete(group, pool)
-            if freed:
-                cls = max(self.cands[c].cls for c in group)
-                hot = max(self.cands[c].demand_time for c in group)
-                options.append((cls, hot, self.loss(group), freed, ("delete", group), [], []))
+            options += self._delete_option(group, pool)
         return options
+
+    def _demotion_options(self, cand: Candidate, pool: str, short: int) -> list[tuple]:
+        """The demotion option of ``cand`` for this pool, if its content can move (none or one)."""
+        cid = cand.cid
+        c = self.f.checkpoints[cid]
+        if pool == P.STATE and self.demote and c.image_device and cid not in self.demoted_images:
+            sizes = [] if self._host_copy(cid) else [self.f.image_bytes]
+            host = self._demotion_room(cand, sizes)
+            if host is not None:
+                return [(cand.cls, cand.demand_time, host[1], 1, ("demote_state", cid), sizes, host[0])]
+        if pool == P.MAIN and self.demote:
+            blocks = self.movable_blocks(cid)[-short:]
+            # rule: page-groups
+            while blocks:                 # page groups that do not fit are halved and retried
+                sizes = [self.f.page_bytes for b in blocks if not self._page_on_host(b)]
+                host = self._demotion_room(cand, sizes, frozenset(blocks))
+                if host is not None:
+                    return [(cand.cls, cand.demand_time, host[1], len(blocks),
+                             ("demote_blocks", cid, tuple(blocks)), sizes, host[0])]
+                blocks = blocks[len(blocks) // 2:] if len(blocks) > 1 else []
+        return []
+
+    def _delete_option(self, group: frozenset[int], pool: str) -> list[tuple]:
+        """The deletion option of ``group`` for this pool, if it frees anything (none or one)."""
+        freed = self.freed_by_delete(group, pool)
+        if not freed:
+            return []
+        cls = max(self.cands[c].cls for c in group)
+        hot = max(self.cands[c].demand_time for c in group)
+        return [(cls, hot, self.loss(group), freed, ("delete", group), [], [])]
+
+    def _least_loss(self, cid: int) -> int:
+        """A lower bound of what deleting ``cid`` loses, whatever else goes with it: down to its
+        deepest exact prefix point, surviving or not (``loss`` never counts less)."""
+        got = self.least_memo.get(cid)
+        if got is None:
+            got = self.least_memo[cid] = self.cands[cid].frontier - next((pf for pf, _ in self._prefixes(cid)), 0)
+        return got
+
+    def _bound(self, pool: str, kind: str, item) -> tuple | None:
+        """A lower bound of an option's rank (``_rank`` with a loss no greater and a release no
+        smaller than the option can ever have on these facts: a demotion loses at least nothing;
+        a deletion loses at least ``_least_loss`` of each member and frees at most the blocks
+        its members hold or list); None if it can never free anything."""
+        if kind != "delete":
+            cand = item
+            return self._rank(cand.cls, cand.demand_time, 0, 1, (kind, cand.cid))
+        group = item
+        most = len(group) if pool == P.STATE else sum(self.ix.reach(m) for m in group)
+        if not most:
+            return None
+        return self._rank(max(self.cands[c].cls for c in group), max(self.cands[c].demand_time for c in group),
+                          sum(self._least_loss(c) for c in group), most, ("delete", group))
+
+    def _order(self, pool: str) -> list[tuple]:
+        """(bound, kind, item) of this planner's options for ``pool``, lowest bound first: the
+        demotion of each candidate whose content is on the Device and its deletion, and, for
+        Main KV, each group of holders left on a block. Built once per pool (the bounds do not
+        move as the plan grows); an option closed since is skipped, a group that appears since
+        comes from ``_new_groups``."""
+        got = self._orders.get(pool)
+        if got is None:
+            items: list[tuple] = []
+            for cid, cand in self.cands.items():
+                c = self.f.checkpoints[cid]
+                if pool == P.STATE and self.demote and c.image_device:
+                    items.append(("demote_state", cand))
+                elif pool == P.MAIN and self.demote and self.ix.movable(cid):
+                    items.append(("demote_blocks", cand))
+                items.append(("delete", frozenset({cid})))
+            if pool == P.MAIN:
+                self._groups_seen = set(self._groups())
+                items += [("delete", g) for g in self._groups_seen if all(h in self.cands for h in g)]
+            got = [(b, kind, item) for kind, item in items if (b := self._bound(pool, kind, item)) is not None]
+            got.sort(key=lambda x: x[0])
+            self._orders[pool] = got
+        return got
+
+    def _open(self, pool: str, kind: str, item) -> bool:
+        """The option is one the plan can still take (exactly ``_delete_options`` and the
+        demotions' conditions)."""
+        if kind == "demote_state":
+            return item.cid not in self.victims and item.cid not in self.demoted_images
+        if kind == "demote_blocks":
+            return item.cid not in self.victims and bool(self.movable_blocks(item.cid))
+        migrating = self._migrating()
+        if len(item) == 1:
+            (cid,) = item
+            return cid not in self.victims and cid not in migrating
+        bids = self._groups().get(item)
+        return (bids is not None and any(bid not in self.demoted_blocks for bid in bids)
+                and all(h in self.cands and h not in migrating for h in item))
+
+    def _new_groups(self, pool: str) -> list[frozenset[int]]:
+        """Groups of holders that the victims chosen since ``_order`` left on a block (a block
+        held by a victim and others), open as ``_open`` says."""
+        if pool != P.MAIN:
+            return []
+        self._order(pool)
+        return [g for g in self._groups() if g not in self._groups_seen and self._open(pool, "delete", g)]
+
+    def _evaluate(self, pool: str, short: int, kind: str, item) -> list[tuple]:
+        if kind == "delete":
+            return self._delete_option(item, pool)
+        return self._demotion_options(item, pool, short)
 
     def _demotion_room(self, cand: Candidate, sizes: list[int], keep: frozenset[int] = frozenset()):
         """``place_host`` for a demotion of ``cand`` under its Host admission (judged only when
@@ -670,19 +823,41 @@ class Planner:
         may, budget = self.host_admission(cand)
         return self.place_host(sizes, lambda v: may(v) and v.cid != cand.cid, budget, keep=keep)
 
+    @staticmethod
     # rule: reclaim-ranking
+    def _rank(cls: Cls, hot: float, loss: int, freed: int, what: tuple) -> tuple:
+        """An option's place in reclaim order (smallest first): normal content by loss per
+        useful freed unit, then older demand; other content by class, older demand, loss per
+        unit; last, its action (deletions before demotions, then the checkpoints' ids)."""
+        tie = (what[0], tuple(sorted(what[1])) if what[0] == "delete" else what[1])
+        if cls is Cls.NORMAL:
+            return (0, loss / freed, hot, tie)
+        return (cls, hot, loss / freed, tie)
+
+    def _choose(self, pool: str, short: int) -> tuple | None:
+        """The option ``_rank`` puts first, evaluating options in the order of their rank's
+        lower bound and stopping at the first whose bound is not below the best found (exactly
+        ``min(self._options(pool, short), key=rank)``: most options are never evaluated — with
+        a full Device nearly every plan's winner is a demotion that loses nothing)."""
+        best, best_rank = None, None
+        new = [(b, "delete", g) for g in self._new_groups(pool) if (b := self._bound(pool, "delete", g)) is not None]
+        new.sort(key=lambda x: x[0])
+        for bound, kind, item in heapq.merge(self._order(pool), new, key=lambda x: x[0]):
+            if best_rank is not None and bound >= best_rank:
+                break
+            if not self._open(pool, kind, item):
+                continue
+            for o in self._evaluate(pool, short, kind, item):
+                r = self._rank(*o[:5])
+                if best_rank is None or r < best_rank:
+                    best, best_rank = o, r
+        return best
+
     def _best(self, pool: str, short: int):
-        options = self._options(pool, short)
-        if not options:
+        chosen = self._choose(pool, short)
+        if chosen is None:
             return [], 0
-
-        def key(o):
-            cls, hot, loss, freed, what = o[:5]
-            if cls is Cls.NORMAL:
-                return (0, loss / freed, hot, str(what))
-            return (cls, hot, loss / freed, str(what))
-
-        cls, hot, loss, freed, what, sizes, host_victims = min(options, key=key)
+        cls, hot, loss, freed, what, sizes, host_victims = chosen
         acts = self.commit_host(sizes, host_victims) if sizes else []
         if what[0] == "delete":
             acts += self._delete(what[1])
