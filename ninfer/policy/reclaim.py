@@ -23,7 +23,6 @@ order, unneeded ones are dropped again, and if nothing admissible places it noth
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
@@ -58,7 +57,7 @@ class FactsIndex:
     one settlement builds many planners over the same facts (one per need, its deletions-only
     alternative, the pause routes and the capture rooms)."""
 
-    __slots__ = ("facts", "_listers", "_releasable", "_movable", "_touch", "_held", "_shared", "_groups")
+    __slots__ = ("facts", "_listers", "_releasable", "_movable", "_touch", "_shared", "_groups")
 
     def __init__(self, facts: P.Facts):
         self.facts = facts
@@ -66,8 +65,7 @@ class FactsIndex:
         self._releasable: list[tuple[int, tuple[int, ...]]] | None = None
         self._movable: dict[int, list[int]] = {}
         self._touch: dict[int, list[int]] | None = None
-        self._held: dict[int, list[int]] = {}
-        self._shared: dict[frozenset[int], list[int]] = {}
+        self._shared: dict[frozenset[int], list[int]] | None = None
         self._groups: dict[frozenset[int], dict] = {}
 
     @property
@@ -99,30 +97,16 @@ class FactsIndex:
         return got
 
     def _scan(self) -> None:
-        """One pass over the releasable blocks no sequence holds: per checkpoint the blocks it
-        holds or lists (``reach``) and those it holds; the blocks with two or more holders."""
+        """Per checkpoint, the releasable blocks no sequence holds that it holds or lists (one
+        pass, the first time a deletion's release is counted on these facts)."""
         touch: dict[int, list[int]] = {}
-        held: dict[int, list[int]] = {}
-        shared: dict[frozenset[int], list[int]] = {}
         listers = self.listers
         for bid, holders in self.releasable:
             if any(h < 0 for h in holders):
                 continue                         # a sequence holds it: no deletion frees it
-            for m in holders:
-                held.setdefault(m, []).append(bid)
-            lst = listers.get(bid, ())
-            for m in set(holders).union(lst):
+            for m in set(holders).union(listers.get(bid, ())):
                 touch.setdefault(m, []).append(bid)
-            if len(holders) > 1 and len(set(holders)) > 1:
-                shared.setdefault(frozenset(holders), []).append(bid)
-        self._touch, self._held, self._shared = touch, held, shared
-
-    def reach(self, cid: int) -> int:
-        """How many Device blocks a deletion could free that this checkpoint holds or lists: a
-        deletion frees no block that none of its members holds or lists, whatever the victims."""
-        if self._touch is None:
-            self._scan()
-        return len(self._touch.get(cid, ()))
+        self._touch = touch
 
     def entries(self, m: int, victims: frozenset[int]) -> list[tuple]:
         """The Device blocks a deletion of ``m`` might free once ``victims`` are deleted: (block,
@@ -139,24 +123,27 @@ class FactsIndex:
                 out.append((bid, rest, lst, any(c in victims for c in lst)))
         return out
 
+    @property
+    def shared(self) -> dict[frozenset[int], list[int]]:
+        """The releasable blocks two or more checkpoints hold (and no sequence), by holder set."""
+        if self._shared is None:
+            shared: dict[frozenset[int], list[int]] = {}
+            for bid, holders in self.releasable:
+                if len(holders) > 1 and len(g := frozenset(holders)) > 1 and all(h > 0 for h in g):
+                    shared.setdefault(g, []).append(bid)
+            self._shared = shared
+        return self._shared
+
     def groups(self, victims: frozenset[int]) -> dict[frozenset[int], list[int]]:
         """The groups of two or more holders left on a block once ``victims`` are deleted, with
         their blocks (kept per victim set: the passes of a settlement mostly share one)."""
         got = self._groups.get(victims)
         if got is None:
-            if self._touch is None:
-                self._scan()
-            hit = {bid for v in victims for bid in self._held.get(v, ())}
             got = {}
-            for g, bids in self._shared.items():
-                keep = [b for b in bids if b not in hit] if hit else bids
-                if keep:
-                    got[g] = keep
-            blocks = self.facts.blocks
-            for bid in hit:
-                rest = frozenset(h for h in blocks[bid].holders if h not in victims)
+            for g, bids in self.shared.items():
+                rest = g - victims if not victims.isdisjoint(g) else g
                 if len(rest) > 1:
-                    got.setdefault(rest, []).append(bid)
+                    got.setdefault(rest, []).extend(bids)
             if len(self._groups) > 8:
                 self._groups.clear()
             self._groups[victims] = got
@@ -249,8 +236,8 @@ class Planner:
         self.prefix_memo: dict[int, list[tuple[int, int]]] = (
             prior.prefix_memo if prior is not None and prior.f is facts else {})
         self.least_memo: dict[int, int] = prior.least_memo if prior is not None and prior.f is facts else {}
-        self._orders: dict[str, list[tuple]] = {}     # per pool: the options by their rank's lower bound
-        self._groups_seen: set[frozenset[int]] = set()
+        self._orders: dict[str, tuple] = {}     # per pool: the options by their rank's lower bound, the groups' floor
+        self._group_bounds: dict[str, dict] = {}     # per pool: a group's bound (``_bound``)
         if survey is None:
             survey = prior.survey if prior is not None and prior.table is table else {}
         self.survey = survey
@@ -366,6 +353,11 @@ class Planner:
                    if o in live or (self.f.partial and o in self.table.ckpts)]
             self.prefix_memo[cid] = got
         return got
+
+    @property
+    def _live(self):
+        """The points ``_prefixes`` counts: the facts' (on scoped facts, any the records know)."""
+        return self.table.ckpts if self.f.partial else self.f.checkpoints
 
     def fallback(self, cid: int, gone: set[int]) -> int:
         """Deepest surviving exact-prefix point of ``cid`` (0 = root)."""
@@ -745,46 +737,56 @@ class Planner:
         deepest exact prefix point, surviving or not (``loss`` never counts less)."""
         got = self.least_memo.get(cid)
         if got is None:
-            got = self.least_memo[cid] = self.cands[cid].frontier - next((pf for pf, _ in self._prefixes(cid)), 0)
+            listed = self.prefix_memo.get(cid)
+            deepest = (next((pf for pf, _ in listed), 0) if listed is not None
+                       else self.table.deepest_prefix(cid, self._live))
+            got = self.least_memo[cid] = self.cands[cid].frontier - deepest
         return got
+
+    def _most(self, pool: str, group: frozenset[int]) -> int:
+        """At most what deleting ``group`` frees in ``pool``: a slot per member, or every Device
+        block no sequence pins (a bound that holds whatever the victims)."""
+        return len(group) if pool == P.STATE else len(self.ix.releasable)
 
     def _bound(self, pool: str, kind: str, item) -> tuple | None:
         """A lower bound of an option's rank (``_rank`` with a loss no greater and a release no
         smaller than the option can ever have on these facts: a demotion loses at least nothing;
-        a deletion loses at least ``_least_loss`` of each member and frees at most the blocks
-        its members hold or list); None if it can never free anything."""
+        a deletion loses at least ``_least_loss`` of each member and frees at most ``_most``);
+        None if it can never free anything."""
         if kind != "delete":
             cand = item
             return self._rank(cand.cls, cand.demand_time, 0, 1, (kind, cand.cid))
         group = item
-        most = len(group) if pool == P.STATE else sum(self.ix.reach(m) for m in group)
+        most = self._most(pool, group)
         if not most:
             return None
         return self._rank(max(self.cands[c].cls for c in group), max(self.cands[c].demand_time for c in group),
                           sum(self._least_loss(c) for c in group), most, ("delete", group))
 
-    def _order(self, pool: str) -> list[tuple]:
-        """(bound, kind, item) of this planner's options for ``pool``, lowest bound first: the
-        demotion of each candidate whose content is on the Device and its deletion, and, for
-        Main KV, each group of holders left on a block. Built once per pool (the bounds do not
-        move as the plan grows); an option closed since is skipped, a group that appears since
-        comes from ``_new_groups``."""
+    def _order(self, pool: str) -> tuple[list[tuple], tuple | None]:
+        """(bound, kind, item) of this planner's options for ``pool`` but the groups, lowest
+        bound first — each candidate's demotion (if its content is on the Device) and its
+        deletion — and a bound below every group's (None: no group can be an option). Built
+        once per pool: the bounds do not move as the plan grows; an option closed since is
+        skipped (``_open``)."""
         got = self._orders.get(pool)
         if got is None:
             items: list[tuple] = []
             for cid, cand in self.cands.items():
-                c = self.f.checkpoints[cid]
-                if pool == P.STATE and self.demote and c.image_device:
-                    items.append(("demote_state", cand))
-                elif pool == P.MAIN and self.demote and self.ix.movable(cid):
-                    items.append(("demote_blocks", cand))
+                if self.demote and (pool == P.MAIN or self.f.checkpoints[cid].image_device):
+                    items.append(("demote_blocks" if pool == P.MAIN else "demote_state", cand))
                 items.append(("delete", frozenset({cid})))
-            if pool == P.MAIN:
-                self._groups_seen = set(self._groups())
-                items += [("delete", g) for g in self._groups_seen if all(h in self.cands for h in g)]
-            got = [(b, kind, item) for kind, item in items if (b := self._bound(pool, kind, item)) is not None]
-            got.sort(key=lambda x: x[0])
-            self._orders[pool] = got
+            order = [(b, kind, item) for kind, item in items if (b := self._bound(pool, kind, item)) is not None]
+            order.sort(key=lambda x: x[0])
+            floor = None
+            if pool == P.MAIN and len(self.cands) > 1 and self._most(pool, frozenset()):
+                # any group has two or more candidates: its class, demand and least loss are at
+                # least the smallest, and its loss at least the two smallest least losses
+                least = sorted(self._least_loss(c) for c in self.cands)
+                floor = self._rank(min(c.cls for c in self.cands.values()),
+                                   min(c.demand_time for c in self.cands.values()),
+                                   least[0] + least[1], self._most(pool, frozenset()), ("delete", ()))
+            got = self._orders[pool] = (order, floor)
         return got
 
     def _open(self, pool: str, kind: str, item) -> bool:
@@ -801,14 +803,6 @@ class Planner:
         bids = self._groups().get(item)
         return (bids is not None and any(bid not in self.demoted_blocks for bid in bids)
                 and all(h in self.cands and h not in migrating for h in item))
-
-    def _new_groups(self, pool: str) -> list[frozenset[int]]:
-        """Groups of holders that the victims chosen since ``_order`` left on a block (a block
-        held by a victim and others), open as ``_open`` says."""
-        if pool != P.MAIN:
-            return []
-        self._order(pool)
-        return [g for g in self._groups() if g not in self._groups_seen and self._open(pool, "delete", g)]
 
     def _evaluate(self, pool: str, short: int, kind: str, item) -> list[tuple]:
         if kind == "delete":
@@ -838,19 +832,32 @@ class Planner:
         """The option ``_rank`` puts first, evaluating options in the order of their rank's
         lower bound and stopping at the first whose bound is not below the best found (exactly
         ``min(self._options(pool, short), key=rank)``: most options are never evaluated — with
-        a full Device nearly every plan's winner is a demotion that loses nothing)."""
+        a full Device nearly every plan's winner is a demotion that loses nothing). The groups
+        of holders left on a block are listed only when their floor is below the best."""
         best, best_rank = None, None
-        new = [(b, "delete", g) for g in self._new_groups(pool) if (b := self._bound(pool, "delete", g)) is not None]
-        new.sort(key=lambda x: x[0])
-        for bound, kind, item in heapq.merge(self._order(pool), new, key=lambda x: x[0]):
-            if best_rank is not None and bound >= best_rank:
-                break
-            if not self._open(pool, kind, item):
-                continue
-            for o in self._evaluate(pool, short, kind, item):
-                r = self._rank(*o[:5])
-                if best_rank is None or r < best_rank:
-                    best, best_rank = o, r
+
+        def scan(order):
+            nonlocal best, best_rank
+            for bound, kind, item in order:
+                if best_rank is not None and bound >= best_rank:
+                    return
+                if not self._open(pool, kind, item):
+                    continue
+                for o in self._evaluate(pool, short, kind, item):
+                    r = self._rank(*o[:5])
+                    if best_rank is None or r < best_rank:
+                        best, best_rank = o, r
+        order, floor = self._order(pool)
+        scan(order)
+        if floor is not None and (best_rank is None or floor < best_rank):
+            memo = self._group_bounds.setdefault(pool, {})
+            groups = []
+            for g in self._groups():
+                if self._open(pool, "delete", g):
+                    b = memo[g] if g in memo else memo.setdefault(g, self._bound(pool, "delete", g))
+                    if b is not None:
+                        groups.append((b, "delete", g))
+            scan(sorted(groups, key=lambda x: x[0]))
         return best
 
     def _best(self, pool: str, short: int):

@@ -169,6 +169,12 @@ class RecordTable:
             del self.entries[ent.id]
         return owners
 
+    def prefixes_of_cached(self, cid: int) -> None:
+        """Bring the cached prefix list of ``cid`` up to date (``prefixes_of``)."""
+        got = self._prefixes.get(cid)
+        if got is None or got[0] != self._adds:
+            self.prefixes_of(cid)
+
     def prefixes_of(self, cid: int) -> list[tuple[int, int]]:
         """(frontier, cid) of the live cache points that are exact prefixes of ``cid`` (itself
         excluded; identical aliases included), deepest first — through the prefix index, never
@@ -194,6 +200,12 @@ class RecordTable:
                 out.sort(reverse=True)
             got = self._prefixes[cid] = (self._adds, out)
         return [(f, o) for f, o in got[1] if o in self.ckpts]
+
+    def deepest_prefix(self, cid: int, live) -> int:
+        """The frontier of the deepest point of ``prefixes_of(cid)`` that ``live`` holds (0: none),
+        without listing the others (a point on a long history has hundreds of prefix points)."""
+        self.prefixes_of_cached(cid)
+        return next((f for f, o in self._prefixes[cid][1] if o in self.ckpts and o in live), 0)
 
     # -- records ---------------------------------------------------------------------------
     def new_record(self, session: str | None, insert: bool = True) -> PrivateRecord:
