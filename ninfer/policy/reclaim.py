@@ -236,6 +236,7 @@ class Planner:
         self.prefix_memo: dict[int, list[tuple[int, int]]] = (
             prior.prefix_memo if prior is not None and prior.f is facts else {})
         self.least_memo: dict[int, int] = prior.least_memo if prior is not None and prior.f is facts else {}
+        self._migrating_memo: tuple | None = None
         self._orders: dict[str, tuple] = {}     # per pool: the options by their rank's lower bound, the groups' floor
         self._group_bounds: dict[str, dict] = {}     # per pool: a group's bound (``_bound``)
         if survey is None:
@@ -649,8 +650,14 @@ class Planner:
         return actions, True
 
     def _migrating(self) -> set[int]:
-        listers = self.ix.listers
-        return self.demoted_images | {cid for bid in self.demoted_blocks for cid in listers.get(bid, ())}
+        """The checkpoints whose content a chosen demotion moves (memoised: the demotions only
+        grow inside a planner). Callers do not mutate it."""
+        key = (len(self.demoted_images), len(self.demoted_blocks))
+        if self._migrating_memo is None or self._migrating_memo[0] != key:
+            listers = self.ix.listers
+            self._migrating_memo = (key, self.demoted_images | {cid for bid in self.demoted_blocks
+                                                                 for cid in listers.get(bid, ())})
+        return self._migrating_memo[1]
 
     def _delete_options(self, pool: str) -> list[frozenset[int]]:
         """Victim sets worth deleting for this pool: single checkpoints, and for every Device
@@ -771,12 +778,16 @@ class Planner:
         skipped (``_open``)."""
         got = self._orders.get(pool)
         if got is None:
-            items: list[tuple] = []
+            order: list[tuple] = []
+            demote = "demote_blocks" if pool == P.MAIN else "demote_state"
+            rank, most = self._rank, self._most(pool, frozenset({0}))
             for cid, cand in self.cands.items():
                 if self.demote and (pool == P.MAIN or self.f.checkpoints[cid].image_device):
-                    items.append(("demote_blocks" if pool == P.MAIN else "demote_state", cand))
-                items.append(("delete", frozenset({cid})))
-            order = [(b, kind, item) for kind, item in items if (b := self._bound(pool, kind, item)) is not None]
+                    order.append((rank(cand.cls, cand.demand_time, 0, 1, (demote, cid)), demote, cand))
+                if most:                  # a single deletion: _bound of a one-member group
+                    group = frozenset({cid})
+                    order.append((rank(cand.cls, cand.demand_time, self._least_loss(cid), most, ("delete", group)),
+                                  "delete", group))
             order.sort(key=lambda x: x[0])
             floor = None
             if pool == P.MAIN and len(self.cands) > 1 and self._most(pool, frozenset()):
