@@ -238,7 +238,7 @@ class Planner:
         self.least_memo: dict[int, int] = prior.least_memo if prior is not None and prior.f is facts else {}
         self._migrating_memo: tuple | None = None
         self._orders: dict[str, tuple] = {}     # per pool: the options by their rank's lower bound, the groups' floor
-        self._group_bounds: dict[str, dict] = {}     # per pool: a group's bound (``_bound``)
+        self._group_bounds: dict[str, dict] = {}     # per pool: a group's bound (``_group_bound``)
         if survey is None:
             survey = prior.survey if prior is not None and prior.table is table else {}
         self.survey = survey
@@ -750,53 +750,46 @@ class Planner:
             got = self.least_memo[cid] = self.cands[cid].frontier - deepest
         return got
 
-    def _most(self, pool: str, group: frozenset[int]) -> int:
-        """At most what deleting ``group`` frees in ``pool``: a slot per member, or every Device
-        block no sequence pins (a bound that holds whatever the victims)."""
-        return len(group) if pool == P.STATE else len(self.ix.releasable)
+    def _most(self, pool: str, members: int) -> int:
+        """At most what deleting ``members`` checkpoints frees in ``pool``: a slot each, or every
+        Device block no sequence pins (a bound that holds whatever the victims)."""
+        return members if pool == P.STATE else len(self.ix.releasable)
 
-    def _bound(self, pool: str, kind: str, item) -> tuple | None:
-        """A lower bound of an option's rank (``_rank`` with a loss no greater and a release no
-        smaller than the option can ever have on these facts: a demotion loses at least nothing;
-        a deletion loses at least ``_least_loss`` of each member and frees at most ``_most``);
-        None if it can never free anything."""
-        if kind != "delete":
-            cand = item
-            return self._rank(cand.cls, cand.demand_time, 0, 1, (kind, cand.cid))
-        group = item
-        most = self._most(pool, group)
-        if not most:
-            return None
+    def _group_bound(self, pool: str, group: frozenset[int]) -> tuple:
+        """A lower bound of a deletion's rank (``_rank`` with a loss no greater and a release no
+        smaller than it can ever have on these facts: it loses at least ``_least_loss`` of each
+        member and frees at most ``_most``)."""
         return self._rank(max(self.cands[c].cls for c in group), max(self.cands[c].demand_time for c in group),
-                          sum(self._least_loss(c) for c in group), most, ("delete", group))
+                          sum(self._least_loss(c) for c in group), self._most(pool, len(group)), ("delete", group))
 
     def _order(self, pool: str) -> tuple[list[tuple], tuple | None]:
-        """(bound, kind, item) of this planner's options for ``pool`` but the groups, lowest
-        bound first — each candidate's demotion (if its content is on the Device) and its
-        deletion — and a bound below every group's (None: no group can be an option). Built
+        """(lower bound of its rank, kind, item) of this planner's options for ``pool`` but the
+        groups, lowest bound first — each candidate's demotion (if its content is on the Device)
+        and its deletion — and a bound below every group's (None: no group can be one). Built
         once per pool: the bounds do not move as the plan grows; an option closed since is
         skipped (``_open``)."""
         got = self._orders.get(pool)
         if got is None:
             order: list[tuple] = []
             demote = "demote_blocks" if pool == P.MAIN else "demote_state"
-            rank, most = self._rank, self._most(pool, frozenset({0}))
+            rank, most = self._rank, self._most(pool, 1)
             for cid, cand in self.cands.items():
+                # a demotion loses at least nothing
                 if self.demote and (pool == P.MAIN or self.f.checkpoints[cid].image_device):
                     order.append((rank(cand.cls, cand.demand_time, 0, 1, (demote, cid)), demote, cand))
-                if most:                  # a single deletion: _bound of a one-member group
+                if most:                  # a single deletion: _group_bound of a one-member group
                     group = frozenset({cid})
                     order.append((rank(cand.cls, cand.demand_time, self._least_loss(cid), most, ("delete", group)),
                                   "delete", group))
             order.sort(key=lambda x: x[0])
             floor = None
-            if pool == P.MAIN and len(self.cands) > 1 and self._most(pool, frozenset()):
+            if pool == P.MAIN and len(self.cands) > 1 and self._most(pool, 2):
                 # any group has two or more candidates: its class, demand and least loss are at
                 # least the smallest, and its loss at least the two smallest least losses
                 least = sorted(self._least_loss(c) for c in self.cands)
                 floor = self._rank(min(c.cls for c in self.cands.values()),
                                    min(c.demand_time for c in self.cands.values()),
-                                   least[0] + least[1], self._most(pool, frozenset()), ("delete", ()))
+                                   least[0] + least[1], self._most(pool, 2), ("delete", ()))
             got = self._orders[pool] = (order, floor)
         return got
 
@@ -865,9 +858,9 @@ class Planner:
             groups = []
             for g in self._groups():
                 if self._open(pool, "delete", g):
-                    b = memo[g] if g in memo else memo.setdefault(g, self._bound(pool, "delete", g))
-                    if b is not None:
-                        groups.append((b, "delete", g))
+                    if g not in memo:
+                        memo[g] = self._group_bound(pool, g)
+                    groups.append((memo[g], "delete", g))
             scan(sorted(groups, key=lambda x: x[0]))
         return best
 

@@ -169,12 +169,6 @@ class RecordTable:
             del self.entries[ent.id]
         return owners
 
-    def prefixes_of_cached(self, cid: int) -> None:
-        """Bring the cached prefix list of ``cid`` up to date (``prefixes_of``)."""
-        got = self._prefixes.get(cid)
-        if got is None or got[0] != self._adds:
-            self.prefixes_of(cid)
-
     def prefixes_of(self, cid: int) -> list[tuple[int, int]]:
         """(frontier, cid) of the live cache points that are exact prefixes of ``cid`` (itself
         excluded; identical aliases included), deepest first — through the prefix index, never
@@ -182,6 +176,11 @@ class RecordTable:
         brought up to date by checking only the points added since (the pressure planner asks this
         for every candidate every cycle, and a busy cache indexes new points every cycle: a
         lookup hashes the whole token list); deleted ones are filtered out."""
+        return [(f, o) for f, o in self._prefix_list(cid) if o in self.ckpts]
+
+    def _prefix_list(self, cid: int) -> list[tuple[int, int]]:
+        """The kept list behind ``prefixes_of`` (deleted points not yet filtered out), brought up
+        to date."""
         got = self._prefixes.get(cid)
         if got is None or got[0] != self._adds:
             info = self.ckpts.get(cid)
@@ -199,13 +198,12 @@ class RecordTable:
                         out.append((o.frontier, other))
                 out.sort(reverse=True)
             got = self._prefixes[cid] = (self._adds, out)
-        return [(f, o) for f, o in got[1] if o in self.ckpts]
+        return got[1]
 
     def deepest_prefix(self, cid: int, live) -> int:
         """The frontier of the deepest point of ``prefixes_of(cid)`` that ``live`` holds (0: none),
         without listing the others (a point on a long history has hundreds of prefix points)."""
-        self.prefixes_of_cached(cid)
-        return next((f for f, o in self._prefixes[cid][1] if o in self.ckpts and o in live), 0)
+        return next((f for f, o in self._prefix_list(cid) if o in self.ckpts and o in live), 0)
 
     # -- records ---------------------------------------------------------------------------
     def new_record(self, session: str | None, insert: bool = True) -> PrivateRecord:
