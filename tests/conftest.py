@@ -13,6 +13,8 @@ torch.set_num_threads(int(os.environ.get("NINFER_TORCH_THREADS", "1")))
 # every engine built in the suite checks the seed's rules as invariants on every cycle
 # (ninfer/engine/monitor.py) — in this process, in spawned sweep workers and in Ray actors
 os.environ.setdefault("NINFER_RULE_MONITOR", "1")
+# ... and every quote's memoised facts against a quote from scratch (native/reclaim.py FactsMemo)
+os.environ.setdefault("NINFER_CHECK_FACTS", "1")
 
 
 @pytest.fixture(scope="session")

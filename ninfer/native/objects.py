@@ -36,8 +36,24 @@ def next_generation() -> int:
     return next(_generation)
 
 
+class _Noted:
+    """Every attribute write puts the object's id in its ``noted`` set: the quote's record of
+    which physical facts changed since the last quote (native/reclaim.py ``FactsMemo``). An
+    in-place change of a container it holds (``holders``, ``owners``) calls ``note()`` —
+    ``touch()`` does, by writing ``version``."""
+
+    def __setattr__(self, name: str, value) -> None:
+        object.__setattr__(self, name, value)
+        self.note()
+
+    def note(self) -> None:
+        noted = self.__dict__.get("noted")
+        if noted is not None:
+            noted.add(self._noted_id())
+
+
 @dataclass(eq=False)
-class KvBlock:
+class KvBlock(_Noted):
     """One 64-token page of one KV kind, shared by directories (sequences and checkpoints)."""
 
     bid: int
@@ -51,6 +67,10 @@ class KvBlock:
     leases: int = 0                                  # copies / computes reading it now
     version: int = field(default_factory=next_generation)
     sink: set | None = field(default=None, repr=False)   # the Program's changed-block ids
+    noted: set | None = field(default=None, repr=False)  # the quote's changed-block ids (last field)
+
+    def _noted_id(self) -> int:
+        return self.bid
 
     def touch(self) -> None:
         self.version = next_generation()
@@ -59,16 +79,21 @@ class KvBlock:
 
 
 @dataclass(eq=False)
-class StateImage:
+class StateImage(_Noted):
     """Every GDN recurrent + conv state and the continuation hidden of one exact position."""
 
     slot: int | None = None          # Device replica (state pool id)
     host: Extent | None = None       # Host replica
     leases: int = 0
+    noted_as: int = field(default=0, repr=False)           # its checkpoint's cid (0: none yet)
+    noted: set | None = field(default=None, repr=False)    # that checkpoint's quote record (last field)
+
+    def _noted_id(self) -> int:
+        return self.noted_as
 
 
 @dataclass(eq=False)
-class Checkpoint:
+class Checkpoint(_Noted):
     """An exact restorable position: input identity + frontier + immutable StateImage + the
     typed KV coverage [0, frontier)."""
 
@@ -84,6 +109,10 @@ class Checkpoint:
     draft_frontier: int = 0
     version: int = field(default_factory=next_generation)
     sink: set | None = field(default=None, repr=False)   # the Program's changed-checkpoint ids
+    noted: set | None = field(default=None, repr=False)  # the quote's changed-checkpoint ids (last field)
+
+    def _noted_id(self) -> int:
+        return self.cid
 
     @property
     def frontier(self) -> int:

@@ -100,6 +100,7 @@ class Program:
         self.cks = Checkpoints(self.kv, self.slots, self.host, self._ids, self.exec_identity)
         self.checkpoints = self.cks.table
         self.blocks = self.kv.blocks
+        self.facts_memo = reclaim.FactsMemo(self.cks.noted, self.kv.noted)
         self.placement = HostPlacement(self.kv, self.slots, self.cks, self.sequences, self.host, self.mem, self.txn)
         self.writers = Writers(self.pools, self.kv, self.slots, self.cks, self.placement, self.txn, self.sequences,
                                self.host, self.mem)

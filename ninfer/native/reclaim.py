@@ -30,6 +30,7 @@ step that needs them, when the permit they serve will succeed).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -58,37 +59,116 @@ def _pinned(prog: "ContextCache", b, released: set[int] = frozenset()) -> bool:
     return b.leases > 0 or any(h in prog.sequences and h not in released for h in b.holders)
 
 
+def _block_fact(prog: "ContextCache", b) -> BlockFact:
+    return BlockFact(b.bid, b.version, b.kind, _holder_ids(prog, b), _pinned(prog, b), b.page is not None,
+                     b.host is not None and b.host_filled >= b.filled, b.filled, _at(b.host))
+
+
+def _checkpoint_fact(c) -> CheckpointFact:
+    return CheckpointFact(c.cid, c.generation, c.version, c.kind, c.frontier, tuple(c.owners),
+                          c.image.slot is not None, c.image.host is not None, c.image.leases > 0,
+                          tuple(b.bid for b in c.blocks[MAIN]), _at(c.image.host))
+
+
+def _at(ext):
+    return (ext.offset, ext.size) if ext is not None else None
+
+
+class FactsMemo:
+    """The fact messages of every checkpoint and block, kept between quotes: a quote rebuilds
+    only those of the objects noted since the last one (objects.py ``_Noted``: every attribute
+    write and every in-place change of holders or owners notes its object), so it costs
+    O(what changed + what it lists), not a rebuild of ~1,000 messages. A block's fact also reads
+    whether each holder is a checkpoint or a sequence: a holder comes and goes only with a
+    change of the block's holders, which notes it. ``NINFER_CHECK_FACTS=1`` (the test suite
+    sets it) makes every quote compare itself with one built from scratch."""
+
+    def __init__(self, noted_checkpoints: set[int], noted_blocks: set[int]):
+        self.noted_checkpoints = noted_checkpoints
+        self.noted_blocks = noted_blocks
+        self.checkpoints: dict[int, CheckpointFact] = {}
+        self.bids: dict[int, tuple[int, ...]] = {}       # per checkpoint: its blocks of every kind
+        self.blocks: dict[int, BlockFact] = {}
+
+    def refresh(self, prog: "ContextCache") -> None:
+        for cid in self.noted_checkpoints:
+            c = prog.checkpoints.get(cid)
+            if c is None:
+                self.checkpoints.pop(cid, None)
+                self.bids.pop(cid, None)
+            else:
+                self.checkpoints[cid] = _checkpoint_fact(c)
+                self.bids[cid] = tuple(b.bid for bl in c.blocks.values() for b in bl)
+        self.noted_checkpoints.clear()
+        for bid in self.noted_blocks:
+            b = prog.blocks.get(bid)
+            if b is None:
+                self.blocks.pop(bid, None)
+            else:
+                self.blocks[bid] = _block_fact(prog, b)
+        self.noted_blocks.clear()
+
+
+def _scoped(prog: "ContextCache", host_window: list[int]) -> list[int]:
+    """The checkpoints of a scoped quote, in id order: every one with Device content and the
+    listed Host-resident ones."""
+    return sorted(prog.device_checkpoints() | {c for c in host_window if c in prog.checkpoints})
+
+
 def quote(prog: "ContextCache", host_window: list[int] | None = None) -> Facts:
     """Physical facts. ``host_window`` None: every checkpoint and block. A list: a scoped
     quote — every checkpoint with Device content (so every Device reclaim candidate and every
     co-holder of a Device page), the listed Host-resident checkpoints, and the blocks of these
-    and of the live sequences; O(Device capacity + window), not O(directory)."""
-    def at(ext):
-        return (ext.offset, ext.size) if ext is not None else None
+    and of the live sequences; O(Device capacity + window), not O(directory). The messages come
+    from ``prog.facts_memo`` (rebuilt for what changed since the last quote)."""
+    memo = prog.facts_memo
+    memo.refresh(prog)
+    if host_window is None:
+        cks = {cid: memo.checkpoints[cid] for cid in prog.checkpoints}
+        blocks = {bid: memo.blocks[bid] for bid in prog.blocks}
+    else:
+        cks = {cid: memo.checkpoints[cid] for cid in _scoped(prog, host_window)}
+        mb = memo.blocks
+        blocks = {bid: mb[bid] for cid in cks for bid in memo.bids[cid]}
+        for seq in prog.sequences.values():
+            blocks.update((b.bid, mb[b.bid]) for bl in seq.blocks.values() for b in bl)
+    pools = {k: PoolFact(k, p.size, p.free, p.reserved) for k, p in prog.pools.items()}
+    facts = Facts(pools=pools, host_capacity=prog.host.capacity, host_free=tuple(prog.host.free_extents()),
+                  image_bytes=prog.image_bytes, page_bytes=prog.page_bytes, checkpoints=cks,
+                  blocks=blocks, tx_busy=prog.tx is not None, partial=len(cks) < len(prog.checkpoints))
+    if os.environ.get("NINFER_CHECK_FACTS", "0") != "0":
+        _check_against_scratch(prog, host_window, facts)
+    return facts
 
+
+def quote_from_scratch(prog: "ContextCache", host_window: list[int] | None = None) -> Facts:
+    """``quote`` without the memo: every message built from the objects (the reference the memo
+    is checked against)."""
     if host_window is None:
         cks_in, blocks_in = prog.checkpoints, prog.blocks
     else:
-        ids = prog.device_checkpoints() | {c for c in host_window if c in prog.checkpoints}
-        cks_in = {cid: prog.checkpoints[cid] for cid in sorted(ids)}
+        cks_in = {cid: prog.checkpoints[cid] for cid in _scoped(prog, host_window)}
         blocks_in = {b.bid: b for ck in cks_in.values() for bl in ck.blocks.values() for b in bl}
         for seq in prog.sequences.values():
             blocks_in.update((b.bid, b) for bl in seq.blocks.values() for b in bl)
-    blocks = {
-        bid: BlockFact(bid, b.version, b.kind, _holder_ids(prog, b), _pinned(prog, b), b.page is not None,
-                       b.host is not None and b.host_filled >= b.filled, b.filled, at(b.host))
-        for bid, b in blocks_in.items()
-    }
-    cks = {
-        cid: CheckpointFact(cid, c.generation, c.version, c.kind, c.frontier, tuple(c.owners),
-                            c.image.slot is not None, c.image.host is not None, c.image.leases > 0,
-                            tuple(b.bid for b in c.blocks[MAIN]), at(c.image.host))
-        for cid, c in cks_in.items()
-    }
+    blocks = {bid: _block_fact(prog, b) for bid, b in blocks_in.items()}
+    cks = {cid: _checkpoint_fact(c) for cid, c in cks_in.items()}
     pools = {k: PoolFact(k, p.size, p.free, p.reserved) for k, p in prog.pools.items()}
     return Facts(pools=pools, host_capacity=prog.host.capacity, host_free=tuple(prog.host.free_extents()),
                  image_bytes=prog.image_bytes, page_bytes=prog.page_bytes, checkpoints=cks,
                  blocks=blocks, tx_busy=prog.tx is not None, partial=len(cks) < len(prog.checkpoints))
+
+
+def _check_against_scratch(prog: "ContextCache", host_window: list[int] | None, facts: Facts) -> None:
+    ref = quote_from_scratch(prog, host_window)
+    if facts != ref or list(facts.checkpoints) != list(ref.checkpoints) or list(facts.blocks) != list(ref.blocks):
+        cks = sorted(c for c in ref.checkpoints.keys() | facts.checkpoints.keys()
+                     if ref.checkpoints.get(c) != facts.checkpoints.get(c))
+        bids = sorted(b for b in ref.blocks.keys() | facts.blocks.keys() if ref.blocks.get(b) != facts.blocks.get(b))
+        raise AssertionError(f"memoised facts differ from a quote from scratch: checkpoints {cks[:5]} "
+                             f"(memo {[facts.checkpoints.get(c) for c in cks[:2]]}, scratch "
+                             f"{[ref.checkpoints.get(c) for c in cks[:2]]}); blocks {bids[:5]} (memo "
+                             f"{[facts.blocks.get(b) for b in bids[:2]]}, scratch {[ref.blocks.get(b) for b in bids[:2]]})")
 
 
 # ---- commit -----------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """A Hypothesis state machine over the Program: random binds (root / Fork / Move, Device or Host
 sources), units of random sizes, captures, pauses (Snapshot to the Host, destructive), resumes,
 freezes, demotions, deletions, owner releases, failed copies and transfer settlement — with
-``check_integrity()`` after every step, the oracle's tokens for every finished sequence, and
+``check_integrity()`` and the memoised quote against one from scratch after every step, the oracle's tokens for every finished sequence, and
 nothing held at the end."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from ninfer.faults import Fault, FaultPlan
 from ninfer.native.program import BindMode, UnitKind
-from ninfer.native.reclaim import quote
+from ninfer.native.reclaim import quote, quote_from_scratch
 from ninfer.protocol import Delete, DemoteBlocks, DemoteState, Phase, SnapshotOwner
 from ninfer.reference import reference_generate
 from tests.factories import random_prompt
@@ -154,6 +154,15 @@ class ProgramMachine(RuleBasedStateMachine):
     def books_balance(self):
         if hasattr(self, "prog"):
             self.prog.check_integrity()
+
+    @invariant()
+    def memoised_facts_equal_facts_from_scratch(self):
+        """The quote's kept messages (FactsMemo) are the objects' facts after every step —
+        whole and scoped (the Device's checkpoints and no Host window)."""
+        if hasattr(self, "prog"):
+            for window in (None, []):
+                got, want = quote(self.prog, window), quote_from_scratch(self.prog, window)
+                assert got == want and list(got.blocks) == list(want.blocks), (window, got, want)
 
     def teardown(self):
         if not hasattr(self, "prog"):

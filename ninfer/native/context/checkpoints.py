@@ -46,6 +46,7 @@ class Checkpoints:
         self.draft: DraftBackend | None = None       # the draft backend, set once by the Program
         self._ids = ids
         self._changed: set[int] = set()              # placement changed since the last report
+        self.noted: set[int] = set()                 # any fact changed since the last quote (objects.py _Noted)
 
     # ---- reads ---------------------------------------------------------------------------------
     def digest(self, tokens: tuple[int, ...] | list[int], media: bytes = b"") -> bytes:
@@ -111,7 +112,8 @@ class Checkpoints:
             raise NativeError(f"no checkpoint at {at} of sequence {seq.sid} (frontier {seq.frontier})")
         tokens = tuple(seq.ledger[:f])
         ck = Checkpoint(sink=self._changed, cid=next(self._ids), generation=next_generation(), kind=kind, tokens=tokens,
-                        digest=self.digest(tokens), image=image, blocks={}, owners={owner: 1})
+                        digest=self.digest(tokens), image=image, blocks={}, owners={owner: 1}, noted=self.noted)
+        image.noted_as, image.noted = ck.cid, self.noted
         cover = {MAIN: f}
         if self.draft is not None:
             ck.draft_base, ck.draft_frontier = self.draft.coverage(seq)
@@ -163,6 +165,7 @@ class Checkpoints:
             self.host.release(ck.image.host)
             ck.image.host = None
         ck.owners.clear()
+        ck.note()
 
     def unlease(self, obj: KvBlock | StateImage) -> None:
         """A reader finished: drop its lease and free the replica if nobody holds it any more."""

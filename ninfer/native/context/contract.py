@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 if TYPE_CHECKING:
     from ninfer.native.context.transaction import Transaction
     from ninfer.native.objects import Checkpoint, KvBlock, Sequence
+    from ninfer.native.reclaim import FactsMemo
     from ninfer.native.stores import Extent, HostArena, IdPool
     from ninfer.protocol import Action, BindMode, CommitResult, Delete, Owner
 
@@ -35,6 +36,7 @@ class ContextCache(Protocol):
     blocks: Mapping[int, "KvBlock"]            # KV blocks of every kind by bid
     pools: Mapping[str, "IdPool"]              # typed Device pools (KV kinds, STATE)
     host: "HostArena"                          # the Host arena
+    facts_memo: "FactsMemo"                    # the quote's fact messages, kept between quotes
 
     @property
     def tx(self) -> "Transaction | None":

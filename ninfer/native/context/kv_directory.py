@@ -53,6 +53,7 @@ class KvDirectory:
         self._paged: dict[int, KvBlock] = {}         # blocks with a Device page
         self._host_only: set[int] = set()            # blocks with only a Host replica
         self._changed: set[int] = set()              # placement changed since the last report
+        self.noted: set[int] = set()                 # any fact changed since the last quote (objects.py _Noted)
 
     def attach_draft(self, kind: str, copy_prefix: CopyPrefix) -> None:
         """A draft backend keeps a directory of ``kind`` beside Main; ``copy_prefix`` copies the
@@ -136,7 +137,8 @@ class KvDirectory:
                 raise NativeError(f"block {b.bid} of sequence {seq.sid} is not resident")
 
     def _new_block(self, kind: str, seq: Sequence, res: Reservation | None = None) -> KvBlock:
-        b = KvBlock(bid=next(self._ids), kind=kind, holders={seq.sid}, appender=seq.sid, sink=self._changed)
+        b = KvBlock(bid=next(self._ids), kind=kind, holders={seq.sid}, appender=seq.sid, sink=self._changed,
+                    noted=self.noted)
         self.page_in(b, allocate(self.pools, res if res is not None else seq.reservation, kind))
         self.blocks[b.bid] = b
         return b

@@ -188,6 +188,7 @@ class Writers:
             seq.blocks[kind] = list(blocks)
             for b in blocks:
                 b.holders.add(seq.sid)
+                b.note()
                 if b.page is None:
                     self.kv.page_in(b, allocate(self.pools, res, kind))
                     b.leases += 1           # in-flight read-back: nobody may rely on it yet
