@@ -46,6 +46,14 @@ def _first_fit(free: list[tuple[int, int]], sizes: list[int]
     return offsets, changed
 
 
+def fits_count(free: list[tuple[int, int]], size: int) -> int:
+    """How many allocations of ``size`` first-fit places into these extents, one after another:
+    each extent takes as many as it holds whole (the same size every time, so no order can do
+    better)."""
+    need = align(max(size, 1))
+    return sum(s // need for _, s in free)
+
+
 def merge_extents(extents: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """Free extents (offset, size) with adjacent ones merged, as the arena keeps them."""
     out: list[list[int]] = []

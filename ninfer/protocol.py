@@ -679,6 +679,7 @@ class StepReply(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     pools: dict[str, PoolState] = {}
     host_free: int = 0
     host_largest: int = 0
+    host_images: int = 0             # StateImages the Host's free extents hold, first-fit
     host_kv_pages: int = 0           # KV pages with only a Host replica (bind demands need a quote)
     placement: list[tuple[int, int, bool, int]] = []   # (cid, generation, image on Device, Main
     #                                  pages only on the Host) of checkpoints whose placement changed

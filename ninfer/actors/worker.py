@@ -202,6 +202,7 @@ class Worker:
         reply.pools = {k: P.PoolState(p.size, p.available) for k, p in prog.pools.items()}
         reply.host_free = prog.host.free_bytes
         reply.host_largest = prog.host.largest_free()
+        reply.host_images = prog.host.fits_count(prog.image_bytes)
         reply.placement = prog.placement_changes()
         reply.host_kv_pages = prog.host_only_pages
         reply.tx = P.TxRef(prog.tx.tid, prog.tx.generation) if prog.tx is not None else None

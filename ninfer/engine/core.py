@@ -83,6 +83,7 @@ class EngineCore:
         self.pools: dict[str, P.PoolState] = {}
         self.host_free = 0
         self.host_largest = 0
+        self.host_images = 0
         self.host_kv_pages = 0
         self.bytes = (0, 0)
         self.faults_fired: dict[str, int] = {}
@@ -166,7 +167,7 @@ class EngineCore:
         return self._guard_progress(progressed)
 
     def _needs_quote(self, plan: Plan) -> bool:
-        return self.pressure.needs_quote(plan.needs(), len(plan.captures()), self.pools, self.host_largest,
+        return self.pressure.needs_quote(plan.needs(), len(plan.captures()), self.pools, self.host_images,
                                          plan.take_back is not None)
 
     def _quote_and_settle(self, plan: Plan, cmds) -> bool:
@@ -221,6 +222,7 @@ class EngineCore:
         self.pools = reply.pools
         self.host_free = reply.host_free
         self.host_largest = reply.host_largest
+        self.host_images = reply.host_images
         self.host_kv_pages = reply.host_kv_pages
         if reply.placement:
             self.rm.placed(reply.placement)

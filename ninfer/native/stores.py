@@ -15,7 +15,7 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 
 from ninfer.errors import IntegrityError
-from ninfer.placement import ALIGN, align, place_first_fit  # noqa: F401  (re-exported)
+from ninfer.placement import ALIGN, align, fits_count, place_first_fit  # noqa: F401  (re-exported)
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -164,6 +164,10 @@ class HostArena:
 
     def free_extents(self) -> list[tuple[int, int]]:
         return [(e.offset, e.size) for e in self._extents if e.free]
+
+    def fits_count(self, nbytes: int) -> int:
+        """How many allocations of ``nbytes`` fit first-fit into the free extents now."""
+        return fits_count(self.free_extents(), nbytes)
 
     def largest_free(self) -> int:
         return max((e.size for e in self._extents if e.free), default=0)

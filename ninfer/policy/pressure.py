@@ -33,6 +33,7 @@ from enum import StrEnum
 import msgspec
 
 from ninfer import protocol as P
+from ninfer.placement import fits_count, place_first_fit
 from ninfer.policy.reclaim import Candidate, Cls, Planner
 from ninfer.policy.resources import ResourceManager
 from ninfer.policy.scheduler import Scheduler
@@ -145,11 +146,11 @@ class Pressure:
         return True
 
     # rule: quote-trigger
-    def needs_quote(self, needs: list[Need], captures: int, pools: dict[str, P.PoolState], host_largest: int,
+    def needs_quote(self, needs: list[Need], captures: int, pools: dict[str, P.PoolState], host_images: int,
                     take_back: bool) -> bool:
         """Whether the cycle needs facts before it is sent: a lane take-back, a need that may not
-        fit, or saves beyond the Device slots the needs leave — more than one beyond, or one
-        whose image no Host extent holds."""
+        fit, or saves beyond the Device slots the needs leave — more of them than the Host's free
+        extents hold images, first-fit (``host_images``, from the last step's report)."""
         if take_back or not self.fits(needs, pools):
             return True
         if not captures:
@@ -159,7 +160,7 @@ class Pressure:
             for k, v in (n.demand or {}).items():
                 avail[k] = avail.get(k, 0) - v
         slots = avail.get(P.STATE, 0)
-        return captures > slots and (captures - max(0, slots) > 1 or host_largest < self.info.image_bytes)
+        return captures - max(0, slots) > host_images
 
     # ---- rights -----------------------------------------------------------------------
     # rule: preemption-rights
@@ -413,19 +414,24 @@ class Pressure:
                    planner: Planner | None, protect: set[int] = frozenset(), window_short=None
                    ) -> list[tuple[list[P.Action], bool, bool]]:
         """Each save's room, in plan order (``saves``: request, save point, the record it saves
-        for): a Device slot the intents leave, else the Host (one save: it takes an extent that
-        holds an image), else what the admission table admits (``capture_room``). Returns the
-        room's conditional actions, whether the table refused and whether repeat-demand evidence
-        was used, per save."""
+        for): a Device slot the intents leave, else the Host — as many saves as its free extents
+        hold images first-fit once the intents' plan (``planner``) has placed its demotions
+        there (seed: 预检以 arena 的实际放置为准) —, else what the admission table admits
+        (``capture_room``). Returns the room's conditional actions, whether the table refused and
+        whether repeat-demand evidence was used, per save."""
         slots = facts.pools[P.STATE].available - slots_used
-        host_ok = any(size >= facts.image_bytes for _, size in facts.host_free)
+        free = list(facts.host_free)
+        if planner is not None and planner.host_used:
+            placed = place_first_fit(free, [size for _, size in planner.host_used])
+            free = placed[1] if placed is not None else []
+        host = fits_count(free, facts.image_bytes)
         out: list[tuple[list[P.Action], bool, bool]] = []
         for req, sp, rec in saves:
             if slots > 0:
                 slots -= 1
                 out.append(([], False, False))
-            elif host_ok:
-                host_ok = False
+            elif host > 0:
+                host -= 1
                 out.append(([], False, False))
             else:
                 room, refused, evidence = self.capture_room(req, sp, planner, facts, protect, rec, window_short)

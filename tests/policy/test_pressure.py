@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from ninfer import protocol as P
 from ninfer.policy.pressure import FRESH, ROW, Need, Pressure
-from tests.policy.test_reclaim_planner import IMG, Quote
+from tests.policy.test_reclaim_planner import IMG, PAGE, Quote
 
 INFO = SimpleNamespace(image_bytes=IMG)
 
@@ -51,27 +51,29 @@ def test_saves_within_the_slots_the_needs_leave_need_no_quote():
     assert p.needs_quote([_need(1, state=2)], 2, _pools(8, 3), 0, False)
 
 
-def test_one_save_beyond_the_slots_needs_a_quote_only_when_no_host_extent_holds_its_image():
+def test_saves_beyond_the_slots_need_a_quote_only_when_the_host_holds_fewer_images():
     p = _pressure()
     needs = [_need(1, state=1)]
-    assert not p.needs_quote(needs, 1, _pools(8, 1), IMG, False)       # the Host takes it
-    assert p.needs_quote(needs, 1, _pools(8, 1), IMG - 1, False)       # no extent large enough
-    # two saves beyond the slots: the Host takes one image at most without a quote
-    assert p.needs_quote(needs, 2, _pools(8, 1), 10 * IMG, False)
+    assert not p.needs_quote(needs, 1, _pools(8, 1), 1, False)       # the Host takes it
+    assert p.needs_quote(needs, 1, _pools(8, 1), 0, False)           # no extent holds an image
+    # two saves past the slots: the Host must hold two images
+    assert not p.needs_quote(needs, 2, _pools(8, 1), 2, False)
+    assert p.needs_quote(needs, 2, _pools(8, 1), 1, False)
+    assert not p.needs_quote(needs, 3, _pools(8, 2), 2, False)       # one slot left, two on the Host
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 2)), max_size=5), st.integers(0, 6),
-       st.integers(0, 12), st.integers(0, 4), st.integers(0, 3 * IMG), st.booleans())
-def test_the_quote_trigger_restated(demands, caps, main, slots, host_largest, take_back):
+       st.integers(0, 12), st.integers(0, 4), st.integers(0, 4), st.booleans())
+def test_the_quote_trigger_restated(demands, caps, main, slots, host_images, take_back):
     """The rule restated independently: a quote unless every need fits in order and the saves
-    find a Device slot left by the needs, or all but one do and a Host extent holds an image."""
+    find a Device slot left by the needs or, past them, a Host image's room each."""
     needs = [_need(i + 1, m, s) for i, (m, s) in enumerate(demands)]
     fits = sum(m for m, _ in demands) <= main and sum(s for _, s in demands) <= slots
     left = slots - sum(s for _, s in demands)
-    saves_fit = caps <= max(0, left) or (caps == max(0, left) + 1 and host_largest >= IMG)
+    saves_fit = caps <= max(0, left) + host_images
     want = take_back or not fits or not saves_fit
-    assert _pressure().needs_quote(needs, caps, _pools(main, slots), host_largest, take_back) == want
+    assert _pressure().needs_quote(needs, caps, _pools(main, slots), host_images, take_back) == want
 
 
 # ---- save-room-order ------------------------------------------------------------------------
@@ -95,10 +97,23 @@ def _saves(n: int):
 def test_a_save_takes_a_slot_left_by_the_intents_then_the_host_then_the_admission_table():
     q = Quote(main=8, slots=3, host=2 * IMG)         # 3 free slots, a Host that holds two images
     p = _Table()
-    rooms = p.save_rooms(_saves(4), 1, q.facts(), None)
-    # 2 slots left after the intents' 1, then one save on the Host; the 4th asks the table
-    assert p.asked == ["s3"]
-    assert rooms == [([], False, False), ([], False, False), ([], False, False), ([P.Delete(99, 1, 1)], False, False)]
+    rooms = p.save_rooms(_saves(5), 1, q.facts(), None)
+    # 2 slots left after the intents' 1, then two saves on the Host; the 5th asks the table
+    assert p.asked == ["s4"]
+    assert rooms == [([], False, False)] * 4 + [([P.Delete(99, 1, 1)], False, False)]
+
+
+def test_the_host_room_of_saves_is_what_the_intents_plan_leaves_first_fit():
+    """The intents' demotions take their Host extents first: a Host of three images' room, one
+    image and a page placed by the plan, leaves one whole image's room (first-fit)."""
+    q = Quote(main=8, slots=1, host=3 * IMG)
+    plan = SimpleNamespace(host_used=[(0, IMG), (IMG, PAGE)])
+    p = _Table()
+    p.save_rooms(_saves(3), 1, q.facts(), plan)
+    assert p.asked == ["s1", "s2"]                   # s0 on the Host, the rest ask the table
+    p = _Table()
+    p.save_rooms(_saves(4), 1, q.facts(), SimpleNamespace(host_used=[]))
+    assert p.asked == ["s3"]                         # nothing placed: three images' room
 
 
 def test_without_host_room_every_save_past_the_slots_asks_the_table_and_a_refusal_is_reported():
@@ -112,8 +127,8 @@ def test_without_host_room_every_save_past_the_slots_asks_the_table_and_a_refusa
 def test_intents_that_take_every_slot_leave_the_saves_the_host_and_the_table():
     q = Quote(main=8, slots=2, host=3 * IMG)
     p = _Table()
-    p.save_rooms(_saves(3), 2, q.facts(), None)
-    assert p.asked == ["s1", "s2"]                   # the Host took s0 (one image), then the table
+    p.save_rooms(_saves(5), 2, q.facts(), None)
+    assert p.asked == ["s3", "s4"]                   # the Host took s0-s2 (three images), then the table
 
 
 # ---- take-back-second-pass ------------------------------------------------------------------
