@@ -180,25 +180,37 @@ class RecordTable:
 
     def _prefix_list(self, cid: int) -> list[tuple[int, int]]:
         """The kept list behind ``prefixes_of`` (deleted points not yet filtered out), brought up
-        to date."""
+        to date: only the points added since it was taken are checked, and when none of them is
+        a prefix the list is kept as it is (most cycles index points of other histories).
+        Callers do not mutate it."""
         got = self._prefixes.get(cid)
-        if got is None or got[0] != self._adds:
-            info = self.ckpts.get(cid)
-            out: list[tuple[int, int]] = []
-            if info is not None:
-                toks = info.tokens
-                since = self._adds - got[0] if got is not None else None
-                if since is not None and since <= len(self._recent):    # ids are never reused (one id space)
-                    out, found = list(got[1]), list(self._recent)[len(self._recent) - since:]
-                else:
-                    found = self.index.lookup(list(toks), len(toks))
-                for other in found:
-                    o = self.ckpts.get(other)
-                    if other != cid and o is not None and o.tokens == toks[: o.frontier]:
-                        out.append((o.frontier, other))
+        if got is not None and got[0] == self._adds:
+            return got[1]
+        info = self.ckpts.get(cid)
+        out: list[tuple[int, int]] = []
+        if info is not None:
+            toks = info.tokens
+            since = self._adds - got[0] if got is not None else None
+            if since is not None and since <= len(self._recent):    # ids are never reused (one id space)
+                new = self._prefixes_among(cid, toks, itertools.islice(self._recent, len(self._recent) - since, None))
+                out = sorted(got[1] + new, reverse=True) if new else got[1]
+            else:
+                out = self._prefixes_among(cid, toks, self.index.lookup(list(toks), len(toks)))
                 out.sort(reverse=True)
-            got = self._prefixes[cid] = (self._adds, out)
-        return got[1]
+        self._prefixes[cid] = (self._adds, out)
+        return out
+
+    def _prefixes_among(self, cid: int, toks: tuple[int, ...], found) -> list[tuple[int, int]]:
+        """(frontier, id) of the points in ``found`` whose tokens are a prefix of ``toks`` (``cid``
+        itself excluded); the last token is compared first, the whole prefix only when it matches."""
+        out = []
+        for other in found:
+            o = self.ckpts.get(other)
+            if other != cid and o is not None:
+                f = o.frontier
+                if f <= len(toks) and (f == 0 or (o.tokens and o.tokens[-1] == toks[f - 1])) and o.tokens == toks[:f]:
+                    out.append((f, other))
+        return out
 
     def deepest_prefix(self, cid: int, live) -> int:
         """The frontier of the deepest point of ``prefixes_of(cid)`` that ``live`` holds (0: none),
