@@ -27,6 +27,7 @@ about to release capacity, is still short after all of its legal reclaim.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -34,7 +35,7 @@ import msgspec
 
 from ninfer import protocol as P
 from ninfer.placement import fits_count, place_first_fit
-from ninfer.policy.reclaim import Candidate, Cls, Planner
+from ninfer.policy.reclaim import Candidate, Cls, Planner, Survey, stale_survey
 from ninfer.policy.resources import ResourceManager
 from ninfer.policy.scheduler import Scheduler
 from ninfer.policy.view import RequestView as Request
@@ -128,7 +129,8 @@ class Pressure:
         self.rm = rm
         self.info = info
         # the owners' classes for the planners of one settlement (Planner's ``survey``)
-        self._survey: dict | None = None
+        self._survey: dict | None = None      # the owners' survey while a settlement plans
+        self._kept_survey = Survey()          # ... kept across settlements (records' changes drop entries)
 
     # ---- prediction (no quote) --------------------------------------------------------
     def fits(self, needs: list[Need], pools: dict[str, P.PoolState]) -> bool:
@@ -211,7 +213,12 @@ class Pressure:
         (on the last covering plan, so its Host room is what the remedies leave), then each save's
         room after what the needs use (``saves``: request, save point, record; ``protect``: the
         plan's adopted sources and kept points)."""
-        self._survey = {}
+        kept, touched = self._kept_survey, self.rm.table.touched_records
+        kept.forget(touched)
+        touched.clear()
+        if os.environ.get("NINFER_CHECK_FACTS", "0") != "0" and (stale := stale_survey(kept, self.rm.table)):
+            raise AssertionError(f"kept survey entries whose records changed unnoted: {stale[:5]}")
+        self._survey = kept
         try:
             return self._settle_cycle(needs, facts, demands, tx_busy, keep, take_back, saves, protect)
         finally:

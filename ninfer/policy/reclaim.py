@@ -198,6 +198,35 @@ def _demand_time(owners: tuple[Owner, ...], table: RecordTable) -> float:
     return max(times, default=0.0)
 
 
+class Survey(dict):
+    """cid -> (owners, revocable, class without revocation, demand time), kept across
+    settlements. An entry reads its owners (compared with the quote's when read) and their
+    records' and entries' existence, level and evidence; ``forget`` drops the entries of the
+    records and entries named (``RecordTable.touched_records``: inserted, deleted or touched)."""
+
+    def __init__(self):
+        super().__init__()
+        self.by_record: dict[int, set[int]] = {}
+
+    def __setitem__(self, cid: int, entry: tuple) -> None:
+        super().__setitem__(cid, entry)
+        for o in entry[0]:
+            if isinstance(o, (RecordOwner, EntryOwner)):
+                self.by_record.setdefault(o.record if isinstance(o, RecordOwner) else o.entry, set()).add(cid)
+
+    def forget(self, ids: set[int]) -> None:
+        for rid in ids:
+            for cid in self.by_record.pop(rid, ()):
+                self.pop(cid, None)
+
+
+def stale_survey(survey: dict, table: RecordTable) -> list[int]:
+    """The kept survey entries that differ from their owners' classes and demand times now (the
+    check behind ``NINFER_CHECK_FACTS``: every record change that moves one must have been noted)."""
+    return [cid for cid, (owners, revocable, cls, hot) in survey.items()
+            if (not revocable and cls != _classify(owners, table, _never)) or hot != _demand_time(owners, table)]
+
+
 class Planner:
     """One planning pass over one quote."""
 
@@ -211,9 +240,9 @@ class Planner:
         with demotions cannot cover the gap). On scoped facts (``facts.partial``: the Device's
         content and a window of Host candidates) ``window_short`` is called when a Host
         placement found no admissible victims inside the window — the caller may quote a
-        wider one and plan again. ``survey``: the owners' classes and demand times, shared by the
-        passes of one settlement (the records do not change while it plans); per cid, so a pass
-        on the same checkpoints less a pause shares it too."""
+        wider one and plan again. ``survey``: the owners' classes and demand times per cid (a
+        ``Survey`` the caller keeps across settlements, or a dict for one), shared by a
+        settlement's passes; an entry whose quoted owners differ is taken again."""
         self.demote = demote
         self.window_short = window_short or (prior.window_short if prior else None)
         self.f = facts
@@ -246,7 +275,7 @@ class Planner:
             if cid in protect or c.leased:
                 continue
             got = survey.get(cid)
-            if got is None or got[0] is not c.owners:
+            if got is None or got[0] != c.owners:
                 # a class without revocable holds does not depend on who may revoke
                 revocable = any(isinstance(o, (WaiterOwner, SnapshotOwner)) for o in c.owners)
                 got = survey[cid] = (c.owners, revocable, None if revocable else _classify(c.owners, table, _never),

@@ -96,14 +96,41 @@ class PublicEntry:
         return EntryOwner(self.id)
 
 
+class _Noting(dict):
+    """A dict that notes every key it inserts or deletes in ``touched``."""
+
+    def __init__(self, touched: set[int]):
+        super().__init__()
+        self.touched = touched
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        self.touched.add(key)
+
+    def __delitem__(self, key) -> None:
+        super().__delitem__(key)
+        self.touched.add(key)
+
+    def setdefault(self, key, default=None):
+        self.touched.add(key)
+        return super().setdefault(key, default)
+
+    def pop(self, key, *default):
+        self.touched.add(key)
+        return super().pop(key, *default)
+
+
 class RecordTable:
     """Records, entries, the session index and the checkpoint mirror, kept consistent."""
 
     def __init__(self):
         self._ids = itertools.count(1)
         self.ckpts: dict[int, CkptInfo] = {}
-        self.records: dict[int, PrivateRecord] = {}
-        self.entries: dict[int, PublicEntry] = {}
+        # ids of the records and entries inserted, deleted or touched since the pressure planner
+        # last read them (its kept survey of the owners' classes and demand times)
+        self.touched_records: set[int] = set()
+        self.records: dict[int, PrivateRecord] = _Noting(self.touched_records)
+        self.entries: dict[int, PublicEntry] = _Noting(self.touched_records)
         self.sessions: dict[str, int] = {}          # session -> record id (newest publication)
         self.index = PrefixIndex()                  # live cache points by exact prefix digest
         self.histories = HistoryTrie()              # their token content (and live prompts): divergence positions
@@ -114,6 +141,7 @@ class RecordTable:
 
     def touch(self, holder: PrivateRecord | PublicEntry) -> None:
         """A record's or entry's level or evidence changed: its points are re-ranked."""
+        self.touched_records.add(holder.id)
         if isinstance(holder, PublicEntry):
             self.dirty.add(holder.cid)
         else:
