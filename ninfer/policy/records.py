@@ -119,6 +119,20 @@ class _Noting(dict):
         self.touched.add(key)
         return super().pop(key, *default)
 
+    def popitem(self):
+        key, value = super().popitem()
+        self.touched.add(key)
+        return key, value
+
+    def update(self, *args, **kwargs) -> None:
+        new = dict(*args, **kwargs)
+        super().update(new)
+        self.touched.update(new)
+
+    def clear(self) -> None:
+        self.touched.update(self)
+        super().clear()
+
 
 class RecordTable:
     """Records, entries, the session index and the checkpoint mirror, kept consistent."""

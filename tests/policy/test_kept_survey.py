@@ -25,6 +25,12 @@ def test_every_insertion_deletion_and_touch_of_a_record_or_entry_is_noted():
     del table.records[rec.id]
     table.entries.pop(ent.id)
     assert table.touched_records == {rec.id, ent.id}
+    table.records[rec.id] = rec
+    table.entries.update({ent.id: ent})
+    table.touched_records.clear()
+    table.entries.clear()                       # drop_all: every entry at once
+    table.records.popitem()
+    assert table.touched_records == {rec.id, ent.id}
 
 
 def test_forget_drops_the_entries_of_the_named_records_only():
