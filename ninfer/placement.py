@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 ALIGN = 256
 
 
@@ -46,7 +48,7 @@ def _first_fit(free: list[tuple[int, int]], sizes: list[int]
     return offsets, changed
 
 
-def fits_count(free: list[tuple[int, int]], size: int) -> int:
+def fits_count(free: Iterable[tuple[int, int]], size: int) -> int:
     """How many allocations of ``size`` first-fit places into these extents, one after another:
     each extent takes as many as it holds whole (the same size every time, so no order can do
     better)."""

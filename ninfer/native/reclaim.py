@@ -132,10 +132,7 @@ def quote(prog: "ContextCache", host_window: list[int] | None = None) -> Facts:
         blocks = {bid: mb[bid] for cid in cks for bid in memo.bids[cid]}
         for seq in prog.sequences.values():
             blocks.update((b.bid, mb[b.bid]) for bl in seq.blocks.values() for b in bl)
-    pools = {k: PoolFact(k, p.size, p.free, p.reserved) for k, p in prog.pools.items()}
-    facts = Facts(pools=pools, host_capacity=prog.host.capacity, host_free=tuple(prog.host.free_extents()),
-                  image_bytes=prog.image_bytes, page_bytes=prog.page_bytes, checkpoints=cks,
-                  blocks=blocks, tx_busy=prog.tx is not None, partial=len(cks) < len(prog.checkpoints))
+    facts = _facts(prog, cks, blocks)
     if os.environ.get("NINFER_CHECK_FACTS", "0") != "0":
         _check_against_scratch(prog, host_window, facts)
     return facts
@@ -153,6 +150,11 @@ def quote_from_scratch(prog: "ContextCache", host_window: list[int] | None = Non
             blocks_in.update((b.bid, b) for bl in seq.blocks.values() for b in bl)
     blocks = {bid: _block_fact(prog, b) for bid, b in blocks_in.items()}
     cks = {cid: _checkpoint_fact(c) for cid, c in cks_in.items()}
+    return _facts(prog, cks, blocks)
+
+
+def _facts(prog: "ContextCache", cks: dict[int, CheckpointFact], blocks: dict[int, BlockFact]) -> Facts:
+    """A quote of these checkpoint and block messages, with the pools and the Host as they are."""
     pools = {k: PoolFact(k, p.size, p.free, p.reserved) for k, p in prog.pools.items()}
     return Facts(pools=pools, host_capacity=prog.host.capacity, host_free=tuple(prog.host.free_extents()),
                  image_bytes=prog.image_bytes, page_bytes=prog.page_bytes, checkpoints=cks,

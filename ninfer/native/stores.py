@@ -166,8 +166,9 @@ class HostArena:
         return [(e.offset, e.size) for e in self._extents if e.free]
 
     def fits_count(self, nbytes: int) -> int:
-        """How many allocations of ``nbytes`` fit first-fit into the free extents now."""
-        return fits_count(self.free_extents(), nbytes)
+        """How many allocations of ``nbytes`` fit first-fit into the free extents now (every
+        step reports it: one pass over the extents, no list built)."""
+        return fits_count(((e.offset, e.size) for e in self._extents if e.free), nbytes)
 
     def largest_free(self) -> int:
         return max((e.size for e in self._extents if e.free), default=0)
