@@ -132,8 +132,12 @@ class ModelRunner:
                                      batch.cu[:-1], [(r.seq.frontier, r.n_tokens, r.seq.media) for r in compute],
                                      self.encoder, self.model.cfg.vocab_size)
             taps = self.spec.taps if self.spec is not None else ()
-            out = (self.graphs.forward(batch, embeds, taps) if self.graphs is not None
-                   else self.model.forward(batch, self.mem.cache, embeds, taps))
+            if self.graphs is not None:
+                out = self.graphs.forward(batch, embeds, taps)
+            elif embeds is None and not taps:
+                out = self.model.forward_seqs(seqs_in, batch, self.mem.cache)
+            else:
+                out = self.model.forward(batch, self.mem.cache, embeds, taps)
             # the grammar masks of the rows about to sample, on the CPU while the device runs
             # the forward (its launches are asynchronous; sampling reads the logits after this)
             for r in compute:

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from ninfer.native.model import attention, gdn
 from ninfer.native.model.config import PAGE_SIZE
 from ninfer.native.model.fp8 import linear
-from ninfer.native.model.moe import MoeWeights, with_shared
+from ninfer.native.model.moe import MoeWeights, sparse_moe, with_shared
 from ninfer.native.model.ops import acc_dtype, l2norm
 
 # rows x experts up to which ``dense_moe`` beats the grouped loop (tiny model, fp32, one thread:
@@ -121,6 +121,54 @@ def dense_moe(x: torch.Tensor, w: MoeWeights) -> torch.Tensor:
     h = F.silu(gate_up[:, :, 0]) * gate_up[:, :, 1] * route[:, :, None]
     out = linear(h.reshape(-1, e * inter), _down_side_by_side(w, x.dtype))
     return with_shared(out, x, w)
+
+
+def _shared_side_by_side(w: MoeWeights, dtype: torch.dtype) -> torch.Tensor:
+    """The shared expert's gate and up projections and its gate row stacked, [2Is + 1, H]
+    (built once per layer, kept on ``w``): one matmul where ``with_shared`` runs three."""
+    cat = w.shared_cat
+    if cat is None or cat.dtype != dtype:
+        cat = torch.cat([_plain(w.shared_gate_proj, dtype), _plain(w.shared_up_proj, dtype),
+                         _plain(w.shared_gate, dtype)]).contiguous()
+        w.shared_cat = cat                    # derived from the shared weights, never saved or moved
+    return cat
+
+
+def grouped_moe(x: torch.Tensor, w: MoeWeights) -> torch.Tensor:
+    """``sparse_moe``'s contract for many rows (a chunk), with fewer passes over [T k, H]
+    temporaries: the same routing and grouping (one stable sort of the (token, slot) pairs by
+    expert), but each expert's routing weights scale its [n, I] activations before the down
+    projection (not its [n, H] output after), each expert writes its rows of one buffer (no
+    concatenation), the shared expert's three projections are one matmul, and the routed rows
+    are added into the shared expert's output (no zero tensor). Equal to rounding: the weight
+    multiplies before the down product's sum instead of after it."""
+    if w.shared_gate_proj is None or x.shape[0] == 0:
+        return sparse_moe(x, w)
+    acc = acc_dtype(x.dtype)
+    e, two_i, hidden = w.gate_up.shape
+    inter, k = two_i // 2, w.top_k
+    probs = torch.softmax(linear(x, w.router).to(acc), dim=-1)
+    top_w, top_i = torch.topk(probs, k, dim=-1)
+    if w.norm_topk_prob:
+        top_w = top_w / top_w.sum(-1, keepdim=True)
+    flat = top_i.view(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=e).tolist()
+    tok = order // k
+    xs = x.index_select(0, tok)
+    weights = top_w.view(-1).index_select(0, order).to(x.dtype)[:, None]
+    y = torch.empty(tok.shape[0], hidden, dtype=x.dtype, device=x.device)
+    lo = 0
+    for j, n in enumerate(counts):
+        if n:
+            gate_up = linear(xs[lo:lo + n], w.gate_up[j])
+            h = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:]).mul_(weights[lo:lo + n])
+            y[lo:lo + n] = linear(h, w.down[j])
+            lo += n
+    i_s = w.shared_down_proj.shape[1]
+    gs = linear(x, _shared_side_by_side(w, x.dtype))                     # [T, 2Is + 1]
+    h = F.silu(gs[:, :i_s]).mul_(gs[:, i_s:2 * i_s]).mul_(torch.sigmoid(gs[:, 2 * i_s:]))
+    return linear(h, w.shared_down_proj).index_add_(0, tok, y)
 
 
 def delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -31,6 +31,7 @@ class MoeWeights:
     shared_down_proj: torch.Tensor | None = None
     shared_gate: torch.Tensor | None = None
     down_cat: torch.Tensor | None = None          # the CPU's dense form: ``down`` side by side [H, E*I], derived once
+    shared_cat: torch.Tensor | None = None        # the CPU's grouped form: the shared gate | up | gate rows, derived once
 
 
 def sparse_moe(x: torch.Tensor, w: MoeWeights, dense: bool = False) -> torch.Tensor:

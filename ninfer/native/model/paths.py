@@ -341,9 +341,11 @@ class CpuPath(BatchedPath):
         return o
 
     def moe(self, x, w, static):
-        if not static and cpu_ops.dense_moe_fits(x, w):
+        if static:
+            return sparse_moe(x, w, static)
+        if cpu_ops.dense_moe_fits(x, w):
             return cpu_ops.dense_moe(x, w)         # few rows: two matmuls over all experts
-        return sparse_moe(x, w, static)
+        return cpu_ops.grouped_moe(x, w)           # grouped by expert, fewer passes
 
 
 class PerSequencePath(_TorchOps):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from ninfer.native.model import paths
+from ninfer.native.model.forward import ForwardBatch
 from ninfer.native.model.attention import paged_attention
 from ninfer.native.model.cpu_ops import chunk_attention
 from tests.native.model.test_batched_forward import DTYPES, OP_REL, _compare, _paged_kv, prepared, rel_err
@@ -110,6 +111,31 @@ def test_dense_moe_equals_sparse_moe(tiny_model, dtype, rows):
         w64 = prepared(tiny_model, "float64").model.layers[0].mlp
         truth = sparse_moe(x.double(), w64)
         assert (got.double() - truth).abs().mean() <= 1.25 * (ref.double() - truth).abs().mean()
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("rows", [1, 65, 300, 2000])
+def test_grouped_moe_equals_sparse_moe(tiny_model, dtype, rows):
+    """``cpu_ops.grouped_moe`` (what the CPU path runs past ``dense_moe_fits``): the routing
+    weight before the down product, the shared expert's projections as one matmul, the routed
+    rows added into its output — ``sparse_moe`` to rounding; in bf16 no worse against float64
+    math on the same inputs and weights. Every layer's weights (each routes differently)."""
+    from ninfer.native.model import cpu_ops
+    from ninfer.native.model.moe import sparse_moe
+    model, model64 = prepared(tiny_model, dtype).model, prepared(tiny_model, "float64").model
+    x = torch.randn(rows, model.cfg.hidden_size, generator=torch.Generator().manual_seed(rows)).to(DTYPES[dtype])
+    for layer, layer64 in zip(model.layers, model64.layers):
+        w = layer.mlp
+        got, ref = cpu_ops.grouped_moe(x, w), sparse_moe(x, w)
+        assert got.dtype == x.dtype and got.shape == x.shape
+        if dtype != "bfloat16":
+            assert rel_err(got, ref) < OP_REL[dtype]
+        else:
+            truth = sparse_moe(x.double(), layer64.mlp)
+            assert (got.double() - truth).abs().mean() <= 1.25 * (ref.double() - truth).abs().mean()
+    rows_path = paths.CPU.moe(x, model.layers[0].mlp, False)      # past the dense form's reach: this one
+    if not cpu_ops.dense_moe_fits(x, model.layers[0].mlp):
+        assert torch.equal(rows_path, cpu_ops.grouped_moe(x, model.layers[0].mlp))
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -216,3 +242,61 @@ def test_half_precision_cpu_matmuls_run_at_bucketed_row_counts(monkeypatch):
             assert seen == [fp8.rows_bucket(m) if half else m]
             ref = real(x.to(dt), w.to(dt), b.to(dt))
             assert rel_err(got, ref) <= (1e-2 if half else 0.0)
+
+
+def _cache_copy(prep):
+    return type(prep.cache)(*(t.clone() for t in (prep.cache.k, prep.cache.v, prep.cache.conv, prep.cache.ssm)))
+
+
+def _forward_seqs(prep, rows):
+    """``Prepared.run`` through ``forward_seqs`` (the runner's entry), on a copy of the cache."""
+    cache = _cache_copy(prep)
+    return prep.model.forward_seqs(rows, ForwardBatch.build(rows), cache), cache
+
+
+def test_half_precision_cpu_decode_rows_run_on_the_fp32_twin(tiny_model):
+    """A CPU bf16 model's decode rows run on its fp32 twin (the same weights, finer rounding
+    inside): alone or beside a chunk, bit for bit the twin's rows (a decode row's arithmetic does
+    not depend on its call), their logits what the LM head gives for the hidden rounded to bf16
+    (what ``Memory.hidden`` keeps and a later sample reads), the chunk's rows its own call's."""
+    prep = prepared(tiny_model, "bfloat16")
+    model, twin = prep.model, prep.model.decode_twin
+    assert twin is not None and twin.dtype == torch.float32 and prepared(tiny_model, "float32").model.decode_twin is None
+    assert torch.equal(twin.layers[0].input_norm, model.layers[0].input_norm.float())
+    decode = prep.step(5, False)
+    mixed = prep.step(5, True)                       # the chunk in the middle of the decode rows
+    chunk_at = next(i for i, r in enumerate(mixed) if len(r.token_ids) > 1)
+    alone, _ = _forward_seqs(prep, decode)
+    both, _ = _forward_seqs(prep, mixed)
+    by_twin = twin.forward(ForwardBatch.build(decode), _cache_copy(prep), logits=False)
+    assert torch.equal(alone.hidden, by_twin.hidden.to(torch.bfloat16))
+    assert torch.equal(alone.logits, model.logits(alone.hidden))
+    rows_of_decode = [i for i in range(len(mixed)) if i != chunk_at]
+    n_chunk = len(mixed[chunk_at].token_ids)          # the chunk asks for all its logits rows
+    logit_row, at = {}, 0
+    for i in range(len(mixed)):
+        logit_row[i] = at
+        at += n_chunk if i == chunk_at else 1
+    got = torch.stack([both.logits[logit_row[i]] for i in rows_of_decode])
+    assert torch.equal(got, alone.logits)
+    chunk_alone, _ = _forward_seqs(prep, [mixed[chunk_at]])
+    assert torch.equal(both.logits[logit_row[chunk_at]:logit_row[chunk_at] + n_chunk], chunk_alone.logits)
+    chunk_rows = range(chunk_at, chunk_at + n_chunk)     # every row's hidden in the call's row order
+    assert torch.equal(both.all_hidden[list(chunk_rows)], chunk_alone.all_hidden)
+    assert torch.equal(both.all_hidden[[r for r in range(len(both.all_hidden)) if r not in chunk_rows]],
+                       alone.all_hidden)
+    # a chunk's inner cuts keep their states under the chunk's index in the whole call
+    import dataclasses
+    cut = dataclasses.replace(mixed[chunk_at], cuts=[mixed[chunk_at].start + 7, mixed[chunk_at].start + 40])
+    with_cuts = [*mixed[:chunk_at], cut, *mixed[chunk_at + 1:]]
+    batch, alone_batch = ForwardBatch.build(with_cuts), ForwardBatch.build([cut])
+    prep.model.forward_seqs(with_cuts, batch, _cache_copy(prep))
+    prep.model.forward_seqs([cut], alone_batch, _cache_copy(prep))
+    assert len(batch.cut_states) == len(alone_batch.cut_states) == len(model.cfg.linear_layers)
+    for layer, alone_layer in zip(batch.cut_states, alone_batch.cut_states):
+        assert list(layer) == [chunk_at]
+        assert all(torch.equal(a, b) for pair, alone_pair in zip(layer[chunk_at], alone_layer[0])
+                   for a, b in zip(pair, alone_pair))
+    # the twin is the CPU path's: another path set on the model runs every row itself
+    ref, _ = prep.run(paths.PER_SEQUENCE, decode)
+    assert not torch.equal(ref.logits, alone.logits)
