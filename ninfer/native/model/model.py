@@ -336,13 +336,14 @@ class HybridModel:
     @torch.no_grad()
     def forward_seqs(self, seqs: list[SeqInput], batch: ForwardBatch, cache: ModelCache) -> ForwardOutput:
         """The forward of ``batch`` = ``ForwardBatch.build(seqs)``, where a call's decode rows beside a chunk
-        run as a call of their own when they go to the twin (``_make_decode_twin``): a decode
-        row's arithmetic does not depend on whether a chunk shares its call. The output and the
-        batch's ``cut_states`` are those of the one call (rows and sequence indices as in it)."""
+        or verify rows run as a call of their own when they go to the twin (``_make_decode_twin``):
+        a decode row's arithmetic does not depend on what shares its call. The output and the
+        batch's ``cut_states`` and ``spec_states`` are those of the one call (rows and sequence
+        indices as in it)."""
         single = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
-        if not single or len(single) == len(seqs) or not self._twin_decodes() or batch.verify_seqs:
+        if not single or len(single) == len(seqs) or not self._twin_decodes():
             return self.forward(batch, cache)
-        rest = [i for i in range(len(seqs)) if len(seqs[i].token_ids) > 1]
+        rest = [i for i in range(len(seqs)) if i not in single]
         all_hidden = torch.empty(batch.input_ids.shape[0], self.cfg.hidden_size, dtype=self.dtype, device=self.device)
         per_seq: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for part in (single, rest):
@@ -355,6 +356,7 @@ class HybridModel:
                 per_seq[i] = (out.hidden[at:at + n], out.logits[at:at + n])
                 at += n
             batch.cut_states.extend({part[j]: kept for j, kept in layer.items()} for layer in sub.cut_states)
+            batch.spec_states.extend({part[j]: kept for j, kept in layer.items()} for layer in sub.spec_states)
         order = range(len(seqs))
         return ForwardOutput(hidden=torch.cat([per_seq[i][0] for i in order]),
                              logits=torch.cat([per_seq[i][1] for i in order]), all_hidden=all_hidden)

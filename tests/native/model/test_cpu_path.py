@@ -297,6 +297,17 @@ def test_half_precision_cpu_decode_rows_run_on_the_fp32_twin(tiny_model):
         assert list(layer) == [chunk_at]
         assert all(torch.equal(a, b) for pair, alone_pair in zip(layer[chunk_at], alone_layer[0])
                    for a, b in zip(pair, alone_pair))
+    # a verify row (a draft's check) beside decode rows: its kept per-step states under its index
+    verify = dataclasses.replace(decode[2], token_ids=[*decode[2].token_ids, 7, 9], logits="all", verify=True)
+    with_verify = [*decode[:2], verify, *decode[3:]]
+    batch, alone_batch = ForwardBatch.build(with_verify), ForwardBatch.build([verify])
+    out = prep.model.forward_seqs(with_verify, batch, _cache_copy(prep))
+    verify_alone = prep.model.forward_seqs([verify], alone_batch, _cache_copy(prep))
+    assert torch.equal(out.logits[2:5], verify_alone.logits)
+    assert torch.equal(torch.cat([out.logits[:2], out.logits[5:]]), alone.logits[[0, 1, 3, 4]])
+    assert len(batch.spec_states) == len(model.cfg.linear_layers)
+    for layer, alone_layer in zip(batch.spec_states, alone_batch.spec_states):
+        assert list(layer) == [2] and all(torch.equal(a, b) for a, b in zip(layer[2], alone_layer[0]))
     # the twin is the CPU path's: another path set on the model runs every row itself
     ref, _ = prep.run(paths.PER_SEQUENCE, decode)
     assert not torch.equal(ref.logits, alone.logits)
