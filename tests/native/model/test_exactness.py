@@ -131,3 +131,18 @@ def test_conv_prefill_equals_steps(T):
         y_t, s = gdn.causal_conv1d_step(x[t:t + 1], s, w)
         assert (y_t[0] - y[t]).abs().max().item() < TOL
     assert torch.equal(s[0], final)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("T", [gdn.CONV_SPLIT_ROWS, gdn.CONV_SPLIT_ROWS + 1, 2000])
+def test_long_conv_leaves_x_in_place_with_the_same_bits(dtype, T, monkeypatch):
+    """A chunk of ``CONV_SPLIT_ROWS`` or more rows is convolved without concatenating x to the
+    state: the same products summed in the same order as the concatenated form, bit for bit,
+    output and final state — the first K-1 rows (which read the state) included."""
+    g = torch.Generator().manual_seed(T)
+    C, K = 24, 4
+    x, w, state = (torch.randn(*s, generator=g, dtype=dtype) for s in ((T, C), (C, K), (C, K - 1)))
+    y, final = gdn.causal_conv1d(x, state, w)
+    monkeypatch.setattr(gdn, "CONV_SPLIT_ROWS", T + 1)       # the concatenated form
+    y_cat, final_cat = gdn.causal_conv1d(x, state, w)
+    assert torch.equal(y, y_cat) and torch.equal(final, final_cat)
