@@ -259,7 +259,7 @@ def chunk_delta_rule_cuts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
     # solve, which torch runs without transposed copies of both sides (the rule at T = 2,000 ~10 % faster)
     uw = torch.linalg.solve_triangular(system.mT, rhs.mT, upper=True, left=False,
                                        unitriangular=True).mT.reshape(n, hv, chunk, dv + dk)
-    v_new, w = uw[..., :dv].contiguous(), uw[..., dv:].contiguous()    # U, then U - W S in place
+    v_new, w = uw[..., :dv].contiguous(), uw[..., dv:]     # U (then U - W S in place); W read as a transposed view
     intra = ((q @ kt)[:, :, None] * decay).view(n, hv, chunk, chunk)
     q_dec = (q[:, :, None] * e_g).view(n, hv, chunk, dk)
     k_dec_t = (k[:, :, None] * (G[..., -1:] - G).exp_().view(n, hk, rep, chunk, 1)).view(n, hv, chunk, dk)
