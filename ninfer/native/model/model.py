@@ -118,24 +118,16 @@ def _as_dtype(w, dtype: torch.dtype):
     return w
 
 
-def _numel(w) -> int:
-    if isinstance(w, torch.Tensor):
-        return w.numel()
-    if isinstance(w, tuple):
-        return sum(_numel(x) for x in w)
-    if dataclasses.is_dataclass(w):
-        return sum(_numel(getattr(w, f.name)) for f in dataclasses.fields(w))
-    return 0
-
-
-def _any_fp8(w) -> bool:
-    if isinstance(w, fp8.Fp8Weight):
-        return True
-    if isinstance(w, tuple):
-        return any(_any_fp8(x) for x in w)
-    if dataclasses.is_dataclass(w):
-        return any(_any_fp8(getattr(w, f.name)) for f in dataclasses.fields(w))
-    return False
+def _leaves(w):
+    """A layer's weights (dataclasses, tuples) as their tensors and FP8 weights."""
+    if isinstance(w, (torch.Tensor, fp8.Fp8Weight)):
+        yield w
+    elif isinstance(w, tuple):
+        for x in w:
+            yield from _leaves(x)
+    elif dataclasses.is_dataclass(w):
+        for f in dataclasses.fields(w):
+            yield from _leaves(getattr(w, f.name))
 
 
 # Weights up to which a CPU bf16 / fp16 model keeps an fp32 twin of them for its decode rows
@@ -252,10 +244,8 @@ class HybridModel:
         (``_through_twin``). None elsewhere, for FP8 weights, and past ``DECODE_TWIN_MAX_BYTES``."""
         if self.device.type != "cpu" or self.dtype not in (torch.bfloat16, torch.float16):
             return None
-        weights = [*self.layers, self.embed, self.final_norm, self.lm_head]
-        if any(_any_fp8(w) for w in weights):
-            return None
-        if 4 * sum(_numel(w) for w in weights) > DECODE_TWIN_MAX_BYTES:
+        leaves = list(_leaves((*self.layers, self.embed, self.final_norm, self.lm_head)))
+        if any(isinstance(t, fp8.Fp8Weight) for t in leaves) or 4 * sum(t.numel() for t in leaves) > DECODE_TWIN_MAX_BYTES:
             return None
         twin = copy.copy(self)
         twin.dtype, twin.acc = torch.float32, acc_dtype(torch.float32)
