@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from ninfer.native.model import attention, gdn
 from ninfer.native.model.config import PAGE_SIZE
 from ninfer.native.model.fp8 import linear
-from ninfer.native.model.moe import MoeWeights, sparse_moe, with_shared
+from ninfer.native.model.moe import MoeWeights, route, sparse_moe, with_shared
 from ninfer.native.model.ops import acc_dtype, l2norm
 
 # rows x experts up to which ``dense_moe`` beats the grouped loop (tiny model, fp32, one thread:
@@ -109,16 +109,12 @@ def dense_moe(x: torch.Tensor, w: MoeWeights) -> torch.Tensor:
 
     plus the gated shared expert. The sum over a row's experts happens inside the second
     matmul (another order than the grouped form's: equal to rounding)."""
-    acc = acc_dtype(x.dtype)
     e, two_i, hidden = w.gate_up.shape
     inter = two_i // 2
-    probs = torch.softmax(linear(x, w.router).to(acc), dim=-1)
-    top_w, top_i = torch.topk(probs, w.top_k, dim=-1)
-    if w.norm_topk_prob:
-        top_w = top_w / top_w.sum(-1, keepdim=True)
-    route = torch.zeros(x.shape[0], e, dtype=x.dtype, device=x.device).scatter_(1, top_i, top_w.to(x.dtype))
+    top_w, top_i = route(x, w)
+    weights = torch.zeros(x.shape[0], e, dtype=x.dtype, device=x.device).scatter_(1, top_i, top_w.to(x.dtype))
     gate_up = linear(x, _plain(w.gate_up, x.dtype).reshape(e * two_i, hidden)).view(-1, e, 2, inter)
-    h = F.silu(gate_up[:, :, 0]) * gate_up[:, :, 1] * route[:, :, None]
+    h = F.silu(gate_up[:, :, 0]) * gate_up[:, :, 1] * weights[:, :, None]
     out = linear(h.reshape(-1, e * inter), _down_side_by_side(w, x.dtype))
     return with_shared(out, x, w)
 
@@ -144,13 +140,9 @@ def grouped_moe(x: torch.Tensor, w: MoeWeights) -> torch.Tensor:
     multiplies before the down product's sum instead of after it."""
     if w.shared_gate_proj is None or x.shape[0] == 0:
         return sparse_moe(x, w)
-    acc = acc_dtype(x.dtype)
     e, two_i, hidden = w.gate_up.shape
     inter, k = two_i // 2, w.top_k
-    probs = torch.softmax(linear(x, w.router).to(acc), dim=-1)
-    top_w, top_i = torch.topk(probs, k, dim=-1)
-    if w.norm_topk_prob:
-        top_w = top_w / top_w.sum(-1, keepdim=True)
+    top_w, top_i = route(x, w)
     flat = top_i.view(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=e).tolist()

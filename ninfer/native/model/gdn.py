@@ -51,22 +51,21 @@ def causal_conv1d(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) ->
     w = weight.t().contiguous()                         # [K, C]
     if t < CONV_SPLIT_ROWS:
         xs = torch.cat([state.t().to(x.dtype), x], dim=0)  # [K-1+T, C]
-        y = xs[:t] * w[0]
-        for j in range(1, k):
-            y = torch.addcmul(y, xs[j:j + t], w[j])
-        return F.silu(y), xs[t:].t().contiguous()
+        return F.silu(_window_sums(xs, w, t)), xs[t:].t().contiguous()
     # a long chunk: the first K-1 outputs (which read the state) from a small concatenation, the
     # rest from x in place — the same products summed in the same order, without copying x
-    head = torch.cat([state.t().to(x.dtype), x[:k1]], dim=0)   # [2(K-1), C]
     y = torch.empty_like(x)
-    first = head[:k1] * w[0]
-    for j in range(1, k):
-        first = torch.addcmul(first, head[j:j + k1], w[j])
-    y[:k1] = first
-    rest = torch.mul(x[:t - k1], w[0], out=y[k1:])
-    for j in range(1, k):
-        rest.addcmul_(x[j:t - k1 + j], w[j])
+    y[:k1] = _window_sums(torch.cat([state.t().to(x.dtype), x[:k1]], dim=0), w, k1)
+    _window_sums(x, w, t - k1, out=y[k1:])
     return F.silu(y), x[t - k1:].t().contiguous()
+
+
+def _window_sums(rows: torch.Tensor, w: torch.Tensor, t: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """sum_j w[j] * rows[i + j] for i < t, j < K, in ascending j (rows: [t + K - 1, C]; w: [K, C])."""
+    y = torch.mul(rows[:t], w[0], out=out)
+    for j in range(1, w.shape[0]):
+        y.addcmul_(rows[j:j + t], w[j])
+    return y
 
 
 def causal_conv1d_step(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

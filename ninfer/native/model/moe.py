@@ -34,6 +34,17 @@ class MoeWeights:
     shared_cat: torch.Tensor | None = None        # the CPU's grouped form: the shared gate | up | gate rows, derived once
 
 
+def route(x: torch.Tensor, w: MoeWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's experts: the router's softmax in the accumulation dtype, its top-k, renormalised
+    when the model asks (``norm_topk_prob``). Returns (weights [T, k] in the accumulation dtype,
+    expert ids [T, k])."""
+    probs = torch.softmax(linear(x, w.router).to(acc_dtype(x.dtype)), dim=-1)
+    top_w, top_i = torch.topk(probs, w.top_k, dim=-1)
+    if w.norm_topk_prob:
+        top_w = top_w / top_w.sum(-1, keepdim=True)
+    return top_w, top_i
+
+
 def sparse_moe(x: torch.Tensor, w: MoeWeights, dense: bool = False) -> torch.Tensor:
     """x: [T, H] -> [T, H]. Routing softmax in the accumulation dtype, top-k, optional
     renormalisation; each token's output is the weighted sum of its experts plus the gated
@@ -43,20 +54,16 @@ def sparse_moe(x: torch.Tensor, w: MoeWeights, dense: bool = False) -> torch.Ten
     where an expert was not chosen — no data-dependent shape or host sync, so a CUDA graph can
     capture it (native/graphs.py). Experts are summed in the same ascending order as the sparse
     form and an unchosen expert adds an exact zero, so the two agree to the matmuls' rounding."""
-    acc = acc_dtype(x.dtype)
-    probs = torch.softmax(linear(x, w.router).to(acc), dim=-1)
-    top_w, top_i = torch.topk(probs, w.top_k, dim=-1)                 # [T, k]
-    if w.norm_topk_prob:
-        top_w = top_w / top_w.sum(-1, keepdim=True)
+    top_w, top_i = route(x, w)                                         # [T, k]
     top_w = top_w.to(x.dtype)
     out = torch.zeros_like(x)
     inter = w.down.shape[-1]
     if dense:
-        route = torch.zeros(x.shape[0], w.gate_up.shape[0], dtype=x.dtype, device=x.device).scatter_(1, top_i, top_w)
+        weights = torch.zeros(x.shape[0], w.gate_up.shape[0], dtype=x.dtype, device=x.device).scatter_(1, top_i, top_w)
         for e in range(w.gate_up.shape[0]):
             gate_up = linear(x, w.gate_up[e])
             h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-            out = out + linear(h, w.down[e]) * route[:, e:e + 1]
+            out = out + linear(h, w.down[e]) * weights[:, e:e + 1]
         return with_shared(out, x, w)
     # (token, slot) pairs grouped by expert with one stable sort and one host read of the counts:
     # each expert sees its tokens in ascending order (as a per-expert torch.where would give), and
