@@ -79,6 +79,12 @@ class PrefixIndex:
         else:
             del self._frontiers[key[0]]
 
+    def same_key(self, cid: int) -> set[int] | None:
+        """The checkpoints keyed as ``cid`` is (same frontier and digest; itself included), or
+        None when ``cid`` is not indexed. Callers do not mutate it."""
+        key = self._key_of.get(cid)
+        return None if key is None else self._by_key[key]
+
     def at(self, tokens: list[int] | tuple[int, ...], frontier: int) -> set[int]:
         """Candidate checkpoint ids at exactly ``frontier`` whose digest matches
         ``tokens[:frontier]`` (one digest, no scan)."""

@@ -23,6 +23,7 @@ order, unneeded ones are dropped again, and if nothing admissible places it noth
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
@@ -265,6 +266,7 @@ class Planner:
         self.prefix_memo: dict[int, list[tuple[int, int]]] = (
             prior.prefix_memo if prior is not None and prior.f is facts else {})
         self.least_memo: dict[int, int] = prior.least_memo if prior is not None and prior.f is facts else {}
+        self.floor_memo: dict[int, int] = prior.floor_memo if prior is not None and prior.f is facts else {}
         self._migrating_memo: tuple | None = None
         self._orders: dict[str, tuple] = {}     # per pool: the options by their rank's lower bound, the groups' floor
         self._group_bounds: dict[str, dict] = {}     # per pool: a group's bound (``_group_bound``)
@@ -779,24 +781,40 @@ class Planner:
             got = self.least_memo[cid] = self.cands[cid].frontier - deepest
         return got
 
+    def _loss_floor(self, cid: int) -> int:
+        """``_least_loss`` where it is known, else a cheaper lower bound of it: 0 where the point
+        may lose nothing (the root, or a live point with its very tokens may exist), else 1 — no
+        prefix list is brought up to date. A bound built on it is made exact (``_group_bound``)
+        only when a scan reaches it."""
+        got = self.least_memo.get(cid)
+        if got is None:
+            got = self.floor_memo.get(cid)
+            if got is None:
+                got = self.floor_memo[cid] = int(not self.table.may_lose_nothing(cid, self.cands[cid].frontier,
+                                                                                  self._live))
+        return got
+
     def _most(self, pool: str, members: int) -> int:
         """At most what deleting ``members`` checkpoints frees in ``pool``: a slot each, or every
         Device block no sequence pins (a bound that holds whatever the victims)."""
         return members if pool == P.STATE else len(self.ix.releasable)
 
-    def _group_bound(self, pool: str, group: frozenset[int]) -> tuple:
+    def _group_bound(self, pool: str, group: frozenset[int], least: Callable[[int], int] | None = None) -> tuple:
         """A lower bound of a deletion's rank (``_rank`` with a loss no greater and a release no
         smaller than it can ever have on these facts: it loses at least ``_least_loss`` of each
-        member and frees at most ``_most``)."""
+        member — or ``least``, a bound of it — and frees at most ``_most``)."""
+        least = least or self._least_loss
         return self._rank(max(self.cands[c].cls for c in group), max(self.cands[c].demand_time for c in group),
-                          sum(self._least_loss(c) for c in group), self._most(pool, len(group)), ("delete", group))
+                          sum(least(c) for c in group), self._most(pool, len(group)), ("delete", group))
+
+
 
     def _order(self, pool: str) -> tuple[list[tuple], tuple | None]:
-        """(lower bound of its rank, kind, item) of this planner's options for ``pool`` but the
-        groups, lowest bound first — each candidate's demotion (if its content is on the Device)
-        and its deletion — and a bound below every group's (None: no group can be one). Built
-        once per pool: the bounds do not move as the plan grows; an option closed since is
-        skipped (``_open``)."""
+        """(lower bound of its rank, sequence, kind, item, exact) of this planner's options for
+        ``pool`` but the groups, as a heap by bound — each candidate's demotion (if its content
+        is on the Device) and its deletion (its bound on ``_loss_floor``: not exact) — and a
+        bound below every group's (None: no group can be one). Built once per pool: the bounds
+        do not move as the plan grows; an option closed since is skipped (``_open``)."""
         got = self._orders.get(pool)
         if got is None:
             order: list[tuple] = []
@@ -805,17 +823,18 @@ class Planner:
             for cid, cand in self.cands.items():
                 # a demotion loses at least nothing
                 if self.demote and (pool == P.MAIN or self.f.checkpoints[cid].image_device):
-                    order.append((rank(cand.cls, cand.demand_time, 0, 1, (demote, cid)), demote, cand))
+                    order.append((rank(cand.cls, cand.demand_time, 0, 1, (demote, cid)), len(order), demote, cand,
+                                  True))
                 if most:                  # a single deletion: _group_bound of a one-member group
                     group = frozenset({cid})
-                    order.append((rank(cand.cls, cand.demand_time, self._least_loss(cid), most, ("delete", group)),
-                                  "delete", group))
-            order.sort(key=lambda x: x[0])
+                    order.append((rank(cand.cls, cand.demand_time, self._loss_floor(cid), most, ("delete", group)),
+                                  len(order), "delete", group, False))
+            heapq.heapify(order)     # a scan pops only the options below the best: no full sort
             floor = None
             if pool == P.MAIN and len(self.cands) > 1 and self._most(pool, 2):
                 # any group has two or more candidates: its class, demand and least loss are at
                 # least the smallest, and its loss at least the two smallest least losses
-                least = sorted(self._least_loss(c) for c in self.cands)
+                least = sorted(self._loss_floor(c) for c in self.cands)
                 floor = self._rank(min(c.cls for c in self.cands.values()),
                                    min(c.demand_time for c in self.cands.values()),
                                    least[0] + least[1], self._most(pool, 2), ("delete", ()))
@@ -870,12 +889,24 @@ class Planner:
         best, best_rank = None, None
 
         def scan(order):
+            """The options of ``order`` (a heap of (bound, sequence, kind, item, exact), left as
+            it is) by bound: a deletion's bound from cheaper least losses is made exact when
+            popped, and goes back in its place when that raises it."""
             nonlocal best, best_rank
-            for bound, kind, item in order:
+            heap = list(order)
+            seq = len(heap)
+            while heap:
+                bound, _, kind, item, exact = heapq.heappop(heap)
                 if best_rank is not None and bound >= best_rank:
                     return
                 if not self._open(pool, kind, item):
                     continue
+                if not exact:
+                    real = self._group_bound(pool, item)     # on the least losses themselves
+                    if real > bound:
+                        seq += 1
+                        heapq.heappush(heap, (real, seq, kind, item, True))
+                        continue
                 for o in self._evaluate(pool, short, kind, item):
                     r = self._rank(*o[:5])
                     if best_rank is None or r < best_rank:
@@ -885,12 +916,19 @@ class Planner:
         if floor is not None and (best_rank is None or floor < best_rank):
             memo = self._group_bounds.setdefault(pool, {})
             groups = []
+            cands = self.cands
             for g in self._groups():
-                if self._open(pool, "delete", g):
-                    if g not in memo:
-                        memo[g] = self._group_bound(pool, g)
-                    groups.append((memo[g], "delete", g))
-            scan(sorted(groups, key=lambda x: x[0]))
+                if not all(h in cands for h in g):
+                    continue                    # not open (``_open``), and no bound without its members
+                bound = memo.get(g)
+                if bound is None:
+                    bound = memo[g] = self._group_bound(pool, g, self._loss_floor)
+                # a group whose bound is not below the best is never evaluated (``scan`` stops
+                # there): whether it is still open is asked only of the others
+                if (best_rank is None or bound < best_rank) and self._open(pool, "delete", g):
+                    groups.append((bound, len(groups), "delete", g, False))
+            heapq.heapify(groups)
+            scan(groups)
         return best
 
     def _best(self, pool: str, short: int):

@@ -259,6 +259,22 @@ class RecordTable:
         without listing the others (a point on a long history has hundreds of prefix points)."""
         return next((f for f, o in self._prefix_list(cid) if o in self.ckpts and o in live), 0)
 
+    def may_lose_nothing(self, cid: int, frontier: int, live) -> bool:
+        """Whether ``deepest_prefix(cid, live)`` may be ``frontier`` itself: the root, a point
+        the index does not key, or a live indexed point with its very tokens (an identical
+        alias). False: every exact prefix point is shallower (its least loss is at least one
+        token) — read off the index's key of the point, no prefix list brought up to date."""
+        info = self.ckpts.get(cid)
+        if info is None or frontier == 0 or len(info.tokens) != frontier:
+            return True
+        same = self.index.same_key(cid)
+        if same is None:
+            return True
+        if len(same) < 2:
+            return False                          # the key is its own alone
+        ckpts, toks = self.ckpts, info.tokens
+        return any(o != cid and o in ckpts and o in live and ckpts[o].tokens == toks for o in same)
+
     # -- records ---------------------------------------------------------------------------
     def new_record(self, session: str | None, insert: bool = True) -> PrivateRecord:
         """A record; ``insert=False`` makes a tentative one (inserted when the request binds)."""

@@ -1,5 +1,6 @@
 """``RecordTable.prefixes_of``: the live cache points that are exact prefixes of a point, deepest
-first — kept across new points and brought up to date over the last ``RECENT_ADDS`` adds only.
+first — kept across new points and brought up to date over the last ``RECENT_ADDS`` adds only;
+``may_lose_nothing``: whether the deepest of them is as deep as the point (an identical alias).
 Model-free: fabricated points, any order of adds, deletes and queries, against a brute force."""
 
 from __future__ import annotations
@@ -49,5 +50,17 @@ def test_prefixes_stay_exact_across_adds_and_deletes(steps):
                 table.drop_owner(cid, owner)
             else:
                 assert table.prefixes_of(cid) == _brute(table, cid)
+                _check_may_lose_nothing(table, cid)
     for cid in table.ckpts:
         assert table.prefixes_of(cid) == _brute(table, cid)
+        _check_may_lose_nothing(table, cid)
+
+
+def _check_may_lose_nothing(table: RecordTable, cid: int) -> None:
+    """The reclaim planner's cheap floor of a least loss (``Planner._loss_floor``): the point may
+    lose nothing exactly when a live point has its very tokens (its deepest prefix is as deep
+    as itself) — on every live set, the whole table's and a part of it."""
+    info = table.ckpts[cid]
+    for live in (table.ckpts, {c for c in table.ckpts if c % 2}):
+        alias = table.deepest_prefix(cid, live) == info.frontier
+        assert table.may_lose_nothing(cid, info.frontier, live) == alias, (cid, sorted(live))
