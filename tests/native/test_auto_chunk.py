@@ -93,3 +93,27 @@ def test_an_engine_started_with_auto_runs_its_measured_chunk(tiny_model):
                                                    ignore_eos=True)
     finally:
         eng.shutdown()
+
+
+def test_a_slow_run_does_not_size_the_chunk(tiny_model, monkeypatch):
+    """``_prefill_s`` takes the fastest of ``PREFILL_RUNS`` after a warm-up: a run slowed by
+    other work on the machine (here the last timed run 0.3 s late) does not count — it once
+    sized a 2-core machine's chunk at 512 tokens instead of 2,048."""
+    import time
+    prog = make_program(tiny_model, dtype="float32", max_context=1024, prefill_chunk_tokens="auto")
+    try:
+        calls, execute = [], prog.execute
+
+        def slowed(rows):
+            calls.append(len(calls))
+            if len(calls) == calibration.PREFILL_RUNS + 1:     # the last timed run
+                time.sleep(0.3)
+            return execute(rows)
+        monkeypatch.setattr(prog, "execute", slowed)
+        took = calibration._prefill_s(prog, 64)
+        assert len(calls) == calibration.PREFILL_RUNS + 1 >= 3
+        assert took is not None and took < 0.3
+        prog.check_integrity(idle=True)
+        assert prog.is_empty()
+    finally:
+        prog.shutdown()
