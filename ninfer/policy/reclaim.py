@@ -807,8 +807,6 @@ class Planner:
         return self._rank(max(self.cands[c].cls for c in group), max(self.cands[c].demand_time for c in group),
                           sum(least(c) for c in group), self._most(pool, len(group)), ("delete", group))
 
-
-
     def _order(self, pool: str) -> tuple[list[tuple], tuple | None]:
         """(lower bound of its rank, sequence, kind, item, exact) of this planner's options for
         ``pool`` but the groups, as a heap by bound — each candidate's demotion (if its content
