@@ -116,6 +116,9 @@ def _run(base: str, bench) -> dict:
 
 @pytest.mark.skipif(not Path(VLLM_PYTHON).is_file(), reason=f"no vLLM at {VLLM_PYTHON} (NINFER_VLLM_PYTHON)")
 def test_vllm_bench_serve_and_ninfer_bench_serve_agree_on_ttft(tiny_model, tmp_path):
+    missing = subprocess.run([VLLM_PYTHON, "-c", "import pandas"], capture_output=True).returncode
+    assert missing == 0, (f"{VLLM_PYTHON} has vLLM but not pandas, which its bench needs to read a custom "
+                          f"dataset: install it as this module's docstring says")
     dataset = tmp_path / "prompts.jsonl"
     dataset.write_text("".join(json.dumps({"prompt": random_turns(c, 1, WORDS)[0]}) + "\n" for c in range(PROMPTS)))
     config = ('max_concurrency = 4\nmax_context = 4096\ndtype = "float32"\n\n[context_cache]\n'
