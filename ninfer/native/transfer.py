@@ -78,25 +78,33 @@ class TransferEngine:
             o = self._open.get((tid, generation))
             return o is not None and (o.outstanding > 0 or bool(o.events))
 
-    def submit(self, tid: int, generation: int, job: Callable[[], None]) -> None:
+    def submit(self, tid: int, generation: int, *jobs: Callable[[], None]) -> None:
+        """Submit a part's copies together: all of them are counted before the first runs, so the
+        transaction cannot complete — and publish what a later copy has not written, or lose that
+        copy's error — between two of them (``inline`` ran each at submission, and a quick copy
+        thread could finish the first before the second was queued: the completion came after
+        the first copy, and the failure of the second named a transaction already published)."""
+        if not jobs:
+            return                             # a part without copies: nothing to complete
         key = (tid, generation)
         with self._lock:
             o = self._open.setdefault(key, _Open())
-            o.outstanding += 1
-        if self.mode == "thread":
-            self._jobs.put((key, job))
-        elif self.mode == "inline":
-            self._finish_job(key, self._run(job))
-        else:
-            error = ""
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._stream):
-                error = self._run(job)
-                ev = torch.cuda.Event()
-                ev.record(self._stream)
-            with self._lock:
-                o.events.append(ev)
-            self._finish_job(key, error)       # enqueued: done when its events fire (drain)
+            o.outstanding += len(jobs)
+        for job in jobs:
+            if self.mode == "thread":
+                self._jobs.put((key, job))
+            elif self.mode == "inline":
+                self._finish_job(key, self._run(job))
+            else:
+                error = ""
+                self._stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(self._stream):
+                    error = self._run(job)
+                    ev = torch.cuda.Event()
+                    ev.record(self._stream)
+                with self._lock:
+                    o.events.append(ev)
+                self._finish_job(key, error)       # enqueued: done when its events fire (drain)
 
     def _run(self, job: Callable[[], None]) -> str:
         try:

@@ -44,6 +44,25 @@ def test_joined_transaction_completes_once_after_its_last_copy():
     e.shutdown()
 
 
+@pytest.mark.parametrize("mode", ["inline", "thread"])
+def test_a_parts_copies_complete_once_with_the_error_of_any(mode):
+    """A part's copies are submitted together: one completion after the last, carrying the
+    error of the one that failed. Inline copies once completed after the first copy of a part,
+    and the second's failure came as another completion for a transaction already published
+    (seed 8505 of the prompt-logprob sweep under inline copies: a corrupt Host image read back)."""
+    e = TransferEngine(torch.device("cpu"), mode)
+    ran = []
+
+    def boom():
+        ran.append(2)
+        raise RuntimeError("DMA fault")
+    e.submit(1, 3, lambda: ran.append(1), boom, lambda: ran.append(3))
+    [(tid, gen, err)] = _drain_until(e, 1)
+    assert (tid, gen) == (1, 3) and "DMA fault" in err and ran == [1, 2, 3]
+    assert e.drain() == [] and e.error_of(1, 3) == err
+    e.shutdown()
+
+
 def test_a_failing_copy_is_a_failed_completion_and_the_thread_survives(engine):
     def boom():
         raise RuntimeError("DMA fault")

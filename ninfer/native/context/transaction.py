@@ -82,8 +82,7 @@ class ContextTx:
         if tx is None:
             tx = self.current = Transaction(next(self._ids), next_generation())
         tx.parts.append(part)
-        for job in jobs:
-            self.transfers.submit(tx.tid, tx.generation, job)
+        self.transfers.submit(tx.tid, tx.generation, *jobs)
         return tx.tid
 
     def progress(self) -> list[TxSettled]:
