@@ -10,8 +10,9 @@
     context_cache.host_capacity_bytes   shared pinned Host backing for StateImages, KV, pause
                              snapshots and transfer destinations (default 8 GiB + 8 × the
                              model's Host StateImage size)
-    copy_engine              "auto" (a CUDA stream on a GPU, a copy thread on the CPU) |
-                             "thread" | "inline" (copies at submission; deterministic, tests)
+    copy_engine              "auto" (a CUDA stream on a GPU, inline on the CPU) | "thread" (a
+                             copy thread: asynchronous completions on the CPU) | "inline" (copies
+                             at submission, completions at the next progress point; deterministic)
     completion_timeout_s     a transaction whose copies finished but whose completion never
                              arrived is settled after this long (a dropped completion)
     step_timeout_s           over Ray, a step unanswered this long (default 600 s; None: no limit)

@@ -348,7 +348,8 @@ class _StepRun:
                 touched: dict[tuple[int, int], int] | None = None) -> P.Outcome:
         """The permit check with its remedies: OK when it fits now (after committing the
         smallest prefix of remedies that makes it fit), WAIT when a prefix makes it fit once
-        its copies publish (committed), else SHORT with nothing committed. ``first``: the
+        its copies publish (committed) and they have not all landed by the progress point
+        taken at once (``_progress_in_admission``), else SHORT with nothing committed. ``first``: the
         index of ``remedies[0]`` in the intent's list (after a lane take-back it committed);
         ``touched``: blocks that take-back let go of (see ``_remedy``)."""
         short = self._short(demand(), credit)
@@ -367,12 +368,24 @@ class _StepRun:
                     for i in range(k + 1):
                         if i not in skipped:
                             out.applied.append(self._remedy(first + i, remedies[i], touched))
+                    # rule: retry-on-the-spot
                     if wait:
-                        return P.Outcome.WAIT
+                        self._progress_in_admission()
+                        if self._short(demand(), credit):
+                            return P.Outcome.WAIT
                     short = self._short(demand(), credit)
                     out.shortfall = short
                     return P.Outcome.SHORT if short else P.Outcome.OK
         return P.Outcome.SHORT
+
+    def _progress_in_admission(self) -> None:
+        """A progress point inside admission, after committing a reclaim whose capacity arrives
+        once its copies publish: copies that have all finished already (``inline``, or a copy
+        thread quicker than the step) settle here, and the permit is retried on the spot (seed:
+        同步回收已经改变容量时，当场重试当前许可；需要等待传输完成时才交回调度周期). What
+        settles is reported at point 2, after the intents — the controller books each commit
+        with its intent first, as it does for what settles at point 2 itself."""
+        self.reply.settled += [_settled(r, 2) for r in self.prog.progress()]
 
     def _short(self, demand: dict[str, int], credit: dict[str, int]) -> dict[str, int]:
         short = self.prog.shortfall(demand)

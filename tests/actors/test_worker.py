@@ -131,6 +131,48 @@ def test_reclaim_steps_are_trimmed_to_the_shortfall_and_a_stale_one_is_skipped(t
         w.shutdown()
 
 
+@pytest.mark.parametrize("copies", ["inline", "thread_late"])
+def test_a_reclaim_whose_copies_landed_is_retried_on_the_spot(tiny_model, copies):
+    """Seed: 同步回收已经改变容量时，当场重试当前许可；需要等待传输完成时才交回调度周期. A
+    fresh bind on a full State pool whose remedy demotes a cached image to the Host: when the
+    copy has landed by the progress point taken right after the commit (``inline``) the
+    transaction settles there (reported at point 2) and the bind is permitted in the same step,
+    its unit run; when it has not (a copy thread whose completion comes late) the bind is WAIT
+    and nothing of it runs."""
+    from ninfer.faults import Fault
+    faults = [Fault(kind="completion_delay", count=0, steps=3)] if copies == "thread_late" else []
+    w = Worker(tiny_model, EngineConfig(dtype="float64", max_concurrency=1, max_context=256, kv_capacity=256,
+                                        copy_engine="inline" if copies == "inline" else "thread", faults=faults,
+                                        context_cache={"device_state_slots": 1, "host_capacity_bytes": 16 << 20}))
+    try:
+        first = _step(w, [_capture_plan(1, "a", 20, P.EntryOwner(1))])
+        point = first.units[0].captures[0].captured
+        w.handle(P.encode(P.StepPlan(2, commands=[P.Release(first.intents[0].sid)])))
+        [fx] = P.decode_reply(w.handle(P.encode(P.StepPlan(3, commands=[P.Quote()])))).commands
+        ck = fx.facts.checkpoints[point.cid]
+        assert ck.image_device and fx.facts.pools["state"].available == 1
+        slots = w.prog.pools["state"]
+        slots.reserve(1)                                 # the basic slot taken: the bind needs the image's
+        b = _bind(4, "b", 10)
+        b.remedies = [P.Reclaim([P.DemoteState(point.cid, ck.generation, ck.version)])]
+        reply = _step(w, [b])
+        slots.unreserve(1)
+        out = reply.intents[0]
+        [applied] = out.applied
+        assert applied.commit.ok
+        if copies == "inline":
+            assert out.outcome is P.Outcome.OK, out
+            assert [(s.tid, s.point, s.ok) for s in reply.settled] == [(applied.commit.tid, 2, True)]
+            assert [u.sid for u in reply.units] == [out.sid]
+            [fx] = P.decode_reply(w.handle(P.encode(P.StepPlan(5, commands=[P.Quote()])))).commands
+            assert not fx.facts.checkpoints[point.cid].image_device       # on the Host only now
+        else:
+            assert out.outcome is P.Outcome.WAIT, out
+            assert not reply.settled and not reply.units
+    finally:
+        w.shutdown()
+
+
 def test_an_in_process_hang_only_delays_the_step(tiny_model):
     """In-process there is no other process to time out: a ``worker_hang`` makes its step take
     ``seconds`` longer and the request completes exactly (over Ray ``step_timeout_s`` replaces
