@@ -22,6 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from ninfer import protocol as P
+from ninfer.actors import collector
 from ninfer.actors.transport import WorkerLost, WorkerTimeout
 from ninfer.config import EngineConfig
 from ninfer.engine.core import EngineCore
@@ -63,6 +64,7 @@ class ControlLoop:
         self.resubmitted = 0             # requests without a token kept across a loss
         self.iteration_tokens = Histogram(ITERATION_BUCKETS)
         self._iteration_core, self._iteration_base = None, (0, 0)
+        collector.settle_startup()       # the worker (in-process: this one) and the core are built
         self._thread = threading.Thread(target=self._loop, name="ninfer-control", daemon=True)
         self._thread.start()
 
@@ -82,6 +84,7 @@ class ControlLoop:
         self._stop = True
         self.wake.set()
         self._thread.join(timeout=30)
+        collector.release()
 
     @property
     def stopped(self) -> bool:

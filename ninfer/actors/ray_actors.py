@@ -34,6 +34,7 @@ import ray
 from ray.exceptions import RayActorError, RayError
 
 from ninfer import protocol as P
+from ninfer.actors import collector
 from ninfer.config import decode_config
 from ninfer.actors.startup import last_error_line, startup_error
 from ninfer.errors import ErrorKind, NInferError, RequestError, lost_error
@@ -108,6 +109,7 @@ class GpuWorkerActor:
         try:
             self.worker = Worker(model_dir, cfg, notify=self._notify,
                                  faults=msgspec.msgpack.decode(faults, type=list[Fault]))
+            collector.settle_startup()      # the model is loaded and calibrated: set it aside
         except Exception as exc:
             self.worker, self._failed = None, _kept_startup_failure(exc, "GPU worker")
 
