@@ -457,6 +457,8 @@ class HostArenaMachine(RuleBasedStateMachine):
         for (a_off, a_size), (b_off, _) in zip(free, free[1:]):
             assert a_off + a_size < b_off, "adjacent free extents not merged"
         assert self.arena.largest_free() == max((s for _, s in free), default=0)
+        for n in (1, ALIGN + 1, 3 * ALIGN):      # kept summaries (until the next change) agree too
+            assert self.arena.fits_count(n) == sum(s // align(n) for _, s in free)
         assert sum(self.arena.bytes_by_kind().values()) == self.arena.used_bytes
 
     def teardown(self):
