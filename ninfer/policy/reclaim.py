@@ -109,6 +109,13 @@ class FactsIndex:
                 touch.setdefault(m, []).append(bid)
         self._touch = touch
 
+    def touches(self, m: int) -> bool:
+        """Whether ``m`` holds or lists any releasable Device block (else no deletion of it frees
+        a page by itself)."""
+        if self._touch is None:
+            self._scan()
+        return bool(self._touch.get(m))
+
     def entries(self, m: int, victims: frozenset[int]) -> list[tuple]:
         """The Device blocks a deletion of ``m`` might free once ``victims`` are deleted: (block,
         its holders left besides the victims, the checkpoints that list it, whether a victim
@@ -823,7 +830,11 @@ class Planner:
                 if self.demote and (pool == P.MAIN or self.f.checkpoints[cid].image_device):
                     order.append((rank(cand.cls, cand.demand_time, 0, 1, (demote, cid)), len(order), demote, cand,
                                   True))
-                if most:                  # a single deletion: _group_bound of a one-member group
+                # a single deletion (``_group_bound`` of a one-member group), where it can free
+                # anything of this pool: a Device image, a releasable page it holds or lists —
+                # on a full Device most candidates are Host-only, and their deletions would only
+                # ever be evaluated to nothing
+                if most and (self.f.checkpoints[cid].image_device if pool == P.STATE else self.ix.touches(cid)):
                     group = frozenset({cid})
                     order.append((rank(cand.cls, cand.demand_time, self._loss_floor(cid), most, ("delete", group)),
                                   len(order), "delete", group, False))
