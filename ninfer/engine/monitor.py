@@ -278,13 +278,14 @@ class RuleMonitor:
 def expected_scan(seen, epoch: int, C: int) -> list:
     """The scan rule restated: of the fresh queue as seen ((request, waiting, failed epoch,
     overtaken) in ticket order), the head and up to C followers that are not waiting; the dead
-    are passed over, those that failed under this event are not quoted again, and a request
-    that may not be overtaken again (overtaken C times) is the last one looked at."""
+    are passed over, those that failed under this event — or wait for their reclaim's copies
+    (wait-for-release) — are not quoted again, and a request that may not be overtaken again
+    (overtaken C times) is the last one looked at."""
     want = []
     for req, _waiting, failed, overtaken in [x for x in seen if not x[1]][: 1 + C]:
         if not req.live:
             continue
-        if failed != epoch:
+        if failed != epoch and not req.awaiting_release:
             want.append(req)
         if overtaken >= C:
             break

@@ -240,9 +240,7 @@ class Outcomes:
             if out.outcome is Outcome.WAIT:
                 # the reclaim committed for this unit frees its capacity once its copies publish
                 # (the unit may still run in this step, after the Control/Decode batch)
-                for tid in {a.commit.tid for a in out.applied if a.commit is not None and a.commit.tid is not None}:
-                    req.awaiting_release.add(tid)
-                    self.txs.book(tid, TxPart.RELEASE, req)
+                self._await_release(req, out)
             # rule: chunk-short-gives-turn
             if item.kind is ItemKind.CHUNK and out.outcome is Outcome.SHORT and req.phase is Phase.RUNNING:
                 self.sched.rotate(req)             # a chunk that cannot run gives up its turn
@@ -250,6 +248,13 @@ class Outcomes:
         if item.kind is ItemKind.FRESH:
             return self._fresh(item, out, admitted)
         return self._resume(item, out)
+
+    def _await_release(self, req: Request, out: P.IntentOut) -> None:
+        """Its permit came back WAIT: it waits for the transactions of the reclaim committed
+        for it (rule wait-for-release)."""
+        for tid in {a.commit.tid for a in out.applied if a.commit is not None and a.commit.tid is not None}:
+            req.awaiting_release.add(tid)
+            self.txs.book(tid, TxPart.RELEASE, req)
 
     def _fresh(self, item: Item, out: P.IntentOut, admitted: set[str]) -> bool:
         req, adm, rm = item.req, item.adm, self.rm
@@ -269,6 +274,11 @@ class Outcomes:
             rm.on_deleted([adm.source.cid])
             self.sched.event()
             return bool(out.applied)
+        if out.outcome is Outcome.WAIT:
+            # its reclaim frees the capacity once the copies publish: not quoted again before
+            # (wait-for-release, as for a resident's unit; the commit's own partial release
+            # would otherwise re-open the scan and reclaim for the same gap)
+            self._await_release(req, out)
         if out.outcome in (Outcome.SHORT, Outcome.WAIT) or out.refusal is Refusal.SOURCE_IN_FLIGHT:
             if adm.cached:
                 self.cmdq.extend(rm.wait_on(req, adm))   # keep the valuable source and wait

@@ -5,7 +5,8 @@
     fresh queue    FIFO by ticket. A scan checks the head and up to C followers; a blocked
                    request may be overtaken by at most C younger successes; failed checks do
                    not consume the quota; a request that failed under the same event is not
-                   re-quoted; scans re-open on queue change, real capacity release, transfer
+                   re-quoted, nor one whose bind waits for its reclaim's copies (until they
+                   settle: wait-for-release); scans re-open on queue change, real capacity release, transfer
                    completion or reference revocation — never on ordinary decode. The lane and
                    overtaking bounds travel to the worker as guards (``fresh_guards``).
     paused queue   by original ticket; the oldest tries a full resume on a real capacity event
@@ -174,7 +175,9 @@ class Scheduler:
                 continue
             budget = max(0, self.C - self.st(req).overtaken)
             # rule: no-requote-same-event
-            if self.st(req).failed_epoch != self.epoch:
+            # (one whose bind came back WAIT is not quoted again until its copies settle:
+            # wait-for-release — it keeps its place, like a failed check)
+            if self.st(req).failed_epoch != self.epoch and not _awaits_release(req):
                 out.append((req, budget))
             if budget == 0:
                 break          # it may not be overtaken again: nobody younger is looked at

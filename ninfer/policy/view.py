@@ -20,6 +20,7 @@ class RequestView(Protocol):
     snapshot: CkptRef | None          # its own pause snapshot, while paused by Snapshot
     replay_target: int | None         # frontier to rebuild before new progress
     recovery_pending: bool            # holds the full recovery permit
+    awaiting_release: set[int]        # transactions its WAIT permit waits for (wait-for-release)
     finish_reason: object
     cancel_requested: bool
     prompt_logprobs: list             # prompt_logprobs entries it holds (tokens 1, 2, ...)

@@ -10,8 +10,8 @@ worker (milliseconds). tests/mutations.py breaks each rule in several ways and n
                              of the prefill rotation
     chunk-rotation           a resident whose prefill/replay chunk ran goes to the back of the
                              rotation; a decode row or a unit that did not run keeps its place
-    wait-for-release         a unit whose permit came back WAIT is not planned again until the
-                             transaction of its committed reclaim settles
+    wait-for-release         a unit (or a fresh bind) whose permit came back WAIT is not
+                             planned again until the transaction of its committed reclaim settles
 """
 
 from __future__ import annotations
@@ -190,6 +190,25 @@ def test_a_unit_waiting_for_its_release_is_not_planned_again_until_the_copies_se
     assert [r.rid for r in w.sched.chunk_order()] == ["b"]
     _settle(w, 5)
     assert [r.rid for r in w.sched.chunk_order()] == ["a", "b"], "a keeps its turn"
+
+
+def test_a_fresh_bind_waiting_for_its_release_is_not_quoted_again_until_the_copies_settle():
+    """wait-for-release, for a fresh bind: it came back WAIT (a demotion committed for it, its
+    copies in flight) and the commit's own partial release re-opened the scan — it is not
+    looked at again (no second quote and reclaim for the same gap) while b behind it is; once
+    the transaction settles it is the head of the scan again."""
+    w = World()
+    a, b = w.request("a"), w.request("b")
+    item = _fresh_item(w, a)
+    demote = P.Reclaim([P.DemoteState(41, 1, 1)])
+    item.intent.remedies = [demote]
+    out = P.IntentOut(1, Outcome.WAIT, shortfall={P.STATE: 1},
+                      applied=[P.Applied(0, commit=P.CommitResult(True, tid=7))])
+    w.out.apply(P.StepReply(1, intents=[out]), Plan(items=[item]), [])
+    w.sched.event()                                   # the commit released part of the capacity
+    assert [r.rid for r, _ in w.sched.fresh_candidates()] == ["b"]
+    _settle(w, 7)
+    assert [r.rid for r, _ in w.sched.fresh_candidates()] == ["a", "b"]
 
 
 def test_a_waiting_chunk_that_ran_after_the_decode_batch_is_planned_next_cycle():
