@@ -349,8 +349,8 @@ class _StepRun:
         """The permit check with its remedies: OK when it fits now (after committing the
         smallest prefix of remedies that makes it fit), WAIT when a prefix makes it fit once
         its copies publish (committed) and they have not all landed by the progress point
-        taken at once (``_progress_in_admission``), else SHORT with nothing committed. ``first``: the
-        index of ``remedies[0]`` in the intent's list (after a lane take-back it committed);
+        taken at once (``_progress_in_admission``), else SHORT with nothing committed.
+        ``first``: the index of ``remedies[0]`` in the intent's list (after a lane take-back it committed);
         ``touched``: blocks that take-back let go of (see ``_remedy``)."""
         short = self._short(demand(), credit)
         if not short:
@@ -371,9 +371,9 @@ class _StepRun:
                     # rule: retry-on-the-spot
                     if wait:
                         self._progress_in_admission()
-                        if self._short(demand(), credit):
-                            return P.Outcome.WAIT
                     short = self._short(demand(), credit)
+                    if wait and short:
+                        return P.Outcome.WAIT
                     out.shortfall = short
                     return P.Outcome.SHORT if short else P.Outcome.OK
         return P.Outcome.SHORT
