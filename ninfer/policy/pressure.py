@@ -254,7 +254,8 @@ class Pressure:
         for n in needs:
             earlier = set(seen)
             seen.add(n.req.rid)
-            protect = adopted | set(keep) | ({n.source} if n.source is not None else set())
+            reads = adopted | ({n.source} if n.source is not None else set())   # this step's binds read them
+            protect = reads | set(keep)
             if n.source is not None:
                 adopted.add(n.source)
             d = demands.get(n.iid, n.demand or {})
@@ -265,7 +266,7 @@ class Pressure:
                 continue
             before = set(taken)
             v, planner, freed = self._chain(n, gap, facts, prior, taken, tx_busy or bool(earlier - taken), protect,
-                                            short)
+                                            short, reads)
             verdicts[n.iid] = v
             if v.covered:
                 prior = planner
@@ -277,19 +278,20 @@ class Pressure:
         return verdicts, prior
 
     def _chain(self, n: Need, short: dict[str, int], facts: P.Facts, prior: Planner | None,
-               taken: set[str], tx_busy: bool, protect: set[int], window_short=None
+               taken: set[str], tx_busy: bool, protect: set[int], window_short=None, reads: set[int] = frozenset()
                ) -> tuple[Verdict, Planner, dict[str, int]]:
         rights = self.rights(n)
         may, snaps = self._revoker(n.req, rights)
+        reading = self.protected(n.req) | reads
         planner = Planner(facts, self.rm.table, self.protected(n.req) | protect, may, snaps, prior,
-                          window_short=window_short, survey=self._survey)
+                          window_short=window_short, survey=self._survey, reading=reading)
         before = {k: planner.freed_so_far(k) for k in short}
         actions, covered = planner.plan(short)
         # rule: deletions-only-alternative
         if not covered:
             # the candidate list stays: deletions alone may cover what a demotion first did not
             alt = Planner(facts, self.rm.table, self.protected(n.req) | protect, may, snaps, prior, demote=False,
-                          window_short=window_short, survey=self._survey)
+                          window_short=window_short, survey=self._survey, reading=reading)
             alt_actions, alt_covered = alt.plan(short)
             if alt_covered:
                 planner, actions, covered = alt, alt_actions, True
@@ -319,7 +321,7 @@ class Pressure:
                 # (and what this need already deletes may free more then)
                 was = {k: planner.freed_so_far(k) for k in short}
                 planner = Planner(_without(facts, victims), self.rm.table, self.protected(n.req) | protect,
-                                  may, snaps, planner)
+                                  may, snaps, planner, reading=reading)
                 for k in short:
                     freed[k] = freed.get(k, 0) + planner.freed_so_far(k) - was[k]
                 left = {k: v - freed.get(k, 0) for k, v in short.items() if v > freed.get(k, 0)}

@@ -58,12 +58,13 @@ class FactsIndex:
     one settlement builds many planners over the same facts (one per need, its deletions-only
     alternative, the pause routes and the capture rooms)."""
 
-    __slots__ = ("facts", "_listers", "_releasable", "_movable", "_touch", "_shared", "_groups")
+    __slots__ = ("facts", "_listers", "_releasable", "_unheld", "_movable", "_touch", "_shared", "_groups")
 
     def __init__(self, facts: P.Facts):
         self.facts = facts
         self._listers: dict[int, list[int]] | None = None
         self._releasable: list[tuple[int, tuple[int, ...]]] | None = None
+        self._unheld: set[int] | None = None
         self._movable: dict[int, list[int]] = {}
         self._touch: dict[int, list[int]] | None = None
         self._shared: dict[frozenset[int], list[int]] | None = None
@@ -87,23 +88,30 @@ class FactsIndex:
             self._releasable = [(bid, b.holders) for bid, b in self.facts.blocks.items() if b.device and not b.pinned]
         return self._releasable
 
+    @property
+    def unheld(self) -> set[int]:
+        """The releasable blocks only checkpoints hold (no sequence: sequence holders are
+        negative) — judged once per block, not once per checkpoint that lists it (a shared
+        prefix's pages are listed by every point above it)."""
+        if self._unheld is None:
+            self._unheld = {bid for bid, holders in self.releasable if all(h > 0 for h in holders)}
+        return self._unheld
+
     def movable(self, cid: int) -> list[int]:
         """Device blocks of this checkpoint that only checkpoints hold (no resident writer)."""
         got = self._movable.get(cid)
         if got is None:
-            blocks = self.facts.blocks
-            got = self._movable[cid] = [bid for bid in self.facts.checkpoints[cid].blocks
-                                        if (b := blocks[bid]).device and not b.pinned
-                                        and all(h > 0 for h in b.holders)]
+            unheld = self.unheld
+            got = self._movable[cid] = [bid for bid in self.facts.checkpoints[cid].blocks if bid in unheld]
         return got
 
     def _scan(self) -> None:
         """Per checkpoint, the releasable blocks no sequence holds that it holds or lists (one
         pass, the first time a deletion's release is counted on these facts)."""
         touch: dict[int, list[int]] = {}
-        listers = self.listers
+        listers, unheld = self.listers, self.unheld
         for bid, holders in self.releasable:
-            if any(h < 0 for h in holders):
+            if bid not in unheld:
                 continue                         # a sequence holds it: no deletion frees it
             for m in set(holders).union(listers.get(bid, ())):
                 touch.setdefault(m, []).append(bid)
@@ -241,7 +249,8 @@ class Planner:
     def __init__(self, facts: P.Facts, table: RecordTable, protect: set[int],
                  may_revoke: Callable[[Owner], bool], tickets: dict[Owner, int] | None = None,
                  prior: "Planner | None" = None, demote: bool = True,
-                 window_short: Callable[[], None] | None = None, survey: dict | None = None):
+                 window_short: Callable[[], None] | None = None, survey: dict | None = None,
+                 reading: set[int] | frozenset[int] = frozenset()):
         """``prior``: an earlier planning pass over the same quote in this cycle (another
         intent's remedies): what it chose is not chosen again, and its Host destinations stay
         placed. ``demote=False``: deletions only (the alternative when a plan that started
@@ -250,7 +259,9 @@ class Planner:
         placement found no admissible victims inside the window — the caller may quote a
         wider one and plan again. ``survey``: the owners' classes and demand times per cid (a
         ``Survey`` the caller keeps across settlements, or a dict for one), shared by a
-        settlement's passes; an entry whose quoted owners differ is taken again."""
+        settlement's passes; an entry whose quoted owners differ is taken again. ``reading``: the
+        points this step's binds read (their sources, the requester's own snapshot): no
+        demotion moves a Device page one of them lists."""
         self.demote = demote
         self.window_short = window_short or (prior.window_short if prior else None)
         self.f = facts
@@ -268,6 +279,10 @@ class Planner:
         self._release: tuple | None = None             # (victim count, blocks they free, entries, groups)
         self._ticket_memo: dict[int, int | None] = {}
         self.ix = facts_index(facts)
+        # a page a bind of this step reads would be copied back at once: moving it frees nothing
+        # for the gap (seed: 能补足实际缺口的完整物理动作; 实际读取期间的 reader lease)
+        self.read_blocks = frozenset(bid for cid in reading if (c := facts.checkpoints.get(cid)) is not None
+                                     for bid in c.blocks)
         self.cands: dict[int, Candidate] = {}
         # exact prefixes of a point: the same on the same facts (a pass in the same settlement)
         self.prefix_memo: dict[int, list[tuple[int, int]]] = (
@@ -308,12 +323,17 @@ class Planner:
         私有热保护对应其已证明的采用位置; 同一 owner 真正幸存的较早、精确兼容恢复点仍覆盖这个位置) —
         another history's point does not count, nor an input point shallower than the proven
         position. A shared hot owner (a public entry) protects on its own."""
+        ckpts, table = self.table.ckpts, self.table
+
         def protects(rec, cand: Candidate) -> bool:
             proven = rec.evidence.proven_frontier
             if cand.frontier <= proven or proven <= 0:
                 return True
-            own = {c for _, c in rec.points()}
-            return not any(other in own and pf >= proven for pf, other in self._prefixes(cand.cid))
+            # the record's own points that ``_prefixes`` would list at or past the proven position
+            # (asked of these few points: every candidate's prefix list would be a pass over
+            # its tokens, and a shared system prompt puts hundreds of candidates above it)
+            return not any((o := ckpts.get(other)) is not None and o.frontier >= proven and self._is_live(other)
+                           and table.is_prefix(other, cand.cid) for _, other in rec.points())
 
         for cand in self.cands.values():
             if cand.cls is not Cls.REUSE:
@@ -357,6 +377,7 @@ class Planner:
         pages: set = set()
         slots: set = set()
         hosted: set = set()
+        host = 0                  # the bytes of ``hosted``, kept as it grows (not summed per record)
         cap = self.f.pools
         kept: set[int] = set()
         for i, (_, pts) in enumerate(sorted(holders.values(), key=lambda x: (-x[0], min(x[1], default=0)))):
@@ -364,8 +385,9 @@ class Planner:
                 p, s, h = self._footprint(cid)
                 pages |= p
                 slots |= s
+                for extent in h - hosted:
+                    host += extent[1]
                 hosted |= h
-            host = sum(size for _, size in hosted)
             over = (len(pages) > SOFT_TARGET * cap[P.MAIN].total or len(slots) > SOFT_TARGET * cap[P.STATE].total
                     or (self.f.host_capacity and host > SOFT_TARGET * self.f.host_capacity))
             if over and i > 0:
@@ -392,6 +414,10 @@ class Planner:
                    if o in live or (self.f.partial and o in self.table.ckpts)]
             self.prefix_memo[cid] = got
         return got
+
+    def _is_live(self, cid: int) -> bool:
+        """A point ``_prefixes`` may list (its liveness test, for one point)."""
+        return cid in self.f.checkpoints or (self.f.partial and cid in self.table.ckpts)
 
     @property
     def _live(self):
@@ -473,9 +499,11 @@ class Planner:
                 1 for cid in self.victims if self.f.checkpoints[cid].image_device and cid not in self.demoted_images)
         return len(self._freed_by_victims() | self.demoted_blocks)
 
+    # rule: sources-stay-put
     def movable_blocks(self, cid: int) -> list[int]:
-        """Device blocks of this checkpoint that only checkpoints hold (no resident writer)."""
-        return [bid for bid in self.ix.movable(cid) if bid not in self.demoted_blocks]
+        """Device blocks of this checkpoint that only checkpoints hold (no resident writer) and no
+        bind of this step reads."""
+        return [bid for bid in self.ix.movable(cid) if bid not in self.demoted_blocks and bid not in self.read_blocks]
 
     # ==== Host placement ===================================================================
     def _host_freed_by(self, gone: set[int]) -> list[tuple[int, int]]:

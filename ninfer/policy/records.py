@@ -220,6 +220,15 @@ class RecordTable:
         lookup hashes the whole token list); deleted ones are filtered out."""
         return [(f, o) for f, o in self._prefix_list(cid) if o in self.ckpts]
 
+    def is_prefix(self, other: int, cid: int) -> bool:
+        """Whether ``other`` is one of ``prefixes_of(cid)``, from the two points' tokens alone: a
+        question about one point (a record's own few) brings no prefix list up to date."""
+        info, o = self.ckpts.get(cid), self.ckpts.get(other)
+        if info is None or o is None or other == cid or o.ref.kind is not CkptKind.CACHE:
+            return False
+        f = o.frontier
+        return f <= len(info.tokens) and o.tokens == info.tokens[:f]
+
     def _prefix_list(self, cid: int) -> list[tuple[int, int]]:
         """The kept list behind ``prefixes_of`` (deleted points not yet filtered out), brought up
         to date: only the points added since it was taken are checked, and when none of them is

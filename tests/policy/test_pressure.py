@@ -256,6 +256,54 @@ def test_deletions_alone_when_the_demotion_first_plan_cannot_cover_and_a_demotio
     assert v.covered and v.remedies == [P.Reclaim([P.DemoteState(1, 1, 1)])], v
 
 
+def _shared_prefix(q: Quote) -> tuple[int, int, int]:
+    """A prefix point (two pages) a bind adopts, a sibling that lists both pages plus one of its
+    own, and an older point below them on the same pages: (source, sibling, own page)."""
+    src = q.ckpt(1, 32, n_blocks=2, host_image=True)
+    pre = q.cks[src].blocks
+    sib = q.ckpt(2, 40, demand=1.0, host_image=True)
+    own = q.cks[sib].blocks[0]
+    old = q.ckpt(3, 16, host_image=True)
+    for bid in pre:
+        q.blocks[bid] = P.BlockFact(bid, 1, "main", (src, sib, old), False, True, False, 64, None)
+    del q.blocks[q.cks[old].blocks[0]]
+    for cid, blocks in ((sib, (*pre, own)), (old, pre[:1])):
+        c = q.cks[cid]
+        q.cks[cid] = P.CheckpointFact(cid, 1, 1, c.kind, c.frontier, c.owners, True, True, False, blocks, c.image_at)
+    return src, sib, own
+
+
+def test_a_needs_remedy_moves_no_page_a_bind_of_this_step_reads():
+    """sources-stay-put: a fresh bind short one page, its source's pages listed by older and
+    sibling points too: no demotion moves a page the bind reads (it would be copied back at
+    once — the freed page is the one the copy back takes) — the sibling's own page goes; nor a
+    page an earlier need's source lists. The same pages are fair game for a need whose bind
+    reads something else."""
+    q = Quote(main=3, slots=4, host=16 * IMG)      # full: the two shared pages and the sibling's own
+    src, sib, own = _shared_prefix(q)
+    f = R("f", 3)
+    p = _real(R("a", 0, sid=1), fresh=(f,), table=q.table)
+    verdicts, _ = p.settle([Need(1, f, FRESH, {P.MAIN: 1}, src)], q.facts(), {}, tx_busy=False)
+    v = verdicts[1]
+    moved = [b for r in v.remedies for a in r.actions if isinstance(a, P.DemoteBlocks) for b in a.bids]
+    assert v.covered and moved == [own], v
+    # an earlier need adopts the source: a later need's remedy does not move its pages either
+    g = R("g", 4)
+    verdicts, _ = p.settle([Need(1, f, FRESH, {}, src), Need(2, g, FRESH, {P.MAIN: 1}, None)], q.facts(), {},
+                           tx_busy=False)
+    moved = [b for r in verdicts[2].remedies for a in r.actions if isinstance(a, P.DemoteBlocks) for b in a.bids]
+    assert verdicts[2].covered and moved == [own], verdicts[2]
+    # a bind adopting it right now (a transaction in flight) reads it too
+    busy = _real(R("a", 0, sid=1), fresh=(g,), table=q.table, adopting=(src,))
+    verdicts, _ = busy.settle([Need(1, g, FRESH, {P.MAIN: 1}, None)], q.facts(), {}, tx_busy=False)
+    moved = [b for r in verdicts[1].remedies for a in r.actions if isinstance(a, P.DemoteBlocks) for b in a.bids]
+    assert moved == [own], verdicts[1]
+    # no bind reads the source: its pages may move (the older point's, oldest demand first)
+    verdicts, _ = p.settle([Need(1, g, FRESH, {P.MAIN: 1}, None)], q.facts(), {}, tx_busy=False)
+    moved = [b for r in verdicts[1].remedies for a in r.actions if isinstance(a, P.DemoteBlocks) for b in a.bids]
+    assert moved and own not in moved, verdicts[1]
+
+
 def test_the_capacity_contract_fires_only_for_a_lone_request_with_nothing_in_flight():
     """capacity-contract: the only request, short after all legal reclaim, fails with the
     contract error — not while a transfer may still release capacity, nor beside another

@@ -291,6 +291,22 @@ def test_hot_protection_is_covered_only_by_the_records_own_points():
     assert q.planner().cands[1].cls == 0
 
 
+def test_hot_protection_counts_an_own_point_only_as_a_live_exact_prefix():
+    """hot-protection: the record's own point past the proven position covers it only when it
+    is an exact prefix of the candidate (an anchor on an edited history is not) and live in the
+    quote (a point the records still know but the facts no longer hold is not)."""
+    q = Quote(main=8, slots=4, host=0)
+    toks = list(range(1, 400))
+    q.ckpt(1, 150, tokens=toks[:150], level=Level.REUSE, demand=5.0)
+    rid = next(iter(q.table.records))
+    q.table.records[rid].evidence.proven_frontier = 100
+    _add_point(q, rid, P.Role.ANCHOR, 3, 110, [*toks[:109], 999])   # its own, not a prefix
+    assert q.planner().cands[1].cls == 1
+    _add_point(q, rid, P.Role.INPUT, 4, 120, toks[:120])            # a prefix, but gone from the quote
+    del q.cks[4]
+    assert q.planner().cands[1].cls == 1
+
+
 def _host_point(q: Quote, cid: int, frontier: int, extent: tuple[int, int], demand: float = 0.0) -> int:
     """A checkpoint whose StateImage lives only on the Host, at ``extent``."""
     q.ckpt(cid, frontier, device=False, demand=demand)

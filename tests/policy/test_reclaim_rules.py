@@ -103,6 +103,25 @@ def test_the_soft_target_counts_state_slots_too_and_keeps_records_up_to_three_qu
     assert [pl.cands[c].cls for c in (1, 2, 3, 4)] == [Cls.REUSE, Cls.REUSE, Cls.REUSE, Cls.NORMAL]
 
 
+def test_the_soft_target_counts_host_bytes_once_per_extent():
+    """soft-target by Host bytes: three reuse records' Host images and one Host page they all
+    list fit 3/4 of the Host when the page counts once (3 images + 1 page; counted per record it
+    would be 3 images + 3 pages, past the target); the 4th record's image is past it."""
+    from ninfer.policy.reclaim import SOFT_TARGET
+    cap = int((3 * IMG + 2 * PAGE) / SOFT_TARGET)
+    q = Quote(main=64, slots=64, host=cap)
+    for cid, demand in ((1, 4.0), (2, 3.0), (3, 2.0), (4, 1.0)):
+        q.ckpt(cid, 10, level=Level.REUSE, demand=demand, device=False, host_image=True)
+    page = 999
+    q.blocks[page] = P.BlockFact(page, 1, "main", (1, 2, 3), False, False, True, 64, q._host(PAGE))
+    for cid in (1, 2, 3):
+        c = q.cks[cid]
+        q.cks[cid] = P.CheckpointFact(cid, 1, 1, c.kind, c.frontier, c.owners, False, True, False,
+                                      (*c.blocks, page), c.image_at)
+    pl = q.planner()
+    assert [pl.cands[c].cls for c in (1, 2, 3, 4)] == [Cls.REUSE, Cls.REUSE, Cls.REUSE, Cls.NORMAL]
+
+
 # ---- nested-loss ------------------------------------------------------------------------------
 def test_a_point_already_chosen_as_a_victim_is_no_fallback():
     """nested-loss: loss counts down to the deepest fallback that survives the whole plan — a

@@ -1,6 +1,7 @@
 """``RecordTable.prefixes_of``: the live cache points that are exact prefixes of a point, deepest
 first — kept across new points and brought up to date over the last ``RECENT_ADDS`` adds only;
-``may_lose_nothing``: whether the deepest of them is as deep as the point (an identical alias).
+``may_lose_nothing``: whether the deepest of them is as deep as the point (an identical alias);
+``is_prefix``: one point's membership in that list.
 Model-free: fabricated points, any order of adds, deletes and queries, against a brute force."""
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ def _brute(table: RecordTable, cid: int) -> list[tuple[int, int]]:
 
 ops = st.lists(st.one_of(
     st.tuples(st.just("add"), st.integers(0, len(HISTORIES) - 1), st.integers(1, 8)),
+    st.tuples(st.just("snap"), st.integers(0, len(HISTORIES) - 1), st.integers(1, 8)),
     st.tuples(st.just("drop"), st.integers(0, 200), st.just(0)),
     st.tuples(st.just("ask"), st.integers(0, 200), st.just(0)),
     st.tuples(st.just("burst"), st.integers(0, len(HISTORIES) - 1), st.integers(RECENT_ADDS - 2, RECENT_ADDS + 2)),
@@ -35,12 +37,13 @@ ops = st.lists(st.one_of(
 def test_prefixes_stay_exact_across_adds_and_deletes(steps):
     table, cids, owner = RecordTable(), [], P.EntryOwner(1)
     for op, a, b in steps:
-        if op in ("add", "burst"):
+        if op in ("add", "burst", "snap"):
             hist = HISTORIES[a]
-            for k in range(1 if op == "add" else b):
-                n = min(b if op == "add" else 1 + k % len(hist), len(hist))
+            kind = P.CkptKind.SNAPSHOT if op == "snap" else P.CkptKind.CACHE     # a snapshot is never a prefix
+            for k in range(b if op == "burst" else 1):
+                n = min(1 + k % len(hist) if op == "burst" else b, len(hist))
                 cid = len(cids) + 1
-                table.add_ckpt(P.CkptRef(cid, 1, n, P.CkptKind.CACHE, True, False), hist[:n], owner)
+                table.add_ckpt(P.CkptRef(cid, 1, n, kind, True, False), hist[:n], owner)
                 cids.append(cid)
         elif cids:
             cid = cids[a % len(cids)]
@@ -51,9 +54,11 @@ def test_prefixes_stay_exact_across_adds_and_deletes(steps):
             else:
                 assert table.prefixes_of(cid) == _brute(table, cid)
                 _check_may_lose_nothing(table, cid)
+                _check_is_prefix(table, cid)
     for cid in table.ckpts:
         assert table.prefixes_of(cid) == _brute(table, cid)
         _check_may_lose_nothing(table, cid)
+        _check_is_prefix(table, cid)
 
 
 def _check_may_lose_nothing(table: RecordTable, cid: int) -> None:
@@ -61,6 +66,17 @@ def _check_may_lose_nothing(table: RecordTable, cid: int) -> None:
     lose nothing exactly when a live point has its very tokens (its deepest prefix is as deep
     as itself) — on every live set, the whole table's and a part of it."""
     info = table.ckpts[cid]
+    if info.ref.kind is not P.CkptKind.CACHE:        # not keyed by the index: the floor is 0
+        assert table.may_lose_nothing(cid, info.frontier, table.ckpts)
+        return
     for live in (table.ckpts, {c for c in table.ckpts if c % 2}):
         alias = table.deepest_prefix(cid, live) == info.frontier
         assert table.may_lose_nothing(cid, info.frontier, live) == alias, (cid, sorted(live))
+
+
+def _check_is_prefix(table: RecordTable, cid: int) -> None:
+    """``is_prefix`` (hot protection asks it of a record's own points): exactly membership in
+    ``prefixes_of`` — itself, a deleted point and a snapshot never."""
+    listed = {o for _, o in table.prefixes_of(cid)}
+    for other in (*table.ckpts, cid, -1):
+        assert table.is_prefix(other, cid) == (other in listed), (other, cid)
