@@ -73,9 +73,16 @@ class KvBlock(_Noted):
         return self.bid
 
     def touch(self) -> None:
+        """A new version, and a placement report for every holder."""
         self.version = next_generation()
         if self.sink is not None:
             self.sink.add(self.bid)
+
+    def bump(self) -> None:
+        """A new version whose placement is unchanged (a holder came or went): no holder's
+        placement report — a shared prefix's page has a holder per point above it, and each new
+        point would report all of them again."""
+        self.version = next_generation()
 
 
 @dataclass(eq=False)

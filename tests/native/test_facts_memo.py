@@ -93,3 +93,29 @@ def test_memoised_facts_follow_every_kind_of_change(prog):
         prog.apply([Delete(ck.cid, ck.generation, f.checkpoints[ck.cid].version)])
         _same(prog, "a deletion")
     assert prog.is_empty()
+
+
+def test_a_new_point_over_a_shared_prefix_reports_no_sibling_placement(prog):
+    """The placement report (``Program.placement_changes``, the controller's restore-cost mirror)
+    is O(what changed): a point forked from a shared prefix joins the holders of the prefix's
+    pages, which moves no page — the points already above that prefix are not reported again
+    (a shared system prompt has hundreds of them). The memoised quote still follows (holders
+    are facts)."""
+    e = new_seq(prog, random_prompt(128, seed=21), 1)
+    prog.bind(e, None, BindMode.FORK, first_tokens=128)
+    settle_transfers(prog)
+    while not e.finished:
+        step(prog, e, chunk=128)
+    base = prog.freeze(e, "E-base")
+    prog.placement_changes()
+    siblings = []
+    for i in range(3):
+        s = new_seq(prog, list(base.tokens) + random_prompt(6, seed=30 + i), 1)
+        assert prog.bind(s, base, BindMode.FORK, first_tokens=6).ok
+        settle_transfers(prog)
+        while not s.finished:
+            step(prog, s, chunk=8)
+        siblings.append(prog.freeze(s, f"E-{i}").cid)
+        reported = {cid for cid, *_ in prog.placement_changes()}
+        assert base.cid not in reported and not reported & set(siblings[:-1]), (i, reported)
+        _same(prog, f"sibling {i}")

@@ -165,7 +165,7 @@ class KvDirectory:
         """A new directory ``holder`` lists these blocks (a checkpoint taken at a frontier)."""
         for b in blocks:
             b.holders.add(holder)
-            b.touch()
+            b.bump()
 
     def drop_holder(self, b: KvBlock, holder: int) -> None:
         """``holder``'s directory no longer lists ``b``; its last holder gone (and no reader), the
@@ -173,7 +173,7 @@ class KvDirectory:
         b.holders.discard(holder)
         if b.appender == holder:
             b.appender = None
-        b.touch()
+        b.bump()
         if not b.holders and not b.leases:
             self._free_block(b)
 
