@@ -17,6 +17,11 @@ to keep them all). Then, with ``N`` records kept, we measure the controller's ow
                    victims), with ``wide_quotes`` — how often the Host window of the scoped
                    quote did not suffice and the whole directory was quoted.
 
+``shared_prefix = P`` (> 0): every request of the fills starts with the same P tokens (a shared
+system prompt): the records are siblings above one prefix whose pages every point lists — the
+workload where a settlement that walks each point's pages, or a report per holder of a shared
+page, grows with the number of siblings.
+
 Targets (issue): at 10k records a steady cycle ≤ 0.5 ms, an admission with reclaim ≤ 2 ms,
 cost at 10k ≤ 2× cost at 100, and the last 200 fill requests ≤ 1.5× the first 200.
 """
@@ -63,34 +68,37 @@ def _serve(timer: _Timer, specs: list[RequestSpec]) -> float:
     return cpu
 
 
-def _spec(i: int, n_out: int = 1, prompt=None) -> RequestSpec:
-    return RequestSpec(prompt=prompt or _prompt(i), params=SamplingParams(max_tokens=n_out, ignore_eos=True))
+def _spec(i: int, n_out: int = 1, prompt=None, shared: int = 0) -> RequestSpec:
+    """Request ``i`` (its distinct prompt after ``shared`` common tokens), or ``prompt``."""
+    prompt = prompt or (_prompt(4 * 10**6 + 1, shared) if shared else []) + _prompt(i)
+    return RequestSpec(prompt=prompt, params=SamplingParams(max_tokens=n_out, ignore_eos=True))
 
 
-def _engine(model_dir: str, host_bytes, dtype: str = "float32") -> tuple:
+def _engine(model_dir: str, host_bytes, dtype: str = "float32", shared: int = 0) -> tuple:
     """An engine whose Host holds ``host_bytes(bytes of one record)``."""
     from ninfer.actors.worker import Worker
     from ninfer.config import EngineConfig
     from ninfer.engine.core import EngineCore
-    probe = EngineConfig(max_concurrency=4, max_context=128, prefill_chunk_tokens=128, dtype=dtype)
+    context = max(128, -(-(shared + PROMPT + 64) // 64) * 64)
+    probe = EngineConfig(max_concurrency=4, max_context=context, prefill_chunk_tokens=128, dtype=dtype)
     w = Worker(model_dir, probe)
     info = w.info()
     w.shutdown()
     per = info.image_bytes + 2 * info.page_bytes
-    cfg = EngineConfig(max_concurrency=4, max_context=128, prefill_chunk_tokens=128, dtype=dtype,
+    cfg = EngineConfig(max_concurrency=4, max_context=context, prefill_chunk_tokens=128, dtype=dtype,
                        context_cache={"host_capacity_bytes": int(host_bytes(per))})
     client = Metered(Worker(model_dir, cfg))
     core = EngineCore(client, cfg, lambda ev: None)
     return core, client, _Timer(core, client)
 
 
-def measure_host_full(model_dir: str, records: int, progress=None, dtype: str = "float32") -> dict:
+def measure_host_full(model_dir: str, records: int, progress=None, dtype: str = "float32", shared: int = 0) -> dict:
     """Per-request controller CPU once the Host is full as well (every save needs victims)."""
-    core, client, timer = _engine(model_dir, lambda per: records * per * 0.6, dtype)   # ~0.8 N records
+    core, client, timer = _engine(model_dir, lambda per: records * per * 0.6, dtype, shared)   # ~0.8 N records
     per_request: list[float] = []
     n = int(records * 1.2) // 4 * 4
     for i in range(0, n, 4):
-        cpu = _serve(timer, [_spec(5 * 10**6 + i + k) for k in range(4)])
+        cpu = _serve(timer, [_spec(5 * 10**6 + i + k, shared=shared) for k in range(4)])
         per_request += [cpu / 4] * 4
         if progress:
             progress.update(4)
@@ -101,8 +109,8 @@ def measure_host_full(model_dir: str, records: int, progress=None, dtype: str = 
             "wide_quotes": stats["wide_quotes"], "host_full_requests": n}
 
 
-def measure(model_dir: str, records: int, progress=None, dtype: str = "float32") -> dict:
-    core, client, timer = _engine(model_dir, lambda per: records * per * 1.25 + (8 << 20), dtype)
+def measure(model_dir: str, records: int, progress=None, dtype: str = "float32", shared: int = 0) -> dict:
+    core, client, timer = _engine(model_dir, lambda per: records * per * 1.25 + (8 << 20), dtype, shared)
     settle = [0.0, 0]
     orig = core.pressure.settle
 
@@ -117,7 +125,7 @@ def measure(model_dir: str, records: int, progress=None, dtype: str = "float32")
     per_request: list[float] = []
     i, batch, shown = 0, 4, 0
     while len(core.rm.table.records) < records and i < 4 * records:
-        cpu = _serve(timer, [_spec(i + k) for k in range(batch)])
+        cpu = _serve(timer, [_spec(i + k, shared=shared) for k in range(batch)])
         per_request += [cpu / batch] * batch
         i += batch
         if progress:
@@ -152,10 +160,11 @@ def measure(model_dir: str, records: int, progress=None, dtype: str = "float32")
 
 
 def run(model_dir: str, out: str | None = None, plot: str | None = None, sizes=(100, 1000, 10000),
-        dtype: str = "float32") -> dict:
+        dtype: str = "float32", shared_prefix: int = 0) -> dict:
     """Each size of ``sizes`` in turn (a fill, the measurements, then the Host-full run); the
     defaults are the committed measurement (several minutes on 2 cores, most of it the 10k fill
-    and its Host-full run; 100 + 1k take about 30 s)."""
+    and its Host-full run; 100 + 1k take about 30 s). ``shared_prefix``: the fills' common
+    first tokens (0: none)."""
     from ninfer.benchmarks.common import ensure_model, report
     from ninfer.native.threads import pin as pin_threads
     from ninfer.progress import bar, note
@@ -166,9 +175,9 @@ def run(model_dir: str, out: str | None = None, plot: str | None = None, sizes=(
         note(f"cache-scale: filling the cache to {n} records, then {int(n * 1.2) // 4 * 4} requests through a Host "
              f"that holds ~{int(0.8 * n)}")
         with bar(total=n, desc=f"fill to {n} records", unit="rec") as progress:
-            row = measure(model_dir, n, progress, dtype)
+            row = measure(model_dir, n, progress, dtype, shared_prefix)
         with bar(total=int(n * 1.2) // 4 * 4, desc=f"Host full ({n})", unit="req") as progress:
-            row.update(measure_host_full(model_dir, n, progress, dtype))
+            row.update(measure_host_full(model_dir, n, progress, dtype, shared_prefix))
         rows.append(row)
     base = rows[0] if rows else {}
     for r in rows:
@@ -179,7 +188,7 @@ def run(model_dir: str, out: str | None = None, plot: str | None = None, sizes=(
     result = {"note": "controller CPU (thread time minus the worker call) against cached records; "
                       "targets at 10k: decode_us <= 500, reclaim_ms <= 2, reclaim_x/decode_x <= 2, fill_growth <= 1.5; "
                       "host_full_ms: per request with every save needing Host victims (reported)",
-              "config": {"records": list(sizes), "dtype": dtype}}
+              "config": {"records": list(sizes), "dtype": dtype, "shared_prefix": shared_prefix}}
     return report("cache-scale", result, rows, ["records", "checkpoints", "decode_us", "admit_ms", "reclaim_ms",
                                                 "settle_ms", "fill_first_ms", "fill_last_ms", "reclaim_x", "decode_x",
                                                 "fill_growth", "host_full_ms", "host_full_x", "wide_quotes"], out, plot)

@@ -5,7 +5,7 @@ default is the committed measurement's setting, so a run without options reprodu
     ninfer bench controller  [--concurrency 1,2,4,8] [--pressure 2,4,8] [--decode-tokens 64] ...
     ninfer bench agent       [--transport inproc,ray] [--sessions 8] [--turns 6] [--capacity 16:2,64:64] ...
     ninfer bench actors      [--transport inproc,ray] [--concurrency 1,2,4,8] [--max-tokens 48] ...
-    ninfer bench cache-scale [--records 100,1000,10000] [--dtype float32]
+    ninfer bench cache-scale [--records 100,1000,10000] [--shared-prefix 0] [--dtype float32]
     ninfer bench serve       [--base-url URL] [--clients 64] [--rounds 4] ...
     ninfer bench speculative [--method mtp|dflash|dflash2] [--drafts 1,2,3] [--concurrency 1,4,8] ...
     ninfer bench speed       [--vs-vllm] [--concurrency 1,4,8] [--prompt-tokens 2000] [--trace FILE] ...
@@ -176,6 +176,8 @@ def _actors(b: argparse.ArgumentParser) -> None:
 def _cache_scale(b: argparse.ArgumentParser) -> None:
     b.add_argument("--records", type=_positives, default="100,1000,10000", metavar="N,...",
                    help="cache sizes to fill and measure at (comma list; the 10k fill takes most of the time)")
+    b.add_argument("--shared-prefix", type=_count, default=0, metavar="TOKENS",
+                   help="every fill request starts with the same TOKENS tokens (a shared system prompt; 0: none)")
     _common(b)
 
 
@@ -452,7 +454,7 @@ def run_bench(args: argparse.Namespace) -> int:
         kw.update(transports=args.transport, concurrency=args.concurrency, max_tokens=args.max_tokens,
                   prompt_tokens=args.prompt_tokens, lanes=args.lanes)
     elif args.name == "cache-scale":
-        kw.update(sizes=args.records)
+        kw.update(sizes=args.records, shared_prefix=args.shared_prefix)
     elif args.name == "router":
         kw.update(sizes=args.entries, replicas=args.replicas, lengths=args.prompt_tokens, queries=args.queries)
     elif args.name == "speed":

@@ -58,13 +58,14 @@ class FactsIndex:
     one settlement builds many planners over the same facts (one per need, its deletions-only
     alternative, the pause routes and the capture rooms)."""
 
-    __slots__ = ("facts", "_listers", "_releasable", "_unheld", "_movable", "_touch", "_shared", "_groups")
+    __slots__ = ("facts", "_listers", "_releasable", "_unheld", "_movable", "_touch", "_shared", "_groups", "_held")
 
     def __init__(self, facts: P.Facts):
         self.facts = facts
         self._listers: dict[int, list[int]] | None = None
         self._releasable: list[tuple[int, tuple[int, ...]]] | None = None
         self._unheld: set[int] | None = None
+        self._held: dict[int, frozenset[int]] = {}     # block -> its holders, as a set (taken once)
         self._movable: dict[int, list[int]] = {}
         self._touch: dict[int, list[int]] | None = None
         self._shared: dict[frozenset[int], list[int]] | None = None
@@ -126,17 +127,20 @@ class FactsIndex:
 
     def entries(self, m: int, victims: frozenset[int]) -> list[tuple]:
         """The Device blocks a deletion of ``m`` might free once ``victims`` are deleted: (block,
-        its holders left besides the victims, the checkpoints that list it, whether a victim
-        lists it) — each block ``m`` holds, or lists once no holder is left."""
+        all its holders, the checkpoints that list it) — each block ``m`` holds (not being a
+        victim itself), or lists once no holder is left besides the victims. Set operations, not a pass per holder: a shared
+        prefix's page has a holder per point above it, and each of them asks for its entries."""
         if self._touch is None:
             self._scan()
         out = []
-        blocks, listers = self.facts.blocks, self.listers
+        blocks, listers, held = self.facts.blocks, self.listers, self._held
         for bid in self._touch.get(m, ()):
-            rest = frozenset(h for h in blocks[bid].holders if h not in victims)
+            holders = held.get(bid)
+            if holders is None:
+                holders = held[bid] = frozenset(blocks[bid].holders)
             lst = listers.get(bid, ())
-            if m in rest or (not rest and m in lst):
-                out.append((bid, rest, lst, any(c in victims for c in lst)))
+            if (m in holders and m not in victims) or (m in lst and holders <= victims):
+                out.append((bid, holders, lst))
         return out
 
     @property
@@ -488,8 +492,9 @@ class Planner:
             return sum(1 for cid in group
                        if self.f.checkpoints[cid].image_device and cid not in self.demoted_images)
         before = self._freed_by_victims() | self.demoted_blocks
-        freed = {bid for m in group for bid, rest, listers, by_victim in self._entries(m)
-                 if rest <= group and (by_victim or not group.isdisjoint(listers))}
+        gone = group | self.victims       # every holder gone, and a deleted point lists it
+        freed = {bid for m in group for bid, holders, listers in self._entries(m)
+                 if holders <= gone and not gone.isdisjoint(listers)}
         return len(freed - before)
 
     def freed_so_far(self, pool: str) -> int:

@@ -23,7 +23,7 @@ OPTIONS = {
               "--seed", "--replicas", "--routing", "--dtype", "--model", "--out", "--plot"],
     "actors": ["--transport", "--concurrency", "--prompt-tokens", "--max-tokens", "--lanes", "--dtype", "--model",
                "--out", "--plot"],
-    "cache-scale": ["--records", "--dtype", "--model", "--out", "--plot"],
+    "cache-scale": ["--records", "--shared-prefix", "--dtype", "--model", "--out", "--plot"],
     "speed": ["--vs-vllm", "--vllm-python", "--concurrency", "--prompt-tokens", "--prefill-prompts",
               "--decode-tokens", "--trace", "--trace-limit", "--time-scale", "--repeats", "--lanes", "--max-context",
               "--chunk", "--dtype", "--model", "--out", "--plot"],

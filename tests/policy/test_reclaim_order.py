@@ -36,7 +36,7 @@ def _by_member(facts: P.Facts, victims: set[int]) -> tuple[dict, dict]:
             continue
         lst = tuple(listers.get(bid, ()))
         for m in rest or lst:
-            by_member.setdefault(m, set()).add((bid, rest, lst, any(c in victims for c in lst)))
+            by_member.setdefault(m, set()).add((bid, frozenset(b.holders), lst))
         if len(rest) > 1:
             groups.setdefault(rest, set()).add(bid)
     return by_member, groups
@@ -52,7 +52,7 @@ class Checked(Planner):
         by_member, groups = _by_member(self.f, self.victims)
         assert {g: set(b) for g, b in self._groups().items()} == groups
         for m in self.cands:
-            assert {(b, r, tuple(lst), v) for b, r, lst, v in self._entries(m)} == by_member.get(m, set()), m
+            assert {(b, h, tuple(lst)) for b, h, lst in self._entries(m)} == by_member.get(m, set()), m
         got = super()._choose(pool, short)
         options = self._options(pool, short)
         want = min(options, key=lambda o: self._rank(*o[:5])) if options else None

@@ -172,6 +172,24 @@ def test_a_page_shared_with_a_victim_goes_with_its_last_other_holder():
     assert pl.freed_so_far(P.MAIN) == 0
 
 
+def test_a_page_only_a_victim_lists_goes_with_its_last_holder():
+    """useful-release: a page one point holds and only another lists (the holder's directory no
+    longer does) goes once its holder is deleted and a deleted point lists it — the lister being
+    a victim already counts; without that victim the page stays listed."""
+    q = Quote(main=8, slots=4, host=8 * IMG)
+    q.ckpt(4, 64)
+    q.ckpt(5, 64, n_blocks=0)
+    [bid] = q.cks[4].blocks
+    for cid, blocks in ((4, ()), (5, (bid,))):          # 4 holds it, 5 lists it
+        c = q.cks[cid]
+        q.cks[cid] = P.CheckpointFact(c.cid, c.generation, c.version, c.kind, c.frontier, c.owners, c.image_device,
+                                      c.image_host, c.leased, blocks, c.image_at)
+    pl = q.planner()
+    assert pl.freed_by_delete(frozenset({4}), P.MAIN) == 0
+    pl.victims.add(5)
+    assert pl.freed_by_delete(frozenset({4}), P.MAIN) == 1
+
+
 # ---- state-before-kv --------------------------------------------------------------------------
 def test_a_state_gap_is_planned_before_a_kv_gap_and_what_it_frees_counts_for_the_kv_gap():
     """state-before-kv: short one slot and one page, the slot is planned first — the only point
