@@ -18,7 +18,7 @@ to keep them all). Then, with ``N`` records kept, we measure the controller's ow
                    quote did not suffice and the whole directory was quoted.
 
 ``shared_prefix = P`` (> 0): every request of the fills starts with the same P tokens (a shared
-system prompt): the records are siblings above one prefix whose pages every point lists — the
+system prompt): the records are siblings above one prefix whose pages every point holds — the
 workload where a settlement that walks each point's pages, or a report per holder of a shared
 page, grows with the number of siblings.
 

@@ -128,8 +128,9 @@ class FactsIndex:
     def entries(self, m: int, victims: frozenset[int]) -> list[tuple]:
         """The Device blocks a deletion of ``m`` might free once ``victims`` are deleted: (block,
         all its holders, the checkpoints that list it) — each block ``m`` holds (not being a
-        victim itself), or lists once no holder is left besides the victims. Set operations, not a pass per holder: a shared
-        prefix's page has a holder per point above it, and each of them asks for its entries."""
+        victim itself), or lists once no holder is left besides the victims. Set operations, not
+        a pass per holder: a shared prefix's page has a holder per point above it, and each of
+        them asks for its entries."""
         if self._touch is None:
             self._scan()
         out = []
