@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable
 
 ALIGN = 256
@@ -65,3 +66,23 @@ def merge_extents(extents: list[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             out.append([off, size])
     return [(o, s) for o, s in out]
+
+
+def merge_into(merged: list[tuple[int, int]], extra: Iterable[tuple[int, int]]) -> list[tuple[int, int]] | None:
+    """``merged`` (as ``merge_extents`` returns it) with ``extra`` extents put where they go and
+    joined with their neighbours — a few extents into a long, fragmented list without a pass over
+    it in Python. None when an extra extent overlaps or repeats one already there: the caller
+    merges everything again (its duplicates may have been joined into ``merged``)."""
+    out = list(merged)
+    for off, size in sorted(set(extra)):
+        i = bisect.bisect_left(out, (off, 0))
+        end = off + size
+        if (i < len(out) and out[i][0] < end) or (i > 0 and out[i - 1][0] + out[i - 1][1] > off):
+            return None
+        lo, hi, start = i, i, off
+        if i > 0 and out[i - 1][0] + out[i - 1][1] == off:
+            lo, start = i - 1, out[i - 1][0]
+        if i < len(out) and out[i][0] == end:
+            hi, end = i + 1, out[i][0] + out[i][1]
+        out[lo:hi] = [(start, end - start)]
+    return out

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 from ninfer import protocol as P
-from ninfer.placement import fits_first_fit, merge_extents, place_first_fit
+from ninfer.placement import fits_first_fit, merge_extents, merge_into, place_first_fit
 from ninfer.policy.records import Level, RecordTable
 from ninfer.protocol import EntryOwner, Owner, RecordOwner, SnapshotOwner, WaiterOwner
 
@@ -58,7 +58,8 @@ class FactsIndex:
     one settlement builds many planners over the same facts (one per need, its deletions-only
     alternative, the pause routes and the capture rooms)."""
 
-    __slots__ = ("facts", "_listers", "_releasable", "_unheld", "_movable", "_touch", "_shared", "_groups", "_held")
+    __slots__ = ("facts", "_listers", "_releasable", "_unheld", "_movable", "_touch", "_shared", "_groups", "_held",
+                 "_host_free")
 
     def __init__(self, facts: P.Facts):
         self.facts = facts
@@ -66,6 +67,7 @@ class FactsIndex:
         self._releasable: list[tuple[int, tuple[int, ...]]] | None = None
         self._unheld: set[int] | None = None
         self._held: dict[int, frozenset[int]] = {}     # block -> its holders, as a set (taken once)
+        self._host_free: list[tuple[int, int]] | None = None
         self._movable: dict[int, list[int]] = {}
         self._touch: dict[int, list[int]] | None = None
         self._shared: dict[frozenset[int], list[int]] | None = None
@@ -88,6 +90,13 @@ class FactsIndex:
         if self._releasable is None:
             self._releasable = [(bid, b.holders) for bid, b in self.facts.blocks.items() if b.device and not b.pinned]
         return self._releasable
+
+    @property
+    def host_free(self) -> list[tuple[int, int]]:
+        """The quote's free Host extents, sorted and merged (once per quote)."""
+        if self._host_free is None:
+            self._host_free = merge_extents(sorted(set(self.facts.host_free)))
+        return self._host_free
 
     @property
     def unheld(self) -> set[int]:
@@ -583,7 +592,14 @@ class Planner:
         dup += [c.image_at for cid in self.dup_dropped
                 if (c := self.f.checkpoints[cid]).image_device and c.image_at and not c.leased]
         dup += [self.f.blocks[bid].host_at for bid in self.dup_pages]
-        free = merge_extents(sorted(set(list(self.f.host_free) + self._host_freed_by(extra_victims) + dup)))
+        # the quote's free extents merged once per quote; the few freed and released ones put
+        # in their places (``merge_into``: the same list as merging them all again)
+        extra = self._host_freed_by(extra_victims) + dup
+        free = merge_into(self.ix.host_free, extra)
+        if free is None:
+            free = merge_extents(sorted(set(list(self.f.host_free) + extra)))
+        if not self.host_used:
+            return free
         # remove what this plan already placed (first-fit from the lowest offset)
         placed = place_first_fit(free, [s for _, s in self.host_used])
         return placed[1] if placed else []
