@@ -350,8 +350,8 @@ class _StepRun:
         smallest prefix of remedies that makes it fit), WAIT when a prefix makes it fit once
         its copies publish (committed) and they have not all landed by the progress point
         taken at once (``_progress_in_admission``), else SHORT with nothing committed.
-        ``first``: the index of ``remedies[0]`` in the intent's list (after a lane take-back it committed);
-        ``touched``: blocks that take-back let go of (see ``_remedy``)."""
+        ``first``: the index of ``remedies[0]`` in the intent's list (after a lane take-back it
+        committed); ``touched``: blocks that take-back let go of (see ``_remedy``)."""
         short = self._short(demand(), credit)
         if not short:
             return P.Outcome.OK

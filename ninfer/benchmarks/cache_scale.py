@@ -70,7 +70,8 @@ def _serve(timer: _Timer, specs: list[RequestSpec]) -> float:
 
 def _spec(i: int, n_out: int = 1, prompt=None, shared: int = 0) -> RequestSpec:
     """Request ``i`` (its distinct prompt after ``shared`` common tokens), or ``prompt``."""
-    prompt = prompt or (_prompt(4 * 10**6 + 1, shared) if shared else []) + _prompt(i)
+    if prompt is None:
+        prompt = (_prompt(4 * 10**6 + 1, shared) if shared else []) + _prompt(i)
     return RequestSpec(prompt=prompt, params=SamplingParams(max_tokens=n_out, ignore_eos=True))
 
 

@@ -282,15 +282,16 @@ class Pressure:
                ) -> tuple[Verdict, Planner, dict[str, int]]:
         rights = self.rights(n)
         may, snaps = self._revoker(n.req, rights)
-        reading = self.protected(n.req) | reads
-        planner = Planner(facts, self.rm.table, self.protected(n.req) | protect, may, snaps, prior,
+        mine = self.protected(n.req)
+        reading, protect = mine | reads, mine | protect
+        planner = Planner(facts, self.rm.table, protect, may, snaps, prior,
                           window_short=window_short, survey=self._survey, reading=reading)
         before = {k: planner.freed_so_far(k) for k in short}
         actions, covered = planner.plan(short)
         # rule: deletions-only-alternative
         if not covered:
             # the candidate list stays: deletions alone may cover what a demotion first did not
-            alt = Planner(facts, self.rm.table, self.protected(n.req) | protect, may, snaps, prior, demote=False,
+            alt = Planner(facts, self.rm.table, protect, may, snaps, prior, demote=False,
                           window_short=window_short, survey=self._survey, reading=reading)
             alt_actions, alt_covered = alt.plan(short)
             if alt_covered:
@@ -320,8 +321,8 @@ class Pressure:
                 # what the victims shared with optional cache is reclaimable once they let go
                 # (and what this need already deletes may free more then)
                 was = {k: planner.freed_so_far(k) for k in short}
-                planner = Planner(_without(facts, victims), self.rm.table, self.protected(n.req) | protect,
-                                  may, snaps, planner, reading=reading)
+                planner = Planner(_without(facts, victims), self.rm.table, protect, may, snaps, planner,
+                                  reading=reading)
                 for k in short:
                     freed[k] = freed.get(k, 0) + planner.freed_so_far(k) - was[k]
                 left = {k: v - freed.get(k, 0) for k, v in short.items() if v > freed.get(k, 0)}

@@ -6,8 +6,9 @@
                    request may be overtaken by at most C younger successes; failed checks do
                    not consume the quota; a request that failed under the same event is not
                    re-quoted, nor one whose bind waits for its reclaim's copies (until they
-                   settle: wait-for-release); scans re-open on queue change, real capacity release, transfer
-                   completion or reference revocation — never on ordinary decode. The lane and
+                   settle: wait-for-release); scans re-open on queue change, real capacity
+                   release, transfer completion or reference revocation — never on ordinary
+                   decode. The lane and
                    overtaking bounds travel to the worker as guards (``fresh_guards``).
     paused queue   by original ticket; the oldest tries a full resume on a real capacity event
                    that it did not cause itself; with an older resident present it may only use
