@@ -232,6 +232,8 @@ def unit_pages(frontier: int, n_tokens: int, held: int, tail_appendable: bool) -
 
 # ---- token ids as compact int32 bytes ------------------------------------------------------
 
+TOKEN_BYTES = array.array("i").itemsize      # one packed token id (a piece of a packing is the packing of the piece)
+
 def pack_tokens(tokens: list[int]) -> bytes:
     a = array.array("i", tokens)
     if sys.byteorder != "little":

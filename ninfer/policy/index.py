@@ -14,19 +14,26 @@ import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from ninfer.protocol import pack_tokens
+from ninfer.protocol import TOKEN_BYTES, pack_tokens
 
 
 def prefix_digests(tokens: list[int] | tuple[int, ...], frontiers: list[int]) -> dict[int, bytes]:
     """{F: digest(tokens[:F])} for the given frontiers (<= len(tokens)), in one pass."""
     out: dict[int, bytes] = {}
     h = hashlib.blake2b(digest_size=16)
+    fs = sorted(set(frontiers))
+    if not fs:
+        return out
+    # the tokens up to the deepest frontier packed once (fixed-width int32), then hashed piece
+    # by piece through views: the same bytes as packing each piece (a lookup over a prompt
+    # meets hundreds of indexed frontiers)
+    packed = memoryview(pack_tokens(list(tokens[:min(fs[-1], len(tokens))])))
     pos = 0
-    for f in sorted(set(frontiers)):
+    for f in fs:
         if f > len(tokens):
             break
         if f > pos:
-            h.update(pack_tokens(list(tokens[pos:f])))
+            h.update(packed[pos * TOKEN_BYTES:f * TOKEN_BYTES])
             pos = f
         out[f] = h.copy().digest()
     return out

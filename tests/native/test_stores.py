@@ -247,7 +247,7 @@ def test_reserve_all_failure_reports_every_short_pool():
 # =========================================================================================
 
 def _arena_snapshot(arena: HostArena) -> list[tuple]:
-    return [(e.offset, e.size, e.free, e.kind, e.generation) for e in arena._extents]
+    return [(e.offset, e.size, e.free, e.kind, e.generation) for e in arena.extents()]
 
 
 def _holes(live: list[tuple[int, int]], capacity: int) -> list[tuple[int, int]]:
