@@ -198,16 +198,21 @@ def test_what_startup_built_is_frozen_until_shutdown(tiny_model):
     """``actors/collector.py``: once the engine has started, what it built (the model's modules
     and parameters among them) sits in the collector's permanent generation, so a full collection
     under load does not walk it; shutdown unfreezes it, so a process that starts engine after
-    engine can still collect the cycles of the ones it shut down."""
+    engine can still collect the cycles of the ones it shut down. While it runs the young
+    generation is scanned less often (a quote's decoded facts are ~1,000 containers); shutdown
+    puts the thresholds back."""
     import gc
 
+    from ninfer.actors.collector import YOUNG
     from ninfer.native.model.model import HybridModel
+    before = gc.get_threshold()
     eng = ninfer.Engine.start(tiny_model, config=CFG, transport="inproc")
     try:
         frozen = gc.get_freeze_count()
         models = [o for o in gc.get_objects() if isinstance(o, HybridModel)]
         assert frozen > 10_000 and not models, (frozen, models)      # not in any generation the scans walk
+        assert gc.get_threshold() == (max(before[0], YOUNG), *before[1:])
         assert eng.generate(random_prompt(20, seed=5), max_tokens=2).result(60).token_ids
     finally:
         eng.shutdown()
-    assert gc.get_freeze_count() == 0
+    assert gc.get_freeze_count() == 0 and gc.get_threshold() == before
