@@ -24,6 +24,7 @@ order, unneeded ones are dropped again, and if nothing admissible places it noth
 from __future__ import annotations
 
 import heapq
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
@@ -64,7 +65,7 @@ class FactsIndex:
     def __init__(self, facts: P.Facts):
         self.facts = facts
         self._listers: dict[int, list[int]] | None = None
-        self._releasable: list[tuple[int, tuple[int, ...]]] | None = None
+        self._releasable: dict[int, tuple[int, ...]] | None = None
         self._unheld: set[int] | None = None
         self._held: dict[int, frozenset[int]] = {}     # block -> its holders, as a set (taken once)
         self._host_free: list[tuple[int, int]] | None = None
@@ -85,11 +86,12 @@ class FactsIndex:
         return self._listers
 
     @property
-    def releasable(self) -> list[tuple[int, tuple[int, ...]]]:
-        """(block, holders) of the Device blocks no sequence pins (sequence holders are negative)."""
+    def releasable(self):
+        """(block, holders) of the Device blocks no sequence pins (sequence holders are
+        negative), as a dict's items."""
         if self._releasable is None:
-            self._releasable = [(bid, b.holders) for bid, b in self.facts.blocks.items() if b.device and not b.pinned]
-        return self._releasable
+            self._releasable = {bid: b.holders for bid, b in self.facts.blocks.items() if b.device and not b.pinned}
+        return self._releasable.items()
 
     @property
     def host_free(self) -> list[tuple[int, int]]:
@@ -184,13 +186,140 @@ _INDEXES: list[FactsIndex] = []         # the latest few (a settlement plans on 
 
 
 def facts_index(facts: P.Facts) -> FactsIndex:
-    """The index of this facts object."""
+    """The index of this facts object: brought forward from the latest one where the two
+    facts differ in few messages (``derive_index``), else built anew."""
     for ix in _INDEXES:
         if ix.facts is facts:
             return ix
-    ix = FactsIndex(facts)
+    ix = derive_index(_INDEXES[0], facts) if _INDEXES else None
+    if ix is None:
+        ix = FactsIndex(facts)
+    elif os.environ.get("NINFER_CHECK_FACTS", "0") != "0":
+        _check_derived(ix)
     _INDEXES[:] = [ix] + _INDEXES[:2]
     return ix
+
+
+def _changed(before: dict, after: dict) -> list[int]:
+    """Ids whose message differs between two quotes' dicts (added, removed or changed)."""
+    out = [k for k, v in after.items() if before.get(k) != v]
+    out += [k for k in before if k not in after]
+    return out
+
+
+def _cow_add(d: dict, copied: set, key, item) -> None:
+    """Append ``item`` to the list ``d[key]`` (made if missing), copying the list once per
+    derivation before it changes: the base index keeps its own."""
+    got = d.get(key)
+    if got is None:
+        d[key] = [item]
+        copied.add(key)
+        return
+    if key not in copied:
+        got = d[key] = list(got)
+        copied.add(key)
+    got.append(item)
+
+
+def _cow_remove(d: dict, copied: set, key, item) -> None:
+    """Remove ``item`` from the list ``d[key]`` (the key goes with its last item), copying the
+    list first as ``_cow_add`` does."""
+    got = d[key]
+    if key not in copied:
+        got = d[key] = list(got)
+        copied.add(key)
+    got.remove(item)
+    if not got:
+        del d[key]
+        copied.discard(key)
+
+
+def derive_index(base: FactsIndex, facts: P.Facts) -> FactsIndex | None:
+    """The index of ``facts`` built from ``base``'s (another quote's, usually the one before):
+    only the messages that differ are re-indexed — consecutive quotes of a full Device share
+    nearly all of their ~1,000 messages, and indexing them all was ~2 ms of each admission's
+    settlement on the trace slice. Each part the base had computed (listers, releasable and
+    unheld blocks, the per-checkpoint touch lists, the shared holder sets) is brought forward;
+    the rest stay lazy. None when more than half of the messages differ (built anew then).
+    Orders inside the lists may differ from an index built anew; every use is a set's
+    (``NINFER_CHECK_FACTS`` compares the two as sets on every derivation)."""
+    was = base.facts
+    dck = _changed(was.checkpoints, facts.checkpoints)
+    dbk = _changed(was.blocks, facts.blocks)
+    if 2 * (len(dck) + len(dbk)) > len(facts.checkpoints) + len(facts.blocks):
+        return None
+    ix = FactsIndex(facts)
+    ckb, ckn, blb = was.checkpoints, facts.checkpoints, was.blocks
+    relisted: set[int] = set()          # blocks whose listing checkpoints changed
+    if base._listers is not None:
+        listers, copied = dict(base._listers), set()
+        for cid in dck:
+            o, n = ckb.get(cid), ckn.get(cid)
+            ob, nb = (o.blocks if o is not None else ()), (n.blocks if n is not None else ())
+            if ob == nb:
+                continue
+            for bid in ob:
+                _cow_remove(listers, copied, bid, cid)
+            for bid in nb:
+                _cow_add(listers, copied, bid, cid)
+            relisted.update(ob)
+            relisted.update(nb)
+        ix._listers = listers
+    if base._releasable is None or base._unheld is None:
+        return ix
+    rel = dict(base._releasable)
+    unheld = set(base._unheld)
+    for bid in dbk:
+        b = facts.blocks.get(bid)
+        if b is not None and b.device and not b.pinned:
+            rel[bid] = b.holders
+            if all(h > 0 for h in b.holders):
+                unheld.add(bid)
+            else:
+                unheld.discard(bid)
+        else:
+            rel.pop(bid, None)
+            unheld.discard(bid)
+    ix._releasable, ix._unheld = rel, unheld
+    ix._held = {bid: h for bid, h in base._held.items() if bid not in dbk} if dbk else dict(base._held)
+    if base._touch is not None and ix._listers is not None:
+        touch, copied = dict(base._touch), set()
+        blisters, listers = base._listers, ix._listers
+        for bid in relisted.union(dbk):
+            old = (set(base._releasable[bid]).union(blisters.get(bid, ()))
+                   if bid in base._unheld else set())
+            new = set(rel[bid]).union(listers.get(bid, ())) if bid in unheld else set()
+            for m in old - new:
+                _cow_remove(touch, copied, m, bid)
+            for m in new - old:
+                _cow_add(touch, copied, m, bid)
+        ix._touch = touch
+    if base._shared is not None:
+        shared, copied = dict(base._shared), set()
+        for bid in dbk:
+            for holders, present, change in ((blb[bid].holders if bid in blb else (), bid in base._unheld, _cow_remove),
+                                             (rel.get(bid, ()), bid in unheld, _cow_add)):
+                g = frozenset(holders)
+                if present and len(g) > 1:
+                    change(shared, copied, g, bid)
+        ix._shared = shared
+    return ix
+
+
+def _check_derived(ix: FactsIndex) -> None:
+    """``NINFER_CHECK_FACTS``: every part a derivation brought forward equals, as sets, the
+    part an index built anew computes."""
+    fresh = FactsIndex(ix.facts)
+
+    def as_sets(d):
+        return None if d is None else {k: sorted(v) for k, v in d.items()}
+    for name, got, want in (("listers", as_sets(ix._listers), lambda: as_sets(fresh.listers)),
+                            ("releasable", ix._releasable, lambda: dict(fresh.releasable)),
+                            ("unheld", ix._unheld, lambda: fresh.unheld),
+                            ("shared", as_sets(ix._shared), lambda: as_sets(fresh.shared)),
+                            ("touch", as_sets(ix._touch), lambda: fresh.touches(0) or as_sets(fresh._touch))):
+        if got is not None and got != want():
+            raise AssertionError(f"derived facts index: its {name} differ from an index built anew")
 
 
 def _owner_record(owner: Owner, table: RecordTable):

@@ -34,7 +34,7 @@ def _by_member(facts: P.Facts, victims: set[int]) -> tuple[dict, dict]:
         rest = frozenset(h for h in b.holders if h not in victims)
         if any(h < 0 for h in rest):
             continue
-        lst = tuple(listers.get(bid, ()))
+        lst = tuple(sorted(listers.get(bid, ())))
         for m in rest or lst:
             by_member.setdefault(m, set()).add((bid, frozenset(b.holders), lst))
         if len(rest) > 1:
@@ -52,7 +52,7 @@ class Checked(Planner):
         by_member, groups = _by_member(self.f, self.victims)
         assert {g: set(b) for g, b in self._groups().items()} == groups
         for m in self.cands:
-            assert {(b, h, tuple(lst)) for b, h, lst in self._entries(m)} == by_member.get(m, set()), m
+            assert {(b, h, tuple(sorted(lst))) for b, h, lst in self._entries(m)} == by_member.get(m, set()), m
         got = super()._choose(pool, short)
         options = self._options(pool, short)
         want = min(options, key=lambda o: self._rank(*o[:5])) if options else None
