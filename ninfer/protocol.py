@@ -167,7 +167,7 @@ class CheckpointFact(msgspec.Struct, array_like=True, frozen=True, gc=False):
     image_at: tuple[int, int] | None = None    # (offset, size) of its StateImage Host extent
 
 
-class Facts(msgspec.Struct, frozen=True, gc=False):
+class Facts(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
     pools: dict[str, PoolFact]
     host_capacity: int
     host_free: tuple[tuple[int, int], ...]    # (offset, size) of free extents, by offset
@@ -178,6 +178,15 @@ class Facts(msgspec.Struct, frozen=True, gc=False):
     tx_busy: bool
     # checkpoints outside these facts (a scoped quote): all of them hold Host content only
     partial: bool = False
+    # a quote's number (its worker's, from 1) and, in a delta, the number of the quote it is
+    # against: then ``checkpoints`` and ``blocks`` hold only the messages that are not the
+    # base's, and ``order`` every id of the quote in its order (checkpoints, blocks); the
+    # controller completes it from the base (``FactsMirror``). base 0: complete as sent.
+    seq: int = 0
+    base: int = 0
+    order: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
+    # NINFER_CHECK_FACTS: the complete quote beside its delta, encoded (the controller compares)
+    check: bytes = b""
 
 
 class Delete(msgspec.Struct, tag="delete", frozen=True, array_like=True):
@@ -520,6 +529,9 @@ class StepPlan(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     # with ``quote``: None = every checkpoint; a list = the Device's content plus these
     # Host-resident checkpoints (the policy's window of Host candidates)
     host_window: list[int] | None = None
+    # with ``quote``: the number of the last quote the controller holds complete (0: none);
+    # the worker answers with a delta against it when that is the quote it sent last
+    facts_base: int = 0
 
 
 # ---- replies ---------------------------------------------------------------------------------
@@ -810,6 +822,7 @@ _enc = msgspec.msgpack.Encoder()
 _plan_dec = msgspec.msgpack.Decoder(StepPlan)
 _reply_dec = msgspec.msgpack.Decoder(StepReply)
 _info_dec = msgspec.msgpack.Decoder(WorkerInfo)
+_facts_dec = msgspec.msgpack.Decoder(Facts)
 
 
 def encode(msg) -> bytes:
@@ -826,6 +839,10 @@ def decode_reply(data: bytes) -> StepReply:
 
 def decode_info(data: bytes) -> WorkerInfo:
     return _info_dec.decode(data)
+
+
+def decode_facts(data: bytes) -> Facts:
+    return _facts_dec.decode(data)
 
 
 # ---- controller -> frontend / client: request events ------------------------------------------

@@ -105,6 +105,7 @@ class Worker:
         model = HybridModel.load(model_dir, config.dtype, device)
         self.eos_ids = load_eos_ids(model_dir, model.cfg)
         self.faults = FaultPlan(config.faults if faults is None else faults)
+        self.facts_sender = reclaim.FactsSender()       # quotes go out as deltas against the last one
         tower, merge = load_vision_tower(model_dir, model, device)
         self.prog = Program(model, resolve_layout(model.cfg, config, device), self.faults, config.copy_engine,
                             tower, merge, config.context_cache.encoder_cache_bytes, config.enforce_eager)
@@ -162,7 +163,7 @@ class Worker:
             self._die("mid_transaction")
         self._die("after_execute")
         if plan.quote:
-            reply.facts = reclaim.quote(self.prog, plan.host_window)
+            reply.facts = self.facts_sender.send(reclaim.quote(self.prog, plan.host_window), plan.facts_base)
             reply.demands = {q.iid: self._demand(q) for q in plan.demands}
         self._pools(reply)
         reply.worker_s = time.perf_counter() - t0

@@ -33,6 +33,7 @@ import msgspec
 
 from ninfer import protocol as P
 from ninfer.config import EngineConfig
+from ninfer.engine.facts_mirror import FactsMirror
 from ninfer.engine.books import CommandQueue, EngineStats, FreezeFollow, PauseFollow, RequestBook, TxBook
 from ninfer.engine.monitor import RuleMonitor
 from ninfer.engine.outcomes import Outcomes
@@ -67,6 +68,7 @@ class EngineCore:
         if self.info.h2d_bytes_per_s or self.info.prefill_s_per_token:   # measured by the worker at start
             self.rm.cost.calibrate(self.info.h2d_bytes_per_s, self.info.prefill_s_per_token)
         self.pressure = Pressure(self.sched, self.rm, self.info)
+        self.facts_mirror = FactsMirror()       # the last quote, complete: the next one comes as a delta
         self.books = RequestBook(sink)
         self.requests, self.by_sid, self.life = self.books.requests, self.books.by_sid, self.books.life
         self.txs = TxBook()                     # transactions: parts, the running one, its first sight
@@ -178,8 +180,8 @@ class EngineCore:
         without a window (no commands this time) and the plan is settled again from scratch."""
         k = HOST_WINDOW
         window = self._host_window(k)
-        reply = self._send(P.StepPlan(next(self._steps), commands=[c for c, _ in cmds], quote=True,
-                                      demands=plan.queries(), host_window=window))
+        reply = self._quote(P.StepPlan(next(self._steps), commands=[c for c, _ in cmds], quote=True,
+                                       demands=plan.queries(), host_window=window))
         progressed = self.outcomes.apply(reply, Plan(), cmds)
         while True:
             settlement = self._settle(plan, reply)
@@ -192,11 +194,17 @@ class EngineCore:
             k = max(k, 1) * WIDEN
             window = self._host_window(k) if k < len(self.rm.host_order) else None
             self.stats.wide_quotes += 1
-            reply = self._send(P.StepPlan(next(self._steps), quote=True, demands=plan.queries(), host_window=window))
+            reply = self._quote(P.StepPlan(next(self._steps), quote=True, demands=plan.queries(), host_window=window))
             progressed = self.outcomes.apply(reply, Plan(), []) or progressed
         plan.settle(settlement)          # the lane take-back too: it leads the resume's remedies
         self.outcomes.evidence_used(settlement.evidence)
         return progressed
+
+    def _quote(self, plan: P.StepPlan) -> P.StepReply:
+        """A quote step, its facts asked as a delta against the last quote and completed."""
+        reply = self._send(msgspec.structs.replace(plan, facts_base=self.facts_mirror.base))
+        reply.facts = self.facts_mirror.complete(reply.facts)
+        return reply
 
     def _host_window(self, k: int) -> list[int]:
         """The best ``k`` Host candidates the records rank, and every pause snapshot (few: one per

@@ -39,7 +39,7 @@ import msgspec
 from ninfer.placement import place_first_fit
 from ninfer.protocol import (
     MAIN, STATE, Action, BlockFact, CheckpointFact, Delete, DemoteBlocks, DemoteState, DropHostCopy, Facts,
-    PoolFact, Reclaim, Remedy, TakeBack,
+    PoolFact, Reclaim, Remedy, TakeBack, encode,
 )
 
 if TYPE_CHECKING:
@@ -107,6 +107,32 @@ class FactsMemo:
             else:
                 self.blocks[bid] = _block_fact(prog, b)
         self.noted_blocks.clear()
+
+
+class FactsSender:
+    """The worker's side of facts deltas: the last quote it sent, numbered. A quote asked
+    against that number goes out as a delta — the messages that are not the very objects the
+    last quote held (``FactsMemo`` keeps an unchanged message as the same object), and every
+    id in its order — so a quote of a full Device ships tens of messages, not ~1,000 (their
+    encoding and decoding were ~1 ms of each admission on the trace slice). Any other base (0,
+    an older number, a restarted worker's) gets the quote complete."""
+
+    def __init__(self):
+        self.seq = 0
+        self.last: Facts | None = None
+
+    def send(self, facts: Facts, base: int) -> Facts:
+        self.seq += 1
+        last, self.last = self.last, facts
+        if last is None or base != self.seq - 1 or base == 0:
+            return msgspec.structs.replace(facts, seq=self.seq)
+        lc, lb = last.checkpoints, last.blocks
+        cks = {k: v for k, v in facts.checkpoints.items() if lc.get(k) is not v}
+        blocks = {k: v for k, v in facts.blocks.items() if lb.get(k) is not v}
+        check = (encode(msgspec.structs.replace(facts, seq=self.seq))
+                 if os.environ.get("NINFER_CHECK_FACTS", "0") != "0" else b"")
+        return msgspec.structs.replace(facts, checkpoints=cks, blocks=blocks, seq=self.seq, base=base,
+                                       order=(tuple(facts.checkpoints), tuple(facts.blocks)), check=check)
 
 
 def _scoped(prog: "ContextCache", host_window: list[int]) -> list[int]:

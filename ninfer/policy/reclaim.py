@@ -185,13 +185,31 @@ class FactsIndex:
 _INDEXES: list[FactsIndex] = []         # the latest few (a settlement plans on a quote and on it less a pause)
 
 
+_HINT: list = []          # (quote before, quote, changed checkpoint ids, changed block ids): note_changes
+
+
+def note_changes(before: P.Facts, facts: P.Facts, checkpoints: list[int], blocks: list[int]) -> None:
+    """What changed from one quote to the next (a superset will do), as the facts delta told
+    the controller: the next index of ``facts`` is brought forward from ``before``'s without
+    comparing every message."""
+    _HINT[:] = [(before, facts, checkpoints, blocks)]
+
+
 def facts_index(facts: P.Facts) -> FactsIndex:
     """The index of this facts object: brought forward from the latest one where the two
-    facts differ in few messages (``derive_index``), else built anew."""
+    facts differ in few messages (``derive_index``; from the quote before it where a facts
+    delta said what changed), else built anew."""
     for ix in _INDEXES:
         if ix.facts is facts:
             return ix
-    ix = derive_index(_INDEXES[0], facts) if _INDEXES else None
+    ix = None
+    if _HINT and _HINT[0][1] is facts:
+        before, _, dck, dbk = _HINT.pop()
+        base = next((b for b in _INDEXES if b.facts is before), None)
+        if base is not None:
+            ix = derive_index(base, facts, (dck, dbk))
+    if ix is None and _INDEXES:
+        ix = derive_index(_INDEXES[0], facts)
     if ix is None:
         ix = FactsIndex(facts)
     elif os.environ.get("NINFER_CHECK_FACTS", "0") != "0":
@@ -234,18 +252,23 @@ def _cow_remove(d: dict, copied: set, key, item) -> None:
         copied.discard(key)
 
 
-def derive_index(base: FactsIndex, facts: P.Facts) -> FactsIndex | None:
+def derive_index(base: FactsIndex, facts: P.Facts, changes: tuple[list[int], list[int]] | None = None
+                 ) -> FactsIndex | None:
     """The index of ``facts`` built from ``base``'s (another quote's, usually the one before):
     only the messages that differ are re-indexed — consecutive quotes of a full Device share
     nearly all of their ~1,000 messages, and indexing them all was ~2 ms of each admission's
     settlement on the trace slice. Each part the base had computed (listers, releasable and
     unheld blocks, the per-checkpoint touch lists, the shared holder sets) is brought forward;
-    the rest stay lazy. None when more than half of the messages differ (built anew then).
+    the rest stay lazy. ``changes``: the ids that differ (a superset will do), when the caller
+    knows them. None when more than half of the messages differ (built anew then).
     Orders inside the lists may differ from an index built anew; every use is a set's
     (``NINFER_CHECK_FACTS`` compares the two as sets on every derivation)."""
     was = base.facts
-    dck = _changed(was.checkpoints, facts.checkpoints)
-    dbk = _changed(was.blocks, facts.blocks)
+    if changes is not None:         # what a facts delta said changed (``note_changes``)
+        dck, dbk = changes
+    else:
+        dck = _changed(was.checkpoints, facts.checkpoints)
+        dbk = _changed(was.blocks, facts.blocks)
     if 2 * (len(dck) + len(dbk)) > len(facts.checkpoints) + len(facts.blocks):
         return None
     ix = FactsIndex(facts)
@@ -281,7 +304,8 @@ def derive_index(base: FactsIndex, facts: P.Facts) -> FactsIndex | None:
             rel.pop(bid, None)
             unheld.discard(bid)
     ix._releasable, ix._unheld = rel, unheld
-    ix._held = {bid: h for bid, h in base._held.items() if bid not in dbk} if dbk else dict(base._held)
+    gone = set(dbk)
+    ix._held = {bid: h for bid, h in base._held.items() if bid not in gone}
     if base._touch is not None and ix._listers is not None:
         touch, copied = dict(base._touch), set()
         blisters, listers = base._listers, ix._listers
