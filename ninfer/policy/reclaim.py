@@ -181,6 +181,116 @@ class FactsIndex:
             self._groups[victims] = got
         return got
 
+    # ---- bringing an index forward to the next quote -------------------------------------
+    def derived(self, facts: P.Facts, changes: tuple[list[int], list[int]] | None = None) -> "FactsIndex | None":
+        """The index of ``facts`` built from this one (another quote's, usually the one before):
+        only the messages that differ are re-indexed — consecutive quotes of a full Device share
+        nearly all of their ~1,000 messages, and indexing them all was ~2 ms of each admission's
+        settlement on the trace slice. Each part this index had computed (listers, releasable and
+        unheld blocks, the per-checkpoint touch lists, the shared holder sets) is brought
+        forward; the rest stay lazy. ``changes``: the ids that differ (a superset will do), when
+        the caller knows them. None when more than half of the messages differ (built anew
+        then). Orders inside the lists may differ from an index built anew; every use is a set's
+        (``NINFER_CHECK_FACTS`` compares the two as sets on every derivation:
+        ``check_against_fresh``)."""
+        was = self.facts
+        if changes is not None:         # what a facts delta said changed (``note_changes``)
+            dck, dbk = changes
+        else:
+            dck = _changed(was.checkpoints, facts.checkpoints)
+            dbk = _changed(was.blocks, facts.blocks)
+        if 2 * (len(dck) + len(dbk)) > len(facts.checkpoints) + len(facts.blocks):
+            return None
+        ix = FactsIndex(facts)
+        ckb, ckn, blb = was.checkpoints, facts.checkpoints, was.blocks
+        relisted: set[int] = set()          # blocks whose listing checkpoints changed
+        listers = None
+        if self._listers is not None:
+            listers, copied = dict(self._listers), set()
+            for cid in dck:
+                o, n = ckb.get(cid), ckn.get(cid)
+                ob, nb = (o.blocks if o is not None else ()), (n.blocks if n is not None else ())
+                if ob == nb:
+                    continue
+                for bid in ob:
+                    _cow_remove(listers, copied, bid, cid)
+                for bid in nb:
+                    _cow_add(listers, copied, bid, cid)
+                relisted.update(ob)
+                relisted.update(nb)
+        if self._releasable is None or self._unheld is None:
+            ix.adopt(listers=listers)
+            return ix
+        rel = dict(self._releasable)
+        unheld = set(self._unheld)
+        for bid in dbk:
+            b = facts.blocks.get(bid)
+            if b is not None and b.device and not b.pinned:
+                rel[bid] = b.holders
+                if all(h > 0 for h in b.holders):
+                    unheld.add(bid)
+                else:
+                    unheld.discard(bid)
+            else:
+                rel.pop(bid, None)
+                unheld.discard(bid)
+        gone = set(dbk)
+        held = {bid: h for bid, h in self._held.items() if bid not in gone}
+        touch = None
+        if self._touch is not None and listers is not None:
+            touch, copied = dict(self._touch), set()
+            for bid in relisted.union(dbk):
+                old = (set(self._releasable[bid]).union(self._listers.get(bid, ()))
+                       if bid in self._unheld else set())
+                new = set(rel[bid]).union(listers.get(bid, ())) if bid in unheld else set()
+                for m in old - new:
+                    _cow_remove(touch, copied, m, bid)
+                for m in new - old:
+                    _cow_add(touch, copied, m, bid)
+        shared = None
+        if self._shared is not None:
+            shared, copied = dict(self._shared), set()
+            for bid in dbk:
+                for holders, present, change in ((blb[bid].holders if bid in blb else (), bid in self._unheld, _cow_remove),
+                                                 (rel.get(bid, ()), bid in unheld, _cow_add)):
+                    g = frozenset(holders)
+                    if present and len(g) > 1:
+                        change(shared, copied, g, bid)
+        ix.adopt(listers=listers, releasable=rel, unheld=unheld, held=held, touch=touch, shared=shared)
+        return ix
+
+    def adopt(self, listers=None, releasable=None, unheld=None, held=None, touch=None, shared=None) -> None:
+        """Take parts a derivation built for this index's facts (None: left lazy)."""
+        self._listers, self._releasable, self._unheld = listers, releasable, unheld
+        self._held = held if held is not None else {}
+        self._touch, self._shared = touch, shared
+
+    def touch_lists(self) -> dict[int, list[int]]:
+        """Per checkpoint, the releasable blocks no sequence holds that it holds or lists."""
+        if self._touch is None:
+            self._scan()
+        return self._touch
+
+    def computed(self) -> dict[str, object]:
+        """The parts computed so far (a derivation brings these forward), by name."""
+        return {name: part for name, part in (("listers", self._listers), ("releasable", self._releasable),
+                                              ("unheld", self._unheld), ("touch", self._touch),
+                                              ("shared", self._shared)) if part is not None}
+
+    def check_against_fresh(self) -> None:
+        """``NINFER_CHECK_FACTS``: every part computed so far equals, as sets, the part an
+        index built anew computes."""
+        fresh = FactsIndex(self.facts)
+
+        def as_sets(d):
+            return {k: sorted(v) for k, v in d.items()}
+        want = {"listers": lambda: as_sets(fresh.listers), "releasable": lambda: dict(fresh.releasable),
+                "unheld": lambda: fresh.unheld, "shared": lambda: as_sets(fresh.shared),
+                "touch": lambda: as_sets(fresh.touch_lists())}
+        for name, got in self.computed().items():
+            if (as_sets(got) if name in ("listers", "shared", "touch") else got) != want[name]():
+                raise AssertionError(f"derived facts index: its {name} differ from an index built anew")
+
 
 _INDEXES: list[FactsIndex] = []         # the latest few (a settlement plans on a quote and on it less a pause)
 
@@ -197,7 +307,7 @@ def note_changes(before: P.Facts, facts: P.Facts, checkpoints: list[int], blocks
 
 def facts_index(facts: P.Facts) -> FactsIndex:
     """The index of this facts object: brought forward from the latest one where the two
-    facts differ in few messages (``derive_index``; from the quote before it where a facts
+    facts differ in few messages (``FactsIndex.derived``; from the quote before it where a facts
     delta said what changed), else built anew."""
     for ix in _INDEXES:
         if ix.facts is facts:
@@ -207,13 +317,13 @@ def facts_index(facts: P.Facts) -> FactsIndex:
         before, _, dck, dbk = _HINT.pop()
         base = next((b for b in _INDEXES if b.facts is before), None)
         if base is not None:
-            ix = derive_index(base, facts, (dck, dbk))
+            ix = base.derived(facts, (dck, dbk))
     if ix is None and _INDEXES:
-        ix = derive_index(_INDEXES[0], facts)
+        ix = _INDEXES[0].derived(facts)
     if ix is None:
         ix = FactsIndex(facts)
     elif os.environ.get("NINFER_CHECK_FACTS", "0") != "0":
-        _check_derived(ix)
+        ix.check_against_fresh()
     _INDEXES[:] = [ix] + _INDEXES[:2]
     return ix
 
@@ -250,100 +360,6 @@ def _cow_remove(d: dict, copied: set, key, item) -> None:
     if not got:
         del d[key]
         copied.discard(key)
-
-
-def derive_index(base: FactsIndex, facts: P.Facts, changes: tuple[list[int], list[int]] | None = None
-                 ) -> FactsIndex | None:
-    """The index of ``facts`` built from ``base``'s (another quote's, usually the one before):
-    only the messages that differ are re-indexed — consecutive quotes of a full Device share
-    nearly all of their ~1,000 messages, and indexing them all was ~2 ms of each admission's
-    settlement on the trace slice. Each part the base had computed (listers, releasable and
-    unheld blocks, the per-checkpoint touch lists, the shared holder sets) is brought forward;
-    the rest stay lazy. ``changes``: the ids that differ (a superset will do), when the caller
-    knows them. None when more than half of the messages differ (built anew then).
-    Orders inside the lists may differ from an index built anew; every use is a set's
-    (``NINFER_CHECK_FACTS`` compares the two as sets on every derivation)."""
-    was = base.facts
-    if changes is not None:         # what a facts delta said changed (``note_changes``)
-        dck, dbk = changes
-    else:
-        dck = _changed(was.checkpoints, facts.checkpoints)
-        dbk = _changed(was.blocks, facts.blocks)
-    if 2 * (len(dck) + len(dbk)) > len(facts.checkpoints) + len(facts.blocks):
-        return None
-    ix = FactsIndex(facts)
-    ckb, ckn, blb = was.checkpoints, facts.checkpoints, was.blocks
-    relisted: set[int] = set()          # blocks whose listing checkpoints changed
-    if base._listers is not None:
-        listers, copied = dict(base._listers), set()
-        for cid in dck:
-            o, n = ckb.get(cid), ckn.get(cid)
-            ob, nb = (o.blocks if o is not None else ()), (n.blocks if n is not None else ())
-            if ob == nb:
-                continue
-            for bid in ob:
-                _cow_remove(listers, copied, bid, cid)
-            for bid in nb:
-                _cow_add(listers, copied, bid, cid)
-            relisted.update(ob)
-            relisted.update(nb)
-        ix._listers = listers
-    if base._releasable is None or base._unheld is None:
-        return ix
-    rel = dict(base._releasable)
-    unheld = set(base._unheld)
-    for bid in dbk:
-        b = facts.blocks.get(bid)
-        if b is not None and b.device and not b.pinned:
-            rel[bid] = b.holders
-            if all(h > 0 for h in b.holders):
-                unheld.add(bid)
-            else:
-                unheld.discard(bid)
-        else:
-            rel.pop(bid, None)
-            unheld.discard(bid)
-    ix._releasable, ix._unheld = rel, unheld
-    gone = set(dbk)
-    ix._held = {bid: h for bid, h in base._held.items() if bid not in gone}
-    if base._touch is not None and ix._listers is not None:
-        touch, copied = dict(base._touch), set()
-        blisters, listers = base._listers, ix._listers
-        for bid in relisted.union(dbk):
-            old = (set(base._releasable[bid]).union(blisters.get(bid, ()))
-                   if bid in base._unheld else set())
-            new = set(rel[bid]).union(listers.get(bid, ())) if bid in unheld else set()
-            for m in old - new:
-                _cow_remove(touch, copied, m, bid)
-            for m in new - old:
-                _cow_add(touch, copied, m, bid)
-        ix._touch = touch
-    if base._shared is not None:
-        shared, copied = dict(base._shared), set()
-        for bid in dbk:
-            for holders, present, change in ((blb[bid].holders if bid in blb else (), bid in base._unheld, _cow_remove),
-                                             (rel.get(bid, ()), bid in unheld, _cow_add)):
-                g = frozenset(holders)
-                if present and len(g) > 1:
-                    change(shared, copied, g, bid)
-        ix._shared = shared
-    return ix
-
-
-def _check_derived(ix: FactsIndex) -> None:
-    """``NINFER_CHECK_FACTS``: every part a derivation brought forward equals, as sets, the
-    part an index built anew computes."""
-    fresh = FactsIndex(ix.facts)
-
-    def as_sets(d):
-        return None if d is None else {k: sorted(v) for k, v in d.items()}
-    for name, got, want in (("listers", as_sets(ix._listers), lambda: as_sets(fresh.listers)),
-                            ("releasable", ix._releasable, lambda: dict(fresh.releasable)),
-                            ("unheld", ix._unheld, lambda: fresh.unheld),
-                            ("shared", as_sets(ix._shared), lambda: as_sets(fresh.shared)),
-                            ("touch", as_sets(ix._touch), lambda: fresh.touches(0) or as_sets(fresh._touch))):
-        if got is not None and got != want():
-            raise AssertionError(f"derived facts index: its {name} differ from an index built anew")
 
 
 def _owner_record(owner: Owner, table: RecordTable):
