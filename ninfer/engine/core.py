@@ -33,8 +33,8 @@ import msgspec
 
 from ninfer import protocol as P
 from ninfer.config import EngineConfig
-from ninfer.engine.facts_mirror import FactsMirror
 from ninfer.engine.books import CommandQueue, EngineStats, FreezeFollow, PauseFollow, RequestBook, TxBook
+from ninfer.engine.facts_mirror import FactsMirror
 from ninfer.engine.monitor import RuleMonitor
 from ninfer.engine.outcomes import Outcomes
 from ninfer.engine.planning import CyclePlanner, Plan
