@@ -202,7 +202,8 @@ class EngineCore:
 
     def _quote(self, plan: P.StepPlan) -> P.StepReply:
         """A quote step, its facts asked as a delta against the last quote and completed."""
-        reply = self._send(msgspec.structs.replace(plan, facts_base=self.facts_mirror.base))
+        plan.facts_base = self.facts_mirror.base
+        reply = self._send(plan)
         reply.facts = self.facts_mirror.complete(reply.facts)
         return reply
 

@@ -4,8 +4,8 @@ A reclaim quote of a full Device carries ~1,000 checkpoint and block messages, a
 quotes share nearly all of them. The controller keeps the last quote it completed; the next one
 is asked against its number and arrives as the messages that changed plus every id in order,
 and is completed here into exactly the quote a complete one would have been (same messages, same
-order). The ids that changed go to the facts index as a hint (``reclaim.note_changes``), so it
-is brought forward without comparing every message again.
+order). The ids that changed bring the facts index forward (``reclaim.index_from_delta``)
+without comparing every message again.
 
 A delta against a quote this mirror does not hold cannot arrive: the worker sends one only
 against the number the plan names, and only when that is the quote it sent last (a restarted
@@ -19,7 +19,7 @@ import msgspec
 
 from ninfer import protocol as P
 from ninfer.errors import IntegrityError
-from ninfer.policy.reclaim import note_changes
+from ninfer.policy.reclaim import index_from_delta
 
 
 class FactsMirror:
@@ -48,6 +48,6 @@ class FactsMirror:
         if facts.check and ((want := P.decode_facts(facts.check)) != full or list(cks) != list(want.checkpoints)
                             or list(blocks) != list(want.blocks)):
             raise IntegrityError("a completed facts delta differs from the complete quote")
-        note_changes(last, full, [*nc, *(lc.keys() - cks.keys())], [*nb, *(lb.keys() - blocks.keys())])
+        index_from_delta(last, full, [*nc, *(lc.keys() - cks.keys())], [*nb, *(lb.keys() - blocks.keys())])
         self.last = full
         return full

@@ -132,9 +132,7 @@ class FactsIndex:
     def touches(self, m: int) -> bool:
         """Whether ``m`` holds or lists any releasable Device block (else no deletion of it frees
         a page by itself)."""
-        if self._touch is None:
-            self._scan()
-        return bool(self._touch.get(m))
+        return bool(self.touch_lists().get(m))
 
     def entries(self, m: int, victims: frozenset[int]) -> list[tuple]:
         """The Device blocks a deletion of ``m`` might free once ``victims`` are deleted: (block,
@@ -142,11 +140,9 @@ class FactsIndex:
         victim itself), or lists once no holder is left besides the victims. Set operations, not
         a pass per holder: a shared prefix's page has a holder per point above it, and each of
         them asks for its entries."""
-        if self._touch is None:
-            self._scan()
         out = []
         blocks, listers, held = self.facts.blocks, self.listers, self._held
-        for bid in self._touch.get(m, ()):
+        for bid in self.touch_lists().get(m, ()):
             holders = held.get(bid)
             if holders is None:
                 holders = held[bid] = frozenset(blocks[bid].holders)
@@ -194,7 +190,7 @@ class FactsIndex:
         (``NINFER_CHECK_FACTS`` compares the two as sets on every derivation:
         ``check_against_fresh``)."""
         was = self.facts
-        if changes is not None:         # what a facts delta said changed (``note_changes``)
+        if changes is not None:         # what a facts delta said changed (``index_from_delta``)
             dck, dbk = changes
         else:
             dck = _changed(was.checkpoints, facts.checkpoints)
@@ -295,37 +291,38 @@ class FactsIndex:
 _INDEXES: list[FactsIndex] = []         # the latest few (a settlement plans on a quote and on it less a pause)
 
 
-_HINT: list = []          # (quote before, quote, changed checkpoint ids, changed block ids): note_changes
-
-
-def note_changes(before: P.Facts, facts: P.Facts, checkpoints: list[int], blocks: list[int]) -> None:
-    """What changed from one quote to the next (a superset will do), as the facts delta told
-    the controller: the next index of ``facts`` is brought forward from ``before``'s without
-    comparing every message."""
-    _HINT[:] = [(before, facts, checkpoints, blocks)]
+def index_from_delta(before: P.Facts, facts: P.Facts, checkpoints: list[int], blocks: list[int]) -> None:
+    """Index ``facts`` now, brought forward from ``before``'s index on the ids a facts delta
+    said changed (a superset will do) — without comparing every message; ``facts_index`` then
+    finds it. Nothing when ``before`` has no index any more (``facts_index`` builds one then)."""
+    base = next((b for b in _INDEXES if b.facts is before), None)
+    ix = base.derived(facts, (checkpoints, blocks)) if base is not None else None
+    if ix is not None:
+        _keep(ix)
 
 
 def facts_index(facts: P.Facts) -> FactsIndex:
     """The index of this facts object: brought forward from the latest one where the two
-    facts differ in few messages (``FactsIndex.derived``; from the quote before it where a facts
+    facts differ in few messages (``FactsIndex.derived``; ``index_from_delta`` when a facts
     delta said what changed), else built anew."""
     for ix in _INDEXES:
         if ix.facts is facts:
             return ix
-    ix = None
-    if _HINT and _HINT[0][1] is facts:
-        before, _, dck, dbk = _HINT.pop()
-        base = next((b for b in _INDEXES if b.facts is before), None)
-        if base is not None:
-            ix = base.derived(facts, (dck, dbk))
-    if ix is None and _INDEXES:
-        ix = _INDEXES[0].derived(facts)
+    ix = _INDEXES[0].derived(facts) if _INDEXES else None
     if ix is None:
         ix = FactsIndex(facts)
-    elif os.environ.get("NINFER_CHECK_FACTS", "0") != "0":
+        _INDEXES[:] = [ix] + _INDEXES[:2]
+    else:
+        _keep(ix)
+    return ix
+
+
+def _keep(ix: FactsIndex) -> None:
+    """A derived index among the latest few (checked against one built anew under
+    ``NINFER_CHECK_FACTS``)."""
+    if os.environ.get("NINFER_CHECK_FACTS", "0") != "0":
         ix.check_against_fresh()
     _INDEXES[:] = [ix] + _INDEXES[:2]
-    return ix
 
 
 def _changed(before: dict, after: dict) -> list[int]:
