@@ -298,31 +298,22 @@ def index_from_delta(before: P.Facts, facts: P.Facts, checkpoints: list[int], bl
     base = next((b for b in _INDEXES if b.facts is before), None)
     ix = base.derived(facts, (checkpoints, blocks)) if base is not None else None
     if ix is not None:
-        _keep(ix)
+        if os.environ.get("NINFER_CHECK_FACTS", "0") != "0":
+            ix.check_against_fresh()
+        _INDEXES[:] = [ix] + _INDEXES[:2]
 
 
 def facts_index(facts: P.Facts) -> FactsIndex:
-    """The index of this facts object: brought forward from the latest one where the two
-    facts differ in few messages (``FactsIndex.derived``; ``index_from_delta`` when a facts
-    delta said what changed), else built anew."""
+    """The index of this facts object: the one ``index_from_delta`` brought forward when a facts
+    delta completed it, else built anew. Nothing is derived from an index by comparing
+    messages here: a caller's facts are frozen structs over plain dicts, and a base whose dicts
+    were changed in place since (tests build quotes that way) would hide the changes."""
     for ix in _INDEXES:
         if ix.facts is facts:
             return ix
-    ix = _INDEXES[0].derived(facts) if _INDEXES else None
-    if ix is None:
-        ix = FactsIndex(facts)
-        _INDEXES[:] = [ix] + _INDEXES[:2]
-    else:
-        _keep(ix)
-    return ix
-
-
-def _keep(ix: FactsIndex) -> None:
-    """A derived index among the latest few (checked against one built anew under
-    ``NINFER_CHECK_FACTS``)."""
-    if os.environ.get("NINFER_CHECK_FACTS", "0") != "0":
-        ix.check_against_fresh()
+    ix = FactsIndex(facts)
     _INDEXES[:] = [ix] + _INDEXES[:2]
+    return ix
 
 
 def _changed(before: dict, after: dict) -> list[int]:
