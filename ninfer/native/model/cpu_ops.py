@@ -66,14 +66,47 @@ def chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                      kv_lens: torch.Tensor, scale: float, kv_slots: torch.Tensor | None = None,
                      bases: torch.Tensor | None = None) -> torch.Tensor:
-    """``attention.decode_attention``'s contract; in bf16 / fp16 its products run in fp32 on
-    fp32 copies of q and the gathered keys and values, the output cast back. On the CPU those
-    dtypes' batched products build a kernel per new shape, and a decode row's key count grows
-    every step (bf16, 8 rows: 2.0 ms of attention a step against fp32's 0.44). The keys, values
-    and query are the same numbers; only the products' rounding is finer."""
-    half = q.dtype in (torch.bfloat16, torch.float16)
-    return attention.decode_attention(q, k_cache, v_cache, block_table, kv_lens, scale, kv_slots, bases,
-                                      compute=torch.float32 if half else None)
+    """``attention.decode_attention``'s contract. In fp32 through the fused CPU attention
+    (``scaled_dot_product_attention``: one call where the reference makes ~25, GQA without
+    repeats): the keys and values gathered by ``kv_slots`` as there, the keys past a row's length
+    (and before its base) masked; equal to rounding. In bf16 / fp16 the reference's products run
+    in fp32 on fp32 copies of q and the gathered keys and values, the output cast back: on the CPU
+    those dtypes' batched products build a kernel per new shape, and a decode row's key count
+    grows every step (bf16, 8 rows: 2.0 ms of attention a step against fp32's 0.44). float64 (a
+    test's) keeps the reference."""
+    if q.dtype != torch.float32:
+        half = q.dtype in (torch.bfloat16, torch.float16)
+        return attention.decode_attention(q, k_cache, v_cache, block_table, kv_lens, scale, kv_slots, bases,
+                                          compute=torch.float32 if half else None)
+    b, h, d = q.shape
+    hkv = k_cache.shape[2]
+    if kv_slots is None:
+        kv_slots = attention.decode_kv_slots(block_table, kv_lens, block_table.shape[1] * PAGE_SIZE)
+    flat = kv_slots.reshape(-1)
+    k = k_cache.view(-1, hkv * d).index_select(0, flat).view(b, -1, hkv, d)            # [B, L, Hkv, D]
+    v = v_cache.view(-1, hkv * d).index_select(0, flat).view(b, -1, hkv, d)
+    if k.dtype != q.dtype:
+        k, v = k.to(q.dtype), v.to(q.dtype)
+    pos = torch.arange(k.shape[1], device=q.device)[None, :]
+    visible = pos < kv_lens[:, None]                                                     # [B, L]
+    if bases is not None:
+        visible = visible & (pos >= bases[:, None])
+    out = F.scaled_dot_product_attention(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=visible[:, None, None, :], scale=scale, enable_gqa=h != hkv)
+    return out[:, :, 0]
+
+
+def conv_step_slots(x: torch.Tensor, conv_states: torch.Tensor, slots: torch.Tensor,
+                    weight: torch.Tensor) -> torch.Tensor:
+    """``gdn.causal_conv1d_step`` of N decode rows over their slots of ``conv_states`` [S, C, K-1]:
+    the rows' states gathered, the new ones written back from a view of the window. x: [N, C];
+    weight: [C, K]. Returns y [N, C]."""
+    state = conv_states.index_select(0, slots)
+    xs = torch.cat([state if state.dtype == x.dtype else state.to(x.dtype), x[:, :, None]], dim=2)   # [N, C, K]
+    y = F.silu((xs * weight).sum(-1))
+    new = xs[:, :, 1:]
+    conv_states.index_copy_(0, slots, new if new.dtype == conv_states.dtype else new.to(conv_states.dtype))
+    return y
 
 
 def dense_moe_fits(x: torch.Tensor, w: MoeWeights) -> bool:
@@ -166,26 +199,48 @@ def grouped_moe(x: torch.Tensor, w: MoeWeights) -> torch.Tensor:
 def delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``recurrent_gated_delta_rule`` for T = 1: q, k: [N, Hk, Dk]; v: [N, Hv, Dv]; g, beta:
-    [N, Hv]; state: [N, Hv, Dk, Dv]. Returns o: [N, Hv, Dv] (dtype of v) and the new state
-    (accumulation dtype). Per (row, value head), with S: [Dk, Dv]::
+    [N, Hv]; state: [N, Hv, Dk, Dv] (not changed). Returns o: [N, Hv, Dv] (dtype of v) and the new
+    state (accumulation dtype). Per (row, value head), with S: [Dk, Dv]::
 
         S <- exp(g) S;   delta = beta (v - S^T k);   S <- S + k delta^T;   o = S^T q
     """
+    s = state.to(acc_dtype(v.dtype), copy=True)
+    return _delta_step_(torch.cat([q, k], dim=1), v, g, beta, s), s
+
+
+def delta_rule_step_slots(qk: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                          states: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``delta_rule_step`` of N decode rows over their slots of ``states`` [S, Hv, Dk, Dv]: each
+    row's state gathered, stepped in place and written back. qk: [N, 2 Hk, Dk] (the q heads, then
+    the k heads: one view of the conv's output). Returns o [N, Hv, Dv] in v's dtype."""
+    s = states.index_select(0, slots)
     acc = acc_dtype(v.dtype)
+    s = s if s.dtype == acc else s.to(acc)
+    o = _delta_step_(qk, v, g, beta, s)
+    states.index_copy_(0, slots, s if s.dtype == states.dtype else s.to(states.dtype))
+    return o
+
+
+def _delta_step_(qk: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 s: torch.Tensor) -> torch.Tensor:
+    """The step on ``s`` [N, Hv, Dk, Dv] (accumulation dtype, the caller's own: updated in place) as
+    batched products over (row, value head); q and k normalised together, each key head's q and k
+    shared by the value heads that read it (a view, then one copy for both)."""
+    acc = s.dtype
     n, hv, dv = v.shape
-    hk, dk = k.shape[1], k.shape[2]
-    rows = n * hv
-
-    def per_value_head(x: torch.Tensor) -> torch.Tensor:        # [N, Hk, D] -> [N*Hv, 1, D]
-        return x[:, :, None].expand(n, hk, hv // hk, x.shape[-1]).reshape(rows, 1, x.shape[-1])
-
-    q = per_value_head(l2norm(q.to(acc)) * (dk ** -0.5))
-    k = per_value_head(l2norm(k.to(acc)))
-    s = state.to(acc).reshape(rows, dk, dv) * g.to(acc).exp().reshape(rows, 1, 1)
-    delta = (v.to(acc).reshape(rows, 1, dv) - torch.bmm(k, s)) * beta.to(acc).reshape(rows, 1, 1)
-    s = torch.baddbmm(s, k.transpose(1, 2), delta)
-    o = torch.bmm(q, s)
-    return o.view(n, hv, dv).to(v.dtype), s.view(n, hv, dk, dv)
+    hk2, dk = qk.shape[1], qk.shape[2]
+    hk, rows = hk2 // 2, n * hv
+    qk = l2norm(qk if qk.dtype == acc else qk.to(acc))
+    qk[:, :hk] *= dk ** -0.5
+    both = qk.view(n, 2, hk, 1, dk).transpose(0, 1).expand(2, n, hk, hv // hk, dk).reshape(2, rows, 1, dk)
+    q, k = both[0], both[1]
+    st = s.view(rows, dk, dv)
+    st.mul_((g if g.dtype == acc else g.to(acc)).exp().view(rows, 1, 1))
+    vr = (v if v.dtype == acc else v.to(acc)).reshape(rows, 1, dv)
+    delta = (vr - torch.bmm(k, st)).mul_((beta if beta.dtype == acc else beta.to(acc)).reshape(rows, 1, 1))
+    st.baddbmm_(k.transpose(1, 2), delta)
+    o = torch.bmm(q, st).view(n, hv, dv)
+    return o if o.dtype == v.dtype else o.to(v.dtype)
 
 
 def chunk_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -287,11 +342,37 @@ class GdnOps:
     chunk_delta_rule_cuts = staticmethod(chunk_delta_rule_cuts)
 
 
+def norm_scale(weight: torch.Tensor, acc: torch.dtype, zero_centered: bool) -> torch.Tensor:
+    """What an RMSNorm multiplies the normalised row by: ``1 + w`` in the accumulation dtype
+    (zero-centered) or ``w`` as it is (plain: the reference casts the normalised row, then scales).
+    The CPU layers keep it per weight (``cpu_layers.prepare``)."""
+    return (1.0 + (weight if weight.dtype == acc else weight.to(acc))) if zero_centered else weight
+
+
+def scaled_norm(x: torch.Tensor, scale: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
+    """``rms_norm`` with the weight's ``norm_scale`` already made: one torch call for an fp32
+    zero-centered norm (no cast where x is in the accumulation dtype already)."""
+    acc = acc_dtype(x.dtype)
+    xf = x if x.dtype == acc else x.to(acc)
+    if zero_centered:
+        y = F.rms_norm(xf, (x.shape[-1],), scale, eps)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+    y = F.rms_norm(xf, (x.shape[-1],), None, eps)
+    return scale * (y if y.dtype == x.dtype else y.to(x.dtype))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
     """``ops.rms_norm``'s contract (x: [..., D]; weight: [D]) through ``F.rms_norm``: the same
     precision policy — zero-centered scales by (1 + w) in the accumulation dtype and casts,
     plain casts and then scales by w."""
+    return scaled_norm(x, norm_scale(weight, acc_dtype(x.dtype), zero_centered), eps, zero_centered)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``ops.gated_rms_norm``'s contract (w * norm(x) * silu(gate), the same casts) through
+    ``F.rms_norm``, without the casts that change nothing (fp32)."""
     acc = acc_dtype(x.dtype)
-    if zero_centered:
-        return F.rms_norm(x.to(acc), (x.shape[-1],), 1.0 + weight.to(acc), eps).to(x.dtype)
-    return weight * F.rms_norm(x.to(acc), (x.shape[-1],), None, eps).to(x.dtype)
+    y = F.rms_norm(x if x.dtype == acc else x.to(acc), (x.shape[-1],), None, eps)
+    y = weight * (y if y.dtype == x.dtype else y.to(x.dtype))
+    out = y * F.silu(gate if gate.dtype == acc else gate.to(acc))
+    return out if out.dtype == x.dtype else out.to(x.dtype)

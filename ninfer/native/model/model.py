@@ -16,13 +16,13 @@ import torch
 import torch.nn.functional as F
 
 from ninfer.errors import ModelLoadError
-from ninfer.native.model import fp8
+from ninfer.native.model import cpu_layers, cpu_ops, fp8
 from ninfer.native.model.config import LINEAR, ModelConfig, load_config
 from ninfer.native.model.forward import ForwardBatch, ForwardOutput, ModelCache, SeqInput
 from ninfer.native.model.moe import MoeWeights
 from ninfer.native.model.fp8 import linear
 from ninfer.native.model.ops import Rope, acc_dtype, silu_mlp
-from ninfer.native.model.paths import BATCHED, ForwardPath, for_device
+from ninfer.native.model.paths import BATCHED, CPU, ForwardPath, for_device
 from ninfer.native.model.weights import count_mtp_layers, load_tensors, weight_files
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -66,6 +66,9 @@ class LayerWeights:
     post_norm: torch.Tensor
     mixer: AttentionWeights | GdnWeights
     mlp: MoeWeights | tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    # the CPU path's fused products and constants (``cpu_layers.prepare``; its projections are
+    # views of them); None elsewhere. Derived: never copied with the weights (``_as_dtype``)
+    cpu: cpu_layers.CpuLayer | None = None
 
 
 def _qkvz_permutation(c: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,7 +117,8 @@ def _as_dtype(w, dtype: torch.dtype):
     if isinstance(w, tuple):
         return tuple(_as_dtype(x, dtype) for x in w)
     if dataclasses.is_dataclass(w):
-        return dataclasses.replace(w, **{f.name: _as_dtype(getattr(w, f.name), dtype) for f in dataclasses.fields(w)})
+        return dataclasses.replace(w, **{f.name: _as_dtype(getattr(w, f.name), dtype) for f in dataclasses.fields(w)
+                                         if f.name != "cpu"})
     return w
 
 
@@ -127,7 +131,8 @@ def _leaves(w):
             yield from _leaves(x)
     elif dataclasses.is_dataclass(w):
         for f in dataclasses.fields(w):
-            yield from _leaves(getattr(w, f.name))
+            if f.name != "cpu":                 # derived, its parts' views (``cpu_layers.prepare``)
+                yield from _leaves(getattr(w, f.name))
 
 
 # Weights up to which a CPU bf16 / fp16 model keeps an fp32 twin of them for its decode rows
@@ -182,6 +187,14 @@ def layer_weights(t: dict[str, torch.Tensor], p: str, c: ModelConfig, kind: str,
                         mlp=_mlp_weights(t, f"{p}.mlp", c, moe, dtype))
 
 
+def _prepare_cpu_layers(model: "HybridModel") -> None:
+    """The CPU path's fused layers (``cpu_layers``), built once when the model is on it; other
+    paths run none."""
+    if model.path is CPU:
+        for layer in model.layers:
+            layer.cpu = cpu_layers.prepare(layer, model.cfg, model.acc)
+
+
 class HybridModel:
     """Weights + math of one resident model. Stateless: all state lives in a ModelCache.
 
@@ -231,6 +244,7 @@ class HybridModel:
         self.cache_index = {}
         for kind_layers in (cfg.attention_layers, cfg.linear_layers):
             self.cache_index.update({layer: j for j, layer in enumerate(kind_layers)})
+        _prepare_cpu_layers(self)
         self.decode_twin = self._make_decode_twin()
 
     def _make_decode_twin(self) -> "HybridModel | None":
@@ -251,6 +265,7 @@ class HybridModel:
         twin.dtype, twin.acc = torch.float32, acc_dtype(torch.float32)
         twin.path = for_device(self.device, torch.float32)
         twin.layers = [_as_dtype(layer, torch.float32) for layer in self.layers]
+        _prepare_cpu_layers(twin)
         twin.embed, twin.final_norm = self.embed.float(), self.final_norm.float()
         twin.lm_head = twin.embed if self.cfg.tie_word_embeddings else self.lm_head.float()
         twin.rope = Rope(self.cfg.rotary_dim, self.cfg.rope_theta, torch.float32, self.device, self.cfg.mrope_section)
@@ -293,6 +308,8 @@ class HybridModel:
         x = F.embedding(batch.input_ids, self.embed) if embeds is None else embeds.to(self.dtype)
         rope_pos = batch.rope_positions if (c.mrope_section and batch.rope_positions is not None) else batch.positions
         cos, sin = self.rope.cos_sin(rope_pos)
+        if self.path is CPU and not static:
+            return self._forward_cpu(x, cos, sin, batch, cache, taps, logits)
         tapped = {}
         for i, layer in enumerate(self.layers):
             h = self.path.rms_norm(x, layer.input_norm, c.rms_norm_eps, c.zero_centered_norm)
@@ -304,6 +321,40 @@ class HybridModel:
             x = x + h
             h = self.path.rms_norm(x, layer.post_norm, c.rms_norm_eps, c.zero_centered_norm)
             x = x + (self.path.moe(h, layer.mlp, static) if isinstance(layer.mlp, MoeWeights) else silu_mlp(h, *layer.mlp))
+            if i in taps:
+                tapped[i] = x
+        hidden = x[batch.logits_rows]
+        return ForwardOutput(hidden=hidden, logits=self.logits(hidden) if logits else None, all_hidden=x,
+                             taps=torch.cat([tapped[i] for i in taps], dim=-1) if taps else None)
+
+    def _forward_cpu(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
+                     cache: ModelCache, taps: tuple[int, ...], logits: bool) -> ForwardOutput:
+        """``forward``'s layers on the CPU path: a layer with a ``CpuLayer`` runs ``cpu_layers``
+        (fewer torch calls, the same results to rounding), one without (FP8 weights) the generic
+        layer."""
+        c = self.cfg
+        eps, zc = c.rms_norm_eps, c.zero_centered_norm
+        cos1, sin1 = cos[:, None], sin[:, None]
+        tapped = {}
+        for i, layer in enumerate(self.layers):
+            j, f = self.cache_index[i], layer.cpu
+            if f is None:
+                h = self.path.rms_norm(x, layer.input_norm, eps, zc)
+                h = (self._gdn(layer.mixer, h, batch, cache, j) if layer.kind == LINEAR
+                     else self.attention(layer.mixer, h, cos, sin, batch, cache, j))
+            else:
+                h = cpu_ops.scaled_norm(x, f.input_norm, eps, zc)
+                h = (cpu_layers.gdn(self, layer.mixer, f.mixer, h, batch, cache, j) if layer.kind == LINEAR
+                     else cpu_layers.attention(self, layer.mixer, f.mixer, h, cos1, sin1, batch, cache, j))
+            x = x + h
+            h = self.path.rms_norm(x, layer.post_norm, eps, zc) if f is None else cpu_ops.scaled_norm(
+                x, f.post_norm, eps, zc)
+            if not isinstance(layer.mlp, MoeWeights):
+                x = x + silu_mlp(h, *layer.mlp)
+            elif f is not None and f.moe is not None and cpu_layers.dense_moe_fits(h, f.moe):
+                x = x + cpu_layers.dense_moe(h, layer.mlp, f.moe)
+            else:
+                x = x + self.path.moe(h, layer.mlp, False)
             if i in taps:
                 tapped[i] = x
         hidden = x[batch.logits_rows]

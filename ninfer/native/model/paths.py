@@ -328,17 +328,19 @@ class CpuPath(BatchedPath):
     chunk_attention = staticmethod(cpu_ops.chunk_attention)
     decode_attention = staticmethod(cpu_ops.decode_attention)
     rms_norm = staticmethod(cpu_ops.rms_norm)
+    gated_rms_norm = staticmethod(cpu_ops.gated_rms_norm)
 
     def _gdn_ops(self):
         return cpu_ops.GdnOps
 
     def _decode_rows(self, mixed, g, beta, conv_w, conv_states, ssm_states, slots, split, ops):
-        y, new_conv = gdn.causal_conv1d_step(mixed, conv_states.index_select(0, slots), conv_w)
-        q, k, v = split(y)
-        o, new_ssm = cpu_ops.delta_rule_step(q, k, v, g, beta, ssm_states.index_select(0, slots))
-        conv_states.index_copy_(0, slots, new_conv.to(conv_states.dtype))
-        ssm_states.index_copy_(0, slots, new_ssm.to(ssm_states.dtype))
-        return o
+        """``BatchedPath._decode_rows`` in fewer calls: the conv step's new state written from a
+        view (no copy), q and k normalised together, the delta-rule state stepped in place
+        (``cpu_ops.delta_rule_step_slots``)."""
+        y = cpu_ops.conv_step_slots(mixed, conv_states, slots, conv_w)
+        q, _, v = split(y)
+        qk = y[:, :2 * q.shape[1] * q.shape[2]].view(y.shape[0], 2 * q.shape[1], q.shape[2])
+        return cpu_ops.delta_rule_step_slots(qk, v, g, beta, ssm_states, slots)
 
     def moe(self, x, w, static):
         if static:
