@@ -12,9 +12,10 @@ products side by side so that one matmul does the work of several:
   on q and k together, in place.
 * GDN: q | k | v | z | b | a in one product; ``-exp(A_log)`` and ``dt_bias`` kept in the
   accumulation dtype.
-* MoE (the dense form for few rows): router | every expert's gate and up | the shared expert's
-  gate, up and gate row in one product, the routed experts' and the shared expert's down
-  projections in a second (the shared expert's sigmoid gate scales its activations before it).
+* MoE (the dense form, where ``cpu_ops.dense_moe_fits``): router | every expert's gate and up |
+  the shared expert's gate, up and gate row in one product, the routed experts' and the shared
+  expert's down projections in a second (the shared expert's sigmoid gate scales its activations
+  before it).
 
 ``prepare`` builds a layer's ``CpuLayer``: the fused products' weights, of which the layer's own
 projection weights become views (no second copy; an in-place change of either is seen by both),
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ninfer.native.model.cpu_ops import DENSE_MOE_MAX_PAIRS, norm_scale, scaled_norm
+from ninfer.native.model.cpu_ops import norm_scale, scaled_norm
 from ninfer.native.model.fp8 import linear
 from ninfer.native.model.moe import MoeWeights
 
@@ -57,7 +58,8 @@ class CpuGdn:
 @dataclass
 class CpuMoe:
     first: torch.Tensor                # [router | gate_up (E 2I) | shared gate | shared up | shared gate row] rows
-    second: torch.Tensor               # [down side by side | shared down]: [H, E I + Is] (derived copy)
+    second: torch.Tensor               # [down side by side | shared down]: [H, E I + Is]; down, down_cat and
+                                       # shared_down_proj are views of it
     experts: int
     inter: int                         # I
     shared_inter: int                  # Is
@@ -123,10 +125,13 @@ def prepare(layer, cfg, acc: torch.dtype) -> CpuLayer | None:
     if isinstance(w, MoeWeights) and w.shared_gate_proj is not None and _plain(
             w.router, w.gate_up, w.down, w.shared_gate_proj, w.shared_up_proj, w.shared_down_proj, w.shared_gate):
         e, two_i, hidden = w.gate_up.shape
+        i = two_i // 2
         first = _fused_rows(w, ["router", "gate_up", "shared_gate_proj", "shared_up_proj", "shared_gate"])
-        down = w.down.permute(1, 0, 2).reshape(hidden, e * (two_i // 2))
-        moe = CpuMoe(first=first, second=torch.cat([down, w.shared_down_proj], dim=1).contiguous(),
-                     experts=e, inter=two_i // 2, shared_inter=w.shared_down_proj.shape[1])
+        second = torch.cat([w.down.permute(1, 0, 2).reshape(hidden, e * i), w.shared_down_proj], dim=1).contiguous()
+        # the down projections as views of it (strided: each expert's [H, I] block a column range)
+        w.down = second[:, :e * i].view(hidden, e, i).permute(1, 0, 2)
+        w.down_cat, w.shared_down_proj = second[:, :e * i], second[:, e * i:]
+        moe = CpuMoe(first=first, second=second, experts=e, inter=i, shared_inter=w.shared_down_proj.shape[1])
     return CpuLayer(input_norm=norm_scale(layer.input_norm, acc, zc), post_norm=norm_scale(layer.post_norm, acc, zc),
                     mixer=mixer, moe=moe)
 
@@ -135,11 +140,6 @@ def without_cpu(layer):
     """``layer`` with no ``CpuLayer`` (before its weights are copied to another dtype: the copy
     builds its own)."""
     return dataclasses.replace(layer, cpu=None)
-
-
-def dense_moe_fits(x: torch.Tensor, w: CpuMoe) -> bool:
-    """The dense form's bound (``cpu_ops.dense_moe_fits``)."""
-    return x.shape[0] * w.experts <= DENSE_MOE_MAX_PAIRS
 
 
 def dense_moe(x: torch.Tensor, w: MoeWeights, f: CpuMoe) -> torch.Tensor:

@@ -48,6 +48,7 @@ def test_the_projections_are_views_of_the_fused_products(tiny_model, dtype):
             assert torch.equal(f.moe.first, torch.cat([mlp.router, mlp.gate_up.flatten(0, 1), mlp.shared_gate_proj,
                                                        mlp.shared_up_proj, mlp.shared_gate]))
             e, h, i = mlp.down.shape
+            assert all(_shares(p, f.moe.second) for p in (mlp.down, mlp.down_cat, mlp.shared_down_proj))
             assert torch.equal(f.moe.second, torch.cat([mlp.down.permute(1, 0, 2).reshape(h, e * i),
                                                         mlp.shared_down_proj], dim=1))
     if dtype == "float32":
@@ -94,7 +95,7 @@ def test_the_fused_dense_moe_equals_the_dense_form(tiny_model, dtype, rows):
     x = torch.randn(rows, model.cfg.hidden_size, generator=torch.Generator().manual_seed(rows)).to(DTYPES[dtype])
     model64 = prepared(tiny_model, "float64").model
     for layer, layer64 in zip(model.layers, model64.layers):
-        assert cpu_layers.dense_moe_fits(x, layer.cpu.moe)
+        assert cpu_ops.dense_moe_fits(x, layer.mlp)
         got, ref = cpu_layers.dense_moe(x, layer.mlp, layer.cpu.moe), cpu_ops.dense_moe(x, layer.mlp)
         assert got.dtype == x.dtype and got.shape == x.shape
         if dtype != "bfloat16":
