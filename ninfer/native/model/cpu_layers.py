@@ -26,7 +26,6 @@ and the derived constants. FP8 weights keep the generic layers (``prepare`` give
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +34,7 @@ import torch.nn.functional as F
 from ninfer.native.model.cpu_ops import norm_scale, scaled_norm
 from ninfer.native.model.fp8 import linear
 from ninfer.native.model.moe import MoeWeights
+from ninfer.native.model.ops import acc_dtype
 
 
 @dataclass
@@ -136,12 +136,6 @@ def prepare(layer, cfg, acc: torch.dtype) -> CpuLayer | None:
                     mixer=mixer, moe=moe)
 
 
-def without_cpu(layer):
-    """``layer`` with no ``CpuLayer`` (before its weights are copied to another dtype: the copy
-    builds its own)."""
-    return dataclasses.replace(layer, cpu=None)
-
-
 def dense_moe(x: torch.Tensor, w: MoeWeights, f: CpuMoe) -> torch.Tensor:
     """``cpu_ops.dense_moe``'s result (the same routing: softmax in the accumulation dtype, top-k,
     renormalised when the model asks) in two products::
@@ -153,7 +147,7 @@ def dense_moe(x: torch.Tensor, w: MoeWeights, f: CpuMoe) -> torch.Tensor:
     e, i, i_s = f.experts, f.inter, f.shared_inter
     t = x.shape[0]
     y = linear(x, f.first)
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(x.dtype)
     logits = y[:, :e]
     probs = torch.softmax(logits if logits.dtype == acc else logits.to(acc), dim=-1)
     top_w, top_i = torch.topk(probs, w.top_k, dim=-1)
