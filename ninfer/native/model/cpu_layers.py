@@ -194,19 +194,11 @@ def attention(model, w, f: CpuAttention, x: torch.Tensor, cos: torch.Tensor, sin
 def gdn(model, w, f: CpuGdn, x: torch.Tensor, batch, cache, j: int) -> torch.Tensor:
     """``HybridModel._gdn`` with one input product and the decay's constants kept."""
     c = model.cfg
-    t = x.shape[0]
-    hk, hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    hv = c.linear_num_value_heads
     y = linear(x, f.in_proj)
     mixed, z = y[:, :c.conv_dim], y[:, c.conv_dim:f.qkvz_rows]
     b, a = y[:, f.qkvz_rows:f.qkvz_rows + hv], y[:, f.qkvz_rows + hv:]
     beta = torch.sigmoid(b)
     acc = model.acc
     g = f.neg_a * F.softplus((a if a.dtype == acc else a.to(acc)) + f.dt_bias)
-
-    def split(m: torch.Tensor):
-        q, k, v = m.split([c.linear_key_dim, c.linear_key_dim, c.linear_value_dim], dim=-1)
-        return q.unflatten(-1, (hk, dk)), k.unflatten(-1, (hk, dk)), v.unflatten(-1, (hv, dv))
-
-    core = model.path.gdn(mixed, g, beta, w.conv, cache.conv[j], cache.ssm[j], batch, split)
-    out = model.path.gated_rms_norm(core, z.view(t, hv, dv), w.norm, c.rms_norm_eps)
-    return linear(out.reshape(t, hv * dv), w.out_proj)
+    return model.gdn_mix(w, mixed, z, g, beta, batch, cache, j)

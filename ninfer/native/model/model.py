@@ -323,9 +323,7 @@ class HybridModel:
             x = x + (self.path.moe(h, layer.mlp, static) if isinstance(layer.mlp, MoeWeights) else silu_mlp(h, *layer.mlp))
             if i in taps:
                 tapped[i] = x
-        hidden = x[batch.logits_rows]
-        return ForwardOutput(hidden=hidden, logits=self.logits(hidden) if logits else None, all_hidden=x,
-                             taps=torch.cat([tapped[i] for i in taps], dim=-1) if taps else None)
+        return self._output(x, batch, tapped, taps, logits)
 
     def _forward_cpu(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
                      cache: ModelCache, taps: tuple[int, ...], logits: bool) -> ForwardOutput:
@@ -357,6 +355,11 @@ class HybridModel:
                 x = x + self.path.moe(h, layer.mlp, False)
             if i in taps:
                 tapped[i] = x
+        return self._output(x, batch, tapped, taps, logits)
+
+    def _output(self, x: torch.Tensor, batch: ForwardBatch, tapped: dict, taps: tuple[int, ...],
+                logits: bool) -> ForwardOutput:
+        """A forward's output from its last layer's rows ``x``."""
         hidden = x[batch.logits_rows]
         return ForwardOutput(hidden=hidden, logits=self.logits(hidden) if logits else None, all_hidden=x,
                              taps=torch.cat([tapped[i] for i in taps], dim=-1) if taps else None)
@@ -441,13 +444,21 @@ class HybridModel:
 
     def _gdn(self, w: GdnWeights, x: torch.Tensor, batch: ForwardBatch, cache: ModelCache, j: int) -> torch.Tensor:
         c = self.cfg
-        T = x.shape[0]
-        hk, hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
         qkvz = linear(x, w.in_proj_qkvz)
         mixed, z = qkvz[:, :c.conv_dim], qkvz[:, c.conv_dim:]
         b, a = linear(x, w.in_proj_ba).chunk(2, dim=-1)
         beta = torch.sigmoid(b)
         g = -w.a_log.to(self.acc).exp() * F.softplus(a.to(self.acc) + w.dt_bias.to(self.acc))
+        return self.gdn_mix(w, mixed, z, g, beta, batch, cache, j)
+
+    def gdn_mix(self, w: GdnWeights, mixed: torch.Tensor, z: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                batch: ForwardBatch, cache: ModelCache, j: int) -> torch.Tensor:
+        """A GDN layer from its projections on (``_gdn``'s and ``cpu_layers.gdn``'s): the path's
+        conv and delta rule over the pre-conv q|k|v ``mixed`` [T, C], the gated norm by ``z``, the
+        output projection."""
+        c = self.cfg
+        T = mixed.shape[0]
+        hk, hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
 
         def split(m: torch.Tensor):
             q, k, v = m.split([c.linear_key_dim, c.linear_key_dim, c.linear_value_dim], dim=-1)
