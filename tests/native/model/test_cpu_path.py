@@ -160,6 +160,21 @@ def test_delta_rule_step_equals_the_recurrent_rule(dtype, heads):
     assert rel_err(o, ro[:, 0]) < OP_REL[dtype]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_grouped_moe_takes_the_padded_form_in_fp32(tiny_model, dtype, monkeypatch):
+    """In fp32 the routed experts run as two batched products over zero-padded bands
+    (``cpu_ops._experts_padded``), once per call; other dtypes keep the per-expert loop (a
+    half-precision batched product builds a kernel per new shape on the CPU)."""
+    from ninfer.native.model import cpu_ops
+    calls = []
+    real = cpu_ops._experts_padded
+    monkeypatch.setattr(cpu_ops, "_experts_padded", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    model = prepared(tiny_model, dtype).model
+    x = torch.randn(300, model.cfg.hidden_size, generator=torch.Generator().manual_seed(3)).to(DTYPES[dtype])
+    cpu_ops.grouped_moe(x, model.layers[0].mlp)
+    assert calls == ([300] if dtype == "float32" else [])
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("heads", [(2, 2), (2, 4), (1, 4)], ids=lambda h: f"Hk{h[0]}-Hv{h[1]}")
 @pytest.mark.parametrize("tokens", [2, 16, 17, 32, 33, 63, 64, 65, 200], ids=lambda t: f"T{t}")
