@@ -288,10 +288,13 @@ def chunk_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
 
 
 def block_tokens(t: int) -> int:
-    """The block a chunk of ``t`` tokens runs in: 16 or 32 tokens for a chunk that short (one
-    small block instead of a 64-token one mostly padding: the rule of a 16-token chunk 0.46 ->
-    0.25 ms a layer), else ``gdn.CHUNK``. Any block size is the same algebra, equal to rounding."""
-    return 16 if t <= 16 else 32 if t <= 32 else gdn.CHUNK
+    """The block a chunk of ``t`` tokens runs in: 16 tokens for a chunk that short (one small
+    block instead of one mostly padding: the rule of a 16-token chunk 0.46 -> 0.25 ms a layer),
+    else 32 — not ``gdn.CHUNK`` (64): on the CPU half the block halves the triangular solves'
+    and the intra-block products' arithmetic and their [n, H, C, C] temporaries, for twice the
+    hand-over steps; the tiny model's rule ran 1.1-1.25x faster at 300-2,000 tokens (bench/README,
+    "Fifteenth session"). Any block size is the same algebra, equal to rounding."""
+    return 16 if t <= 16 else 32
 
 
 def chunk_delta_rule_cuts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
