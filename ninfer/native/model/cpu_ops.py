@@ -236,13 +236,27 @@ def delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     return _delta_step_(torch.cat([q, k], dim=1), v, g, beta, s), s
 
 
+def slot_run(slots: torch.Tensor) -> slice | None:
+    """The slice of state slots ``slots`` is when it names one ascending run (lo, lo + 1, ..., in
+    row order: a decode batch's usual slots, and any single row), else None."""
+    got = slots.tolist()
+    lo = got[0] if got else 0
+    return slice(lo, lo + len(got)) if got == list(range(lo, lo + len(got))) else None
+
+
 def delta_rule_step_slots(qk: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                           states: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """``delta_rule_step`` of N decode rows over their slots of ``states`` [S, Hv, Dk, Dv]: each
-    row's state gathered, stepped in place and written back. qk: [N, 2 Hk, Dk] (the q heads, then
-    the k heads: one view of the conv's output). Returns o [N, Hv, Dv] in v's dtype."""
-    s = states.index_select(0, slots)
+    row's state stepped where it lives — where the slots are one ascending run (``slot_run``) and
+    the states are in the accumulation dtype, the run's view of ``states`` itself (8 rows of the
+    tiny model: 207 -> 90 us a layer, no 512 KB gather and write-back), else gathered, stepped and
+    written back. qk: [N, 2 Hk, Dk] (the q heads, then the k heads: one view of the conv's
+    output). Returns o [N, Hv, Dv] in v's dtype."""
     acc = acc_dtype(v.dtype)
+    run = slot_run(slots) if states.dtype == acc else None
+    if run is not None:
+        return _delta_step_(qk, v, g, beta, states[run])
+    s = states.index_select(0, slots)
     s = s if s.dtype == acc else s.to(acc)
     o = _delta_step_(qk, v, g, beta, s)
     states.index_copy_(0, slots, s if s.dtype == states.dtype else s.to(states.dtype))

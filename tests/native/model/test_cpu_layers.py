@@ -107,10 +107,13 @@ def test_the_fused_dense_moe_equals_the_dense_form(tiny_model, dtype, rows):
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("heads", [(2, 2), (2, 4), (1, 4)], ids=lambda h: f"Hk{h[0]}-Hv{h[1]}")
-def test_the_delta_rule_step_in_slots(dtype, heads):
+@pytest.mark.parametrize("slots", [[7, 0, 3, 5], [3, 4, 5, 6], [4, 5, 6, 8], [6, 5, 4, 3]],
+                         ids=["scattered", "run", "almost-a-run", "descending"])
+def test_the_delta_rule_step_in_slots(dtype, heads, slots):
     """``delta_rule_step_slots``: the rows' states stepped where they live — the slots named
     hold what ``delta_rule_step`` returns for them, every other slot is untouched, and the
-    outputs are its outputs."""
+    outputs are its outputs — whether the slots are scattered, one ascending run (stepped in
+    its view of the states, ``slot_run``), one short of a run, or a run in descending order."""
     hk, hv = heads
     dt, g = DTYPES[dtype], torch.Generator().manual_seed(hk * 10 + hv)
     n, d, s = 4, 16, 9
@@ -119,13 +122,41 @@ def test_the_delta_rule_step_in_slots(dtype, heads):
     gate, beta = -torch.rand(n, hv, generator=g).to(dt), torch.rand(n, hv, generator=g).to(dt)
     states = torch.randn(s, hv, d, d, generator=g).to(torch.float64 if dt == torch.float64 else torch.float32)
     before = states.clone()
-    slots = torch.tensor([7, 0, 3, 5])
+    slots = torch.tensor(slots)
     o_ref, s_ref = cpu_ops.delta_rule_step(q, k, v, gate, beta, before.index_select(0, slots))
     o = cpu_ops.delta_rule_step_slots(torch.cat([q, k], 1), v, gate, beta, states, slots)
     assert o.dtype == dt and torch.equal(o, o_ref)
     assert torch.equal(states.index_select(0, slots), s_ref.to(states.dtype))
     others = [i for i in range(s) if i not in slots.tolist()]
     assert torch.equal(states[others], before[others])
+
+
+def test_states_stored_in_another_dtype_step_in_the_accumulation_dtype():
+    """States kept in bf16 (not what a Program stores today: fp32, or float64 for a float64
+    model) are stepped in fp32 and stored back rounded, even where the slots are one run (no
+    step in the stored dtype's view)."""
+    g = torch.Generator().manual_seed(11)
+    n, hk, hv, d = 3, 2, 4, 16
+    q, k = (torch.randn(n, hk, d, generator=g) for _ in range(2))
+    v = torch.randn(n, hv, d, generator=g)
+    gate, beta = -torch.rand(n, hv, generator=g), torch.rand(n, hv, generator=g)
+    states = torch.randn(6, hv, d, d, generator=g).to(torch.bfloat16)
+    before, slots = states.clone(), torch.tensor([2, 3, 4])
+    o_ref, s_ref = cpu_ops.delta_rule_step(q, k, v, gate, beta, before.index_select(0, slots))
+    o = cpu_ops.delta_rule_step_slots(torch.cat([q, k], 1), v, gate, beta, states, slots)
+    assert s_ref.dtype == torch.float32 and torch.equal(o, o_ref)
+    assert torch.equal(states.index_select(0, slots), s_ref.to(torch.bfloat16))
+    assert torch.equal(states[[0, 1, 5]], before[[0, 1, 5]])
+
+
+def test_a_slot_run_is_one_ascending_range():
+    """``slot_run``: the slice of slots in one ascending run (one slot included), None for any
+    other order or a gap."""
+    run = cpu_ops.slot_run
+    assert run(torch.tensor([3, 4, 5])) == slice(3, 6) and run(torch.tensor([9])) == slice(9, 10)
+    assert run(torch.tensor([0, 1, 2, 3])) == slice(0, 4)
+    for other in ([3, 5, 6], [5, 4], [2, 2], [1, 0, 2]):
+        assert run(torch.tensor(other)) is None, other
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
