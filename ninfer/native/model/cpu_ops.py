@@ -236,25 +236,17 @@ def delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     return _delta_step_(torch.cat([q, k], dim=1), v, g, beta, s), s
 
 
-def slot_run(slots: torch.Tensor) -> slice | None:
-    """The slice of state slots ``slots`` is when it names one ascending run (lo, lo + 1, ..., in
-    row order: a decode batch's usual slots, and any single row), else None."""
-    got = slots.tolist()
-    lo = got[0] if got else 0
-    return slice(lo, lo + len(got)) if got == list(range(lo, lo + len(got))) else None
-
-
 def delta_rule_step_slots(qk: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                          states: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+                          states: torch.Tensor, slots: torch.Tensor, run: slice | None = None) -> torch.Tensor:
     """``delta_rule_step`` of N decode rows over their slots of ``states`` [S, Hv, Dk, Dv]: each
-    row's state stepped where it lives — where the slots are one ascending run (``slot_run``) and
-    the states are in the accumulation dtype, the run's view of ``states`` itself (8 rows of the
-    tiny model: 207 -> 90 us a layer, no 512 KB gather and write-back), else gathered, stepped and
-    written back. qk: [N, 2 Hk, Dk] (the q heads, then the k heads: one view of the conv's
-    output). Returns o [N, Hv, Dv] in v's dtype."""
+    row's state stepped where it lives — given ``run``, the slots as one ascending run
+    (``forward.slot_run``, read off the host's ints when the batch is built: never off ``slots``,
+    which a captured graph replays with other values), and states in the accumulation dtype, the
+    run's view of ``states`` itself (8 rows of the tiny model: 207 -> 90 us a layer, no 512 KB
+    gather and write-back); else gathered, stepped and written back. qk: [N, 2 Hk, Dk] (the q
+    heads, then the k heads: one view of the conv's output). Returns o [N, Hv, Dv] in v's dtype."""
     acc = acc_dtype(v.dtype)
-    run = slot_run(slots) if states.dtype == acc else None
-    if run is not None:
+    if run is not None and states.dtype == acc:
         return _delta_step_(qk, v, g, beta, states[run])
     s = states.index_select(0, slots)
     s = s if s.dtype == acc else s.to(acc)

@@ -116,6 +116,8 @@ class ForwardBatch:
     verify_seqs: list[int] = field(default_factory=list)   # verify rows (q_len > 1)
     decode_rows: torch.Tensor | None = None          # [B] long (see the module docstring)
     decode_slots: torch.Tensor | None = None         # [B] long
+    decode_slot_run: slice | None = None             # decode_slots as one ascending run (``slot_run``), else None
+                                                     # (a graph's static batch: None, its slots change per replay)
     decode_kv_lens: torch.Tensor | None = None       # [B] long
     decode_block_table: torch.Tensor | None = None   # [B, Pmax] long
     decode_kv_slots: torch.Tensor | None = None      # [B, Lmax] long
@@ -195,6 +197,7 @@ class ForwardBatch:
         stage = _Staging()
         lt = stage.add
         decode = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
+        decode_slots = [seqs[i].state_slot for i in decode]
         tables = [seqs[i].page_table[:seqs[i].start // PAGE_SIZE + 1] for i in decode]
         width = max((len(t) for t in tables), default=0)
         block_table = lt([x for t in tables for x in t + t[:1] * (width - len(t))], (len(decode), width))
@@ -234,7 +237,7 @@ class ForwardBatch:
             logits_rows=lt(rows),
             **vmeta,
             decode_rows=lt([cu[i] for i in decode]),
-            decode_slots=lt([seqs[i].state_slot for i in decode]),
+            decode_slots=lt(decode_slots),
             decode_kv_lens=kv_lens,
             decode_block_table=block_table,
         )
@@ -247,11 +250,21 @@ class ForwardBatch:
             verify_seqs=verify,
             verify_len=next(iter(lens)) if len(lens) == 1 else 0,
             decode_kv_slots=decode_kv_slots(fields["decode_block_table"], fields["decode_kv_lens"], max_len),
+            decode_slot_run=slot_run(decode_slots),
             rope_positions=rope,
             cuts={i: [p - s.start for p in s.cuts] for i, s in enumerate(seqs) if s.cuts},
             usual_logits=all(s.logits == ("all" if s.verify else "last") for s in seqs),
             **fields,
         )
+
+
+def slot_run(slots: list[int]) -> slice | None:
+    """The slice of state slots ``slots`` is when it names one ascending run (lo, lo + 1, ..., in
+    row order: a decode batch's usual slots, and any single row), else None (none for no rows)."""
+    if not slots:
+        return None
+    lo = slots[0]
+    return slice(lo, lo + len(slots)) if slots == list(range(lo, lo + len(slots))) else None
 
 
 class _Staging:

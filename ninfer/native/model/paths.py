@@ -296,7 +296,8 @@ class BatchedPath(_TorchOps):
             return core
         rows, slots = batch.decode_rows, batch.decode_slots
         pick = (lambda t: t) if batch.all_decode else (lambda t: t.index_select(0, rows))
-        o = self._decode_rows(pick(mixed), pick(g), pick(beta), conv_w, conv_states, ssm_states, slots, split, ops)
+        o = self._decode_rows(pick(mixed), pick(g), pick(beta), conv_w, conv_states, ssm_states, slots, split, ops,
+                              batch.decode_slot_run)
         if batch.all_decode:
             return o
         core = _core_out(mixed, ssm_states)
@@ -307,9 +308,10 @@ class BatchedPath(_TorchOps):
         return core
 
 
-    def _decode_rows(self, mixed, g, beta, conv_w, conv_states, ssm_states, slots, split, ops):
+    def _decode_rows(self, mixed, g, beta, conv_w, conv_states, ssm_states, slots, split, ops, run=None):
         """The decode rows' conv step and delta-rule step, their states gathered from their slots
-        and scattered back. mixed: [B, C]; g, beta: [B, Hv] -> o [B, Hv, Dv]."""
+        and scattered back. mixed: [B, C]; g, beta: [B, Hv] -> o [B, Hv, Dv]. ``run``: the slots
+        as one ascending run (``ForwardBatch.decode_slot_run``), for a path that uses it."""
         y, new_conv = ops.causal_conv1d_step(mixed, conv_states.index_select(0, slots), conv_w)
         q, k, v = split(y)
         o, new_ssm = ops.recurrent_gated_delta_rule(
@@ -333,14 +335,14 @@ class CpuPath(BatchedPath):
     def _gdn_ops(self):
         return cpu_ops.GdnOps
 
-    def _decode_rows(self, mixed, g, beta, conv_w, conv_states, ssm_states, slots, split, ops):
+    def _decode_rows(self, mixed, g, beta, conv_w, conv_states, ssm_states, slots, split, ops, run=None):
         """``BatchedPath._decode_rows`` in fewer calls: the conv step's new state written from a
-        view (no copy), q and k normalised together, the delta-rule state stepped in place
-        (``cpu_ops.delta_rule_step_slots``)."""
+        view (no copy), q and k normalised together, the delta-rule state stepped in place — in
+        the cache's own view where the slots are one ascending run (``cpu_ops.delta_rule_step_slots``)."""
         y = cpu_ops.conv_step_slots(mixed, conv_states, slots, conv_w)
         q, _, v = split(y)
         qk = y[:, :2 * q.shape[1] * q.shape[2]].view(y.shape[0], 2 * q.shape[1], q.shape[2])
-        return cpu_ops.delta_rule_step_slots(qk, v, g, beta, ssm_states, slots)
+        return cpu_ops.delta_rule_step_slots(qk, v, g, beta, ssm_states, slots, run)
 
     def moe(self, x, w, static):
         if static:
@@ -420,7 +422,7 @@ class KernelPath(BatchedPath):
         from ninfer.native.kernels import gdn as kernel_gdn
         return kernel_gdn
 
-    def _decode_rows(self, mixed, g, beta, conv_w, conv_states, ssm_states, slots, split, ops):
+    def _decode_rows(self, mixed, g, beta, conv_w, conv_states, ssm_states, slots, split, ops, run=None):
         """In place in the rows' slots (``kernels/gdn_decode.py``): no gather and scatter of the
         states (2 MiB of fp32 per row and layer at Qwen3-Next's size, each way)."""
         from ninfer.native.kernels.gdn_decode import conv_step_triton, delta_rule_step_triton

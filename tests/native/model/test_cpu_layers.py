@@ -11,6 +11,7 @@ import torch
 
 from ninfer.native.model import cpu_layers, cpu_ops, gdn, paths
 from ninfer.native.model.config import LINEAR
+from ninfer.native.model.forward import slot_run
 from ninfer.native.model.model import HybridModel
 from ninfer.native.model.moe import MoeWeights
 from ninfer.native.model.ops import Rope, gated_rms_norm, rms_norm
@@ -83,6 +84,24 @@ def test_the_cpu_forward_runs_the_fused_layers(tiny_model, monkeypatch):
     assert calls == {"attention": 0, "gdn": 0, "dense_moe": 0}
 
 
+@pytest.mark.parametrize("slots", [[2, 3, 4], [4, 2, 3]], ids=["run", "scattered"])
+def test_the_cpu_decode_rows_step_in_the_cache_view(tiny_model, monkeypatch, slots):
+    """The CPU path hands each GDN layer's delta-rule step its decode rows' run of slots
+    (``ForwardBatch.decode_slot_run``: the states stepped in the cache's own view) and none
+    where the slots are not one run; the states left are the per-sequence path's either way."""
+    from ninfer.native.model.forward import SeqInput
+    prep = prepared(tiny_model, "float32")
+    seen = []
+    real = cpu_ops.delta_rule_step_slots
+    monkeypatch.setattr(cpu_ops, "delta_rule_step_slots", lambda *a: seen.append(a[6:]) or real(*a))
+    rows = [SeqInput(r.token_ids, r.start, r.page_table, slot) for r, slot in zip(prep.step(3, False), slots)]
+    _, cache = prep.run(paths.CPU, rows)
+    want = (slice(2, 5),) if slots == [2, 3, 4] else (None,)
+    assert seen == [want] * len(prep.model.cfg.linear_layers)
+    _, ref = prep.run(paths.PER_SEQUENCE, rows)
+    assert rel_err(cache.ssm, ref.ssm) < 1e-5 and rel_err(cache.conv, ref.conv) < 1e-5
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("rows", [1, 3, 8, 64])
 def test_the_fused_dense_moe_equals_the_dense_form(tiny_model, dtype, rows):
@@ -113,7 +132,8 @@ def test_the_delta_rule_step_in_slots(dtype, heads, slots):
     """``delta_rule_step_slots``: the rows' states stepped where they live — the slots named
     hold what ``delta_rule_step`` returns for them, every other slot is untouched, and the
     outputs are its outputs — whether the slots are scattered, one ascending run (stepped in
-    its view of the states, ``slot_run``), one short of a run, or a run in descending order."""
+    its view of the states: ``run`` from ``forward.slot_run``), one short of a run, or a run in
+    descending order."""
     hk, hv = heads
     dt, g = DTYPES[dtype], torch.Generator().manual_seed(hk * 10 + hv)
     n, d, s = 4, 16, 9
@@ -121,10 +141,11 @@ def test_the_delta_rule_step_in_slots(dtype, heads, slots):
     v = torch.randn(n, hv, d, generator=g).to(dt)
     gate, beta = -torch.rand(n, hv, generator=g).to(dt), torch.rand(n, hv, generator=g).to(dt)
     states = torch.randn(s, hv, d, d, generator=g).to(torch.float64 if dt == torch.float64 else torch.float32)
-    before = states.clone()
+    before, run = states.clone(), slot_run(slots)
+    assert (run is not None) == (slots == [3, 4, 5, 6])
     slots = torch.tensor(slots)
     o_ref, s_ref = cpu_ops.delta_rule_step(q, k, v, gate, beta, before.index_select(0, slots))
-    o = cpu_ops.delta_rule_step_slots(torch.cat([q, k], 1), v, gate, beta, states, slots)
+    o = cpu_ops.delta_rule_step_slots(torch.cat([q, k], 1), v, gate, beta, states, slots, run)
     assert o.dtype == dt and torch.equal(o, o_ref)
     assert torch.equal(states.index_select(0, slots), s_ref.to(states.dtype))
     others = [i for i in range(s) if i not in slots.tolist()]
@@ -143,20 +164,31 @@ def test_states_stored_in_another_dtype_step_in_the_accumulation_dtype():
     states = torch.randn(6, hv, d, d, generator=g).to(torch.bfloat16)
     before, slots = states.clone(), torch.tensor([2, 3, 4])
     o_ref, s_ref = cpu_ops.delta_rule_step(q, k, v, gate, beta, before.index_select(0, slots))
-    o = cpu_ops.delta_rule_step_slots(torch.cat([q, k], 1), v, gate, beta, states, slots)
+    o = cpu_ops.delta_rule_step_slots(torch.cat([q, k], 1), v, gate, beta, states, slots, slot_run([2, 3, 4]))
     assert s_ref.dtype == torch.float32 and torch.equal(o, o_ref)
     assert torch.equal(states.index_select(0, slots), s_ref.to(torch.bfloat16))
     assert torch.equal(states[[0, 1, 5]], before[[0, 1, 5]])
 
 
 def test_a_slot_run_is_one_ascending_range():
-    """``slot_run``: the slice of slots in one ascending run (one slot included), None for any
-    other order or a gap."""
-    run = cpu_ops.slot_run
-    assert run(torch.tensor([3, 4, 5])) == slice(3, 6) and run(torch.tensor([9])) == slice(9, 10)
-    assert run(torch.tensor([0, 1, 2, 3])) == slice(0, 4)
-    for other in ([3, 5, 6], [5, 4], [2, 2], [1, 0, 2]):
-        assert run(torch.tensor(other)) is None, other
+    """``forward.slot_run``: the slice of slots in one ascending run (one slot included), None
+    for any other order, a gap or no rows; a built batch carries its decode rows' run, a graph's
+    static batch none (its slots change from replay to replay)."""
+    assert slot_run([3, 4, 5]) == slice(3, 6) and slot_run([9]) == slice(9, 10)
+    assert slot_run([0, 1, 2, 3]) == slice(0, 4)
+    for other in ([3, 5, 6], [5, 4], [2, 2], [1, 0, 2], []):
+        assert slot_run(other) is None, other
+    from ninfer.native.model.forward import ForwardBatch, SeqInput
+
+    def batch(slots, chunk=False):
+        seqs = [SeqInput(token_ids=[5], start=3, page_table=[i], state_slot=s) for i, s in enumerate(slots)]
+        seqs += [SeqInput(token_ids=[5, 6, 7], start=0, page_table=[9], state_slot=0)] if chunk else []
+        return ForwardBatch.build(seqs)
+    assert batch([2, 3, 4]).decode_slot_run == slice(2, 5)
+    assert batch([2, 3, 4], chunk=True).decode_slot_run == slice(2, 5)     # the chunk's slot is not a decode row's
+    assert batch([4, 2]).decode_slot_run is None and batch([]).decode_slot_run is None
+    assert ForwardBatch(input_ids=None, positions=None, cu=[0], starts=[], page_tables=[], state_slots=None,
+                        slot_mapping=None, logits_rows=None).decode_slot_run is None
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
