@@ -182,7 +182,7 @@ def grouped_moe(x: torch.Tensor, w: MoeWeights) -> torch.Tensor:
     tok = order // k
     weights = top_w.view(-1).index_select(0, order).to(x.dtype)[:, None]
     if x.dtype == torch.float32 and isinstance(w.gate_up, torch.Tensor) and isinstance(w.down, torch.Tensor):
-        y, tok = _experts_padded(x, w, flat, order, tok, weights)
+        y = _experts_padded(x, w, flat, order, tok, weights)
     else:
         counts = torch.bincount(flat, minlength=e).tolist()
         xs = x.index_select(0, tok)
@@ -201,15 +201,14 @@ def grouped_moe(x: torch.Tensor, w: MoeWeights) -> torch.Tensor:
 
 
 def _experts_padded(x: torch.Tensor, w: MoeWeights, flat: torch.Tensor, order: torch.Tensor, tok: torch.Tensor,
-                    weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                    weights: torch.Tensor) -> torch.Tensor:
     """``grouped_moe``'s routed experts in fp32 as two batched products: each expert's rows
     (in the sorted order) placed in its own band of an [E, n_max, H] buffer, zero-padded to the
     busiest expert's count, then ``bmm`` by every expert's gate-up and down projections at once
-    — two calls where the loop makes ~6 per expert (a 300-token chunk of the tiny model: the
-    MoE 1.15x, 128 rows 1.3x; the padded rows' arithmetic is wasted, so past ~1,000 rows the two
-    are even). Padding rows stay zero and are never read back: a row's product reads only its
+    — two calls where the loop makes ~6 per expert (the tiny model's MoE 1.3-1.67x at 65-1,000
+    rows; the padded rows' arithmetic is wasted, so at ~2,000 rows the two are even). Padding rows stay zero and are never read back: a row's product reads only its
     own row. The routing weights scale the gathered outputs (``sparse_moe``'s order). Returns
-    (the routed rows' outputs, their tokens) in one order for ``index_add_``."""
+    the routed rows' outputs in the sorted order (``tok``'s, for ``index_add_``)."""
     e, two_i, hidden = w.gate_up.shape
     inter = two_i // 2
     counts = torch.bincount(flat, minlength=e)
@@ -221,7 +220,7 @@ def _experts_padded(x: torch.Tensor, w: MoeWeights, flat: torch.Tensor, order: t
     gate_up = torch.bmm(xs.view(e, n_max, hidden), w.gate_up.transpose(1, 2))          # [E, n_max, 2I]
     h = F.silu(gate_up[..., :inter]).mul_(gate_up[..., inter:])
     y = torch.bmm(h, w.down.transpose(1, 2)).view(e * n_max, hidden).index_select(0, slot)
-    return y.mul_(weights), tok
+    return y.mul_(weights)
 
 
 def delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
