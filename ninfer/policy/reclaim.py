@@ -1132,9 +1132,9 @@ class Planner:
         if floor is not None and (best_rank is None or floor < best_rank):
             memo = self._group_bounds.setdefault(pool, {})
             groups = []
-            cands = self.cands
+            members = self.cands.keys()
             for g in self._groups():
-                if not all(h in cands for h in g):
+                if not members >= g:
                     continue                    # not open (``_open``), and no bound without its members
                 bound = memo.get(g)
                 if bound is None:

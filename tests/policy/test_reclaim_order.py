@@ -132,17 +132,24 @@ def _quote(points, page_flags, host_pages, main_free):
                                           st.integers(0, 2)), min_size=1,
                            max_size=6),
        host_pages=st.integers(0, 4), main_free=st.integers(0, 1),
-       need_state=st.integers(0, 2), need_main=st.integers(0, 8), demote=st.booleans())
+       need_state=st.integers(0, 2), need_main=st.integers(0, 8), demote=st.booleans(),
+       protect=st.sets(st.integers(1, 8), max_size=2))
 # three identical points, two of them holding their page: deleting those two together loses
 # nothing (the third survives) and wins over every demotion; a fourth, longer point makes the
 # least losses differ (a floor of the groups taken too high would skip the pair)
 @example(points=[(0, 1, Level.NORMAL, 0.0, True, False)] * 3 + [(1, 6, Level.NORMAL, 0.0, True, False)],
          page_flags=[(True, False, False, False, 2), (True, False, False, False, 0)], host_pages=4, main_free=0,
-         need_state=0, need_main=1, demote=True)
+         need_state=0, need_main=1, demote=True, protect=set())
+# a protected point shares its page with two others: the pair may go together, the trio may not
+@example(points=[(0, 1, Level.NORMAL, 0.0, True, False)] * 3,
+         page_flags=[(True, False, False, False, 2)], host_pages=0, main_free=0,
+         need_state=0, need_main=1, demote=False, protect={1})
 def test_the_lazy_choice_is_the_exhaustive_minimum(points, page_flags, host_pages, main_free, need_state,
-                                                   need_main, demote):
+                                                   need_main, demote, protect):
+    """``protect``: points this plan may not touch (a request's sources): a group of holders
+    with one of them among its members is not an option."""
     facts, table = _quote(points, page_flags, host_pages, main_free)
-    pl = Checked(facts, table, set(), lambda o: False, demote=demote)
+    pl = Checked(facts, table, set(protect), lambda o: False, demote=demote)
     pl.plan({P.STATE: need_state, P.MAIN: need_main})
 
 
