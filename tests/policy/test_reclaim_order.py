@@ -140,9 +140,9 @@ def _quote(points, page_flags, host_pages, main_free):
 @example(points=[(0, 1, Level.NORMAL, 0.0, True, False)] * 3 + [(1, 6, Level.NORMAL, 0.0, True, False)],
          page_flags=[(True, False, False, False, 2), (True, False, False, False, 0)], host_pages=4, main_free=0,
          need_state=0, need_main=1, demote=True, protect=set())
-# a protected point shares its page with two others: the pair may go together, the trio may not
+# a protected point holds its page with two others: the three may not go together
 @example(points=[(0, 1, Level.NORMAL, 0.0, True, False)] * 3,
-         page_flags=[(True, False, False, False, 2)], host_pages=0, main_free=0,
+         page_flags=[(True, False, False, False, 0)], host_pages=0, main_free=0,
          need_state=0, need_main=1, demote=False, protect={1})
 def test_the_lazy_choice_is_the_exhaustive_minimum(points, page_flags, host_pages, main_free, need_state,
                                                    need_main, demote, protect):
