@@ -1049,11 +1049,15 @@ class Planner:
             floor = None
             if pool == P.MAIN and len(self.cands) > 1 and self._most(pool, 2):
                 # any group has two or more candidates: its class, demand and least loss are at
-                # least the smallest, and its loss at least the two smallest least losses
-                least = sorted(self._loss_floor(c) for c in self.cands)
-                floor = self._rank(min(c.cls for c in self.cands.values()),
-                                   min(c.demand_time for c in self.cands.values()),
-                                   least[0] + least[1], self._most(pool, 2), ("delete", ()))
+                # least the smallest, and its loss at least the two smallest least losses — or,
+                # with a member whose floor is not 0, at least 1 (``_choose`` then lists only the
+                # groups of candidates whose floor is 0: on a full Device a few identical aliases)
+                floors = {c: self._loss_floor(c) for c in self.cands}
+                least = heapq.nsmallest(2, floors.values())
+                cls, hot = min(c.cls for c in self.cands.values()), min(c.demand_time for c in self.cands.values())
+                most = self._most(pool, 2)
+                floor = (self._rank(cls, hot, least[0] + least[1], most, ("delete", ())),
+                         self._rank(cls, hot, 1, most, ("delete", ())), {c for c, f in floors.items() if not f})
             got = self._orders[pool] = (order, floor)
         return got
 
@@ -1129,13 +1133,15 @@ class Planner:
                         best, best_rank = o, r
         order, floor = self._order(pool)
         scan(order)
-        if floor is not None and (best_rank is None or floor < best_rank):
+        if floor is not None and (best_rank is None or floor[0] < best_rank):
             memo = self._group_bounds.setdefault(pool, {})
             groups = []
-            members = self.cands.keys()
+            # a group with a member whose loss floor is not 0 is not below the best when a loss
+            # of 1 is not: only the groups of the others are listed then
+            members = self.cands.keys() if best_rank is None or floor[1] < best_rank else floor[2]
             for g in self._groups():
                 if not members >= g:
-                    continue                    # not open (``_open``), and no bound without its members
+                    continue                    # not open (``_open``) or not below the best
                 bound = memo.get(g)
                 if bound is None:
                     bound = memo[g] = self._group_bound(pool, g, self._loss_floor)

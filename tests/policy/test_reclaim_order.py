@@ -144,6 +144,12 @@ def _quote(points, page_flags, host_pages, main_free):
 @example(points=[(0, 1, Level.NORMAL, 0.0, True, False)] * 3,
          page_flags=[(True, False, False, False, 0)], host_pages=0, main_free=0,
          need_state=0, need_main=1, demote=False, protect={1})
+# two identical points and a longer one hold the first page, the longer one alone the second: the
+# group of the three (whose longer member loses a page) ties with deleting the longer one alone
+# and goes first on its ids — the groups' bound at a member that loses a token must list it
+@example(points=[(0, 1, Level.NORMAL, 0.0, True, False)] * 2 + [(0, 2, Level.NORMAL, 0.0, True, False)],
+         page_flags=[(True, False, False, False, 0)], host_pages=0, main_free=0,
+         need_state=0, need_main=1, demote=False, protect=set())
 def test_the_lazy_choice_is_the_exhaustive_minimum(points, page_flags, host_pages, main_free, need_state,
                                                    need_main, demote, protect):
     """``protect``: points this plan may not touch (a request's sources): a group of holders
