@@ -414,6 +414,51 @@ def stale_survey(survey: dict, table: RecordTable) -> list[int]:
             if (not revocable and cls != _classify(owners, table, _never)) or hot != _demand_time(owners, table)]
 
 
+class _Order:
+    """One planner's options for one pool but the groups, in the order of their rank's lower
+    bound, read lazily (``Planner._order`` sorts the candidates into its runs). Each option is
+    (bound, sequence, kind, item, exact); a run is the candidates of one (action, class, demand
+    time, loss floor), few on any Device (on the trace slice nearly every point is normal with
+    demand time 0), and within a run the bounds rise with the ids — so the sorted runs are merged
+    only as far as scans read (``at``): a choice reads the few options below its best, not the
+    ~700 of a full Device. ``floor``: see ``Planner._order``."""
+
+    __slots__ = ("read", "floor", "_heads", "_cands", "_most", "_rank", "_seq")
+
+    def __init__(self, runs: dict[tuple, list[int]], cands: dict[int, Candidate], most: int, rank, floor):
+        self.read: list[tuple] = []
+        self._heads: list[tuple] = []
+        self._cands, self._most, self._rank, self.floor, self._seq = cands, most, rank, floor, 0
+        for key, cids in runs.items():
+            cids.sort()
+            self._push(key, cids, 0)
+
+    def _push(self, key: tuple, cids: list[int], i: int) -> None:
+        """The run's ``i``-th option onto the merge (its bound from the run's key)."""
+        kind, cls, hot, floor = key
+        cid = cids[i]
+        if kind == "delete":
+            item, exact = frozenset({cid}), False
+            bound = self._rank(cls, hot, floor, self._most, (kind, item))
+        else:
+            item, exact = self._cands[cid], True
+            bound = self._rank(cls, hot, 0, 1, (kind, cid))
+        self._seq += 1
+        heapq.heappush(self._heads, (bound, self._seq, kind, item, exact, key, cids, i))
+
+    def at(self, i: int) -> tuple | None:
+        """The ``i``-th option by bound; None past the last."""
+        read = self.read
+        while len(read) <= i:
+            if not self._heads:
+                return None
+            bound, seq, kind, item, exact, key, cids, j = heapq.heappop(self._heads)
+            read.append((bound, seq, kind, item, exact))
+            if j + 1 < len(cids):
+                self._push(key, cids, j + 1)
+        return read[i]
+
+
 class Planner:
     """One planning pass over one quote."""
 
@@ -455,13 +500,14 @@ class Planner:
         self.read_blocks = frozenset(bid for cid in reading if (c := facts.checkpoints.get(cid)) is not None
                                      for bid in c.blocks)
         self.cands: dict[int, Candidate] = {}
+        self._reuse: list[Candidate] = []      # the candidates of class REUSE when surveyed (a few)
         # exact prefixes of a point: the same on the same facts (a pass in the same settlement)
         self.prefix_memo: dict[int, list[tuple[int, int]]] = (
             prior.prefix_memo if prior is not None and prior.f is facts else {})
         self.least_memo: dict[int, int] = prior.least_memo if prior is not None and prior.f is facts else {}
         self.floor_memo: dict[int, int] = prior.floor_memo if prior is not None and prior.f is facts else {}
         self._migrating_memo: tuple | None = None
-        self._orders: dict[str, tuple] = {}     # per pool: the options by their rank's lower bound, the groups' floor
+        self._orders: dict[str, _Order] = {}     # per pool: the options by their rank's lower bound
         self._group_bounds: dict[str, dict] = {}     # per pool: a group's bound (``_group_bound``)
         if survey is None:
             survey = prior.survey if prior is not None and prior.table is table else {}
@@ -482,7 +528,9 @@ class Planner:
                 if cls >= Cls.WAITER:     # revocable holds: the youngest holder's first (seed: 优先考虑较年轻等待者)
                     hot = -max((self.tickets.get(o, -1) for o in c.owners
                                 if isinstance(o, (WaiterOwner, SnapshotOwner))), default=-1)
-                self.cands[cid] = Candidate(cid, cls, hot, c.frontier)
+                cand = self.cands[cid] = Candidate(cid, cls, hot, c.frontier)
+                if cls is Cls.REUSE:
+                    self._reuse.append(cand)
         self._hot_protection_covers_proven_only()
         self._apply_soft_target()
 
@@ -506,7 +554,7 @@ class Planner:
             return not any((o := ckpts.get(other)) is not None and o.frontier >= proven and self._is_live(other)
                            and table.is_prefix(other, cand.cid) for _, other in rec.points())
 
-        for cand in self.cands.values():
+        for cand in self._reuse:
             if cand.cls is not Cls.REUSE:
                 continue
             owners = self.f.checkpoints[cand.cid].owners
@@ -536,7 +584,7 @@ class Planner:
         the record's points); older reuse records beyond it rank as normal for this pass. The
         single newest record may exceed the target alone (seed: 复用段 … 软目标)."""
         holders: dict[int, tuple[float, set[int]]] = {}
-        for c in self.cands.values():
+        for c in self._reuse:
             if c.cls is not Cls.REUSE:
                 continue
             for o in self.f.checkpoints[c.cid].owners:
@@ -564,7 +612,7 @@ class Planner:
             if over and i > 0:
                 break
             kept |= pts
-        for c in self.cands.values():
+        for c in self._reuse:
             if c.cls is Cls.REUSE and c.cid not in kept:
                 c.cls = Cls.NORMAL
 
@@ -1021,44 +1069,50 @@ class Planner:
         return self._rank(max(self.cands[c].cls for c in group), max(self.cands[c].demand_time for c in group),
                           sum(least(c) for c in group), self._most(pool, len(group)), ("delete", group))
 
-    def _order(self, pool: str) -> tuple[list[tuple], tuple | None]:
-        """(lower bound of its rank, sequence, kind, item, exact) of this planner's options for
-        ``pool`` but the groups, as a heap by bound — each candidate's demotion (if its content
-        is on the Device) and its deletion (its bound on ``_loss_floor``: not exact) — and a
-        bound below every group's (None: no group can be one). Built once per pool: the bounds
-        do not move as the plan grows; an option closed since is skipped (``_open``)."""
+    def _order(self, pool: str) -> _Order:
+        """This planner's options for ``pool`` but the groups, by their rank's lower bound — each
+        candidate's demotion (if its content is on the Device) and its single deletion (where it
+        can free anything of the pool; its bound on ``_loss_floor``: not exact) — sorted into the
+        runs of an ``_Order``. Built once per pool: the bounds do not move as the plan grows, and
+        an option closed since is skipped (``_open``).
+
+        Its ``floor`` (Main only; None: no group can be an option): a bound below every group's
+        rank, one below every group with a member whose floor is not 0, and the candidates whose
+        floor is 0. A group's members hold a releasable page only checkpoints hold, so each is a
+        candidate whose deletion is in the order: its class, demand and floor are counted here."""
         got = self._orders.get(pool)
-        if got is None:
-            order: list[tuple] = []
-            demote = "demote_blocks" if pool == P.MAIN else "demote_state"
-            rank, most = self._rank, self._most(pool, 1)
-            for cid, cand in self.cands.items():
-                # a demotion loses at least nothing
-                if self.demote and (pool == P.MAIN or self.f.checkpoints[cid].image_device):
-                    order.append((rank(cand.cls, cand.demand_time, 0, 1, (demote, cid)), len(order), demote, cand,
-                                  True))
-                # a single deletion (``_group_bound`` of a one-member group), where it can free
-                # anything of this pool: a Device image, a releasable page it holds or lists —
-                # on a full Device most candidates are Host-only, and their deletions would only
-                # ever be evaluated to nothing
-                if most and (self.f.checkpoints[cid].image_device if pool == P.STATE else self.ix.touches(cid)):
-                    group = frozenset({cid})
-                    order.append((rank(cand.cls, cand.demand_time, self._loss_floor(cid), most, ("delete", group)),
-                                  len(order), "delete", group, False))
-            heapq.heapify(order)     # a scan pops only the options below the best: no full sort
-            floor = None
-            if pool == P.MAIN and len(self.cands) > 1 and self._most(pool, 2):
-                # any group has two or more candidates: its class, demand and least loss are at
-                # least the smallest, and its loss at least the two smallest least losses — or,
-                # with a member whose floor is not 0, at least 1 (``_choose`` then lists only the
-                # groups of candidates whose floor is 0: on a full Device a few identical aliases)
-                floors = {c: self._loss_floor(c) for c in self.cands}
-                least = heapq.nsmallest(2, floors.values())
-                cls, hot = min(c.cls for c in self.cands.values()), min(c.demand_time for c in self.cands.values())
-                most = self._most(pool, 2)
-                floor = (self._rank(cls, hot, least[0] + least[1], most, ("delete", ())),
-                         self._rank(cls, hot, 1, most, ("delete", ())), {c for c, f in floors.items() if not f})
-            got = self._orders[pool] = (order, floor)
+        if got is not None:
+            return got
+        main = pool == P.MAIN
+        most = self._most(pool, 1)
+        cks = self.f.checkpoints
+        touch = self.ix.touch_lists() if main else None
+        demote = ("demote_blocks" if main else "demote_state") if self.demote else None
+        runs: dict[tuple, list[int]] = {}
+        for cid, cand in self.cands.items():
+            on_device = True if main else cks[cid].image_device
+            # a demotion loses at least nothing
+            if demote and on_device:
+                runs.setdefault((demote, cand.cls, cand.demand_time, 0), []).append(cid)
+            # a single deletion (``_group_bound`` of a one-member group), where it can free
+            # anything of this pool: a Device image, a releasable page it holds or lists (a
+            # Host-only candidate's deletion would only ever be evaluated to nothing)
+            if most and (touch.get(cid) if main else on_device):
+                runs.setdefault(("delete", cand.cls, cand.demand_time, self._loss_floor(cid)), []).append(cid)
+        floor = None
+        deletions = [(key, cids) for key, cids in runs.items() if key[0] == "delete"]
+        if main and sum(len(cids) for _, cids in deletions) > 1 and self._most(pool, 2):
+            # any group has two or more of these candidates: its class, demand and least loss
+            # are at least the smallest, and its loss at least the two smallest least losses —
+            # or, with a member whose floor is not 0, at least 1 (``_choose`` then lists only
+            # the groups of candidates whose floor is 0: on a full Device a few identical aliases)
+            least = heapq.nsmallest(2, (key[3] for key, cids in deletions for _ in cids[:2]))
+            cls, hot = min(key[1] for key, _ in deletions), min(key[2] for key, _ in deletions)
+            most2 = self._most(pool, 2)
+            floor = (self._rank(cls, hot, least[0] + least[1], most2, ("delete", ())),
+                     self._rank(cls, hot, 1, most2, ("delete", ())),
+                     {cid for key, cids in deletions if not key[3] for cid in cids})
+        got = self._orders[pool] = _Order(runs, self.cands, most, self._rank, floor)
         return got
 
     def _open(self, pool: str, kind: str, item) -> bool:
@@ -1108,15 +1162,22 @@ class Planner:
         of holders left on a block are listed only when their floor is below the best."""
         best, best_rank = None, None
 
-        def scan(order):
-            """The options of ``order`` (a heap of (bound, sequence, kind, item, exact), left as
-            it is) by bound: a deletion's bound from cheaper least losses is made exact when
-            popped, and goes back in its place when that raises it."""
+        def scan(at):
+            """The options ``at(0), at(1), ...`` (each (bound, sequence, kind, item, exact), sorted
+            by bound; None past the last) in that order: a deletion's bound from cheaper least
+            losses is made exact when reached, and goes back in its place when that raises it."""
             nonlocal best, best_rank
-            heap = list(order)
-            seq = len(heap)
-            while heap:
-                bound, _, kind, item, exact = heapq.heappop(heap)
+            back: list[tuple] = []      # raised bounds, as a heap
+            i = seq = 0
+            while True:
+                entry = at(i)
+                if back and (entry is None or back[0][0] < entry[0]):
+                    entry = heapq.heappop(back)
+                elif entry is None:
+                    return
+                else:
+                    i += 1
+                bound, _, kind, item, exact = entry
                 if best_rank is not None and bound >= best_rank:
                     return
                 if not self._open(pool, kind, item):
@@ -1125,14 +1186,15 @@ class Planner:
                     real = self._group_bound(pool, item)     # on the least losses themselves
                     if real > bound:
                         seq += 1
-                        heapq.heappush(heap, (real, seq, kind, item, True))
+                        heapq.heappush(back, (real, seq, kind, item, True))
                         continue
                 for o in self._evaluate(pool, short, kind, item):
                     r = self._rank(*o[:5])
                     if best_rank is None or r < best_rank:
                         best, best_rank = o, r
-        order, floor = self._order(pool)
-        scan(order)
+        order = self._order(pool)
+        scan(order.at)
+        floor = order.floor
         if floor is not None and (best_rank is None or floor[0] < best_rank):
             memo = self._group_bounds.setdefault(pool, {})
             groups = []
@@ -1149,8 +1211,8 @@ class Planner:
                 # there): whether it is still open is asked only of the others
                 if (best_rank is None or bound < best_rank) and self._open(pool, "delete", g):
                     groups.append((bound, len(groups), "delete", g, False))
-            heapq.heapify(groups)
-            scan(groups)
+            groups.sort()
+            scan(lambda i: groups[i] if i < len(groups) else None)
         return best
 
     def _best(self, pool: str, short: int):

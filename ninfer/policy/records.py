@@ -152,6 +152,10 @@ class RecordTable:
         self._recent: deque[int] = deque(maxlen=RECENT_ADDS)   # the cids of the last adds, oldest first
         self._prefixes: dict[int, tuple[int, list[tuple[int, int]]]] = {}   # cid -> (epoch, list)
         self.dirty: set[int] = set()                # cids whose owners, evidence or placement changed
+        # cid -> its token count, for each indexed cache point no other live point has the very
+        # tokens of (``may_lose_nothing`` is False for it on the whole table), kept as points come
+        # and go: the reclaim planner's loss floors are read off it, no index asked per point
+        self.lone: dict[int, int] = {}
 
     def touch(self, holder: PrivateRecord | PublicEntry) -> None:
         """A record's or entry's level or evidence changed: its points are re-ranked."""
@@ -169,6 +173,7 @@ class RecordTable:
             info = self.ckpts[ref.cid] = CkptInfo(ref, tokens)
             if ref.kind is CkptKind.CACHE:
                 self.index.add(ref.cid, tokens)
+                self._settle_lone(self.index.same_key(ref.cid))
                 self.histories.insert(("ck", ref.cid), tokens)
                 self._adds += 1
                 self._recent.append(ref.cid)
@@ -184,7 +189,7 @@ class RecordTable:
         info.owners.discard(owner)
         if not info.owners:
             del self.ckpts[cid]
-            self.index.remove(cid)
+            self._unindex(cid)
             self.histories.remove(("ck", cid))
             self._prefixes.pop(cid, None)
             return True
@@ -195,7 +200,7 @@ class RecordTable:
         uses, ents = self.record_of(cid), self.entries_of(cid)     # O(its owners), not O(table)
         self.dirty.add(cid)
         info = self.ckpts.pop(cid, None)
-        self.index.remove(cid)
+        self._unindex(cid)
         self.histories.remove(("ck", cid))
         self._prefixes.pop(cid, None)
         owners = list(info.owners) if info else []
@@ -210,6 +215,25 @@ class RecordTable:
         for ent in ents:
             del self.entries[ent.id]
         return owners
+
+    def _unindex(self, cid: int) -> None:
+        """``cid`` leaves the index (and ``lone``); the points left under its key are judged again."""
+        same = self.index.same_key(cid)
+        rest = [o for o in same if o != cid] if same is not None else []
+        self.index.remove(cid)
+        self.lone.pop(cid, None)
+        self._settle_lone(rest)
+
+    def _settle_lone(self, members) -> None:
+        """``lone`` for the points of one index key (all of them), after a point joined or left it."""
+        ckpts = self.ckpts
+        for m in members:
+            info = ckpts.get(m)
+            toks = info.tokens if info is not None else ()
+            if toks and not any(o != m and (oi := ckpts.get(o)) is not None and oi.tokens == toks for o in members):
+                self.lone[m] = len(toks)
+            else:
+                self.lone.pop(m, None)
 
     def prefixes_of(self, cid: int) -> list[tuple[int, int]]:
         """(frontier, cid) of the live cache points that are exact prefixes of ``cid`` (itself
@@ -273,6 +297,8 @@ class RecordTable:
         the index does not key, or a live indexed point with its very tokens (an identical
         alias). False: every exact prefix point is shallower (its least loss is at least one
         token) — read off the index's key of the point, no prefix list brought up to date."""
+        if live is self.ckpts:
+            return self.lone.get(cid) != frontier          # kept as points come and go (``lone``)
         info = self.ckpts.get(cid)
         if info is None or frontier == 0 or len(info.tokens) != frontier:
             return True

@@ -8,6 +8,7 @@ ties in demand — every choice of every plan must be the exhaustive minimum."""
 
 from __future__ import annotations
 
+import msgspec
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -153,10 +154,13 @@ def _quote(points, page_flags, host_pages, main_free):
 def test_the_lazy_choice_is_the_exhaustive_minimum(points, page_flags, host_pages, main_free, need_state,
                                                    need_main, demote, protect):
     """``protect``: points this plan may not touch (a request's sources): a group of holders
-    with one of them among its members is not an option."""
+    with one of them among its members is not an option. Each quote is planned twice: whole, and
+    scoped (``Facts.partial``, as a live quote with a Host window: the points the records know
+    are live, and the loss floors are read off ``RecordTable.lone``)."""
     facts, table = _quote(points, page_flags, host_pages, main_free)
-    pl = Checked(facts, table, set(protect), lambda o: False, demote=demote)
-    pl.plan({P.STATE: need_state, P.MAIN: need_main})
+    for quote in (facts, msgspec.structs.replace(facts, partial=True)):
+        pl = Checked(quote, table, set(protect), lambda o: False, demote=demote)
+        pl.plan({P.STATE: need_state, P.MAIN: need_main})
 
 
 def test_the_property_reaches_choices_of_every_kind():

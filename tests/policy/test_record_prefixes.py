@@ -1,6 +1,7 @@
 """``RecordTable.prefixes_of``: the live cache points that are exact prefixes of a point, deepest
 first — kept across new points and brought up to date over the last ``RECENT_ADDS`` adds only;
-``may_lose_nothing``: whether the deepest of them is as deep as the point (an identical alias);
+``may_lose_nothing``: whether the deepest of them is as deep as the point (an identical alias;
+on the whole table read off ``lone``, kept as points come and go);
 ``is_prefix``: one point's membership in that list.
 Model-free: fabricated points, any order of adds, deletes and queries, against a brute force."""
 
@@ -27,6 +28,7 @@ ops = st.lists(st.one_of(
     st.tuples(st.just("add"), st.integers(0, len(HISTORIES) - 1), st.integers(1, 8)),
     st.tuples(st.just("snap"), st.integers(0, len(HISTORIES) - 1), st.integers(1, 8)),
     st.tuples(st.just("drop"), st.integers(0, 200), st.just(0)),
+    st.tuples(st.just("forget"), st.integers(0, 200), st.just(0)),
     st.tuples(st.just("ask"), st.integers(0, 200), st.just(0)),
     st.tuples(st.just("burst"), st.integers(0, len(HISTORIES) - 1), st.integers(RECENT_ADDS - 2, RECENT_ADDS + 2)),
 ), max_size=60)
@@ -51,6 +53,9 @@ def test_prefixes_stay_exact_across_adds_and_deletes(steps):
                 continue
             if op == "drop":
                 table.drop_owner(cid, owner)
+            elif op == "forget":
+                table.forget_ckpt(cid)
+                assert table.lone == _brute_lone(table)
             else:
                 assert table.prefixes_of(cid) == _brute(table, cid)
                 _check_may_lose_nothing(table, cid)
@@ -59,6 +64,14 @@ def test_prefixes_stay_exact_across_adds_and_deletes(steps):
         assert table.prefixes_of(cid) == _brute(table, cid)
         _check_may_lose_nothing(table, cid)
         _check_is_prefix(table, cid)
+    assert table.lone == _brute_lone(table)
+
+
+def _brute_lone(table: RecordTable) -> dict[int, int]:
+    """The cache points no other live cache point has the very tokens of, with their token counts."""
+    cache = {cid: o.tokens for cid, o in table.ckpts.items() if o.ref.kind is P.CkptKind.CACHE}
+    return {cid: len(toks) for cid, toks in cache.items()
+            if toks and not any(other != cid and t == toks for other, t in cache.items())}
 
 
 def _check_may_lose_nothing(table: RecordTable, cid: int) -> None:
@@ -72,6 +85,8 @@ def _check_may_lose_nothing(table: RecordTable, cid: int) -> None:
     for live in (table.ckpts, {c for c in table.ckpts if c % 2}):
         alias = table.deepest_prefix(cid, live) == info.frontier
         assert table.may_lose_nothing(cid, info.frontier, live) == alias, (cid, sorted(live))
+        # asked at another position than the point's own, nothing is known: it may lose nothing
+        assert table.may_lose_nothing(cid, info.frontier + 1, live) and table.may_lose_nothing(cid, 0, live)
 
 
 def _check_is_prefix(table: RecordTable, cid: int) -> None:
