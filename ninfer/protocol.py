@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import array
 import hashlib
+import struct
 import sys
 from enum import IntEnum
 
@@ -241,13 +242,18 @@ def unit_pages(frontier: int, n_tokens: int, held: int, tail_appendable: bool) -
 
 # ---- token ids as compact int32 bytes ------------------------------------------------------
 
-TOKEN_BYTES = array.array("i").itemsize      # one packed token id (a piece of a packing is the packing of the piece)
+TOKEN_BYTES = struct.calcsize("<i")      # one packed token id (a piece of a packing is the packing of the piece)
 
-def pack_tokens(tokens: list[int]) -> bytes:
-    a = array.array("i", tokens)
-    if sys.byteorder != "little":
-        a.byteswap()
-    return a.tobytes()
+def pack_tokens(tokens: list[int] | tuple[int, ...]) -> bytes:
+    """Token ids as little-endian int32 (``struct`` converts a tuple or list ~2x faster than
+    ``array``; anything it refuses goes through ``array``, which raises as it always did)."""
+    try:
+        return struct.pack(f"<{len(tokens)}i", *tokens)
+    except struct.error:
+        a = array.array("i", tokens)
+        if sys.byteorder != "little":
+            a.byteswap()
+        return a.tobytes()
 
 
 def unpack_tokens(data: bytes) -> list[int]:

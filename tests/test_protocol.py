@@ -3,6 +3,7 @@ bytes travel over the in-process channel and over Ray."""
 
 from __future__ import annotations
 
+import array
 import inspect
 import re
 import typing
@@ -69,11 +70,20 @@ def test_channel_decoders(plan, reply, ev):
     assert P.decode_event(P.encode(ev)) == ev
 
 
-@given(st.lists(st.integers(0, 2**31 - 1)))
+@given(st.lists(st.integers(-2**31, 2**31 - 1)))
 def test_tokens_pack_as_int32(tokens):
     data = P.pack_tokens(tokens)
     assert len(data) == 4 * len(tokens)
     assert P.unpack_tokens(data) == tokens
+    assert P.pack_tokens(tuple(tokens)) == data == array.array("i", tokens).tobytes()   # little-endian hosts
+
+
+def test_a_token_beyond_int32_is_refused_as_before():
+    """Out of int32, or not an integer: the errors ``array`` raised (callers name the request)."""
+    with pytest.raises(OverflowError):
+        P.pack_tokens([1, 2**31])
+    with pytest.raises(TypeError):
+        P.pack_tokens([1, 2.5])
 
 
 def test_event_union_keeps_old_encodings():

@@ -14,6 +14,8 @@ import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from sortedcontainers import SortedList
+
 from ninfer.protocol import TOKEN_BYTES, pack_tokens
 
 
@@ -54,6 +56,7 @@ class PrefixIndex:
         self._by_key: dict[tuple[int, bytes], set[int]] = {}
         self._key_of: dict[int, tuple[int, bytes]] = {}
         self._frontiers: dict[int, int] = {}     # frontier -> number of entries using it
+        self._sorted = SortedList()              # those frontiers in order (a lookup takes a range)
         self.observer = None
 
     def __len__(self) -> int:
@@ -66,7 +69,10 @@ class PrefixIndex:
         first = key not in self._by_key
         self._by_key.setdefault(key, set()).add(cid)
         self._key_of[cid] = key
-        self._frontiers[key[0]] = self._frontiers.get(key[0], 0) + 1
+        n = self._frontiers.get(key[0], 0)
+        if not n:
+            self._sorted.add(key[0])
+        self._frontiers[key[0]] = n + 1
         if first and self.observer is not None:
             self.observer(True, key, tokens)
 
@@ -85,6 +91,19 @@ class PrefixIndex:
             self._frontiers[key[0]] = n
         else:
             del self._frontiers[key[0]]
+            self._sorted.remove(key[0])
+
+    def check(self) -> str:
+        """Why the index's own structures disagree ("" when they agree): the ordered frontiers
+        are exactly those some entry uses, each counted by its entries."""
+        used: dict[int, int] = {}
+        for f, _ in self._key_of.values():
+            used[f] = used.get(f, 0) + 1
+        if used != self._frontiers:
+            return f"frontier counts {sorted(self._frontiers.items())[:5]}..., the entries give {sorted(used.items())[:5]}..."
+        if list(self._sorted) != sorted(used):
+            return f"ordered frontiers {list(self._sorted)[:8]}..., in use {sorted(used)[:8]}..."
+        return ""
 
     def same_key(self, cid: int) -> set[int] | None:
         """The checkpoints keyed as ``cid`` is (same frontier and digest; itself included), or
@@ -99,9 +118,10 @@ class PrefixIndex:
             return set()
         return set(self._by_key.get((frontier, digest(tokens[:frontier])), ()))
 
-    def lookup(self, tokens: list[int], limit: int) -> list[int]:
-        """Candidate checkpoint ids whose (frontier, digest) matches a prefix of ``tokens``."""
-        fs = [f for f in self._frontiers if f <= limit]
+    def lookup(self, tokens: list[int], limit: int, above: int = -1) -> list[int]:
+        """Candidate checkpoint ids whose (frontier, digest) matches a prefix of ``tokens``, at
+        frontiers over ``above`` and up to ``limit``."""
+        fs = list(self._sorted.irange(above + 1, limit))    # frontiers are whole token counts
         if not fs:
             return []
         out: list[int] = []

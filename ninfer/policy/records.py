@@ -270,9 +270,36 @@ class RecordTable:
                 new = self._prefixes_among(cid, toks, itertools.islice(self._recent, len(self._recent) - since, None))
                 out = sorted(got[1] + new, reverse=True) if new else got[1]
             else:
-                out = self._prefixes_among(cid, toks, self.index.lookup(list(toks), len(toks)))
-                out.sort(reverse=True)
+                out = self._derived_list(cid, toks)
+                if out is None:
+                    out = self._prefixes_among(cid, toks, self.index.lookup(list(toks), len(toks)))
+                    out.sort(reverse=True)
         self._prefixes[cid] = (self._adds, out)
+        return out
+
+    def _derived_list(self, cid: int, toks: tuple[int, ...]) -> list[tuple[int, int]] | None:
+        """The prefix list of a point that has none kept, from the deepest recent point below it
+        whose list is kept (None: no such point): that point, its own list, and the points
+        between the two that the index keys — a lookup over the frontiers above it only (a new
+        chunk's point sits on a request's earlier one; a lookup over the whole prompt copies the
+        running hash at every indexed frontier below it, hundreds on a long prompt)."""
+        ckpts, horizon, best = self.ckpts, self._adds - len(self._recent), None
+        for o in self._recent:
+            oi = ckpts.get(o)
+            if o == cid or oi is None or (best is not None and oi.frontier <= best[0]):
+                continue
+            f = oi.frontier
+            if f <= len(toks) and (f == 0 or (oi.tokens and oi.tokens[-1] == toks[f - 1])) and oi.tokens == toks[:f]:
+                kept = self._prefixes.get(o)
+                if kept is not None and kept[0] >= horizon:         # brought up to date over the recent adds
+                    best = (f, o)
+        if best is None:
+            return None
+        f, below = best
+        out = [(pf, o) for pf, o in self._prefix_list(below) if o != cid]
+        out.append(best)
+        out += self._prefixes_among(cid, toks, self.index.lookup(list(toks), len(toks), above=f))
+        out.sort(reverse=True)
         return out
 
     def _prefixes_among(self, cid: int, toks: tuple[int, ...], found) -> list[tuple[int, int]]:

@@ -65,6 +65,22 @@ def test_prefixes_stay_exact_across_adds_and_deletes(steps):
         _check_may_lose_nothing(table, cid)
         _check_is_prefix(table, cid)
     assert table.lone == _brute_lone(table)
+    assert table.index.check() == ""
+
+
+def test_a_list_is_derived_only_from_an_exact_prefix():
+    """A new point's list is taken from a recent point below it whose list is kept — one whose
+    tokens are its prefix, not one that merely ends on the same token: (5, 5, 5, 5, 5) ends as
+    (1, 2, 3, 4, 5) does and is no prefix of (1, 2, 3, 4, 5, 6)."""
+    table, owner = RecordTable(), P.EntryOwner(1)
+    table.add_ckpt(P.CkptRef(1, 1, 5, P.CkptKind.CACHE, True, False), HISTORIES[3], owner)
+    assert table.prefixes_of(1) == []                 # its list is kept now
+    table.add_ckpt(P.CkptRef(2, 1, 6, P.CkptKind.CACHE, True, False), HISTORIES[0][:6], owner)
+    assert table.prefixes_of(2) == _brute(table, 2) == []
+    table.add_ckpt(P.CkptRef(3, 1, 3, P.CkptKind.CACHE, True, False), HISTORIES[0][:3], owner)
+    table.prefixes_of(3)
+    table.add_ckpt(P.CkptRef(4, 1, 8, P.CkptKind.CACHE, True, False), HISTORIES[0], owner)
+    assert table.prefixes_of(4) == _brute(table, 4) == [(6, 2), (3, 3)]
 
 
 def _brute_lone(table: RecordTable) -> dict[int, int]:
