@@ -83,6 +83,33 @@ def test_a_list_is_derived_only_from_an_exact_prefix():
     assert table.prefixes_of(4) == _brute(table, 4) == [(6, 2), (3, 3)]
 
 
+def test_lists_and_lone_points_step_by_step():
+    """Fixed steps through what the property above samples: a list derived from a kept one below
+    (that point, the points just above it, never the new point itself), identical aliases
+    joining and leaving a key (``lone``), a forget, and the index's frontiers after it."""
+    table, owner, hist = RecordTable(), P.EntryOwner(1), HISTORIES[0]
+
+    def add(cid: int, n: int) -> None:
+        table.add_ckpt(P.CkptRef(cid, 1, n, P.CkptKind.CACHE, True, False), hist[:n], owner)
+    add(1, 3)
+    assert table.prefixes_of(1) == []                      # its list is kept now
+    add(2, 4)                                              # never asked: no list kept
+    add(3, 6)
+    assert table.prefixes_of(3) == [(4, 2), (3, 1)]        # from 1's: 1 itself, and 2 just above it
+    assert table.lone == {1: 3, 2: 4, 3: 6}
+    add(4, 6)                                              # 3's identical alias
+    assert table.prefixes_of(4) == [(6, 3), (4, 2), (3, 1)]    # from 3's, which now lists 4 itself
+    assert table.lone == {1: 3, 2: 4}
+    assert not table.may_lose_nothing(1, 3, table.ckpts) and table.may_lose_nothing(3, 6, table.ckpts)
+    assert table.may_lose_nothing(1, 4, table.ckpts)       # asked at another position than its own
+    table.drop_owner(4, owner)
+    assert table.lone == {1: 3, 2: 4, 3: 6}                # its alias gone: 3 is alone again
+    table.forget_ckpt(2)
+    assert table.lone == {1: 3, 3: 6} and table.index.check() == ""
+    for cid in table.ckpts:
+        assert table.prefixes_of(cid) == _brute(table, cid)
+
+
 def _brute_lone(table: RecordTable) -> dict[int, int]:
     """The cache points no other live cache point has the very tokens of, with their token counts."""
     cache = {cid: o.tokens for cid, o in table.ckpts.items() if o.ref.kind is P.CkptKind.CACHE}
