@@ -28,6 +28,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import NamedTuple
 
 from ninfer import protocol as P
 from ninfer.placement import fits_first_fit, merge_extents, merge_into, place_first_fit
@@ -414,6 +415,14 @@ def stale_survey(survey: dict, table: RecordTable) -> list[int]:
             if (not revocable and cls != _classify(owners, table, _never)) or hot != _demand_time(owners, table)]
 
 
+class _GroupFloor(NamedTuple):
+    """Bounds below the groups' ranks (``Planner._order``): below every group's, below every group
+    with a member whose loss floor is not 0, and the candidates whose floor is 0."""
+    any: tuple
+    lossy: tuple
+    lossless: set[int]
+
+
 class _Order:
     """One planner's options for one pool but the groups, in the order of their rank's lower
     bound, read lazily (``Planner._order`` sorts the candidates into its runs). Each option is
@@ -425,7 +434,8 @@ class _Order:
 
     __slots__ = ("read", "floor", "_heads", "_cands", "_most", "_rank", "_seq")
 
-    def __init__(self, runs: dict[tuple, list[int]], cands: dict[int, Candidate], most: int, rank, floor):
+    def __init__(self, runs: dict[tuple, list[int]], cands: dict[int, Candidate], most: int, rank,
+                 floor: _GroupFloor | None):
         self.read: list[tuple] = []
         self._heads: list[tuple] = []
         self._cands, self._most, self._rank, self.floor, self._seq = cands, most, rank, floor, 0
@@ -1109,9 +1119,9 @@ class Planner:
             least = heapq.nsmallest(2, (key[3] for key, cids in deletions for _ in cids[:2]))
             cls, hot = min(key[1] for key, _ in deletions), min(key[2] for key, _ in deletions)
             most2 = self._most(pool, 2)
-            floor = (self._rank(cls, hot, least[0] + least[1], most2, ("delete", ())),
-                     self._rank(cls, hot, 1, most2, ("delete", ())),
-                     {cid for key, cids in deletions if not key[3] for cid in cids})
+            floor = _GroupFloor(self._rank(cls, hot, least[0] + least[1], most2, ("delete", ())),
+                                self._rank(cls, hot, 1, most2, ("delete", ())),
+                                {cid for key, cids in deletions if not key[3] for cid in cids})
         got = self._orders[pool] = _Order(runs, self.cands, most, self._rank, floor)
         return got
 
@@ -1195,12 +1205,12 @@ class Planner:
         order = self._order(pool)
         scan(order.at)
         floor = order.floor
-        if floor is not None and (best_rank is None or floor[0] < best_rank):
+        if floor is not None and (best_rank is None or floor.any < best_rank):
             memo = self._group_bounds.setdefault(pool, {})
             groups = []
             # a group with a member whose loss floor is not 0 is not below the best when a loss
             # of 1 is not: only the groups of the others are listed then
-            members = self.cands.keys() if best_rank is None or floor[1] < best_rank else floor[2]
+            members = self.cands.keys() if best_rank is None or floor.lossy < best_rank else floor.lossless
             for g in self._groups():
                 if not members >= g:
                     continue                    # not open (``_open``) or not below the best
