@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import heapq
 from bisect import bisect_left, insort
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ninfer.errors import IntegrityError
@@ -153,8 +154,12 @@ class HostArena:
     per allocation or release cost ~0.1 ms each on the trace slice.
     """
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, on_grow: Callable[[int], None] | None = None):
         self.capacity = capacity
+        # the end of the highest extent ever handed out, told to ``on_grow`` as it rises (the
+        # Host backing's pages above it have never been written: native/memory.py prefaults them)
+        self.high = 0
+        self._on_grow = on_grow
         self._used: dict[int, Extent] = {}                    # offset -> the handle given out
         self._free: dict[int, int] = {0: capacity} if capacity > 0 else {}    # offset -> size
         self._free_end: dict[int, int] = {capacity: 0} if capacity > 0 else {}  # end -> offset
@@ -229,6 +234,10 @@ class HostArena:
                     free[off + need] = size - need
                     self._free_end[off + size] = off + need
                     self._starts[i] = off + need
+                if off + need > self.high:
+                    self.high = off + need
+                    if self._on_grow is not None:
+                        self._on_grow(self.high)
                 return used
         return None
 

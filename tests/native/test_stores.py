@@ -597,3 +597,24 @@ def test_the_host_arena_is_pinned_at_its_exact_size(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: pinned.append(self.numel()) or self)
     assert memory.host_backing(size, pin=True).numel() == size and pinned == [size]
     assert memory.host_backing(size, pin=False).numel() == size
+
+
+@PLAIN
+@given(data=st.data(), capacity=capacities, sizes=st.lists(st.integers(1, 3 * ALIGN), min_size=1, max_size=16))
+def test_the_high_water_mark_is_told_as_it_rises(data, capacity, sizes):
+    """``HostArena.high`` is the end of the highest extent ever handed out, and ``on_grow`` hears
+    each rise once, in order — what the Host backing's prefault follows (native/memory.py)."""
+    told: list[int] = []
+    arena = HostArena(capacity, on_grow=told.append)
+    live, highest = [], 0
+    for size in sizes:
+        if live and data.draw(st.booleans()):
+            arena.release(live.pop(data.draw(st.integers(0, len(live) - 1))))
+        ext = arena.allocate(size)
+        if ext is not None:
+            live.append(ext)
+            if ext.offset + ext.size > highest:
+                highest = ext.offset + ext.size
+                assert told[-1] == highest
+        assert arena.high == highest
+    assert told == sorted(set(told)) and (told[-1] if told else 0) == highest
