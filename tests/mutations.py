@@ -2441,6 +2441,15 @@ MUTATIONS = [
     Mut("host prefault: the thread outlives its backing", 'ninfer/native/memory.py',
         '        weakref.finalize(backing, self._wake.set)       # a collected backing ends the thread\n', '',
         ['tests/native/test_prefault.py::test_the_thread_ends_with_its_backing']),
+    Mut("idle bookkeeping: the core folds nothing while idle", 'ninfer/engine/core.py',
+        '        self.rm.fold_marks()\n', '        pass\n',
+        ['tests/engine/test_idle.py::test_idle_folds_the_marks_and_changes_no_window']),
+    Mut("idle bookkeeping: the Host order's marks are not folded", 'ninfer/policy/resources.py',
+        '        self.host_order.refresh()\n', '        pass\n',
+        ['tests/engine/test_idle.py::test_idle_folds_the_marks_and_changes_no_window']),
+    Mut("idle bookkeeping: the control loop waits without it", 'ninfer/actors/control.py',
+        '                    self._idle()\n', '                    pass\n',
+        ['tests/engine/test_idle.py::test_the_control_loop_runs_the_idle_bookkeeping_when_it_has_nothing_to_do']),
 ]
 
 

@@ -123,7 +123,17 @@ class ControlLoop:
             self._publish()
             self._flush()
             if not worked and not self._stop:
+                if not self.wake.is_set():
+                    self._idle()
                 self.wake.wait(0.05 if self.core.tx_busy else 1.0)
+
+    def _idle(self) -> None:
+        """Nothing to do until the next event: the core's idle bookkeeping (``EngineCore.idle``)."""
+        try:
+            self.core.idle()
+        except Exception:
+            log.exception("engine idle bookkeeping failed")
+            self._fail_all("internal error in the engine's idle bookkeeping")
 
     def _drain(self) -> None:
         while True:

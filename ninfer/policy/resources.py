@@ -144,6 +144,12 @@ class ResourceManager:
         """The Host candidates a scoped quote carries (see policy/host_order.py)."""
         return self.host_order.window(k)
 
+    def fold_marks(self) -> None:
+        """Fold the marks of what changed into the Host order now (``HostOrder.refresh``), so
+        the next window reads an order already up to date: what the engine does while idle.
+        The same keys as when the window folds them: nothing changes the records in between."""
+        self.host_order.refresh()
+
     # ==== the per-request table =========================================================
     def book(self, req: Request) -> CacheBook:
         b = self.books.get(req.rid)
