@@ -2450,6 +2450,15 @@ MUTATIONS = [
     Mut("idle bookkeeping: the control loop waits without it", 'ninfer/actors/control.py',
         '                    self._idle()\n', '                    pass\n',
         ['tests/engine/test_idle.py::test_the_control_loop_runs_the_idle_bookkeeping_when_it_has_nothing_to_do']),
+    Mut("checkpoint digest: tokens packed as int32, not the int64 bytes hashed before", 'ninfer/native/context/checkpoints.py',
+        'return struct.pack(f"{len(tokens)}q", *tokens)', 'return struct.pack(f"{len(tokens)}i", *tokens)',
+        ['tests/native/test_context.py::test_a_checkpoint_digest_hashes_the_same_bytes_as_before']),
+    Mut("forward batch: a chunk's slots all on the page it starts on", 'ninfer/native/model/forward.py',
+        'first = s.page_table[p // PAGE_SIZE] * PAGE_SIZE + off', 'first = s.page_table[s.start // PAGE_SIZE] * PAGE_SIZE + off',
+        ['tests/native/model/test_batched_forward.py']),
+    Mut("forward batch: a chunk that starts inside a page writes from the page's start", 'ninfer/native/model/forward.py',
+        'first = s.page_table[p // PAGE_SIZE] * PAGE_SIZE + off', 'first = s.page_table[p // PAGE_SIZE] * PAGE_SIZE',
+        ['tests/native/model/test_batched_forward.py']),
 ]
 
 

@@ -94,3 +94,22 @@ def test_each_written_invariant_is_checked(prog, breakage):
         prog.slots.orphan(ck.image)
     with pytest.raises(IntegrityError):
         prog.check_integrity()
+
+
+def test_a_checkpoint_digest_hashes_the_same_bytes_as_before():
+    """``Checkpoints.digest`` packs tokens through ``struct``: the bytes torch's int64 tensor held
+    (so every digest is what it was), a float truncated as torch did, out of range refused as torch
+    refused it."""
+    import random
+
+    import torch
+
+    from ninfer.native.context.checkpoints import _int64_bytes
+    rng = random.Random(3)
+    for n, hi in ((0, 1), (1, 1 << 63), (17, 1 << 63), (300, 152_000), (2049, 152_000)):
+        toks = [rng.randrange(-hi, hi) if hi > 1 << 32 else rng.randrange(hi) for _ in range(n)]
+        want = torch.tensor(toks, dtype=torch.int64).numpy().tobytes()
+        assert _int64_bytes(toks) == want and _int64_bytes(tuple(toks)) == want
+    assert _int64_bytes([1, 2.7, 3]) == torch.tensor([1, 2.7, 3], dtype=torch.int64).numpy().tobytes()
+    with pytest.raises(ValueError, match="Overflow"):
+        _int64_bytes([1 << 63])

@@ -15,6 +15,7 @@ Invariants (``check_integrity``):
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -30,6 +31,17 @@ from ninfer.protocol import CkptKind, Delete, Owner
 
 if TYPE_CHECKING:
     from ninfer.native.speculative import DraftBackend
+
+
+def _int64_bytes(tokens: tuple[int, ...] | list[int]) -> bytes:
+    """The tokens as native int64 bytes — what ``torch.tensor(tokens, dtype=torch.int64)`` holds,
+    through ``struct`` (~4-8x faster for a prompt's tokens: a checkpoint's digest hashes its whole
+    prefix, several points an admission); whatever ``struct`` refuses goes through torch, which
+    raises as it always did."""
+    try:
+        return struct.pack(f"{len(tokens)}q", *tokens)
+    except struct.error:
+        return torch.tensor(list(tokens), dtype=torch.int64).numpy().tobytes()
 
 
 class Checkpoints:
@@ -54,7 +66,7 @@ class Checkpoints:
         h = hashlib.blake2b(digest_size=16)
         h.update(self.exec_identity)
         h.update(media)
-        h.update(torch.tensor(list(tokens), dtype=torch.int64).numpy().tobytes())
+        h.update(_int64_bytes(tokens))
         return h.digest()
 
     def get(self, cid: int, generation: int) -> Checkpoint | None:
