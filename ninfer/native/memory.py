@@ -86,10 +86,10 @@ class Prefault:
     fault, and a Device-to-Host page copy (128 KiB) into fresh memory took ~75 us against ~9 us
     into memory already touched — an admission demoting a dozen pages paid ~1 ms while the arena
     grew. The arena allocates first-fit from offset 0, so its pages are first written in order
-    of its high-water mark (``HostArena.high``): a daemon thread keeps ``margin`` bytes above it
-    faulted in with ``madvise(MADV_POPULATE_WRITE)``, which keeps the contents (a racing copy
-    into the same page is safe) and runs without the GIL. Resident memory is what the arena has
-    used plus the margin, as before plus the margin. A pinned (CUDA) backing is locked, so
+    of its high-water mark (``HostArena.high``): from the first allocation on, a daemon thread
+    keeps ``margin`` bytes above it faulted in with ``madvise(MADV_POPULATE_WRITE)``, which keeps
+    the contents (a racing copy into the same page is safe) and runs without the GIL. Resident
+    memory is what the arena has used plus the margin. A pinned (CUDA) backing is locked, so
     resident, when registered: nothing to do. Where the kernel refuses the advice, the thread
     ends and first writes fault as before."""
 
@@ -101,25 +101,32 @@ class Prefault:
         self._base = backing.data_ptr()
         self._backing = weakref.ref(backing)
         self._done = 0                                  # bytes from the start faulted in
-        self._want = min(self.capacity, margin)
+        self._want = 0
         self._wake = threading.Event()
-        self._wake.set()
         weakref.finalize(backing, self._wake.set)       # a collected backing ends the thread
-        self._thread = threading.Thread(target=self._run, name="ninfer-host-prefault", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None    # started by the arena's first allocation
 
     def grew(self, high: int) -> None:
-        """The arena's high-water mark rose to ``high`` (called on the engine's thread)."""
+        """The arena's high-water mark rose to ``high`` (called on the engine's thread). A Program
+        whose Host arena is never used (most of a test suite's) starts no thread and faults nothing."""
         if high + self.margin // 2 > self._want:
             self._want = min(self.capacity, high + self.margin)
             self._wake.set()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="ninfer-host-prefault", daemon=True)
+                self._thread.start()
 
     def faulted(self) -> int:
         """How many bytes from the backing's start are faulted in (observation and tests)."""
         return self._done
 
     def join(self, timeout: float | None = None) -> None:
-        self._thread.join(timeout)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def running(self) -> bool:
+        """Whether its thread is alive (not yet started, or ended: False)."""
+        return self._thread is not None and self._thread.is_alive()
 
     def _run(self) -> None:
         madvise = ctypes.CDLL(None, use_errno=True).madvise

@@ -60,14 +60,18 @@ needs_populate = pytest.mark.skipif(not _supported(), reason="the kernel has no 
 def test_pages_are_faulted_in_a_margin_ahead_of_the_high_water_mark():
     buf, t = _fresh(32 * MIB)
     p = Prefault(t, margin=8 * MIB)
-    _caught_up(p, 8 * MIB)
     time.sleep(0.05)
-    assert p.faulted() == 8 * MIB                                   # the margin from the start, no further
+    assert p.faulted() == 0 and not p.running()                     # nothing before the first allocation
+    assert not any(_resident(t, 0, 32 * MIB))
+    p.grew(64 << 10)
+    _caught_up(p, 8 * MIB + (64 << 10))
+    time.sleep(0.05)
+    assert p.faulted() == 8 * MIB + (64 << 10)                      # a margin above the mark, no further
     assert all(_resident(t, 0, 8 * MIB))
     assert not any(_resident(t, 16 * MIB, 32 * MIB))
     p.grew(3 * MIB)                                                 # still half a margin ahead: nothing to do
     time.sleep(0.05)
-    assert p.faulted() == 8 * MIB
+    assert p.faulted() == 8 * MIB + (64 << 10)
     p.grew(12 * MIB)
     _caught_up(p, 20 * MIB)
     assert all(_resident(t, 0, 20 * MIB))
@@ -76,13 +80,14 @@ def test_pages_are_faulted_in_a_margin_ahead_of_the_high_water_mark():
     _caught_up(p, 32 * MIB)
     assert p.faulted() == 32 * MIB and all(_resident(t, 0, 32 * MIB))
     p.join(5)
-    assert not p._thread.is_alive()                                 # everything faulted in: done
+    assert not p.running()                                          # everything faulted in: done
 
 
 @needs_populate
 def test_a_prefault_keeps_what_the_pages_hold():
     buf, t = _fresh(16 * MIB)
     p = Prefault(t, margin=2 * MIB)
+    p.grew(1)
     _caught_up(p, 2 * MIB)
     t[5 * MIB: 5 * MIB + 4096] = 7                                  # written ahead of the prefault
     t[100] = 9                                                      # and below it
@@ -96,12 +101,13 @@ def test_a_prefault_keeps_what_the_pages_hold():
 def test_the_thread_ends_with_its_backing():
     buf, t = _fresh(16 * MIB)
     p = Prefault(t, margin=MIB)
+    p.grew(1)
     _caught_up(p, MIB)
-    thread = p._thread
+    assert p.running()
     del t
     gc.collect()
-    thread.join(5)
-    assert not thread.is_alive()
+    p.join(5)
+    assert not p.running()
 
 
 @needs_populate
@@ -110,7 +116,6 @@ def test_a_cpu_program_prefaults_as_its_arena_grows(tiny_model):
     from tests.native.program_driver import make_program
     prog = make_program(tiny_model, context_cache={"host_capacity_bytes": 256 * MIB})
     pre = prog.mem.prefault
-    assert pre is not None
-    _caught_up(pre, pre.margin)
+    assert pre is not None and pre.faulted() == 0 and not pre.running()
     assert prog.host.allocate(100 * MIB) is not None
     _caught_up(pre, 100 * MIB + pre.margin)
