@@ -2459,6 +2459,9 @@ MUTATIONS = [
     Mut("forward batch: a chunk that starts inside a page writes from the page's start", 'ninfer/native/model/forward.py',
         'first = s.page_table[p // PAGE_SIZE] * PAGE_SIZE + off', 'first = s.page_table[p // PAGE_SIZE] * PAGE_SIZE',
         ['tests/native/model/test_batched_forward.py']),
+    Mut("host prefault: a small arena's margin not scaled down", 'ninfer/native/memory.py',
+        'margin=min(PREFAULT_MARGIN, max(host_bytes // 8, mmap.PAGESIZE))', 'margin=PREFAULT_MARGIN',
+        ['tests/native/test_prefault.py::test_a_cpu_program_prefaults_as_its_arena_grows']),
 ]
 
 

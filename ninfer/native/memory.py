@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import mmap
 import threading
 import weakref
 from collections.abc import Callable
@@ -76,6 +77,7 @@ def _pin_exact(t: torch.Tensor) -> torch.Tensor:
 
 
 MADV_POPULATE_WRITE = 23      # Linux >= 5.14: fault pages in writable, contents kept
+PREFAULT_MARGIN = 64 << 20    # the most the CPU Host backing is faulted in ahead of its arena's high-water mark
 
 
 class Prefault:
@@ -95,7 +97,7 @@ class Prefault:
 
     CHUNK = 2 << 20
 
-    def __init__(self, backing: torch.Tensor, margin: int = 64 << 20):
+    def __init__(self, backing: torch.Tensor, margin: int = PREFAULT_MARGIN):
         self.margin = margin
         self.capacity = backing.numel()
         self._base = backing.data_ptr()
@@ -140,7 +142,7 @@ class Prefault:
                     return
                 start = self._base + self._done
                 end = self._base + min(self._want, self._done + self.CHUNK)
-                lo = start & ~4095                      # the advice wants a page-aligned start
+                lo = start - start % mmap.PAGESIZE      # the advice wants a page-aligned start
                 if madvise(lo, end - lo, MADV_POPULATE_WRITE) != 0:
                     log.debug("no Host prefault: madvise refused (errno %d)", ctypes.get_errno())
                     return
@@ -161,7 +163,9 @@ class Memory:
         self.cache: ModelCache = model.new_cache(pages + scratch, slots + scratch)
         self.hidden = torch.zeros(slots + scratch, model.cfg.hidden_size, dtype=model.dtype, device=self.device)
         self.host = host_backing(host_bytes, pin=self.device.type == "cuda")
-        self.prefault = Prefault(self.host) if host_bytes and self.device.type != "cuda" else None
+        # a margin of an eighth of the arena, at most 64 MiB: a small arena (a test's) faults little
+        self.prefault = (Prefault(self.host, margin=min(PREFAULT_MARGIN, max(host_bytes // 8, mmap.PAGESIZE)))
+                         if host_bytes and self.device.type != "cuda" else None)
         c = self.cache
         self._conv_bytes = _bytes(c.conv[:, 0])
         self._ssm_bytes = _bytes(c.ssm[:, 0])

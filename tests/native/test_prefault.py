@@ -117,5 +117,6 @@ def test_a_cpu_program_prefaults_as_its_arena_grows(tiny_model):
     prog = make_program(tiny_model, context_cache={"host_capacity_bytes": 256 * MIB})
     pre = prog.mem.prefault
     assert pre is not None and pre.faulted() == 0 and not pre.running()
+    assert pre.margin == 32 * MIB                                   # an eighth of the arena (at most 64 MiB)
     assert prog.host.allocate(100 * MIB) is not None
     _caught_up(pre, 100 * MIB + pre.margin)
