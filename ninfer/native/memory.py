@@ -174,11 +174,6 @@ class Memory:
         self._page_half = _bytes(c.k[:, 0])
         self.page_bytes = 2 * _a16(self._page_half)
 
-    def host_grew(self, high: int) -> None:
-        """The Host arena's high-water mark rose (``HostArena(on_grow=...)``)."""
-        if self.prefault is not None:
-            self.prefault.grew(high)
-
     # -- host views -----------------------------------------------------------------------
     def _view(self, offset: int, like: torch.Tensor) -> torch.Tensor:
         return self.host[offset: offset + _bytes(like)].view(like.dtype).view(like.shape)

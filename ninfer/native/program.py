@@ -88,7 +88,8 @@ class Program:
             backend = None
         self.mem = Memory(model, layout.main_pages, layout.state_slots, layout.host_capacity_bytes,
                           scratch=backend is not None)
-        self.host = HostArena(layout.host_capacity_bytes, on_grow=self.mem.host_grew)
+        self.host = HostArena(layout.host_capacity_bytes,
+                              on_grow=self.mem.prefault.grew if self.mem.prefault is not None else None)
         self.transfers = TransferEngine(self.device, copy_engine, faults)
         self.exec_identity = hashlib.blake2b(
             (repr(model.cfg) + str(model.dtype) + model.path.name).encode(), digest_size=16).digest()
