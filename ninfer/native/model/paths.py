@@ -333,7 +333,7 @@ class CpuPath(BatchedPath):
     gated_rms_norm = staticmethod(cpu_ops.gated_rms_norm)
 
     def _gdn_ops(self):
-        return cpu_ops.GdnOps
+        return cpu_ops.gdn_ops()
 
     def _decode_rows(self, mixed, g, beta, conv_w, conv_states, ssm_states, slots, split, ops, run=None):
         """``BatchedPath._decode_rows`` in fewer calls: the conv step's new state written from a

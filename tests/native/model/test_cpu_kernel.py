@@ -1,0 +1,148 @@
+"""The compiled GDN chunk rule (``cpu_kernel``): the reference's results to fp32 rounding, the
+states at inner cuts, a prompt cut anywhere giving the same bits, and the chunked form kept where
+the kernel cannot be built or is switched off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ninfer.native.model import cpu_kernel, cpu_ops, gdn, paths
+
+pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason=f"no CPU kernel: {cpu_kernel.why()}")
+
+
+def _inputs(t: int, hk: int = 2, hv: int = 4, dk: int = 64, dv: int = 64, seed: int = 0, decay: float = 0.5,
+            dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(t, hk, dk, generator=gen), torch.randn(t, hk, dk, generator=gen)
+    v = torch.randn(t, hv, dv, generator=gen)
+    g = -torch.rand(t, hv, generator=gen) * decay
+    beta = torch.rand(t, hv, generator=gen)
+    s0 = torch.randn(hv, dk, dv, generator=gen) * 0.1
+    return [x.to(dtype) for x in (q, k, v, g, beta, s0)]
+
+
+def _reference(q, k, v, g, beta, s0):
+    """The float64 chunked form (the oracle's)."""
+    return gdn.chunk_gated_delta_rule(*(x.double() for x in (q, k, v, g, beta, s0)))
+
+
+@pytest.mark.parametrize("t", [1, 2, 15, 16, 17, 64, 300])
+@pytest.mark.parametrize("heads", [(2, 4), (4, 4), (1, 2)])
+@pytest.mark.parametrize("dv", [64, 128, 48])       # the two specialised widths and the general one
+def test_the_kernel_matches_the_float64_reference(t, heads, dv):
+    q, k, v, g, beta, s0 = _inputs(t, *heads, dv=dv, seed=t)
+    o, s = cpu_kernel.delta_rule(q, k, v, g, beta, s0)
+    ro, rs = _reference(q, k, v, g, beta, s0)
+    assert o.dtype == torch.float32 and s.dtype == torch.float32
+    assert o.shape == ro.shape and s.shape == rs.shape
+    torch.testing.assert_close(o.double(), ro, rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(s.double(), rs, rtol=1e-5, atol=2e-6)
+    # no worse than the chunked form it replaces
+    co, cs = cpu_ops.chunk_delta_rule(q, k, v, g, beta, s0)
+    assert (o.double() - ro).abs().max() <= 4 * (co.double() - ro).abs().max() + 1e-7
+
+
+def test_strong_decay_and_a_long_chunk():
+    q, k, v, g, beta, s0 = _inputs(700, decay=8.0, seed=3)
+    o, s = cpu_kernel.delta_rule(q, k, v, g, beta, s0)
+    ro, rs = _reference(q, k, v, g, beta, s0)
+    torch.testing.assert_close(o.double(), ro, rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(s.double(), rs, rtol=1e-5, atol=2e-6)
+
+
+def test_the_states_at_cuts_are_the_states_of_the_prefixes():
+    q, k, v, g, beta, s0 = _inputs(97, seed=5)
+    cuts = [1, 31, 32, 33, 96, 97]
+    o, s, kept = cpu_kernel.delta_rule_cuts(q, k, v, g, beta, s0, cuts)
+    assert len(kept) == len(cuts)
+    for r, state in zip(cuts, kept):
+        _, rs = _reference(q[:r], k[:r], v[:r], g[:r], beta[:r], s0)
+        torch.testing.assert_close(state.double(), rs, rtol=1e-5, atol=2e-6)
+    assert torch.equal(kept[-1], s)             # a cut at the end is the final state
+    o2, s2, none = cpu_kernel.delta_rule_cuts(q, k, v, g, beta, s0, ())
+    assert none == [] and torch.equal(o, o2) and torch.equal(s, s2)    # cuts change no output
+
+
+@settings(max_examples=25, deadline=None)
+@given(t=st.integers(2, 120), data=st.data())
+def test_a_chunk_cut_anywhere_gives_the_same_bits(t, data):
+    """A token's arithmetic depends only on the state before it: the same tokens in one call or
+    in two, the second from the first's final state, give equal outputs and states bit for bit —
+    and the state kept at a cut is the state the shorter call returns."""
+    r = data.draw(st.integers(1, t - 1))
+    q, k, v, g, beta, s0 = _inputs(t, seed=t)
+    whole, s, (at_r,) = cpu_kernel.delta_rule_cuts(q, k, v, g, beta, s0, [r])
+    first, s_r = cpu_kernel.delta_rule(q[:r], k[:r], v[:r], g[:r], beta[:r], s0)
+    second, s_t = cpu_kernel.delta_rule(q[r:], k[r:], v[r:], g[r:], beta[r:], s_r)
+    assert torch.equal(at_r, s_r)
+    assert torch.equal(whole, torch.cat([first, second]))
+    assert torch.equal(s, s_t)
+
+
+def test_half_precision_inputs_give_outputs_in_their_dtype_and_an_fp32_state():
+    q, k, v, g, beta, s0 = _inputs(40, seed=9, dtype=torch.bfloat16)
+    o, s = cpu_kernel.delta_rule(q, k, v, g, beta, s0)
+    assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
+    ro, rs = _reference(q, k, v, g, beta, s0)
+    torch.testing.assert_close(s.double(), rs, rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(o.double(), ro, rtol=1e-2, atol=1e-2)
+
+
+def test_the_inputs_are_not_changed():
+    args = _inputs(33, seed=2)
+    before = [a.clone() for a in args]
+    cpu_kernel.delta_rule_cuts(*args, [7])
+    assert all(torch.equal(a, b) for a, b in zip(args, before))
+
+
+def test_value_heads_not_a_multiple_of_key_heads_are_refused():
+    q, k, v, g, beta, s0 = _inputs(4, hk=3, hv=4)
+    with pytest.raises(ValueError, match="unsupported shapes"):
+        cpu_kernel.delta_rule(q, k, v, g, beta, s0)
+
+
+def test_the_cpu_path_uses_the_kernel_for_fp32_math_and_the_chunked_form_for_float64():
+    assert paths.CPU._gdn_ops() is cpu_ops.KernelGdnOps
+    for dtype, same_as in ((torch.float32, cpu_kernel.delta_rule_cuts), (torch.float64, cpu_ops.chunk_delta_rule_cuts)):
+        args = _inputs(20, seed=4, dtype=dtype)
+        got = cpu_ops.KernelGdnOps.chunk_delta_rule_cuts(*args, [5])
+        want = same_as(*args, [5])
+        assert all(torch.equal(a, b) for a, b in zip([got[0], got[1], *got[2]], [want[0], want[1], *want[2]]))
+
+
+@pytest.fixture
+def fresh_kernel(monkeypatch):
+    cpu_kernel._reset_for_tests()
+    yield monkeypatch
+    monkeypatch.undo()
+    cpu_kernel._reset_for_tests()
+
+
+def test_switched_off_the_cpu_path_keeps_the_chunked_form(fresh_kernel):
+    fresh_kernel.setenv(cpu_kernel.ENV, "0")
+    assert not cpu_kernel.available()
+    assert cpu_kernel.why() == f"{cpu_kernel.ENV}=0"
+    assert cpu_ops.gdn_ops() is cpu_ops.GdnOps
+
+
+def test_without_a_compiler_the_cpu_path_keeps_the_chunked_form(fresh_kernel, tmp_path):
+    fresh_kernel.setenv("CC", str(tmp_path / "no-such-cc"))
+    fresh_kernel.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))      # nothing built before
+    assert not cpu_kernel.available()
+    assert "no-such-cc" in cpu_kernel.why()
+    assert cpu_ops.gdn_ops() is cpu_ops.GdnOps
+
+
+def test_a_fresh_cache_builds_the_kernel_once(fresh_kernel, tmp_path):
+    fresh_kernel.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cpu_kernel.available()
+    built = list((tmp_path / "ninfer" / "kernels").glob("gdn_rule-*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    cpu_kernel._reset_for_tests()
+    assert cpu_kernel.available()
+    assert built[0].stat().st_mtime_ns == stamp          # loaded, not rebuilt
