@@ -154,6 +154,21 @@ int gdn_rule_f32(int64_t T, int64_t Hk, int64_t Hv, int64_t D, int64_t E,
     }
     return 0;
 }
+
+/* One decode step of N rows, each on its own state in place: row n's q, k: [Hk, D] at n * qs,
+   n * ks; v: [Hv, E] at n * vs; g, beta: [N, Hv]; its state states + slots[n] * Hv * D * E
+   (stepped in place); its output out + n * Hv * E. The same arithmetic as a one-token chunk. */
+int gdn_step_f32(int64_t N, int64_t Hk, int64_t Hv, int64_t D, int64_t E,
+                 const float *q, const float *k, const float *v, int64_t qs, int64_t ks, int64_t vs,
+                 const float *g, const float *beta, float *states, const int64_t *slots, float *out)
+{
+    for (int64_t n = 0; n < N; n++) {
+        int rc = gdn_rule_f32(1, Hk, Hv, D, E, q + n * qs, k + n * ks, v + n * vs, qs, ks, vs, g + n * Hv,
+                              beta + n * Hv, states + slots[n] * Hv * D * E, out + n * Hv * E, 0, 0, 0, 0, Hv);
+        if (rc) return rc;
+    }
+    return 0;
+}
 """
 
 _lock = threading.Lock()
@@ -196,6 +211,9 @@ def _build() -> ctypes.CDLL:
     f = lib.gdn_rule_f32
     i64, fp = ctypes.c_int64, ctypes.c_void_p
     f.argtypes = [i64, i64, i64, i64, i64, fp, fp, fp, i64, i64, i64, fp, fp, fp, fp, i64, fp, fp, i64, i64]
+    f.restype = ctypes.c_int
+    f = lib.gdn_step_f32
+    f.argtypes = [i64, i64, i64, i64, i64, fp, fp, fp, i64, i64, i64, fp, fp, fp, fp, fp]
     f.restype = ctypes.c_int
     return lib
 
@@ -281,3 +299,26 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     the recurrence has no blocks)."""
     o, s, _ = delta_rule_cuts(q, k, v, g, beta, state)
     return o, s
+
+
+def delta_rule_step_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                          states: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """One decode step of N rows (q, k: [N, Hk, Dk]; v: [N, Hv, Dv]; g, beta: [N, Hv]), each row's
+    state stepped in place in its slot of ``states`` [S, Hv, Dk, Dv] (fp32, contiguous; distinct
+    slots): the arithmetic of a one-token chunk through ``delta_rule``. Returns o [N, Hv, Dv] in
+    v's dtype."""
+    lib = load()
+    f32 = torch.float32
+    n, hk, dk = k.shape
+    hv, dv, out_dtype = v.shape[1], v.shape[2], v.dtype
+    if states.dtype != f32 or not states.is_contiguous():
+        raise ValueError("gdn_step_f32: the states must be contiguous fp32")
+    q, k, v = _rows(q), _rows(k), _rows(v)
+    gf, bf = g.to(f32).contiguous(), beta.to(f32).contiguous()
+    at = slots.to(torch.int64).contiguous()
+    out = torch.empty(n, hv, dv, dtype=f32)
+    rc = lib.gdn_step_f32(n, hk, hv, dk, dv, _ptr(q), _ptr(k), _ptr(v), q.stride(0), k.stride(0), v.stride(0),
+                          _ptr(gf), _ptr(bf), _ptr(states), _ptr(at), _ptr(out))
+    if rc:
+        raise ValueError(f"gdn_step_f32: unsupported shapes (Hk {hk}, Hv {hv}, Dv {dv})")
+    return out if out_dtype == f32 else out.to(out_dtype)

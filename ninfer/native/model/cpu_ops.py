@@ -396,11 +396,23 @@ def kernel_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     return o, s
 
 
+def kernel_step_slots(qk: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      states: torch.Tensor, slots: torch.Tensor, run: slice | None = None) -> torch.Tensor:
+    """``delta_rule_step_slots`` by the compiled recurrence where the states are fp32 (each row's
+    state stepped in its slot, as a one-token chunk would), else as before."""
+    if states.dtype == torch.float32 and states.is_contiguous() and v.dtype != torch.float64:
+        hk = qk.shape[1] // 2
+        return cpu_kernel.delta_rule_step_slots(qk[:, :hk], qk[:, hk:], v, g, beta, states, slots)
+    return delta_rule_step_slots(qk, v, g, beta, states, slots, run)
+
+
 class KernelGdnOps(GdnOps):
-    """``GdnOps`` with a chunk's delta rule by the compiled recurrence (``cpu_kernel``)."""
+    """``GdnOps`` with a chunk's delta rule and the decode rows' step by the compiled recurrence
+    (``cpu_kernel``): a decode row's arithmetic is a one-token chunk's."""
 
     chunk_gated_delta_rule = staticmethod(kernel_delta_rule)
     chunk_delta_rule_cuts = staticmethod(kernel_delta_rule_cuts)
+    delta_rule_step_slots = staticmethod(kernel_step_slots)
 
 
 def gdn_ops() -> type[GdnOps]:

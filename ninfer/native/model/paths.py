@@ -342,7 +342,8 @@ class CpuPath(BatchedPath):
         y = cpu_ops.conv_step_slots(mixed, conv_states, slots, conv_w)
         q, _, v = split(y)
         qk = y[:, :2 * q.shape[1] * q.shape[2]].view(y.shape[0], 2 * q.shape[1], q.shape[2])
-        return cpu_ops.delta_rule_step_slots(qk, v, g, beta, ssm_states, slots, run)
+        step = getattr(ops, "delta_rule_step_slots", cpu_ops.delta_rule_step_slots)
+        return step(qk, v, g, beta, ssm_states, slots, run)
 
     def moe(self, x, w, static):
         if static:

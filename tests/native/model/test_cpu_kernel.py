@@ -146,3 +146,82 @@ def test_a_fresh_cache_builds_the_kernel_once(fresh_kernel, tmp_path):
     cpu_kernel._reset_for_tests()
     assert cpu_kernel.available()
     assert built[0].stat().st_mtime_ns == stamp          # loaded, not rebuilt
+
+
+def test_q_k_v_read_in_place_from_the_conv_output_rows():
+    """The CPU path hands the rule views of the conv output [T, C] (a token's q | k | v side by side):
+    read at their row strides, they give what contiguous copies give, bit for bit."""
+    q, k, v, g, beta, s0 = _inputs(50, seed=7)
+    t = q.shape[0]
+
+    def rows_of(x: torch.Tensor, extra: int) -> torch.Tensor:      # x as a view of a wider [T, C]
+        wide = torch.cat([torch.randn(t, extra), x.reshape(t, -1), torch.randn(t, 3)], dim=1)
+        return wide[:, extra:extra + x.shape[1] * x.shape[2]].unflatten(-1, x.shape[1:])
+
+    qv, kv, vv = rows_of(q, 5), rows_of(k, 11), rows_of(v, 2)       # three different row strides
+    assert not qv.is_contiguous() and len({qv.stride(0), kv.stride(0), vv.stride(0)}) == 3
+    got = cpu_kernel.delta_rule_cuts(qv, kv, vv, g, beta, s0, [20])
+    want = cpu_kernel.delta_rule_cuts(q, k, v, g, beta, s0, [20])
+    assert all(torch.equal(x, y) for x, y in zip([got[0], got[1], *got[2]], [want[0], want[1], *want[2]]))
+    # layouts the kernel cannot read in place (a token's heads apart, or a head's dims strided)
+    # are copied first
+    gap = torch.cat([q, torch.randn(t, q.shape[1], 8)], dim=2)[:, :, :q.shape[2]]
+    assert gap.stride(2) == 1 and gap.stride(1) != q.shape[2]
+    strided = q.transpose(1, 2).contiguous().transpose(1, 2)
+    for odd in (gap, strided):
+        assert torch.equal(cpu_kernel.delta_rule(odd, k, v, g, beta, s0)[0], want[0])
+
+
+def test_a_decode_step_steps_each_row_in_its_slot_as_a_one_token_chunk():
+    """N decode rows, each on its slot's state in place: every row's output and new state equal a
+    one-token chunk's from that state, bit for bit; the other slots are untouched; the torch step
+    agrees to rounding."""
+    n, hk, hv, d = 5, 2, 4, 64
+    q, k, v, g, beta, _ = _inputs(n, hk, hv, seed=11)
+    gen = torch.Generator().manual_seed(12)
+    states = torch.randn(9, hv, d, d, generator=gen) * 0.1
+    slots = torch.tensor([7, 0, 3, 8, 2])
+    before = states.clone()
+    o = cpu_kernel.delta_rule_step_slots(q, k, v, g, beta, states, slots)
+    for r, slot in enumerate(slots.tolist()):
+        want_o, want_s = cpu_kernel.delta_rule(q[r:r + 1], k[r:r + 1], v[r:r + 1], g[r:r + 1], beta[r:r + 1],
+                                               before[slot])
+        assert torch.equal(o[r], want_o[0]) and torch.equal(states[slot], want_s)
+    untouched = [s for s in range(9) if s not in slots.tolist()]
+    assert torch.equal(states[untouched], before[untouched])
+    torch_states = before.clone()
+    qk = torch.cat([q, k], dim=1)
+    ref = cpu_ops.delta_rule_step_slots(qk, v, g, beta, torch_states, slots)
+    torch.testing.assert_close(o, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(states, torch_states, rtol=1e-5, atol=1e-6)
+
+
+def test_tokens_decoded_one_by_one_equal_the_same_tokens_in_one_chunk():
+    """The GDN part of a sequence is the same bits whether its tokens came as a prompt chunk or
+    as decode steps (what a Replay resume recomputes as a chunk, the decode had computed row by row)."""
+    t, hv, d = 12, 4, 64
+    q, k, v, g, beta, s0 = _inputs(t, 2, hv, seed=13)
+    whole, final = cpu_kernel.delta_rule(q, k, v, g, beta, s0)
+    states = s0.clone()[None]
+    for i in range(t):
+        o = cpu_kernel.delta_rule_step_slots(q[i:i + 1], k[i:i + 1], v[i:i + 1], g[i:i + 1], beta[i:i + 1], states,
+                                             torch.tensor([0]))
+        assert torch.equal(o[0], whole[i])
+    assert torch.equal(states[0], final)
+
+
+def test_the_cpu_path_steps_decode_rows_through_the_kernel_where_states_are_fp32():
+    n, hk, hv, d = 3, 2, 4, 64
+    q, k, v, g, beta, _ = _inputs(n, hk, hv, seed=14)
+    qk = torch.cat([q, k], dim=1)
+    for dtype, kernel in ((torch.float32, True), (torch.float64, False)):
+        states = (torch.randn(4, hv, d, d, generator=torch.Generator().manual_seed(15)) * 0.1).to(dtype)
+        a, b = states.clone(), states.clone()
+        slots = torch.tensor([2, 0, 3])
+        got = cpu_ops.KernelGdnOps.delta_rule_step_slots(qk.to(dtype), v.to(dtype), g.to(dtype), beta.to(dtype), a,
+                                                        slots)
+        if kernel:
+            want = cpu_kernel.delta_rule_step_slots(q, k, v, g, beta, b, slots)
+        else:
+            want = cpu_ops.delta_rule_step_slots(qk.to(dtype), v.to(dtype), g.to(dtype), beta.to(dtype), b, slots)
+        assert torch.equal(got, want) and torch.equal(a, b)

@@ -86,11 +86,14 @@ def test_the_cpu_forward_runs_the_fused_layers(tiny_model, monkeypatch):
 
 @pytest.mark.parametrize("slots", [[2, 3, 4], [4, 2, 3]], ids=["run", "scattered"])
 def test_the_cpu_decode_rows_step_in_the_cache_view(tiny_model, monkeypatch, slots):
-    """The CPU path hands each GDN layer's delta-rule step its decode rows' run of slots
-    (``ForwardBatch.decode_slot_run``: the states stepped in the cache's own view) and none
-    where the slots are not one run; the states left are the per-sequence path's either way."""
+    """The CPU path's torch step (the chunked form's ops: no compiled kernel) gets each GDN layer's
+    decode rows' run of slots (``ForwardBatch.decode_slot_run``: the states stepped in the cache's
+    own view) and none where the slots are not one run; the states left are the per-sequence
+    path's either way. (The compiled step steps every row in its slot, run or not:
+    ``test_cpu_kernel.py``.)"""
     from ninfer.native.model.forward import SeqInput
     prep = prepared(tiny_model, "float32")
+    monkeypatch.setattr(cpu_ops, "gdn_ops", lambda: cpu_ops.GdnOps)
     seen = []
     real = cpu_ops.delta_rule_step_slots
     monkeypatch.setattr(cpu_ops, "delta_rule_step_slots", lambda *a: seen.append(a[6:]) or real(*a))
@@ -234,3 +237,22 @@ def test_rope_in_place_is_rope_apply(rotary):
     cpu_layers.rope_(x, cos[:, None], sin[:, None])
     assert rel_err(x, want) <= OP_REL["float32"] and torch.equal(x[..., rotary:], want[..., rotary:])
 
+
+
+@pytest.mark.parametrize("slots", [[2, 3, 4], [4, 2, 3]], ids=["run", "scattered"])
+def test_the_cpu_decode_rows_step_through_the_compiled_kernel(tiny_model, monkeypatch, slots):
+    """With the compiled kernel, every GDN layer's decode rows are stepped by it, each in its slot;
+    the states left are the per-sequence path's to rounding."""
+    from ninfer.native.model import cpu_kernel
+    from ninfer.native.model.forward import SeqInput
+    if not cpu_kernel.available():
+        pytest.skip(f"no CPU kernel: {cpu_kernel.why()}")
+    prep = prepared(tiny_model, "float32")
+    seen = []
+    real = cpu_kernel.delta_rule_step_slots
+    monkeypatch.setattr(cpu_kernel, "delta_rule_step_slots", lambda *a: seen.append(a[6].tolist()) or real(*a))
+    rows = [SeqInput(r.token_ids, r.start, r.page_table, slot) for r, slot in zip(prep.step(3, False), slots)]
+    _, cache = prep.run(paths.CPU, rows)
+    assert seen == [slots] * len(prep.model.cfg.linear_layers)
+    _, ref = prep.run(paths.PER_SEQUENCE, rows)
+    assert rel_err(cache.ssm, ref.ssm) < 1e-5 and rel_err(cache.conv, ref.conv) < 1e-5
