@@ -2505,6 +2505,12 @@ MUTATIONS = [
     Mut("cpu kernel: the CPU path's decode rows never offered to the kernel", 'ninfer/native/model/paths.py',
         'step = getattr(ops, "delta_rule_step_slots", cpu_ops.delta_rule_step_slots)', 'step = cpu_ops.delta_rule_step_slots',
         ['tests/native/model/test_cpu_layers.py::test_the_cpu_decode_rows_step_through_the_compiled_kernel']),
+    Mut("cpu kernel: disagreeing shapes handed to the loop", 'ninfer/native/model/cpu_kernel.py',
+        'if q.shape != k.shape or v.shape[0] != t or g.shape != (t, hv) or beta.shape != (t, hv):', 'if False:',
+        ['tests/native/model/test_cpu_kernel.py::test_shapes_the_loop_cannot_index_are_refused_before_it_runs']),
+    Mut("cpu kernel: cuts out of order or out of range handed to the loop", 'ninfer/native/model/cpu_kernel.py',
+        'if any(not 0 < r <= t for r in cuts) or cuts != sorted(cuts):', 'if False:',
+        ['tests/native/model/test_cpu_kernel.py::test_shapes_the_loop_cannot_index_are_refused_before_it_runs']),
 ]
 
 

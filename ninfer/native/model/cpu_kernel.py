@@ -268,6 +268,17 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> None:
+    """The shapes the C loop indexes by, on the CPU: a mismatch is an error here, not a stray read."""
+    t, hk, dk = k.shape
+    hv = v.shape[1]
+    if any(x.device.type != "cpu" for x in (q, k, v, g, beta)):
+        raise ValueError("the CPU kernel takes CPU tensors")
+    if q.shape != k.shape or v.shape[0] != t or g.shape != (t, hv) or beta.shape != (t, hv):
+        raise ValueError(f"the CPU kernel's shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}, g {tuple(g.shape)}, beta {tuple(beta.shape)}")
+
+
 def delta_rule_cuts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     state: torch.Tensor, cuts: tuple[int, ...] | list[int] = (),
                     ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
@@ -276,13 +287,18 @@ def delta_rule_cuts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     ``cuts`` tokens in fp32) by the compiled recurrence; ``load()`` must not be None."""
     lib = load()
     f32 = torch.float32
+    _check(q, k, v, g, beta)
     t, hk, dk = k.shape
     hv, dv, out_dtype = v.shape[1], v.shape[2], v.dtype
+    cuts = [int(r) for r in cuts]
+    if state.shape != (hv, dk, dv) or state.device.type != "cpu":
+        raise ValueError(f"the CPU kernel's state is {tuple(state.shape)}, not ({hv}, {dk}, {dv}) on the CPU")
+    if any(not 0 < r <= t for r in cuts) or cuts != sorted(cuts):
+        raise ValueError(f"cuts must ascend within (0, {t}]: {cuts}")
     q, k, v = _rows(q), _rows(k), _rows(v)
     gf, bf = g.to(f32).contiguous(), beta.to(f32).contiguous()
     s = state.to(f32, copy=True).contiguous()
     out = torch.empty(t, hv, dv, dtype=f32)
-    cuts = [int(r) for r in cuts]
     kept = torch.empty(len(cuts), hv, dk, dv, dtype=f32)
     at = (ctypes.c_int64 * max(len(cuts), 1))(*cuts)
     args = (t, hk, hv, dk, dv, _ptr(q), _ptr(k), _ptr(v), q.stride(0), k.stride(0), v.stride(0), _ptr(gf), _ptr(bf),
@@ -309,10 +325,14 @@ def delta_rule_step_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
     v's dtype."""
     lib = load()
     f32 = torch.float32
+    _check(q, k, v, g, beta)
     n, hk, dk = k.shape
     hv, dv, out_dtype = v.shape[1], v.shape[2], v.dtype
-    if states.dtype != f32 or not states.is_contiguous():
-        raise ValueError("gdn_step_f32: the states must be contiguous fp32")
+    if states.dtype != f32 or not states.is_contiguous() or states.device.type != "cpu" \
+            or states.shape[1:] != (hv, dk, dv):
+        raise ValueError(f"the CPU kernel's states must be contiguous fp32 [S, {hv}, {dk}, {dv}] on the CPU")
+    if slots.shape != (n,) or (n and not 0 <= int(slots.min()) <= int(slots.max()) < states.shape[0]):
+        raise ValueError(f"the CPU kernel's slots must be {n} indices into {states.shape[0]} states")
     q, k, v = _rows(q), _rows(k), _rows(v)
     gf, bf = g.to(f32).contiguous(), beta.to(f32).contiguous()
     at = slots.to(torch.int64).contiguous()

@@ -225,3 +225,23 @@ def test_the_cpu_path_steps_decode_rows_through_the_kernel_where_states_are_fp32
         else:
             want = cpu_ops.delta_rule_step_slots(qk.to(dtype), v.to(dtype), g.to(dtype), beta.to(dtype), b, slots)
         assert torch.equal(got, want) and torch.equal(a, b)
+
+
+def test_shapes_the_loop_cannot_index_are_refused_before_it_runs():
+    q, k, v, g, beta, s0 = _inputs(10, seed=16)
+    bad = [
+        ((q[:, :1], k, v, g, beta, s0), "shapes disagree"),
+        ((q, k, v, g[:5], beta, s0), "shapes disagree"),
+        ((q, k, v, g, beta, s0[:2]), "state is"),
+    ]
+    for args, match in bad:
+        with pytest.raises(ValueError, match=match):
+            cpu_kernel.delta_rule(*args)
+    for cuts in ([0], [11], [5, 3]):
+        with pytest.raises(ValueError, match="cuts must ascend"):
+            cpu_kernel.delta_rule_cuts(q, k, v, g, beta, s0, cuts)
+    states = torch.zeros(3, 4, 64, 64)
+    with pytest.raises(ValueError, match="slots must be"):
+        cpu_kernel.delta_rule_step_slots(q[:2], k[:2], v[:2], g[:2], beta[:2], states, torch.tensor([0, 3]))
+    with pytest.raises(ValueError, match="states must be"):
+        cpu_kernel.delta_rule_step_slots(q[:2], k[:2], v[:2], g[:2], beta[:2], states[:, :2], torch.tensor([0, 1]))
