@@ -242,6 +242,6 @@ def test_shapes_the_loop_cannot_index_are_refused_before_it_runs():
             cpu_kernel.delta_rule_cuts(q, k, v, g, beta, s0, cuts)
     states = torch.zeros(3, 4, 64, 64)
     with pytest.raises(ValueError, match="slots must be"):
-        cpu_kernel.delta_rule_step_slots(q[:2], k[:2], v[:2], g[:2], beta[:2], states, torch.tensor([0, 3]))
+        cpu_kernel.delta_rule_step_slots(q[:2], k[:2], v[:2], g[:2], beta[:2], states, torch.tensor([0, 1, 2]))
     with pytest.raises(ValueError, match="states must be"):
         cpu_kernel.delta_rule_step_slots(q[:2], k[:2], v[:2], g[:2], beta[:2], states[:, :2], torch.tensor([0, 1]))
