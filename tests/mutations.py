@@ -2500,7 +2500,7 @@ MUTATIONS = [
         'beta + n * Hv, states + slots[n] * Hv * D * E,', 'beta + n * Hv, states + n * Hv * D * E,',
         ['tests/native/model/test_cpu_kernel.py::test_a_decode_step_steps_each_row_in_its_slot_as_a_one_token_chunk']),
     Mut("cpu kernel: fp32 decode rows kept on the torch step", 'ninfer/native/model/cpu_ops.py',
-        'if states.dtype == torch.float32 and states.is_contiguous() and v.dtype != torch.float64:', 'if False:',
+        'if states.dtype == torch.float32 and states.is_contiguous():', 'if False:',
         ['tests/native/model/test_cpu_kernel.py::test_the_cpu_path_steps_decode_rows_through_the_kernel_where_states_are_fp32']),
     Mut("cpu kernel: the CPU path's decode rows never offered to the kernel", 'ninfer/native/model/paths.py',
         'step = getattr(ops, "delta_rule_step_slots", cpu_ops.delta_rule_step_slots)', 'step = cpu_ops.delta_rule_step_slots',

@@ -47,7 +47,7 @@ SOURCE = r"""
 #include <string.h>
 #include <stdint.h>
 
-/* The gated delta rule of value heads [h0, h1) over T tokens, one pass over a head's state a
+/* The gated delta rule of every value head over T tokens, one pass over a head's state a
    token. With S the state before token t (decay e = exp(g_t), rate b = beta_t):
        kv = S^T k_t,  sq = S^T q_t                  (read S)
        delta = b (v_t - e kv),  o_t = e sq + (k_t . q_t) delta
@@ -139,11 +139,11 @@ HEAD(head_any, int64_t e_arg, e_arg)
 int gdn_rule_f32(int64_t T, int64_t Hk, int64_t Hv, int64_t D, int64_t E,
                  const float *q, const float *k, const float *v, int64_t qs, int64_t ks, int64_t vs,
                  const float *g, const float *beta, float *state, float *out, int64_t ncut,
-                 const int64_t *cuts, float *cut_states, int64_t h0, int64_t h1)
+                 const int64_t *cuts, float *cut_states)
 {
     if (E < 1 || E > 4096 || D < 1 || D > 4096 || Hk < 1 || Hv % Hk) return -1;
     const int64_t rep = Hv / Hk;
-    for (int64_t h = h0; h < h1; h++) {
+    for (int64_t h = 0; h < Hv; h++) {
         float *S = state + h * D * E;
         if (E == 64)
             head_64(T, Hk, Hv, D, E, h, h / rep, q, k, v, qs, ks, vs, g, beta, S, out, ncut, cuts, cut_states);
@@ -164,7 +164,7 @@ int gdn_step_f32(int64_t N, int64_t Hk, int64_t Hv, int64_t D, int64_t E,
 {
     for (int64_t n = 0; n < N; n++) {
         int rc = gdn_rule_f32(1, Hk, Hv, D, E, q + n * qs, k + n * ks, v + n * vs, qs, ks, vs, g + n * Hv,
-                              beta + n * Hv, states + slots[n] * Hv * D * E, out + n * Hv * E, 0, 0, 0, 0, Hv);
+                              beta + n * Hv, states + slots[n] * Hv * D * E, out + n * Hv * E, 0, 0, 0);
         if (rc) return rc;
     }
     return 0;
@@ -210,7 +210,7 @@ def _build() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(out))
     f = lib.gdn_rule_f32
     i64, fp = ctypes.c_int64, ctypes.c_void_p
-    f.argtypes = [i64, i64, i64, i64, i64, fp, fp, fp, i64, i64, i64, fp, fp, fp, fp, i64, fp, fp, i64, i64]
+    f.argtypes = [i64, i64, i64, i64, i64, fp, fp, fp, i64, i64, i64, fp, fp, fp, fp, i64, fp, fp]
     f.restype = ctypes.c_int
     f = lib.gdn_step_f32
     f.argtypes = [i64, i64, i64, i64, i64, fp, fp, fp, i64, i64, i64, fp, fp, fp, fp, fp]
@@ -252,10 +252,6 @@ def _reset_for_tests() -> None:
     global _lib, _tried, _why
     with _lock:
         _lib, _tried, _why = None, False, None
-
-
-def _ptr(t: torch.Tensor) -> int:
-    return t.data_ptr()
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -301,9 +297,9 @@ def delta_rule_cuts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     out = torch.empty(t, hv, dv, dtype=f32)
     kept = torch.empty(len(cuts), hv, dk, dv, dtype=f32)
     at = (ctypes.c_int64 * max(len(cuts), 1))(*cuts)
-    args = (t, hk, hv, dk, dv, _ptr(q), _ptr(k), _ptr(v), q.stride(0), k.stride(0), v.stride(0), _ptr(gf), _ptr(bf),
-            _ptr(s), _ptr(out), len(cuts), ctypes.addressof(at), _ptr(kept))
-    rc = lib.gdn_rule_f32(*args, 0, hv)
+    rc = lib.gdn_rule_f32(t, hk, hv, dk, dv, q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0),
+                          v.stride(0), gf.data_ptr(), bf.data_ptr(), s.data_ptr(), out.data_ptr(), len(cuts),
+                          ctypes.addressof(at), kept.data_ptr())
     if rc:
         raise ValueError(f"gdn_rule_f32: unsupported shapes (Hk {hk}, Hv {hv}, Dv {dv})")
     return out if out_dtype == f32 else out.to(out_dtype), s, list(kept.unbind(0))
@@ -339,8 +335,8 @@ def delta_rule_step_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
     gf, bf = g.to(f32).contiguous(), beta.to(f32).contiguous()
     at = slots.to(torch.int64).contiguous()
     out = torch.empty(n, hv, dv, dtype=f32)
-    rc = lib.gdn_step_f32(n, hk, hv, dk, dv, _ptr(q), _ptr(k), _ptr(v), q.stride(0), k.stride(0), v.stride(0),
-                          _ptr(gf), _ptr(bf), _ptr(states), _ptr(at), _ptr(out))
+    rc = lib.gdn_step_f32(n, hk, hv, dk, dv, q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0),
+                          v.stride(0), gf.data_ptr(), bf.data_ptr(), states.data_ptr(), at.data_ptr(), out.data_ptr())
     if rc:
         raise ValueError(f"gdn_step_f32: unsupported shapes (Hk {hk}, Hv {hv}, Dv {dv})")
     return out if out_dtype == f32 else out.to(out_dtype)

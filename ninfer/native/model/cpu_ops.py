@@ -400,7 +400,7 @@ def kernel_step_slots(qk: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: 
                       states: torch.Tensor, slots: torch.Tensor, run: slice | None = None) -> torch.Tensor:
     """``delta_rule_step_slots`` by the compiled recurrence where the states are fp32 (each row's
     state stepped in its slot, as a one-token chunk would), else as before."""
-    if states.dtype == torch.float32 and states.is_contiguous() and v.dtype != torch.float64:
+    if states.dtype == torch.float32 and states.is_contiguous():
         hk = qk.shape[1] // 2
         return cpu_kernel.delta_rule_step_slots(qk[:, :hk], qk[:, hk:], v, g, beta, states, slots)
     return delta_rule_step_slots(qk, v, g, beta, states, slots, run)
