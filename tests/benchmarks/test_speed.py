@@ -140,7 +140,8 @@ def test_a_missing_trace_is_a_note_not_a_failure(tiny_model, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not Path(speed.VLLM_PYTHON).is_file(), reason=f"no vLLM at {speed.VLLM_PYTHON} (NINFER_VLLM_PYTHON)")
-def test_a_tiny_side_by_side_run_with_the_real_vllm(tiny_model, tmp_path):
+def test_a_tiny_side_by_side_run_with_the_real_vllm(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setattr(speed, "SETTLE_S", 0.1)       # nothing timed here: 20 pauses of 2 s were 40 of 84 s
     data = speed.run(tiny_model, out=str(tmp_path / "s.json"), vs_vllm=True, trace=_trace(tmp_path),
                      **{**TINY, "repeats": 2})
     _check(data, with_vllm=True)
