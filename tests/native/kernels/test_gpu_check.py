@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 import json
+import os
 import sys
 import types
 
@@ -18,6 +19,19 @@ import triton
 from ninfer.benchmarks import gpu, gpu_stages
 from ninfer.benchmarks.options import BENCHES
 from ninfer.cli import build_parser
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """A stage is a process of its own, so ``gpu_stages.main`` on the CPU sets TRITON_INTERPRET and
+    NINFER_GRAPHS=replay for the rest of its process; called here it is this xdist worker's, and
+    left set, every later Program in the worker captured the stand-in graphs (a 10 s
+    ``make_program`` in tests/native/test_auto_chunk.py, the engine tests slower too). The
+    environment is put back after each test."""
+    before = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(before)
 
 
 def test_registered_as_a_bench():
