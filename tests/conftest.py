@@ -17,6 +17,27 @@ os.environ.setdefault("NINFER_RULE_MONITOR", "1")
 os.environ.setdefault("NINFER_CHECK_FACTS", "1")
 
 
+def _switches() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith("NINFER_") or k == "TRITON_INTERPRET"}
+
+
+@pytest.fixture(autouse=True)
+def _no_switch_left_set():
+    """A test that leaves one of NInfer's environment switches changed fails here: the xdist
+    worker's later tests would run under it (``NINFER_GRAPHS=replay`` left by an in-process
+    ``gpu_stages.main`` once made every later Program in its worker capture graphs). Change
+    them with ``monkeypatch.setenv``, which puts them back."""
+    before = _switches()
+    yield
+    after = _switches()
+    if after != before:
+        changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+        os.environ.update(before)
+        for k in after.keys() - before.keys():
+            del os.environ[k]
+        pytest.fail(f"the test left environment switches changed: {changed} (use monkeypatch.setenv)")
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     """The default tiny hybrid model (qwen3_next), with tokenizer and chat template."""
