@@ -174,40 +174,40 @@ def test_vllm_bench_serve_and_ninfer_bench_serve_agree_on_ttft(tiny_model, tmp_p
     config = ('max_concurrency = 4\nmax_context = 4096\ndtype = "float32"\n\n[context_cache]\n'
               'host_capacity_bytes = 67108864\n')
     vllm = _VllmBench(tmp_path / "vllm-bench.log")
-    with serving(tiny_model, tmp_path, config, "--served-model-name", "tiny", start_new_session=True) as (base, proc):
-        _ahead(proc.pid, 0)
+    try:
+        with serving(tiny_model, tmp_path, config, "--served-model-name", "tiny", start_new_session=True) as (base, proc):
+            _ahead(proc.pid, 0)
 
-        def vllm_bench() -> tuple[float, list[int]]:
-            vllm.run([
-                "--backend", "openai-chat", "--base-url", base, "--endpoint", "/v1/chat/completions", "--model",
-                "tiny", "--tokenizer", tiny_model, "--dataset-name", "custom", "--dataset-path", str(dataset),
-                "--skip-chat-template", "--disable-shuffle", "--custom-output-len", str(OUTPUT), "--num-prompts",
-                str(PROMPTS), "--max-concurrency", str(PROMPTS), "--ignore-eos", "--temperature", "0",
-                "--ready-check-timeout-sec", "0", "--disable-tqdm", "--save-result", "--save-detailed",
-                "--result-dir", str(tmp_path), "--result-filename", "vllm.json"])
-            res = json.loads((tmp_path / "vllm.json").read_text())
-            assert res["completed"] == PROMPTS and res["total_output_tokens"] == PROMPTS * OUTPUT, res
-            return res["mean_ttft_ms"] / 1000, res["input_lens"]
+            def vllm_bench() -> tuple[float, list[int]]:
+                vllm.run([
+                    "--backend", "openai-chat", "--base-url", base, "--endpoint", "/v1/chat/completions", "--model",
+                    "tiny", "--tokenizer", tiny_model, "--dataset-name", "custom", "--dataset-path", str(dataset),
+                    "--skip-chat-template", "--disable-shuffle", "--custom-output-len", str(OUTPUT), "--num-prompts",
+                    str(PROMPTS), "--max-concurrency", str(PROMPTS), "--ignore-eos", "--temperature", "0",
+                    "--ready-check-timeout-sec", "0", "--disable-tqdm", "--save-result", "--save-detailed",
+                    "--result-dir", str(tmp_path), "--result-filename", "vllm.json"])
+                res = json.loads((tmp_path / "vllm.json").read_text())
+                assert res["completed"] == PROMPTS and res["total_output_tokens"] == PROMPTS * OUTPUT, res
+                return res["mean_ttft_ms"] / 1000, res["input_lens"]
 
-        def ninfer_bench() -> tuple[float, list[int]]:
-            rc, _, err = _run_ahead([
-                sys.executable, "-m", "ninfer.cli", "bench", "serve", "--base-url", f"{base}/v1", "--clients",
-                str(PROMPTS), "--rounds", "1", "--max-tokens", str(OUTPUT), "--prompt-words", str(WORDS),
-                "--ignore-eos", "--temperature", "0", "--out", str(tmp_path / "ninfer.json")])
-            assert rc == 0, err[-2000:]
-            recs = json.loads((tmp_path / "ninfer.json").read_text())["requests"]
-            assert len(recs) == PROMPTS and all(x["output_tokens"] == OUTPUT for x in recs), recs
-            return statistics.mean(x["ttft_s"] for x in recs), [x["prompt_tokens"] for x in recs]
+            def ninfer_bench() -> tuple[float, list[int]]:
+                rc, _, err = _run_ahead([
+                    sys.executable, "-m", "ninfer.cli", "bench", "serve", "--base-url", f"{base}/v1", "--clients",
+                    str(PROMPTS), "--rounds", "1", "--max-tokens", str(OUTPUT), "--prompt-words", str(WORDS),
+                    "--ignore-eos", "--temperature", "0", "--out", str(tmp_path / "ninfer.json")])
+                assert rc == 0, err[-2000:]
+                recs = json.loads((tmp_path / "ninfer.json").read_text())["requests"]
+                assert len(recs) == PROMPTS and all(x["output_tokens"] == OUTPUT for x in recs), recs
+                return statistics.mean(x["ttft_s"] for x in recs), [x["prompt_tokens"] for x in recs]
 
-        try:
             ninfer_bench()                     # the server's first run is slower (allocation, first calls)
             runs: dict[str, list[dict]] = {"vllm": [], "ninfer": []}
             for k in range(ALTERNATIONS):
                 order = [("vllm", vllm_bench), ("ninfer", ninfer_bench)]
                 for name, bench in order if k % 2 == 0 else order[::-1]:
                     runs[name].append(_run(base, bench))
-        finally:
-            vllm.close()
+    finally:
+        vllm.close()
     # each client's mean TTFT as a multiple of the engine's over the same requests, its median
     multiples = {name: statistics.median(r["client"] / r["engine"] for r in rs) for name, rs in runs.items()}
     print("\nmean TTFT, ms (client / engine):")
