@@ -29,7 +29,7 @@ def prefix_digests(tokens: list[int] | tuple[int, ...], frontiers: list[int]) ->
     # the tokens up to the deepest frontier packed once (fixed-width int32), then hashed piece
     # by piece through views: the same bytes as packing each piece (a lookup over a prompt
     # meets hundreds of indexed frontiers)
-    packed = memoryview(pack_tokens(list(tokens[:min(fs[-1], len(tokens))])))
+    packed = memoryview(pack_tokens(tokens[:min(fs[-1], len(tokens))]))
     pos = 0
     for f in fs:
         if f > len(tokens):
