@@ -385,7 +385,7 @@ def kernel_delta_rule_cuts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
                            ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """``chunk_delta_rule_cuts`` by the compiled recurrence where the math is fp32 (a float64
     call, a test's, keeps the chunked form)."""
-    if acc_dtype(v.dtype) == torch.float32:
+    if acc_dtype(v.dtype) == torch.float32 and cpu_kernel.fits(v.shape[-1]):
         return cpu_kernel.delta_rule_cuts(q, k, v, g, beta, state, cuts)
     return chunk_delta_rule_cuts(q, k, v, g, beta, state, cuts, chunk)
 
@@ -400,7 +400,7 @@ def kernel_step_slots(qk: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: 
                       states: torch.Tensor, slots: torch.Tensor, run: slice | None = None) -> torch.Tensor:
     """``delta_rule_step_slots`` by the compiled recurrence where the states are fp32 (each row's
     state stepped in its slot, as a one-token chunk would), else as before."""
-    if states.dtype == torch.float32 and states.is_contiguous():
+    if states.dtype == torch.float32 and states.is_contiguous() and cpu_kernel.fits(v.shape[-1]):
         hk = qk.shape[1] // 2
         return cpu_kernel.delta_rule_step_slots(qk[:, :hk], qk[:, hk:], v, g, beta, states, slots)
     return delta_rule_step_slots(qk, v, g, beta, states, slots, run)

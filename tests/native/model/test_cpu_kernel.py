@@ -32,7 +32,7 @@ def _reference(q, k, v, g, beta, s0):
 
 @pytest.mark.parametrize("t", [1, 2, 15, 16, 17, 64, 300])
 @pytest.mark.parametrize("heads", [(2, 4), (4, 4), (1, 2)])
-@pytest.mark.parametrize("dv", [64, 128, 48])       # the two specialised widths and the general one
+@pytest.mark.parametrize("dv", [64, 128, 48])       # the two constant widths and one taken at run time
 def test_the_kernel_matches_the_float64_reference(t, heads, dv):
     q, k, v, g, beta, s0 = _inputs(t, *heads, dv=dv, seed=t)
     o, s = cpu_kernel.delta_rule(q, k, v, g, beta, s0)
@@ -44,6 +44,16 @@ def test_the_kernel_matches_the_float64_reference(t, heads, dv):
     # no worse than the chunked form it replaces
     co, cs = cpu_ops.chunk_delta_rule(q, k, v, g, beta, s0)
     assert (o.double() - ro).abs().max() <= 4 * (co.double() - ro).abs().max() + 1e-7
+
+
+def test_a_key_width_not_a_multiple_of_16_matches_the_reference():
+    """|k|, |q| and k . q sum 16 lanes then the rest: a key width of 40 (two full lanes and 8
+    left) is the reference's to rounding."""
+    q, k, v, g, beta, s0 = _inputs(50, dk=40, seed=22)
+    o, s = cpu_kernel.delta_rule(q, k, v, g, beta, s0)
+    ro, rs = _reference(q, k, v, g, beta, s0)
+    torch.testing.assert_close(o.double(), ro, rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(s.double(), rs, rtol=1e-5, atol=2e-6)
 
 
 def test_strong_decay_and_a_long_chunk():
@@ -148,6 +158,36 @@ def test_a_fresh_cache_builds_the_kernel_once(fresh_kernel, tmp_path):
     assert built[0].stat().st_mtime_ns == stamp          # loaded, not rebuilt
 
 
+def _gomps() -> set[str]:
+    return {ln.split()[-1] for ln in open("/proc/self/maps") if "libgomp" in ln}
+
+
+def test_the_kernel_joins_torchs_openmp_or_runs_its_heads_serially_with_the_same_bits(fresh_kernel, tmp_path):
+    """Where torch runs on libgomp the kernel is built with OpenMP and loads no second runtime
+    (its libgomp.so.1 is torch's copy: one team, no extra threads); without that it is built
+    without OpenMP and runs its heads one after another — the same bits either way."""
+    fresh_kernel.setenv("XDG_CACHE_HOME", str(tmp_path))
+    q, k, v, g, beta, s0 = _inputs(200, seed=23)
+    before, shared = torch.get_num_threads(), cpu_kernel._shares_torchs_openmp()
+    gomps = _gomps()
+    try:
+        torch.set_num_threads(2)
+        assert cpu_kernel.available()
+        team = cpu_kernel.delta_rule_cuts(q, k, v, g, beta, s0, [77])
+        assert _gomps() == gomps                                   # no second OpenMP runtime loaded
+        built = list((tmp_path / "ninfer" / "kernels").glob("gdn_rule-*.so"))
+        assert len(built) == 1 and (b"libgomp.so.1" in built[0].read_bytes()) == shared
+        cpu_kernel._reset_for_tests()
+        fresh_kernel.setattr(cpu_kernel, "_shares_torchs_openmp", lambda: False)
+        assert cpu_kernel.available()
+        alone = cpu_kernel.delta_rule_cuts(q, k, v, g, beta, s0, [77])
+    finally:
+        torch.set_num_threads(before)
+    serial = [p for p in (tmp_path / "ninfer" / "kernels").glob("gdn_rule-*.so") if b"libgomp.so.1" not in p.read_bytes()]
+    assert len(serial) == 1
+    assert torch.equal(team[0], alone[0]) and torch.equal(team[1], alone[1]) and torch.equal(team[2][0], alone[2][0])
+
+
 def test_q_k_v_read_in_place_from_the_conv_output_rows():
     """The CPU path hands the rule views of the conv output [T, C] (a token's q | k | v side by side):
     read at their row strides, they give what contiguous copies give, bit for bit."""
@@ -225,6 +265,48 @@ def test_the_cpu_path_steps_decode_rows_through_the_kernel_where_states_are_fp32
         else:
             want = cpu_ops.delta_rule_step_slots(qk.to(dtype), v.to(dtype), g.to(dtype), beta.to(dtype), b, slots)
         assert torch.equal(got, want) and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("t", [31, 32, 300])          # under, at and over the length that splits the heads
+@pytest.mark.parametrize("heads", [(2, 4), (1, 3), (4, 4)])
+def test_the_heads_split_over_threads_give_the_same_bits(t, heads):
+    """A chunk's value heads split over the forward's threads (OpenMP, torch's own team): each
+    head is computed whole by one thread, so outputs, final state and cut states are the bits of
+    the one-thread run — and the reference's to rounding with every head present."""
+    q, k, v, g, beta, s0 = _inputs(t, *heads, seed=t + heads[1])
+    cuts = [1, t // 2, t]
+    before = torch.get_num_threads()
+    runs = {}
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            runs[n] = cpu_kernel.delta_rule_cuts(q, k, v, g, beta, s0, cuts)
+    finally:
+        torch.set_num_threads(before)
+    for n in (2, 3):
+        o, s, kept = runs[n]
+        assert torch.equal(o, runs[1][0]) and torch.equal(s, runs[1][1])
+        assert all(torch.equal(a, b) for a, b in zip(kept, runs[1][2]))
+    ro, rs = _reference(q, k, v, g, beta, s0)
+    torch.testing.assert_close(runs[2][0].double(), ro, rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(runs[2][1].double(), rs, rtol=1e-5, atol=2e-6)
+
+
+def test_a_value_width_not_a_multiple_of_16_keeps_the_chunked_form():
+    """The loop takes whole 16-float vectors: another width is refused by the kernel with a
+    clear error and runs the chunked form on the CPU path (prefill and decode rows)."""
+    q, k, v, g, beta, s0 = _inputs(20, dv=40, seed=21)
+    assert cpu_kernel.fits(48) and cpu_kernel.fits(64) and not cpu_kernel.fits(40) and not cpu_kernel.fits(8)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        cpu_kernel.delta_rule(q, k, v, g, beta, s0)
+    o, s, _ = cpu_ops.kernel_delta_rule_cuts(q, k, v, g, beta, s0)
+    co, cs, _ = cpu_ops.chunk_delta_rule_cuts(q, k, v, g, beta, s0, ())
+    assert torch.equal(o, co) and torch.equal(s, cs)
+    states = s0[None].repeat(2, 1, 1, 1).contiguous()
+    qk = torch.cat([q[:2], k[:2]], dim=1)
+    got = cpu_ops.kernel_step_slots(qk, v[:2], g[:2], beta[:2], states.clone(), torch.tensor([1, 0]))
+    want = cpu_ops.delta_rule_step_slots(qk, v[:2], g[:2], beta[:2], states.clone(), torch.tensor([1, 0]))
+    assert torch.equal(got, want)
 
 
 def test_shapes_the_loop_cannot_index_are_refused_before_it_runs():
