@@ -250,6 +250,91 @@ int gdn_step_f32(int64_t N, int64_t Hk, int64_t Hv, int64_t D, int64_t E,
     }
     return 0;
 }
+
+/* ---- the GDN layer's elementwise passes around the rule (fp32): its conv + SiLU and its
+   gated norm, each one pass over rows where torch makes four or five. */
+
+typedef int32_t i16v __attribute__((vector_size(64), aligned(4), may_alias));
+
+/* exp of 16 floats: n = round(x log2 e), r = x - n ln 2 (two-part ln 2), Cephes' expf
+   polynomial, 2^n from the exponent bits; x clamped to [-87, 88] (results stay normal floats:
+   silu(x) for x < -87 comes out ~1e-36 x instead of smaller still). ~1 ulp; the same bits on
+   every call (no library, no fast-math). */
+static inline v16 vexp(v16 x)
+{
+    const v16 hi = x * 0.0f + 88.0f, lo = x * 0.0f - 87.0f;
+    i16v m = x > hi;
+    x = (v16)(((i16v)x & ~m) | ((i16v)hi & m));
+    m = x < lo;
+    x = (v16)(((i16v)x & ~m) | ((i16v)lo & m));
+    const v16 fx = x * 1.44269504088896341f + 0.5f;
+    i16v n = __builtin_convertvector(fx, i16v);                 /* toward zero */
+    n += (__builtin_convertvector(n, v16) > fx);                /* -1 where that was above: floor */
+    const v16 fn = __builtin_convertvector(n, v16);
+    const v16 r = (x - fn * 0.693359375f) + fn * 2.12194440e-4f;
+    v16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    return p * (v16)((n + 127) << 23);
+}
+
+static inline v16 vsilu(v16 x) { return x / (1.0f + vexp(-x)); }
+
+/* The depthwise causal conv and its SiLU over T rows of C channels (C a multiple of 16):
+   y[t, c] = silu(sum_j w[c, j] r[t + j, c]), j ascending, where rows r are the K-1 state
+   columns (state: [C, K-1]) and then x's rows (x: [T, C] at row stride xs); y: [T, C]
+   contiguous. Rows split over the caller's threads (each row computed whole by one). */
+int conv_silu_f32(int64_t T, int64_t C, int64_t K, const float *x, int64_t xs, const float *state,
+                  const float *w, float *y, int64_t threads)
+{
+    if (C < 16 || C % 16 || K < 1 || K > 16 || T < 0) return -1;
+    const int64_t k1 = K - 1, nv = C / 16;
+    float wt[K][C], pre[k1 > 0 ? k1 : 1][C];                   /* w by tap; the state as rows */
+    for (int64_t c = 0; c < C; c++) {
+        for (int64_t j = 0; j < K; j++) wt[j][c] = w[c * K + j];
+        for (int64_t j = 0; j < k1; j++) pre[j][c] = state[c * k1 + j];
+    }
+#ifdef _OPENMP
+    #pragma omp parallel for schedule(static) num_threads((int)threads) if (threads > 1 && T * C >= 65536)
+#endif
+    for (int64_t t = 0; t < T; t++) {
+        const float *rows[16];
+        for (int64_t j = 0; j < K; j++)
+            rows[j] = t + j < k1 ? pre[t + j] : x + (t + j - k1) * xs;
+        v16 *out = (v16 *)(y + t * C);
+        for (int64_t l = 0; l < nv; l++) {
+            v16 acc = ((const v16 *)rows[0])[l] * ((const v16 *)wt[0])[l];
+            for (int64_t j = 1; j < K; j++) acc += ((const v16 *)rows[j])[l] * ((const v16 *)wt[j])[l];
+            out[l] = vsilu(acc);
+        }
+    }
+    return 0;
+}
+
+/* The GDN output's gated RMSNorm, fp32: out[t, h] = (w (x r)) silu(z), r = 1 / sqrt(|x|^2 / E +
+   eps) over each head's E values (E a multiple of 16). x: [T, H, E] at strides (xt, E); z at
+   (zt, zh); out: [T, H, E] contiguous. */
+int gated_norm_f32(int64_t T, int64_t H, int64_t E, const float *x, int64_t xt, const float *z, int64_t zt,
+                   int64_t zh, const float *w, float eps, float *out, int64_t threads)
+{
+    if (E < 16 || E % 16) return -1;
+    const int64_t nv = E / 16;
+#ifdef _OPENMP
+    #pragma omp parallel for schedule(static) num_threads((int)threads) if (threads > 1 && T * H * E >= 65536)
+#endif
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < H; h++) {
+            const float *xr = x + t * xt + h * E;
+            const v16 *xv = (const v16 *)xr, *zv = (const v16 *)(z + t * zt + h * zh), *wv = (const v16 *)w;
+            const float r = 1.0f / sqrtf(dot(xr, xr, E) / (float)E + eps);
+            v16 *o = (v16 *)(out + (t * H + h) * E);
+            for (int64_t l = 0; l < nv; l++) o[l] = (wv[l] * (xv[l] * r)) * vsilu(zv[l]);
+        }
+    return 0;
+}
 """
 
 _lock = threading.Lock()
@@ -316,6 +401,12 @@ def _build() -> ctypes.CDLL:
     f = lib.gdn_rule_f32
     i64, fp = ctypes.c_int64, ctypes.c_void_p
     f.argtypes = [i64, i64, i64, i64, i64, fp, fp, fp, i64, i64, i64, fp, fp, fp, fp, i64, fp, fp, i64]
+    f.restype = ctypes.c_int
+    f = lib.conv_silu_f32
+    f.argtypes = [i64, i64, i64, fp, i64, fp, fp, fp, i64]
+    f.restype = ctypes.c_int
+    f = lib.gated_norm_f32
+    f.argtypes = [i64, i64, i64, fp, i64, fp, i64, i64, fp, ctypes.c_float, fp, i64]
     f.restype = ctypes.c_int
     f = lib.gdn_step_f32
     f.argtypes = [i64, i64, i64, i64, i64, fp, fp, fp, i64, i64, i64, fp, fp, fp, fp, fp]
@@ -454,3 +545,44 @@ def delta_rule_step_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
     if rc:
         raise ValueError(f"gdn_step_f32: unsupported shapes (Hk {hk}, Hv {hv}, Dv {dv})")
     return out if out_dtype == f32 else out.to(out_dtype)
+
+
+def conv_silu(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gdn.causal_conv1d``'s contract in fp32 (x: [T, C] with contiguous rows, any row stride;
+    state: [C, K-1]; weight: [C, K]; C a multiple of 16): y = silu(conv) [T, C] in one pass over the
+    rows, and the new state, the last K-1 inputs [C, K-1]."""
+    lib = load()
+    f32 = torch.float32
+    t, c = x.shape
+    k = weight.shape[1]
+    if x.dtype != f32 or x.stride(1) != 1 or state.shape != (c, k - 1) or weight.shape != (c, k) or not fits(c) \
+            or k > 16:
+        raise ValueError(f"conv_silu takes fp32 rows [T, C] (C a multiple of 16), state [C, K-1], weight [C, K]: "
+                         f"x {tuple(x.shape)} {x.dtype}, state {tuple(state.shape)}, weight {tuple(weight.shape)}")
+    st = state.to(f32).contiguous()
+    w = weight.to(f32).contiguous()
+    y = torch.empty(t, c, dtype=f32)
+    rc = lib.conv_silu_f32(t, c, k, x.data_ptr(), x.stride(0), st.data_ptr(), w.data_ptr(), y.data_ptr(),
+                           torch.get_num_threads())
+    if rc:
+        raise ValueError(f"conv_silu_f32: unsupported shapes (C {c}, K {k})")
+    return y, torch.cat([st.t(), x[t - min(t, k - 1):]], dim=0)[-(k - 1):].t().contiguous()
+
+
+def gated_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``ops.gated_rms_norm``'s contract in fp32 (x, gate: [T, H, E], each head's E values
+    contiguous, any token stride; gate any head stride; weight: [E]; E a multiple of 16): one pass."""
+    lib = load()
+    f32 = torch.float32
+    t, h, e = x.shape
+    if x.dtype != f32 or gate.dtype != f32 or weight.dtype != f32 or gate.shape != x.shape or weight.shape != (e,) \
+            or x.stride(2) != 1 or x.stride(1) != e or gate.stride(2) != 1 or not fits(e):
+        raise ValueError(f"gated_norm takes fp32 [T, H, E] rows (E a multiple of 16): x {tuple(x.shape)} "
+                         f"{x.dtype}, gate {tuple(gate.shape)} {gate.dtype}, weight {tuple(weight.shape)}")
+    w = weight.contiguous()
+    out = torch.empty(t, h, e, dtype=f32)
+    rc = lib.gated_norm_f32(t, h, e, x.data_ptr(), x.stride(0), gate.data_ptr(), gate.stride(0), gate.stride(1),
+                            w.data_ptr(), float(eps), out.data_ptr(), torch.get_num_threads())
+    if rc:
+        raise ValueError(f"gated_norm_f32: unsupported shapes (E {e})")
+    return out

@@ -406,10 +406,20 @@ def kernel_step_slots(qk: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: 
     return delta_rule_step_slots(qk, v, g, beta, states, slots, run)
 
 
-class KernelGdnOps(GdnOps):
-    """``GdnOps`` with a chunk's delta rule and the decode rows' step by the compiled recurrence
-    (``cpu_kernel``): a decode row's arithmetic is a one-token chunk's."""
+def kernel_causal_conv1d(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gdn.causal_conv1d`` by the compiled pass where x is fp32 rows of whole 16-float vectors
+    (conv and SiLU in one pass: 2,000 rows of 512 channels 1.2 -> 0.44 ms), else as before."""
+    if x.dtype == torch.float32 and x.stride(-1) == 1 and cpu_kernel.fits(x.shape[-1]) and weight.shape[1] <= 16:
+        return cpu_kernel.conv_silu(x, state, weight)
+    return gdn.causal_conv1d(x, state, weight)
 
+
+class KernelGdnOps(GdnOps):
+    """``GdnOps`` with a chunk's conv and delta rule and the decode rows' step by the compiled
+    loops (``cpu_kernel``): a decode row's delta-rule arithmetic is a one-token chunk's."""
+
+    causal_conv1d = staticmethod(kernel_causal_conv1d)
     chunk_gated_delta_rule = staticmethod(kernel_delta_rule)
     chunk_delta_rule_cuts = staticmethod(kernel_delta_rule_cuts)
     delta_rule_step_slots = staticmethod(kernel_step_slots)
@@ -447,8 +457,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: b
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``ops.gated_rms_norm``'s contract (w * norm(x) * silu(gate), the same casts) through
-    ``F.rms_norm``, without the casts that change nothing (fp32)."""
+    """``ops.gated_rms_norm``'s contract (w * norm(x) * silu(gate), the same casts): in fp32 with
+    the compiled kernel, heads of whole 16-float vectors in one pass (``cpu_kernel.gated_norm``),
+    else through ``F.rms_norm`` without the casts that change nothing (fp32)."""
+    f32 = torch.float32
+    if x.dtype == f32 and gate.dtype == f32 and weight.dtype == f32 and x.dim() == 3 and x.stride(-1) == 1 \
+            and x.stride(1) == x.shape[2] and gate.stride(-1) == 1 and cpu_kernel.fits(x.shape[-1]) \
+            and cpu_kernel.available():
+        return cpu_kernel.gated_norm(x, gate, weight, eps)     # one compiled pass (2,000 x 4 heads: 0.64 -> 0.25 ms)
     acc = acc_dtype(x.dtype)
     y = F.rms_norm(x if x.dtype == acc else x.to(acc), (x.shape[-1],), None, eps)
     y = weight * (y if y.dtype == x.dtype else y.to(x.dtype))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -327,3 +328,88 @@ def test_shapes_the_loop_cannot_index_are_refused_before_it_runs():
         cpu_kernel.delta_rule_step_slots(q[:2], k[:2], v[:2], g[:2], beta[:2], states, torch.tensor([0, 1, 2]))
     with pytest.raises(ValueError, match="states must be"):
         cpu_kernel.delta_rule_step_slots(q[:2], k[:2], v[:2], g[:2], beta[:2], states[:, :2], torch.tensor([0, 1]))
+
+
+# ---- the GDN layer's conv + SiLU and gated norm in one compiled pass each (twenty-first session)
+
+def _threads(n: int, fn):
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(n)
+        return fn()
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("t", [1, 2, 3, 4, 130, 700])
+def test_the_conv_pass_equals_the_torch_conv_and_silu(t):
+    """``conv_silu``: ``gdn.causal_conv1d``'s outputs to fp32 rounding (rows read in place at the
+    projection's stride; chunks shorter than the state included) and its new state bit for bit;
+    the rows split over threads give the one-thread bits."""
+    gen = torch.Generator().manual_seed(t)
+    y = torch.randn(t, 776, generator=gen) * 3
+    x, state, w = y[:, :512], torch.randn(512, 3, generator=gen), torch.randn(512, 4, generator=gen) * 0.5
+    want, want_state = gdn.causal_conv1d(x, state, w)
+    one = _threads(1, lambda: cpu_kernel.conv_silu(x, state, w))
+    two = _threads(2, lambda: cpu_kernel.conv_silu(x, state, w))
+    torch.testing.assert_close(one[0], want, rtol=2e-6, atol=1e-6)
+    assert torch.equal(one[1], want_state) and torch.equal(two[0], one[0]) and torch.equal(two[1], one[1])
+    assert torch.equal(x, y[:, :512])                                    # read in place, not changed
+
+
+def test_the_silu_of_the_compiled_passes_is_exact_to_a_float_over_the_whole_range():
+    """The passes' own exp (no library call, the same bits every time): SiLU within 2e-7 relative
+    of float64 over |x| < 80, and right where exp leaves the float range (|x| up to 120: x itself
+    above, ~0 below)."""
+    xs = torch.linspace(-120.0, 120.0, 48_001)
+    got = cpu_kernel.conv_silu(xs[:, None].repeat(1, 16).contiguous(), torch.zeros(16, 0), torch.ones(16, 1))[0][:, 0]
+    ref = F.silu(xs.double())
+    near = xs.abs() < 80
+    assert ((got.double() - ref).abs() / ref.abs().clamp_min(1e-30))[near].max() < 2e-7
+    assert torch.equal(got[xs > 90], xs[xs > 90]) and got[xs < -90].abs().max() < 1e-30
+    assert torch.isfinite(got).all()
+
+
+@pytest.mark.parametrize("t", [1, 9, 700])
+def test_the_gated_norm_pass_equals_the_torch_gated_norm(t):
+    """``gated_norm``: w * norm(x) * silu(z) per head to fp32 rounding, z read in place at the
+    projection's strides; threads give the same bits; the CPU path's gated norm takes it in fp32."""
+    gen = torch.Generator().manual_seed(100 + t)
+    core = torch.randn(t, 4, 64, generator=gen)
+    core[:, 1] *= 1e-3                             # a head whose mean square is eps's size
+    z = (torch.randn(t, 776, generator=gen) * 3)[:, 512:768].view(t, 4, 64)
+    w = torch.randn(64, generator=gen)
+    acc = torch.float64
+    ref = (w.double() * (core.double() * torch.rsqrt(core.double().pow(2).mean(-1, keepdim=True) + 1e-6))
+           * F.silu(z.to(acc)))
+    one = _threads(1, lambda: cpu_kernel.gated_norm(core, z, w, 1e-6))
+    two = _threads(2, lambda: cpu_kernel.gated_norm(core, z, w, 1e-6))
+    torch.testing.assert_close(one.double(), ref, rtol=2e-6, atol=2e-6)
+    assert torch.equal(one, two)
+    assert torch.equal(cpu_ops.gated_rms_norm(core, z, w, 1e-6), one)
+
+
+def test_widths_the_passes_cannot_take_keep_torch():
+    """Channels or head widths that are not whole 16-float vectors, or another dtype: the CPU path
+    keeps the torch forms (bit for bit theirs); the passes themselves refuse with a clear error."""
+    x, state, w = torch.randn(20, 40), torch.randn(40, 3), torch.randn(40, 4)
+    got, got_state = cpu_ops.kernel_causal_conv1d(x, state, w)
+    want, want_state = gdn.causal_conv1d(x, state, w)
+    assert torch.equal(got, want) and torch.equal(got_state, want_state)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        cpu_kernel.conv_silu(x, state, w)
+    core, z, wn = torch.randn(5, 4, 40), torch.randn(5, 4, 40), torch.randn(40)
+    torch_form = cpu_ops.gated_rms_norm(core.double(), z.double(), wn.double(), 1e-6).float()
+    torch.testing.assert_close(cpu_ops.gated_rms_norm(core, z, wn, 1e-6), torch_form, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        cpu_kernel.gated_norm(core, z, wn, 1e-6)
+    x64 = torch.randn(6, 64, dtype=torch.float64)
+    got64, _ = cpu_ops.kernel_causal_conv1d(x64, torch.randn(64, 3, dtype=torch.float64),
+                                            torch.randn(64, 4, dtype=torch.float64))
+    assert got64.dtype == torch.float64
+
+
+def test_the_cpu_path_runs_the_conv_and_the_gated_norm_passes_in_fp32():
+    """The fp32 CPU path's GDN ops take the conv pass (float64 keeps ``BATCHED``'s torch conv)."""
+    assert cpu_ops.gdn_ops().causal_conv1d is cpu_ops.kernel_causal_conv1d
+    assert paths.CPU.gated_rms_norm is cpu_ops.gated_rms_norm
