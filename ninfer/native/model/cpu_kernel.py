@@ -283,6 +283,20 @@ static inline v16 vexp(v16 x)
 
 static inline v16 vsilu(v16 x) { return x / (1.0f + vexp(-x)); }
 
+/* One row of the conv + SiLU: out[c] = silu(sum_j wt[j][c] rows[j][c]), j ascending (rows[j]: K
+   pointers to C floats; wt: [K][C]). Not inlined, on purpose: a chunk's rows and a decode step's
+   come through this one piece of machine code, so the compiler cannot fuse or order their
+   multiply-adds differently in the two callers — the same token gives the same bits either way. */
+static __attribute__((noinline)) void conv_row(const float *const *rows, const float *wt, int64_t C, int64_t K,
+                                               float *out)
+{
+    for (int64_t l = 0; l < C / 16; l++) {
+        v16 acc = ((const v16 *)rows[0])[l] * ((const v16 *)wt)[l];
+        for (int64_t j = 1; j < K; j++) acc += ((const v16 *)rows[j])[l] * ((const v16 *)(wt + j * C))[l];
+        ((v16 *)out)[l] = vsilu(acc);
+    }
+}
+
 /* The depthwise causal conv and its SiLU over T rows of C channels (C a multiple of 16):
    y[t, c] = silu(sum_j w[c, j] r[t + j, c]), j ascending, where rows r are the K-1 state
    columns (state: [C, K-1]) and then x's rows (x: [T, C] at row stride xs); y: [T, C]
@@ -291,7 +305,7 @@ int conv_silu_f32(int64_t T, int64_t C, int64_t K, const float *x, int64_t xs, c
                   const float *w, float *y, int64_t threads)
 {
     if (C < 16 || C % 16 || K < 1 || K > 16 || T < 0) return -1;
-    const int64_t k1 = K - 1, nv = C / 16;
+    const int64_t k1 = K - 1;
     float wt[K][C], pre[k1 > 0 ? k1 : 1][C];                   /* w by tap; the state as rows */
     for (int64_t c = 0; c < C; c++) {
         for (int64_t j = 0; j < K; j++) wt[j][c] = w[c * K + j];
@@ -304,11 +318,35 @@ int conv_silu_f32(int64_t T, int64_t C, int64_t K, const float *x, int64_t xs, c
         const float *rows[16];
         for (int64_t j = 0; j < K; j++)
             rows[j] = t + j < k1 ? pre[t + j] : x + (t + j - k1) * xs;
-        v16 *out = (v16 *)(y + t * C);
-        for (int64_t l = 0; l < nv; l++) {
-            v16 acc = ((const v16 *)rows[0])[l] * ((const v16 *)wt[0])[l];
-            for (int64_t j = 1; j < K; j++) acc += ((const v16 *)rows[j])[l] * ((const v16 *)wt[j])[l];
-            out[l] = vsilu(acc);
+        conv_row(rows, &wt[0][0], C, K, y + t * C);
+    }
+    return 0;
+}
+
+/* One decode step of the conv + SiLU for N rows, each on its own state in place (states:
+   [S, C, K-1], row n's at slots[n]; x: [N, C] at row stride xs; y: [N, C] contiguous): conv_row
+   over the row's K-1 state columns and x — the bits a chunk gives the same token — then the
+   state shifted by one with x appended. */
+int conv_step_f32(int64_t N, int64_t C, int64_t K, const float *x, int64_t xs, float *states,
+                  const int64_t *slots, const float *w, float *y)
+{
+    if (C < 16 || C % 16 || K < 2 || K > 16) return -1;
+    const int64_t k1 = K - 1;
+    float wt[K][C], win[k1][C];
+    const float *rows[16];
+    for (int64_t c = 0; c < C; c++)
+        for (int64_t j = 0; j < K; j++) wt[j][c] = w[c * K + j];
+    for (int64_t j = 0; j < k1; j++) rows[j] = win[j];
+    for (int64_t n = 0; n < N; n++) {
+        float *st = states + slots[n] * C * k1;
+        const float *xr = x + n * xs;
+        for (int64_t c = 0; c < C; c++)
+            for (int64_t j = 0; j < k1; j++) win[j][c] = st[c * k1 + j];
+        rows[k1] = xr;
+        conv_row(rows, &wt[0][0], C, K, y + n * C);
+        for (int64_t c = 0; c < C; c++) {
+            for (int64_t j = 0; j + 1 < k1; j++) st[c * k1 + j] = win[j + 1][c];
+            st[c * k1 + k1 - 1] = xr[c];
         }
     }
     return 0;
@@ -404,6 +442,9 @@ def _build() -> ctypes.CDLL:
     f.restype = ctypes.c_int
     f = lib.conv_silu_f32
     f.argtypes = [i64, i64, i64, fp, i64, fp, fp, fp, i64]
+    f.restype = ctypes.c_int
+    f = lib.conv_step_f32
+    f.argtypes = [i64, i64, i64, fp, i64, fp, fp, fp, fp]
     f.restype = ctypes.c_int
     f = lib.gated_norm_f32
     f.argtypes = [i64, i64, i64, fp, i64, fp, i64, i64, fp, ctypes.c_float, fp, i64]
@@ -567,6 +608,33 @@ def conv_silu(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tup
     if rc:
         raise ValueError(f"conv_silu_f32: unsupported shapes (C {c}, K {k})")
     return y, torch.cat([st.t(), x[t - min(t, k - 1):]], dim=0)[-(k - 1):].t().contiguous()
+
+
+def conv_step_slots(x: torch.Tensor, conv_states: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor
+                    ) -> torch.Tensor:
+    """``cpu_ops.conv_step_slots``'s contract in fp32 (x: [N, C] with contiguous rows; conv_states:
+    [S, C, K-1] fp32 contiguous, each row's state stepped in its slot in place; slots distinct;
+    weight: [C, K], 2 <= K <= 16; C a multiple of 16): y [N, C], the bits ``conv_silu`` gives the
+    same token in a chunk."""
+    lib = load()
+    f32 = torch.float32
+    n, c = x.shape
+    k = weight.shape[1]
+    if x.dtype != f32 or x.stride(1) != 1 or conv_states.dtype != f32 or not conv_states.is_contiguous() \
+            or conv_states.shape[1:] != (c, k - 1) or weight.shape != (c, k) or not fits(c) or not 2 <= k <= 16 \
+            or slots.shape != (n,):
+        raise ValueError(f"conv_step_slots takes fp32 rows [N, C] (C a multiple of 16), contiguous fp32 states "
+                         f"[S, C, K-1], weight [C, K] and N slots: x {tuple(x.shape)} {x.dtype}, states "
+                         f"{tuple(conv_states.shape)} {conv_states.dtype}, weight {tuple(weight.shape)}, "
+                         f"slots {tuple(slots.shape)}")
+    at = slots.to(torch.int64).contiguous()
+    w = weight.to(f32).contiguous()
+    y = torch.empty(n, c, dtype=f32)
+    rc = lib.conv_step_f32(n, c, k, x.data_ptr(), x.stride(0), conv_states.data_ptr(), at.data_ptr(), w.data_ptr(),
+                           y.data_ptr())
+    if rc:
+        raise ValueError(f"conv_step_f32: unsupported shapes (C {c}, K {k})")
+    return y
 
 
 def gated_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

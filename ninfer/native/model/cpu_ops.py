@@ -102,7 +102,12 @@ def conv_step_slots(x: torch.Tensor, conv_states: torch.Tensor, slots: torch.Ten
                     weight: torch.Tensor) -> torch.Tensor:
     """``gdn.causal_conv1d_step`` of N decode rows over their slots of ``conv_states`` [S, C, K-1]:
     the rows' states gathered, the new ones written back from a view of the window. x: [N, C];
-    weight: [C, K]. Returns y [N, C]."""
+    weight: [C, K]. Returns y [N, C]. In fp32 with the compiled kernel, one pass stepping each
+    row's state in place — the bits the compiled conv pass gives the same token in a chunk."""
+    if x.dtype == torch.float32 and x.stride(-1) == 1 and conv_states.dtype == torch.float32 \
+            and conv_states.is_contiguous() and cpu_kernel.fits(x.shape[-1]) and 2 <= weight.shape[1] <= 16 \
+            and cpu_kernel.available():
+        return cpu_kernel.conv_step_slots(x, conv_states, slots, weight)
     state = conv_states.index_select(0, slots)
     xs = torch.cat([state if state.dtype == x.dtype else state.to(x.dtype), x[:, :, None]], dim=2)   # [N, C, K]
     y = F.silu((xs * weight).sum(-1))

@@ -413,3 +413,32 @@ def test_the_cpu_path_runs_the_conv_and_the_gated_norm_passes_in_fp32():
     """The fp32 CPU path's GDN ops take the conv pass (float64 keeps ``BATCHED``'s torch conv)."""
     assert cpu_ops.gdn_ops().causal_conv1d is cpu_ops.kernel_causal_conv1d
     assert paths.CPU.gated_rms_norm is cpu_ops.gated_rms_norm
+
+
+def test_tokens_through_the_conv_step_equal_the_same_tokens_in_a_chunk():
+    """``conv_step_slots``: each decode row's conv + SiLU from its own slot's state, stepped in
+    place — the bits the chunk pass gives the same tokens (so a sequence's conv outputs are the
+    same whether its tokens came as a chunk or as decode steps, as the delta rule's are); other
+    slots untouched; the torch step agrees to rounding; the CPU path's decode rows take it in fp32."""
+    gen = torch.Generator().manual_seed(31)
+    t, c = 9, 512
+    x = (torch.randn(t, 776, generator=gen) * 2)[:, :c]
+    w, st0 = torch.randn(c, 4, generator=gen) * 0.5, torch.randn(c, 3, generator=gen)
+    chunk, chunk_state = cpu_kernel.conv_silu(x, st0, w)
+    states = torch.randn(5, c, 3, generator=gen)
+    states[3] = st0
+    others = states[[0, 1, 2, 4]].clone()
+    steps = torch.cat([cpu_ops.conv_step_slots(x[i:i + 1], states, torch.tensor([3]), w) for i in range(t)])
+    assert torch.equal(steps, chunk) and torch.equal(states[3], chunk_state)
+    assert torch.equal(states[[0, 1, 2, 4]], others)
+    # several rows at once, slots out of order, against the torch step
+    rows, slots = torch.randn(4, c, generator=gen), torch.tensor([4, 0, 2, 1])
+    before = states.clone()
+    got = cpu_ops.conv_step_slots(rows, states, slots, w)
+    want, want_states = gdn.causal_conv1d_step(rows, before.index_select(0, slots), w)
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
+    assert torch.equal(states.index_select(0, slots), want_states) and torch.equal(states[3], before[3])
+    # float64 (the oracle's dtype) keeps the torch step
+    s64 = before.double()
+    got64 = cpu_ops.conv_step_slots(rows.double(), s64, slots, w.double())
+    assert got64.dtype == torch.float64 and torch.equal(s64.index_select(0, slots), want_states.double())
