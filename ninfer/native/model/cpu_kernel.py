@@ -607,7 +607,8 @@ def conv_silu(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tup
                            torch.get_num_threads())
     if rc:
         raise ValueError(f"conv_silu_f32: unsupported shapes (C {c}, K {k})")
-    return y, torch.cat([st.t(), x[t - min(t, k - 1):]], dim=0)[-(k - 1):].t().contiguous()
+    window = torch.cat([st.t(), x[t - min(t, k - 1):]], dim=0)                 # the last inputs, oldest first
+    return y, window[window.shape[0] - (k - 1):].t().contiguous()
 
 
 def conv_step_slots(x: torch.Tensor, conv_states: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor
