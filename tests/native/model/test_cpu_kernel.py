@@ -341,14 +341,16 @@ def _threads(n: int, fn):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("taps", [4, 2, 1])
 @pytest.mark.parametrize("t", [1, 2, 3, 4, 130, 700])
-def test_the_conv_pass_equals_the_torch_conv_and_silu(t):
+def test_the_conv_pass_equals_the_torch_conv_and_silu(t, taps):
     """``conv_silu``: ``gdn.causal_conv1d``'s outputs to fp32 rounding (rows read in place at the
-    projection's stride; chunks shorter than the state included) and its new state bit for bit;
+    projection's stride; chunks shorter than the state included; 4, 2 and 1 taps — a one-tap
+    conv's state is empty) and its new state bit for bit;
     the rows split over threads give the one-thread bits."""
     gen = torch.Generator().manual_seed(t)
     y = torch.randn(t, 776, generator=gen) * 3
-    x, state, w = y[:, :512], torch.randn(512, 3, generator=gen), torch.randn(512, 4, generator=gen) * 0.5
+    x, state, w = y[:, :512], torch.randn(512, taps - 1, generator=gen), torch.randn(512, taps, generator=gen) * 0.5
     want, want_state = gdn.causal_conv1d(x, state, w)
     one = _threads(1, lambda: cpu_kernel.conv_silu(x, state, w))
     two = _threads(2, lambda: cpu_kernel.conv_silu(x, state, w))
