@@ -352,6 +352,36 @@ int conv_step_f32(int64_t N, int64_t C, int64_t K, const float *x, int64_t xs, f
     return 0;
 }
 
+/* An attention layer's q and k heads, RMS-normalised and rotated, into one [T, Hq + Hk, D]
+   buffer (fp32): each head's row y = (x r) s, r = 1 / sqrt(|x|^2 / D + eps), s the q or the k norm's
+   scale [D]; then RoPE on its first R values (R even, half = R / 2): y'[e] = y[e] cos[e] -
+   y[e + half] sin[e] below half, y[e] cos[e] + y[e - half] sin[e] from half to R. q at token
+   stride qt and head stride qh, k at (kt, kh); cos, sin: [T, R] at token stride ct. */
+int qk_norm_rope_f32(int64_t T, int64_t Hq, int64_t Hk, int64_t D, int64_t R, const float *q, int64_t qt,
+                     int64_t qh, const float *k, int64_t kt, int64_t kh, const float *qs, const float *ks,
+                     float eps, const float *cosv, const float *sinv, int64_t ct, float *out, int64_t threads)
+{
+    if (D < 1 || R < 0 || R > D || R % 2 || R > 1024) return -1;
+    const int64_t H = Hq + Hk, half = R / 2;
+#ifdef _OPENMP
+    #pragma omp parallel for schedule(static) num_threads((int)threads) if (threads > 1 && T * H * D >= 65536)
+#endif
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < H; h++) {
+            const float *x = h < Hq ? q + t * qt + h * qh : k + t * kt + (h - Hq) * kh;
+            const float *s = h < Hq ? qs : ks;
+            float *y = out + (t * H + h) * D;
+            const float r = 1.0f / sqrtf(dot(x, x, D) / (float)D + eps);
+            for (int64_t e = 0; e < D; e++) y[e] = (x[e] * r) * s[e];
+            const float *c = cosv + t * ct, *sn = sinv + t * ct;
+            float rot[1024];
+            for (int64_t e = 0; e < R; e++) rot[e] = y[e];
+            for (int64_t e = 0; e < half; e++) y[e] = rot[e] * c[e] + (-rot[e + half]) * sn[e];
+            for (int64_t e = half; e < R; e++) y[e] = rot[e] * c[e] + rot[e - half] * sn[e];
+        }
+    return 0;
+}
+
 /* The GDN output's gated RMSNorm, fp32: out[t, h] = (w (x r)) silu(z), r = 1 / sqrt(|x|^2 / E +
    eps) over each head's E values (E a multiple of 16). x: [T, H, E] at strides (xt, E); z at
    (zt, zh); out: [T, H, E] contiguous. */
@@ -445,6 +475,9 @@ def _build() -> ctypes.CDLL:
     f.restype = ctypes.c_int
     f = lib.conv_step_f32
     f.argtypes = [i64, i64, i64, fp, i64, fp, fp, fp, fp]
+    f.restype = ctypes.c_int
+    f = lib.qk_norm_rope_f32
+    f.argtypes = [i64, i64, i64, i64, i64, fp, i64, i64, fp, i64, i64, fp, fp, ctypes.c_float, fp, fp, i64, fp, i64]
     f.restype = ctypes.c_int
     f = lib.gated_norm_f32
     f.argtypes = [i64, i64, i64, fp, i64, fp, i64, i64, fp, ctypes.c_float, fp, i64]
@@ -654,4 +687,30 @@ def gated_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: f
                             w.data_ptr(), float(eps), out.data_ptr(), torch.get_num_threads())
     if rc:
         raise ValueError(f"gated_norm_f32: unsupported shapes (E {e})")
+    return out
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_scale: torch.Tensor, k_scale: torch.Tensor, eps: float,
+                 cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """An attention layer's q [T, Hq, D] and k [T, Hk, D] (fp32, each head's D values contiguous,
+    any token and head strides) RMS-normalised by their norms' scales [D] — ``cpu_ops.scaled_norm``'s
+    (x r) s — and rotated by cos, sin [T, 1, R] (``cpu_layers.rope_``: the first R values, R even),
+    in one pass into a new [T, Hq + Hk, D]: the q heads, then the k heads."""
+    lib = load()
+    f32 = torch.float32
+    t, hq, d = q.shape
+    hk, r = k.shape[1], cos.shape[-1]
+    if any(x.dtype != f32 for x in (q, k, q_scale, k_scale, cos, sin)) or q.stride(2) != 1 or k.stride(2) != 1 \
+            or k.shape[0] != t or k.shape[2] != d or q_scale.shape != (d,) or k_scale.shape != (d,) \
+            or cos.shape != (t, 1, r) or sin.shape != cos.shape or r % 2 or r > min(d, 1024) \
+            or cos.stride(2) != 1 or sin.stride() != cos.stride():
+        raise ValueError(f"qk_norm_rope takes fp32 q [T, Hq, D], k [T, Hk, D], scales [D] and cos, sin [T, 1, R] "
+                         f"(R even, at most D): q {tuple(q.shape)}, k {tuple(k.shape)}, cos {tuple(cos.shape)}")
+    qs, ks = q_scale.contiguous(), k_scale.contiguous()
+    out = torch.empty(t, hq + hk, d, dtype=f32)
+    rc = lib.qk_norm_rope_f32(t, hq, hk, d, r, q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0),
+                              k.stride(1), qs.data_ptr(), ks.data_ptr(), float(eps), cos.data_ptr(), sin.data_ptr(),
+                              cos.stride(0), out.data_ptr(), torch.get_num_threads())
+    if rc:
+        raise ValueError(f"qk_norm_rope_f32: unsupported shapes (D {d}, R {r})")
     return out

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ninfer.native.model import cpu_kernel
 from ninfer.native.model.cpu_ops import norm_scale, scaled_norm
 from ninfer.native.model.fp8 import linear
 from ninfer.native.model.moe import MoeWeights
@@ -80,6 +81,16 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     rot = x[..., :r]
     rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
     rot.mul_(cos).addcmul_(rotated, sin)
+
+
+def _norm_rope_pass(q: torch.Tensor, f, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether an attention layer's q / k norms and RoPE take ``cpu_kernel.qk_norm_rope``: fp32
+    q, scales and rotary tables in layouts it reads (else the torch ops, never an error), the kernel
+    built; float64 (the oracle's dtype) and bf16 keep the torch ops."""
+    r = cos.shape[-1]
+    return (q.dtype == torch.float32 and f.q_norm.dtype == torch.float32 and f.k_norm.dtype == torch.float32
+            and cos.dtype == torch.float32 and sin.dtype == torch.float32 and r % 2 == 0 and r <= min(q.shape[-1], 1024)
+            and q.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride() == cos.stride() and cpu_kernel.available())
 
 
 def _plain(*ws) -> bool:
@@ -180,8 +191,11 @@ def attention(model, w, f: CpuAttention, x: torch.Tensor, cos: torch.Tensor, sin
     k = qkv[:, f.q_rows:f.q_rows + f.kv_rows].view(t, -1, d)
     v = qkv[:, f.q_rows + f.kv_rows:].view(t, -1, d)
     eps, zc = c.rms_norm_eps, c.zero_centered_norm
-    qk = torch.cat([scaled_norm(q, f.q_norm, eps, zc), scaled_norm(k, f.k_norm, eps, zc)], dim=1)
-    rope_(qk, cos, sin)
+    if _norm_rope_pass(q, f, cos, sin):      # fp32: norms and RoPE in one compiled pass
+        qk = cpu_kernel.qk_norm_rope(q, k, f.q_norm, f.k_norm, eps, cos, sin)
+    else:
+        qk = torch.cat([scaled_norm(q, f.q_norm, eps, zc), scaled_norm(k, f.k_norm, eps, zc)], dim=1)
+        rope_(qk, cos, sin)
     q, k = qk[:, :h], qk[:, h:]
     model.path.write_kv(cache.k[j], cache.v[j], batch.slot_mapping, k, v)
     out = model.path.attention(q, cache.k[j], cache.v[j], batch, d ** -0.5).reshape(t, -1)

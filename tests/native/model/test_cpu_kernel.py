@@ -444,3 +444,45 @@ def test_tokens_through_the_conv_step_equal_the_same_tokens_in_a_chunk():
     s64 = before.double()
     got64 = cpu_ops.conv_step_slots(rows.double(), s64, slots, w.double())
     assert got64.dtype == torch.float64 and torch.equal(s64.index_select(0, slots), want_states.double())
+
+
+@pytest.mark.parametrize("t, rot", [(1, 16), (9, 16), (300, 64), (70, 0)])
+@pytest.mark.parametrize("zero_centered", [True, False])
+def test_the_qk_norm_rope_pass_equals_the_torch_norms_and_rope(t, rot, zero_centered):
+    """``qk_norm_rope``: an attention layer's q heads (read in place from the q|gate rows) and k
+    heads RMS-normalised by their scales and rotated on their first R values (partial, whole and
+    none), into one buffer — ``scaled_norm`` twice, the concatenation and ``rope_`` to fp32
+    rounding (a head whose mean square is eps's size included); threads give the same bits; the
+    CPU path's attention takes it in fp32 only."""
+    from ninfer.native.model import cpu_layers
+    gen = torch.Generator().manual_seed(200 + t + rot)
+    qkv = torch.randn(t, 1024, generator=gen)
+    q, k = qkv[:, :512].view(t, 4, 128)[..., :64], qkv[:, 512:640].view(t, 2, 64)
+    q[:, 2] *= 1e-3                                 # a head whose mean square is eps's size
+    w_q, w_k = torch.randn(64, generator=gen) * 0.1, torch.randn(64, generator=gen) * 0.1
+    qs, ks = (cpu_ops.norm_scale(w, torch.float32, zero_centered) for w in (w_q, w_k))
+    ang = torch.rand(t, 1, rot // 2, generator=gen) * 6
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+    want = torch.cat([cpu_ops.scaled_norm(q, qs, 1e-6, zero_centered), cpu_ops.scaled_norm(k, ks, 1e-6, zero_centered)],
+                     dim=1)
+    cpu_layers.rope_(want, cos, sin)
+    one = _threads(1, lambda: cpu_kernel.qk_norm_rope(q, k, qs, ks, 1e-6, cos, sin))
+    two = _threads(2, lambda: cpu_kernel.qk_norm_rope(q, k, qs, ks, 1e-6, cos, sin))
+    torch.testing.assert_close(one, want, rtol=2e-6, atol=2e-6)
+    assert torch.equal(one, two)
+    f = cpu_layers.CpuAttention.__new__(cpu_layers.CpuAttention)
+    f.q_norm, f.k_norm = qs, ks
+    assert cpu_layers._norm_rope_pass(q, f, cos, sin)
+    assert not cpu_layers._norm_rope_pass(q.double(), f, cos, sin)
+    assert not cpu_layers._norm_rope_pass(q, f, cos, torch.cat([ang.sin(), ang.sin()], 1).transpose(1, 2))
+    f.q_norm, f.k_norm = qs.double(), ks.double()
+    assert not cpu_layers._norm_rope_pass(q.double(), f, cos.double(), sin.double())
+
+
+def test_the_qk_norm_rope_pass_refuses_what_it_cannot_take():
+    q, k, s = torch.randn(3, 4, 64), torch.randn(3, 2, 64), torch.ones(64)
+    cos = sin = torch.ones(3, 1, 16)
+    for args, why in (((q.double(), k, s, s, 1e-6, cos, sin), "fp32"), ((q, k, s, s, 1e-6, cos[..., :15], sin[..., :15]), "even"),
+                      ((q, k[:2], s, s, 1e-6, cos, sin), "fp32")):
+        with pytest.raises(ValueError, match="qk_norm_rope takes"):
+            cpu_kernel.qk_norm_rope(*args)
