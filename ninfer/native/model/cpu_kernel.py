@@ -403,6 +403,128 @@ int gated_norm_f32(int64_t T, int64_t H, int64_t E, const float *x, int64_t xt, 
         }
     return 0;
 }
+/* ---- a MoE's routed experts over a chunk's tokens (fp32) ---- */
+
+#define MR 8       /* a block's rows (token, expert) pairs */
+
+/* c[r][0..N) = sum_j a[r][j] b[j][0..N), j ascending, for the MR rows of a (a: [MR][Kd]
+   contiguous; b: [Kd][N]; N a multiple of 16): each output one running sum, so a row's result
+   does not depend on the other rows of its block. Two 16-float columns at a time: 16 sums in
+   registers, each b vector read once for the MR rows. */
+static void gemm_block(int64_t Kd, int64_t N, const float *restrict a, const float *restrict b, float *restrict c)
+{
+    const v16 zero = {0.0f};
+    int64_t col = 0;
+    for (; col + 32 <= N; col += 32) {
+        v16 acc[MR][2];
+        for (int r = 0; r < MR; r++) { acc[r][0] = zero; acc[r][1] = zero; }
+        for (int64_t j = 0; j < Kd; j++) {
+            const v16 b0 = *(const v16 *)(b + j * N + col), b1 = *(const v16 *)(b + j * N + col + 16);
+            for (int r = 0; r < MR; r++) {
+                const float ar = a[r * Kd + j];
+                acc[r][0] += ar * b0;
+                acc[r][1] += ar * b1;
+            }
+        }
+        for (int r = 0; r < MR; r++) {
+            *(v16 *)(c + r * N + col) = acc[r][0];
+            *(v16 *)(c + r * N + col + 16) = acc[r][1];
+        }
+    }
+    for (; col < N; col += 16) {
+        v16 acc[MR];
+        for (int r = 0; r < MR; r++) acc[r] = zero;
+        for (int64_t j = 0; j < Kd; j++) {
+            const v16 b0 = *(const v16 *)(b + j * N + col);
+            for (int r = 0; r < MR; r++) acc[r] += a[r * Kd + j] * b0;
+        }
+        for (int r = 0; r < MR; r++) *(v16 *)(c + r * N + col) = acc[r];
+    }
+}
+
+/* The routed experts of a MoE layer over T tokens, added into out [T, H] (the shared expert's
+   output): token t's slot j goes to expert top_i[t, j] with weight top_w[t, j]. The (token, slot)
+   pairs are ordered by expert, stably (a counting sort: torch.argsort(top_i.view(-1), stable=True));
+   each expert's pairs in blocks of MR rows:
+       gu = x_t W_gu^T        (gu_t: [E][H][2I], expert e's gate_up transposed: gate then up)
+       h  = silu(gu[:I]) * gu[I:]
+       y  = (h W_d^T) w       (d_t: [E][I][H], its down transposed)
+   into y [T k, H] at the pair's sorted place; then out[t] += y of t's pairs in sorted order
+   (ascending expert), as index_add_ adds them. H and I multiples of 16, at most 4096 (a block's
+   rows live on the stack); work: 4 T k + 3 E + 1 int64. Blocks split over the caller's threads;
+   a row's sums never depend on its block. */
+int moe_routed_f32(int64_t T, int64_t H, int64_t I, int64_t E, int64_t K, const float *x, int64_t xs,
+                   const int64_t *top_i, const float *top_w, const float *gu_t, const float *d_t,
+                   float *out, float *y, int64_t *work, int64_t threads)
+{
+    if (H < 16 || H % 16 || H > 4096 || I < 16 || I % 16 || I > 4096 || E < 1 || E > 4096 || K < 1 || K > 64
+        || T < 0) return -1;
+    const int64_t P = T * K;
+    int64_t *order = work, *pos = work + P, *first = work + 2 * P;    /* first: E + 1 */
+    for (int64_t e = 0; e <= E; e++) first[e] = 0;
+    for (int64_t p = 0; p < P; p++) {
+        const int64_t e = top_i[p];
+        if (e < 0 || e >= E) return -2;
+        first[e + 1]++;
+    }
+    for (int64_t e = 0; e < E; e++) first[e + 1] += first[e];
+    {
+        int64_t fill[E];
+        for (int64_t e = 0; e < E; e++) fill[e] = first[e];
+        for (int64_t p = 0; p < P; p++) {
+            const int64_t s = fill[top_i[p]]++;
+            order[s] = p;
+            pos[p] = s;
+        }
+    }
+    int64_t nblk = 0;
+    for (int64_t e = 0; e < E; e++) nblk += (first[e + 1] - first[e] + MR - 1) / MR;
+    int64_t *blk_e = first + E + 1, *blk_s = blk_e + P + E;           /* nblk <= P + E each */
+    nblk = 0;
+    for (int64_t e = 0; e < E; e++)
+        for (int64_t s = first[e]; s < first[e + 1]; s += MR) { blk_e[nblk] = e; blk_s[nblk] = s; nblk++; }
+#ifdef _OPENMP
+    #pragma omp parallel for schedule(static) num_threads((int)threads) if (threads > 1 && nblk >= 8)
+#endif
+    for (int64_t b = 0; b < nblk; b++) {
+        const int64_t e = blk_e[b], s0 = blk_s[b];
+        const int64_t n = first[e + 1] - s0 < MR ? first[e + 1] - s0 : MR;
+        float xb[MR * H], gu[MR * 2 * I], hb[MR * I], yb[MR * H];
+        for (int64_t r = 0; r < MR; r++)
+            if (r < n) memcpy(xb + r * H, x + (order[s0 + r] / K) * xs, (size_t)H * sizeof(float));
+            else memset(xb + r * H, 0, (size_t)H * sizeof(float));
+        gemm_block(H, 2 * I, xb, gu_t + e * H * 2 * I, gu);
+        for (int64_t r = 0; r < MR; r++)
+            for (int64_t l = 0; l < I / 16; l++) {
+                const v16 g = *(const v16 *)(gu + r * 2 * I + 16 * l), u = *(const v16 *)(gu + r * 2 * I + I + 16 * l);
+                *(v16 *)(hb + r * I + 16 * l) = vsilu(g) * u;
+            }
+        gemm_block(I, H, hb, d_t + e * I * H, yb);
+        for (int64_t r = 0; r < n; r++) {
+            const float w = top_w[order[s0 + r]];
+            v16 *dst = (v16 *)(y + (s0 + r) * H);
+            const v16 *src = (const v16 *)(yb + r * H);
+            for (int64_t l = 0; l < H / 16; l++) dst[l] = src[l] * w;
+        }
+    }
+#ifdef _OPENMP
+    #pragma omp parallel for schedule(static) num_threads((int)threads) if (threads > 1 && T * H >= 65536)
+#endif
+    for (int64_t t = 0; t < T; t++) {
+        int64_t ps[64];
+        for (int64_t j = 0; j < K; j++) {             /* t's places, ascending (insertion sort) */
+            int64_t v = pos[t * K + j], i = j;
+            for (; i > 0 && ps[i - 1] > v; i--) ps[i] = ps[i - 1];
+            ps[i] = v;
+        }
+        v16 *o = (v16 *)(out + t * H);
+        for (int64_t j = 0; j < K; j++) {
+            const v16 *src = (const v16 *)(y + ps[j] * H);
+            for (int64_t l = 0; l < H / 16; l++) o[l] += src[l];
+        }
+    }
+    return 0;
+}
 """
 
 _lock = threading.Lock()
@@ -481,6 +603,9 @@ def _build() -> ctypes.CDLL:
     f.restype = ctypes.c_int
     f = lib.gated_norm_f32
     f.argtypes = [i64, i64, i64, fp, i64, fp, i64, i64, fp, ctypes.c_float, fp, i64]
+    f.restype = ctypes.c_int
+    f = lib.moe_routed_f32
+    f.argtypes = [i64, i64, i64, i64, i64, fp, i64, fp, fp, fp, fp, fp, fp, fp, i64]
     f.restype = ctypes.c_int
     f = lib.gdn_step_f32
     f.argtypes = [i64, i64, i64, i64, i64, fp, fp, fp, i64, i64, i64, fp, fp, fp, fp, fp]
@@ -713,4 +838,46 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_scale: torch.Tensor, k_scal
                               cos.stride(0), out.data_ptr(), torch.get_num_threads())
     if rc:
         raise ValueError(f"qk_norm_rope_f32: unsupported shapes (D {d}, R {r})")
+    return out
+
+
+def moe_fits(hidden: int, inter: int) -> bool:
+    """Whether ``moe_routed`` takes a MoE of this hidden size and expert width: whole 16-float
+    vectors, at most 4,096 (a block's rows live on the stack); a caller keeps the torch form."""
+    return fits(hidden) and fits(inter) and hidden <= 4096 and inter <= 4096
+
+
+def moe_routed(x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate_up_t: torch.Tensor,
+               down_t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """A MoE layer's routed experts over x [T, H] (fp32, contiguous rows, any row stride), added into
+    ``out`` [T, H] (fp32, contiguous: the shared expert's output) and returned: token t's k experts
+    top_i [T, k] with weights top_w [T, k] (fp32); gate_up_t: [E, H, 2I] (each expert's gate_up
+    transposed: gate columns, then up), down_t: [E, I, H] (its down transposed), both contiguous
+    fp32. ``cpu_ops.grouped_moe``'s contract: the pairs ordered by expert (stably), each expert's
+    SwiGLU, its output scaled by the pair's weight and added into its token's row in that order."""
+    lib = load()
+    f32 = torch.float32
+    t, h = x.shape
+    e, i = down_t.shape[0], down_t.shape[1]
+    k = top_i.shape[1] if top_i.dim() == 2 else -1
+    if x.dtype != f32 or x.stride(1) != 1 or top_i.shape != (t, k) or top_w.shape != (t, k) \
+            or top_w.dtype != f32 or gate_up_t.shape != (e, h, 2 * i) or down_t.shape != (e, i, h) \
+            or gate_up_t.dtype != f32 or down_t.dtype != f32 or not gate_up_t.is_contiguous() \
+            or not down_t.is_contiguous() or out.shape != (t, h) or out.dtype != f32 or not out.is_contiguous() \
+            or not moe_fits(h, i) or not 1 <= k <= 64:
+        raise ValueError(f"moe_routed takes fp32 x [T, H], top_i / top_w [T, k], gate_up_t [E, H, 2I], down_t "
+                         f"[E, I, H] and out [T, H] (H, I multiples of 16 up to 4096): x {tuple(x.shape)} {x.dtype}, "
+                         f"top_i {tuple(top_i.shape)}, gate_up_t {tuple(gate_up_t.shape)}, down_t "
+                         f"{tuple(down_t.shape)}, out {tuple(out.shape)}")
+    ids = top_i.to(torch.int64).contiguous()
+    w = top_w.contiguous()
+    y = torch.empty(t * k, h, dtype=f32)
+    work = torch.empty(4 * t * k + 3 * e + 1, dtype=torch.int64)
+    rc = lib.moe_routed_f32(t, h, i, e, k, x.data_ptr(), x.stride(0), ids.data_ptr(), w.data_ptr(),
+                            gate_up_t.data_ptr(), down_t.data_ptr(), out.data_ptr(), y.data_ptr(), work.data_ptr(),
+                            torch.get_num_threads())
+    if rc == -2:
+        raise ValueError(f"moe_routed_f32: an expert id outside [0, {e})")
+    if rc:
+        raise ValueError(f"moe_routed_f32: unsupported shapes (H {h}, I {i}, E {e}, k {k})")
     return out

@@ -349,7 +349,7 @@ class HybridModel:
                 x, f.post_norm, eps, zc)
             if not isinstance(layer.mlp, MoeWeights):
                 x = x + silu_mlp(h, *layer.mlp)
-            elif f is not None and f.moe is not None and cpu_ops.dense_moe_fits(h, layer.mlp):
+            elif f is not None and f.moe is not None and cpu_ops.takes_dense_moe(h, layer.mlp):
                 x = x + cpu_layers.dense_moe(h, layer.mlp, f.moe)
             else:
                 x = x + self.path.moe(h, layer.mlp, False)

@@ -32,6 +32,7 @@ class MoeWeights:
     shared_gate: torch.Tensor | None = None
     down_cat: torch.Tensor | None = None          # the CPU's dense form: ``down`` side by side [H, E*I], derived once
     shared_cat: torch.Tensor | None = None        # the CPU's grouped form: the shared gate | up | gate rows, derived once
+    routed_t: tuple | None = None                 # the CPU kernel's (key, gate_up^T, down^T): derived, cpu_ops
 
 
 def route(x: torch.Tensor, w: MoeWeights) -> tuple[torch.Tensor, torch.Tensor]:

@@ -348,7 +348,7 @@ class CpuPath(BatchedPath):
     def moe(self, x, w, static):
         if static:
             return sparse_moe(x, w, static)
-        if cpu_ops.dense_moe_fits(x, w):
+        if cpu_ops.takes_dense_moe(x, w):
             return cpu_ops.dense_moe(x, w)         # few rows: two matmuls over all experts
         return cpu_ops.grouped_moe(x, w)           # grouped by expert, fewer passes
 

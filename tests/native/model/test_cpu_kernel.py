@@ -487,3 +487,147 @@ def test_the_qk_norm_rope_pass_refuses_what_it_cannot_take():
                  (q, k[:2], s, s, 1e-6, cos, sin)):                         # k of another length
         with pytest.raises(ValueError, match="qk_norm_rope takes"):
             cpu_kernel.qk_norm_rope(*args)
+
+
+# ---- a MoE layer's routed experts (``moe_routed``, through ``cpu_ops.grouped_moe``) ----
+
+def _moe(e: int = 8, h: int = 128, i: int = 64, k: int = 2, seed: int = 0, shared: bool = True, dtype=torch.float32):
+    from ninfer.native.model.moe import MoeWeights
+    gen = torch.Generator().manual_seed(seed)
+
+    def r(*shape):
+        return (torch.randn(*shape, generator=gen) * 0.1).to(dtype)
+    return MoeWeights(router=r(e, h), gate_up=r(e, 2 * i, h), down=r(e, h, i), top_k=k, norm_topk_prob=True,
+                      shared_gate_proj=r(i, h) if shared else None, shared_up_proj=r(i, h) if shared else None,
+                      shared_down_proj=r(h, i) if shared else None, shared_gate=r(1, h) if shared else None)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 65, 300, 2000])
+@pytest.mark.parametrize("shape", [(8, 128, 64, 2, True), (4, 48, 32, 3, True), (6, 64, 16, 1, False)],
+                         ids=["tiny-model", "tail-columns-k3", "no-shared-k1"])
+def test_the_routed_experts_pass_equals_the_torch_forms(rows, shape, monkeypatch):
+    """``grouped_moe`` through the compiled pass: float64 ``sparse_moe`` on the same inputs to fp32
+    rounding, and no worse than the torch form it replaces (the padded batched products, or
+    ``sparse_moe`` without a shared expert) — block edges (7, 8, 9 rows of 8-row blocks), a width
+    that is not a multiple of 32 (48: a 16-float tail), three and one experts a token, no shared
+    expert."""
+    from ninfer.native.model.moe import MoeWeights, sparse_moe
+    e, h, i, k, shared = shape
+    w = _moe(e, h, i, k, seed=rows, shared=shared)
+    x = torch.randn(rows, h, generator=torch.Generator().manual_seed(rows + 1))
+    assert cpu_ops.routed_kernel_fits(x, w)
+    calls = []
+    real = cpu_kernel.moe_routed
+    monkeypatch.setattr(cpu_kernel, "moe_routed", lambda *a: calls.append(1) or real(*a))
+    got = cpu_ops.grouped_moe(x, w)
+    assert calls == [1] and got.dtype == torch.float32 and got.shape == x.shape
+    w64 = MoeWeights(**{f: (getattr(w, f).double() if isinstance(getattr(w, f), torch.Tensor) else getattr(w, f))
+                        for f in ("router", "gate_up", "down", "top_k", "norm_topk_prob", "shared_gate_proj",
+                                  "shared_up_proj", "shared_down_proj", "shared_gate")})
+    truth = sparse_moe(x.double(), w64)
+    monkeypatch.setattr(cpu_kernel, "available", lambda: False)
+    torch_form = cpu_ops.grouped_moe(x, w)
+    err = (got.double() - truth).abs().max()
+    assert err / truth.abs().max() < 2e-6                       # fp32 rounding of the largest output
+    assert err <= 4 * (torch_form.double() - truth).abs().max() + 1e-7
+
+
+def test_a_tokens_routed_output_does_not_depend_on_its_batch_or_the_threads():
+    """Each (token, expert) row of the pass is its own running sums, and a token's experts are added
+    in one order, so a token's routed output is the same bits alone, in any batch, in any order of
+    the batch, and on 1, 2 or 3 threads. (Only the pass: torch's products before it — the router,
+    the shared expert — may round a row differently in a batch of another size.)"""
+    from ninfer.native.model.moe import route
+    w = _moe(seed=5)
+    x = torch.randn(300, 128, generator=torch.Generator().manual_seed(6))
+    top_w, top_i = route(x, w)
+    gu, down = cpu_ops._routed_transposed(w)
+
+    def routed(rows):
+        return cpu_kernel.moe_routed(x[rows], top_i[rows], top_w[rows], gu, down, torch.zeros(len(rows), 128))
+    every = list(range(300))
+    before = torch.get_num_threads()
+    runs = {}
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            runs[n] = routed(every)
+        torch.set_num_threads(2)
+        perm = torch.randperm(300, generator=torch.Generator().manual_seed(7)).tolist()
+        shuffled = routed(perm)
+        alone = torch.cat([routed([r]) for r in (0, 9, 150, 299)])
+        part = routed(list(range(100, 117)))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(runs[1], runs[2]) and torch.equal(runs[1], runs[3])
+    assert torch.equal(shuffled, runs[2][perm])
+    assert torch.equal(alone, runs[2][[0, 9, 150, 299]])
+    assert torch.equal(part, runs[2][100:117])
+
+
+def test_the_routed_outputs_are_added_in_ascending_expert_order():
+    """A token's experts' outputs are added into the shared output in the experts' ascending
+    order — ``index_add_`` over the pairs sorted by expert — whatever order top-k gave them. Exact
+    integers where the order decides the rounding: 2^24 + 1 + 2 = 2^24 + 2, 2^24 + 2 + 1 = 2^24 + 4
+    in fp32; each expert's weight scales its output."""
+    e, h, i = 4, 16, 16
+    gu = torch.zeros(e, h, 2 * i)
+    gu[:, 0, :i] = 128.0                       # gate 128 on every column: silu(128) = 128 exactly
+    for x_ in range(e):
+        gu[x_, 0, i:] = float(x_)              # up: the expert's number
+    down = torch.zeros(e, i, h)
+    down[:, 0, :] = 1.0 / 128.0                # y = 128 * u / 128 = u, on every column
+    x = torch.zeros(3, h)
+    x[:, 0] = 1.0
+    top_i = torch.tensor([[3, 1], [1, 3], [2, 0]])
+    top_w = torch.tensor([[2.0, 1.0], [1.0, 2.0], [1.0, 1.0]])
+    base = torch.full((3, h), 2.0 ** 24)
+    got = cpu_kernel.moe_routed(x, top_i, top_w, gu, down, base.clone())
+    # expert 1 (x1) then expert 3 (x2 = 6): 2^24 + 1 -> 2^24, + 6 -> 2^24 + 6 (the other order: 2^24 + 8)
+    assert got[0].eq(2.0 ** 24 + 6).all() and got[1].eq(2.0 ** 24 + 6).all()
+    assert got[2].eq(2.0 ** 24 + 2).all()                     # expert 0 adds 0, expert 2 adds 2
+    order = torch.argsort(top_i.view(-1), stable=True)
+    y = (torch.tensor([3.0, 1.0, 1.0, 3.0, 2.0, 0.0]) * top_w.view(-1))[order][:, None].expand(-1, h)
+    assert torch.equal(got, base.clone().index_add_(0, order // 2, y))
+
+
+def test_the_routed_weights_layout_follows_a_changed_weight():
+    """The transposed copies the pass reads are built once per layer and built again when an
+    expert weight is changed in place or replaced."""
+    w = _moe(seed=8)
+    x = torch.randn(40, 128, generator=torch.Generator().manual_seed(9))
+    a = cpu_ops.grouped_moe(x, w)
+    kept = w.routed_t
+    assert torch.equal(cpu_ops.grouped_moe(x, w), a) and w.routed_t is kept
+    w.gate_up.mul_(2.0)
+    b = cpu_ops.grouped_moe(x, w)
+    assert w.routed_t is not kept and not torch.equal(a, b)
+    w.down = w.down * 0.5
+    c = cpu_ops.grouped_moe(x, w)
+    w.routed_t = None
+    assert torch.equal(c, cpu_ops.grouped_moe(x, w))
+
+
+def test_the_routed_pass_refuses_what_it_cannot_take():
+    """Widths that are not whole vectors, other dtypes and devices keep the torch forms; shapes
+    that disagree and expert ids out of range are an error before anything is written."""
+    w = _moe(e=4, h=40, i=32, seed=10)
+    x = torch.randn(5, 40)
+    assert not cpu_ops.routed_kernel_fits(x, w)                  # H = 40: not whole vectors
+    assert not cpu_ops.routed_kernel_fits(torch.randn(5, 128).double(), _moe(dtype=torch.float64))
+    assert not cpu_ops.routed_kernel_fits(torch.randn(5, 128).bfloat16(), _moe(dtype=torch.bfloat16))
+    assert not cpu_ops.routed_kernel_fits(torch.randn(5, 128), _moe(i=24))
+    gu, down = torch.zeros(4, 128, 64), torch.zeros(4, 32, 128)
+    x, out = torch.randn(5, 128), torch.zeros(5, 128)
+    ids, wts = torch.zeros(5, 2, dtype=torch.int64), torch.ones(5, 2)
+    for bad in [dict(x=x.double()), dict(out=torch.zeros(4, 128)), dict(top_w=torch.ones(5, 3)),
+                dict(gu=torch.zeros(4, 128, 60)), dict(down=torch.zeros(3, 32, 128)),
+                dict(gu=torch.zeros(4, 64, 128).transpose(1, 2))]:
+        a = dict(x=x, top_i=ids, top_w=wts, gu=gu, down=down, out=out)
+        a.update(bad)
+        with pytest.raises(ValueError):
+            cpu_kernel.moe_routed(a["x"], a["top_i"], a["top_w"], a["gu"], a["down"], a["out"])
+    before = out.clone()
+    with pytest.raises(ValueError, match="expert id"):
+        cpu_kernel.moe_routed(x, torch.full((5, 2), 4), wts, gu, down, out)
+    assert torch.equal(out, before)

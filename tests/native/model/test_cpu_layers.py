@@ -63,25 +63,35 @@ def test_only_the_cpu_path_fuses(tiny_model):
     assert all(layer.cpu is None for layer in prepared(tiny_model, "float64").model.layers)
 
 
-def test_the_cpu_forward_runs_the_fused_layers(tiny_model, monkeypatch):
-    """The CPU path's forward runs ``cpu_layers`` for every layer (decode rows: the dense MoE);
-    with another path set on the same model, none of them."""
+@pytest.mark.parametrize("kernel", [True, False], ids=["routed-kernel", "no-kernel"])
+def test_the_cpu_forward_runs_the_fused_layers(tiny_model, monkeypatch, kernel):
+    """The CPU path's forward runs ``cpu_layers`` for every layer; decode rows' MoE through the
+    compiled routed-experts pass where it is built (``cpu_ops.takes_dense_moe``: faster than the
+    dense form at every row count), else the dense form. With another path set on the same model,
+    none of them."""
+    from ninfer.native.model import cpu_kernel
     prep = prepared(tiny_model, "float32")
-    calls = {"attention": 0, "gdn": 0, "dense_moe": 0}
+    if not kernel:
+        monkeypatch.setattr(cpu_kernel, "available", lambda: False)
+    elif not cpu_kernel.available():
+        pytest.skip(f"no CPU kernel: {cpu_kernel.why()}")
+    calls = {"attention": 0, "gdn": 0, "dense_moe": 0, "moe_routed": 0}
     for name in calls:
-        real = getattr(cpu_layers, name)
+        owner = cpu_kernel if name == "moe_routed" else cpu_layers
+        real = getattr(owner, name)
 
         def counted(*a, _real=real, _name=name, **k):
             calls[_name] += 1
             return _real(*a, **k)
-        monkeypatch.setattr(cpu_layers, name, counted)
+        monkeypatch.setattr(owner, name, counted)
     cfg = prep.model.cfg
+    n = cfg.num_hidden_layers
     prep.run(paths.CPU, prep.step(8, False))
     assert calls == {"attention": len(cfg.attention_layers), "gdn": len(cfg.linear_layers),
-                     "dense_moe": cfg.num_hidden_layers}
-    calls.update(attention=0, gdn=0, dense_moe=0)
+                     "dense_moe": 0 if kernel else n, "moe_routed": n if kernel else 0}
+    calls.update(attention=0, gdn=0, dense_moe=0, moe_routed=0)
     prep.run(paths.PER_SEQUENCE, prep.step(8, False))
-    assert calls == {"attention": 0, "gdn": 0, "dense_moe": 0}
+    assert calls == {"attention": 0, "gdn": 0, "dense_moe": 0, "moe_routed": 0}
 
 
 @pytest.mark.parametrize("slots", [[2, 3, 4], [4, 2, 3]], ids=["run", "scattered"])

@@ -116,15 +116,19 @@ def test_dense_moe_equals_sparse_moe(tiny_model, dtype, rows):
         assert (got.double() - truth).abs().mean() <= 1.25 * (ref.double() - truth).abs().mean()
 
 
-@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("dtype, kernel", [(d, True) for d in DTYPES] + [("float32", False)],
+                         ids=[*DTYPES, "float32-no-kernel"])
 @pytest.mark.parametrize("rows", [1, 65, 300, 2000])
-def test_grouped_moe_equals_sparse_moe(tiny_model, dtype, rows):
-    """``cpu_ops.grouped_moe`` (what the CPU path runs past ``dense_moe_fits``): the routing
-    weight before the down product, the shared expert's projections as one matmul, the routed
-    rows added into its output — ``sparse_moe`` to rounding; in bf16 no worse against float64
-    math on the same inputs and weights. Every layer's weights (each routes differently)."""
-    from ninfer.native.model import cpu_ops
+def test_grouped_moe_equals_sparse_moe(tiny_model, dtype, kernel, rows, monkeypatch):
+    """``cpu_ops.grouped_moe`` (what the CPU path runs past ``takes_dense_moe``): the shared
+    expert's projections as one matmul, the routed rows added into its output — in fp32 by the
+    compiled pass (``cpu_kernel.moe_routed``) or, without it, the padded batched products —
+    ``sparse_moe`` to rounding; in bf16 no worse against float64 math on the same inputs and
+    weights. Every layer's weights (each routes differently)."""
+    from ninfer.native.model import cpu_kernel, cpu_ops
     from ninfer.native.model.moe import sparse_moe
+    if not kernel:
+        monkeypatch.setattr(cpu_kernel, "available", lambda: False)
     model, model64 = prepared(tiny_model, dtype).model, prepared(tiny_model, "float64").model
     x = torch.randn(rows, model.cfg.hidden_size, generator=torch.Generator().manual_seed(rows)).to(DTYPES[dtype])
     for layer, layer64 in zip(model.layers, model64.layers):
@@ -137,7 +141,7 @@ def test_grouped_moe_equals_sparse_moe(tiny_model, dtype, rows):
             truth = sparse_moe(x.double(), layer64.mlp)
             assert (got.double() - truth).abs().mean() <= 1.25 * (ref.double() - truth).abs().mean()
     rows_path = paths.CPU.moe(x, model.layers[0].mlp, False)      # past the dense form's reach: this one
-    if not cpu_ops.dense_moe_fits(x, model.layers[0].mlp):
+    if not cpu_ops.takes_dense_moe(x, model.layers[0].mlp):
         assert torch.equal(rows_path, cpu_ops.grouped_moe(x, model.layers[0].mlp))
 
 
@@ -161,18 +165,26 @@ def test_delta_rule_step_equals_the_recurrent_rule(dtype, heads):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_grouped_moe_takes_the_padded_form_in_fp32(tiny_model, dtype, monkeypatch):
-    """In fp32 the routed experts run as two batched products over zero-padded bands
-    (``cpu_ops._experts_padded``), once per call; other dtypes keep the per-expert loop (a
-    half-precision batched product builds a kernel per new shape on the CPU)."""
-    from ninfer.native.model import cpu_ops
+@pytest.mark.parametrize("kernel", [True, False], ids=["routed-kernel", "no-kernel"])
+def test_grouped_moe_takes_the_kernel_or_the_padded_form_in_fp32(tiny_model, dtype, kernel, monkeypatch):
+    """In fp32 the routed experts run in the compiled pass (``cpu_kernel.moe_routed``) where it is
+    built, else as two batched products over zero-padded bands (``cpu_ops._experts_padded``), once
+    per call; other dtypes keep the per-expert loop (a half-precision batched product builds a
+    kernel per new shape on the CPU)."""
+    from ninfer.native.model import cpu_kernel, cpu_ops
+    if not kernel:
+        monkeypatch.setattr(cpu_kernel, "available", lambda: False)
+    elif not cpu_kernel.available():
+        pytest.skip(f"no CPU kernel: {cpu_kernel.why()}")
     calls = []
-    real = cpu_ops._experts_padded
-    monkeypatch.setattr(cpu_ops, "_experts_padded", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    real, real_k = cpu_ops._experts_padded, cpu_kernel.moe_routed
+    monkeypatch.setattr(cpu_ops, "_experts_padded", lambda *a: calls.append(("padded", a[0].shape[0])) or real(*a))
+    monkeypatch.setattr(cpu_kernel, "moe_routed", lambda *a: calls.append(("kernel", a[0].shape[0])) or real_k(*a))
     model = prepared(tiny_model, dtype).model
     x = torch.randn(300, model.cfg.hidden_size, generator=torch.Generator().manual_seed(3)).to(DTYPES[dtype])
     cpu_ops.grouped_moe(x, model.layers[0].mlp)
-    assert calls == ([300] if dtype == "float32" else [])
+    want = [("kernel" if kernel else "padded", 300)]
+    assert calls == (want if dtype == "float32" else [])
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
