@@ -32,6 +32,14 @@ A token's arithmetic here depends only on the state before it, never on where a 
 how long it is: a prompt computed in one chunk or in several gives the same outputs and states bit
 for bit (the chunked form's blocks make it equal only to rounding). The states after inner cuts
 are copies of the running state at those tokens.
+
+The same library holds the CPU path's other fp32 passes, each where torch made several calls or
+passes over memory: a GDN chunk's conv + SiLU and its decode step, its gated norm, an attention
+layer's q / k norms and RoPE, a MoE layer's routed experts (``moe_routed``: the pairs sorted by
+expert, 8-row blocks through both products, ~2.4x torch's grouped form) and a chunk's causal
+attention (``chunk_attention``: an online softmax over 256-key steps, ~1.3x torch's fused op). The
+last two share one register-blocked product (``gemm_block``) in which every output is one running
+sum, so a row's result never depends on which rows share its block, its chunk or its thread.
 """
 
 from __future__ import annotations
@@ -407,11 +415,12 @@ int gated_norm_f32(int64_t T, int64_t H, int64_t E, const float *x, int64_t xt, 
 
 #define MR 8       /* a block's rows (token, expert) pairs */
 
-/* c[r][0..N) = sum_j a[r][j] b[j][0..N), j ascending, for the MR rows of a (a: [MR][Kd]
-   contiguous; b: [Kd][N]; N a multiple of 16): each output one running sum, so a row's result
-   does not depend on the other rows of its block. Two 16-float columns at a time: 16 sums in
-   registers, each b vector read once for the MR rows. */
-static void gemm_block(int64_t Kd, int64_t N, const float *restrict a, const float *restrict b, float *restrict c)
+/* c[r][0..N) = sum_j a[r][j] b[j][0..N), j ascending, for the MR rows of a (a: [MR][Kd] at row
+   stride lda; b: [Kd][N] at row stride ldb; c at row stride ldc; N a multiple of 16): each output
+   one running sum, so a row's result does not depend on the other rows of its block. Two 16-float
+   columns at a time: 16 sums in registers, each b vector read once for the MR rows. */
+static void gemm_block(int64_t Kd, int64_t N, const float *restrict a, int64_t lda, const float *restrict b,
+                       int64_t ldb, float *restrict c, int64_t ldc)
 {
     const v16 zero = {0.0f};
     int64_t col = 0;
@@ -419,26 +428,26 @@ static void gemm_block(int64_t Kd, int64_t N, const float *restrict a, const flo
         v16 acc[MR][2];
         for (int r = 0; r < MR; r++) { acc[r][0] = zero; acc[r][1] = zero; }
         for (int64_t j = 0; j < Kd; j++) {
-            const v16 b0 = *(const v16 *)(b + j * N + col), b1 = *(const v16 *)(b + j * N + col + 16);
+            const v16 b0 = *(const v16 *)(b + j * ldb + col), b1 = *(const v16 *)(b + j * ldb + col + 16);
             for (int r = 0; r < MR; r++) {
-                const float ar = a[r * Kd + j];
+                const float ar = a[r * lda + j];
                 acc[r][0] += ar * b0;
                 acc[r][1] += ar * b1;
             }
         }
         for (int r = 0; r < MR; r++) {
-            *(v16 *)(c + r * N + col) = acc[r][0];
-            *(v16 *)(c + r * N + col + 16) = acc[r][1];
+            *(v16 *)(c + r * ldc + col) = acc[r][0];
+            *(v16 *)(c + r * ldc + col + 16) = acc[r][1];
         }
     }
     for (; col < N; col += 16) {
         v16 acc[MR];
         for (int r = 0; r < MR; r++) acc[r] = zero;
         for (int64_t j = 0; j < Kd; j++) {
-            const v16 b0 = *(const v16 *)(b + j * N + col);
-            for (int r = 0; r < MR; r++) acc[r] += a[r * Kd + j] * b0;
+            const v16 b0 = *(const v16 *)(b + j * ldb + col);
+            for (int r = 0; r < MR; r++) acc[r] += a[r * lda + j] * b0;
         }
-        for (int r = 0; r < MR; r++) *(v16 *)(c + r * N + col) = acc[r];
+        for (int r = 0; r < MR; r++) *(v16 *)(c + r * ldc + col) = acc[r];
     }
 }
 
@@ -493,13 +502,13 @@ int moe_routed_f32(int64_t T, int64_t H, int64_t I, int64_t E, int64_t K, const 
         for (int64_t r = 0; r < MR; r++)
             if (r < n) memcpy(xb + r * H, x + (order[s0 + r] / K) * xs, (size_t)H * sizeof(float));
             else memset(xb + r * H, 0, (size_t)H * sizeof(float));
-        gemm_block(H, 2 * I, xb, gu_t + e * H * 2 * I, gu);
+        gemm_block(H, 2 * I, xb, H, gu_t + e * H * 2 * I, 2 * I, gu, 2 * I);
         for (int64_t r = 0; r < MR; r++)
             for (int64_t l = 0; l < I / 16; l++) {
                 const v16 g = *(const v16 *)(gu + r * 2 * I + 16 * l), u = *(const v16 *)(gu + r * 2 * I + I + 16 * l);
                 *(v16 *)(hb + r * I + 16 * l) = vsilu(g) * u;
             }
-        gemm_block(I, H, hb, d_t + e * I * H, yb);
+        gemm_block(I, H, hb, I, d_t + e * I * H, H, yb, H);
         for (int64_t r = 0; r < n; r++) {
             const float w = top_w[order[s0 + r]];
             v16 *dst = (v16 *)(y + (s0 + r) * H);
@@ -521,6 +530,101 @@ int moe_routed_f32(int64_t T, int64_t H, int64_t I, int64_t E, int64_t K, const 
         for (int64_t j = 0; j < K; j++) {
             const v16 *src = (const v16 *)(y + ps[j] * H);
             for (int64_t l = 0; l < H / 16; l++) o[l] += src[l];
+        }
+    }
+    return 0;
+}
+
+/* ---- one sequence's chunk of causal attention over its keys (fp32) ---- */
+
+#define KB 256     /* keys a step */
+
+/* Tq queries at positions L - Tq .. L - 1 over the sequence's L keys, query row r seeing keys
+   0 .. L - Tq + r (lower-right causal): out = softmax(scale q k^T) v per query head, key / value
+   head h / (Hq / Hkv). q: [Tq, Hq, D] at token stride qt and head stride qh (each head's D
+   floats contiguous); kt: [Hkv][D][ldk], the keys transposed; v: [Hkv][ldk][D]; keys past L up
+   to ldk (a multiple of 16, >= L) must be finite (they are weighted by exact zeros); out: [Tq,
+   Hq, D] contiguous. Blocks of MR queries of one head, KB keys a step, a running max and sum
+   (the online softmax): S = q kt (gemm_block), p = exp(S scale - max) with the keys a row does
+   not see set to exact zeros, o = o c + p v. A block stops at the last key its last row sees;
+   its blocks split over the caller's threads, and a row's arithmetic never depends on its
+   block or thread. */
+int attn_chunk_f32(int64_t Tq, int64_t L, int64_t Hq, int64_t Hkv, int64_t D, const float *q, int64_t qt,
+                   int64_t qh, const float *kt, int64_t ldk, const float *v, float scale, float *out,
+                   int64_t threads)
+{
+    if (D < 16 || D % 16 || D > 512 || Hkv < 1 || Hq % Hkv || Tq < 0 || Tq > L || ldk < L || ldk % 16) return -1;
+    const int64_t start = L - Tq, rep = Hq / Hkv, nqb = (Tq + MR - 1) / MR, items = nqb * Hq;
+#ifdef _OPENMP
+    #pragma omp parallel for schedule(static, 1) num_threads((int)threads) if (threads > 1 && Tq * L >= 16384)
+#endif
+    for (int64_t it = 0; it < items; it++) {
+        const int64_t h = it % Hq, r0 = (it / Hq) * MR, g = h / rep;
+        const int64_t n = Tq - r0 < MR ? Tq - r0 : MR;
+        float qb[MR * D], sb[MR * KB], o[MR * D], tmp[MR * D], m[MR], l[MR];
+        for (int64_t r = 0; r < MR; r++) {
+            if (r < n) memcpy(qb + r * D, q + (r0 + r) * qt + h * qh, (size_t)D * sizeof(float));
+            else memset(qb + r * D, 0, (size_t)D * sizeof(float));
+            m[r] = -INFINITY;
+            l[r] = 0.0f;
+        }
+        memset(o, 0, sizeof(o));
+        const int64_t last = start + r0 + n;                  /* keys [0, last): what the block's rows see */
+        const float *ktg = kt + g * D * ldk, *vg = v + g * ldk * D;
+        for (int64_t k0 = 0; k0 < last; k0 += KB) {
+            const int64_t nk = last - k0 < KB ? last - k0 : KB, nv = (nk + 15) / 16;
+            gemm_block(D, 16 * nv, qb, D, ktg + k0, ldk, sb, KB);
+            for (int64_t r = 0; r < MR; r++) {
+                v16 *row = (v16 *)(sb + r * KB);
+                int64_t seen = start + r0 + r + 1 - k0;       /* the row's keys in this step */
+                if (r >= n || seen < 0) seen = 0;
+                if (seen > nk) seen = nk;
+                const v16 zero = {0.0f};
+                if (seen == 0) {
+                    for (int64_t c = 0; c < nv; c++) row[c] = zero;
+                    continue;
+                }
+                /* whole vectors the row sees, then one partial (lanes at or past ``seen`` cut off
+                   with a lane mask), then nothing */
+                const int64_t full = seen / 16, rem = seen % 16;
+                const i16v lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+                const i16v keep = lane < (i16v){0} + (int32_t)rem;
+                const v16 ninf = zero - INFINITY;
+                v16 mv = ninf;
+                for (int64_t c = 0; c < nv; c++) {
+                    v16 x = row[c] * scale;
+                    if (c == full) x = (v16)(((i16v)x & keep) | ((i16v)ninf & ~keep));
+                    else if (c > full) x = ninf;
+                    row[c] = x;
+                    const i16v gt = x > mv;
+                    mv = (v16)(((i16v)x & gt) | ((i16v)mv & ~gt));
+                }
+                float mx = mv[0];
+                for (int x = 1; x < 16; x++) mx = mv[x] > mx ? mv[x] : mx;
+                const float mnew = mx > m[r] ? mx : m[r], corr = expf(m[r] - mnew);
+                v16 sum = zero;
+                for (int64_t c = 0; c < nv; c++) {
+                    v16 p = vexp(row[c] - mnew);
+                    if (c == full) p = (v16)((i16v)p & keep);
+                    else if (c > full) p = zero;
+                    row[c] = p;
+                    sum += p;
+                }
+                float ps = 0.0f;
+                for (int x = 0; x < 16; x++) ps += sum[x];
+                l[r] = l[r] * corr + ps;
+                m[r] = mnew;
+                v16 *orow = (v16 *)(o + r * D);
+                for (int64_t c = 0; c < D / 16; c++) orow[c] = orow[c] * corr;
+            }
+            gemm_block(16 * nv, D, sb, KB, vg + k0 * D, D, tmp, D);
+            for (int64_t x = 0; x < MR * D / 16; x++) ((v16 *)o)[x] += ((const v16 *)tmp)[x];
+        }
+        for (int64_t r = 0; r < n; r++) {
+            const float inv = 1.0f / l[r];
+            v16 *dst = (v16 *)(out + ((r0 + r) * Hq + h) * D);
+            const v16 *src = (const v16 *)(o + r * D);
+            for (int64_t c = 0; c < D / 16; c++) dst[c] = src[c] * inv;
         }
     }
     return 0;
@@ -606,6 +710,9 @@ def _build() -> ctypes.CDLL:
     f.restype = ctypes.c_int
     f = lib.moe_routed_f32
     f.argtypes = [i64, i64, i64, i64, i64, fp, i64, fp, fp, fp, fp, fp, fp, fp, i64]
+    f.restype = ctypes.c_int
+    f = lib.attn_chunk_f32
+    f.argtypes = [i64, i64, i64, i64, i64, fp, i64, i64, fp, i64, fp, ctypes.c_float, fp, i64]
     f.restype = ctypes.c_int
     f = lib.gdn_step_f32
     f.argtypes = [i64, i64, i64, i64, i64, fp, fp, fp, i64, i64, i64, fp, fp, fp, fp, fp]
@@ -880,4 +987,38 @@ def moe_routed(x: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate_u
         raise ValueError(f"moe_routed_f32: an expert id outside [0, {e})")
     if rc:
         raise ValueError(f"moe_routed_f32: unsupported shapes (H {h}, I {i}, E {e}, k {k})")
+    return out
+
+
+def attention_fits(head_dim: int) -> bool:
+    """Whether ``chunk_attention`` takes heads ``head_dim`` wide: whole 16-float vectors, at most 512."""
+    return fits(head_dim) and head_dim <= 512
+
+
+def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One sequence's chunk of causal attention (``attention.paged_attention``'s arithmetic with
+    its keys gathered): q [Tq, Hq, D] (fp32, each head's D values contiguous, any token and head
+    strides) at positions L - Tq .. L - 1 over the sequence's keys and values k, v [L, Hkv, D]
+    (any float dtype), query r seeing keys 0 .. L - Tq + r. Returns [Tq, Hq, D] fp32."""
+    lib = load()
+    f32 = torch.float32
+    tq, hq, d = q.shape
+    n, hkv = k.shape[0], k.shape[1]
+    if q.dtype != f32 or q.stride(2) != 1 or k.shape != (n, hkv, d) or v.shape != k.shape or not tq <= n \
+            or hkv < 1 or hq % hkv or not attention_fits(d):
+        raise ValueError(f"chunk_attention takes fp32 q [Tq, Hq, D] and k, v [L, Hkv, D] (L >= Tq, Hq a multiple of "
+                         f"Hkv, D a multiple of 16 up to 512): q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")
+    ldk = (n + 15) // 16 * 16
+    kt = torch.empty(hkv, d, ldk, dtype=f32)
+    kt[:, :, :n] = k.permute(1, 2, 0)
+    kt[:, :, n:] = 0.0
+    vt = torch.empty(hkv, ldk, d, dtype=f32)
+    vt[:, :n] = v.transpose(0, 1)
+    vt[:, n:] = 0.0
+    out = torch.empty(tq, hq, d, dtype=f32)
+    rc = lib.attn_chunk_f32(tq, n, hq, hkv, d, q.data_ptr(), q.stride(0), q.stride(1), kt.data_ptr(), ldk,
+                            vt.data_ptr(), float(scale), out.data_ptr(), torch.get_num_threads())
+    if rc:
+        raise ValueError(f"attn_chunk_f32: unsupported shapes (Hq {hq}, Hkv {hkv}, D {d})")
     return out

@@ -631,3 +631,97 @@ def test_the_routed_pass_refuses_what_it_cannot_take():
     with pytest.raises(ValueError, match="expert id"):
         cpu_kernel.moe_routed(x, torch.full((5, 2), 4), wts, gu, down, out)
     assert torch.equal(out, before)
+
+
+# ---- a chunk's causal attention (``chunk_attention``, through ``cpu_ops.chunk_attention``) ----
+
+def _qkv(tq: int, n: int, hq: int = 4, hkv: int = 2, d: int = 64, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(tq, hq, d, generator=gen), torch.randn(n, hkv, d, generator=gen),
+            torch.randn(n, hkv, d, generator=gen))
+
+
+def _attention64(q, k, v, scale):
+    """Float64 lower-right causal attention: query r of Tq sees keys 0 .. L - Tq + r."""
+    tq, n, rep = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
+    qd, kd, vd = q.double(), k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
+    s = torch.einsum("thd,lhd->htl", qd, kd) * scale
+    s = s.masked_fill(torch.arange(n)[None, :] > (n - tq + torch.arange(tq))[:, None], float("-inf"))
+    return torch.einsum("htl,lhd->thd", torch.softmax(s, -1), vd)
+
+
+@pytest.mark.parametrize("span", [(1, 1), (5, 5), (8, 8), (9, 40), (16, 300), (257, 257), (300, 300), (100, 1500),
+                                  (3, 600)], ids=lambda s: f"Tq{s[0]}-L{s[1]}")
+@pytest.mark.parametrize("shape", [(4, 2, 64), (2, 2, 128), (3, 1, 48)], ids=lambda s: f"Hq{s[0]}-Hkv{s[1]}-D{s[2]}")
+def test_the_attention_pass_equals_float64_attention(span, shape):
+    """The compiled chunk attention against float64 math on the same inputs, no worse than the fused
+    torch op it replaces: chunks from position 0 and over a prefix, one query, block edges (8, 9
+    queries of 8-query blocks; 257 and 300 keys across 256-key steps), GQA ratios 1, 2 and 3, head
+    widths 64, 128 and 48."""
+    import torch.nn.functional as F
+    tq, n = span
+    hq, hkv, d = shape
+    q, k, v = _qkv(tq, n, hq, hkv, d, seed=tq + n)
+    scale = d ** -0.5
+    got = cpu_kernel.chunk_attention(q, k, v, scale)
+    truth = _attention64(q, k, v, scale)
+    mask = torch.ones(tq, n, dtype=torch.bool)
+    mask[:, n - tq:] = torch.ones(tq, tq, dtype=torch.bool).tril()
+    fused = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                           attn_mask=mask, scale=scale, enable_gqa=True)[0].transpose(0, 1)
+    assert got.dtype == torch.float32 and got.shape == q.shape
+    err = (got.double() - truth).abs().max()
+    assert err < 2e-6
+    assert err <= 4 * (fused.double() - truth).abs().max() + 1e-7
+
+
+def test_a_querys_attention_does_not_depend_on_its_chunk_or_the_threads():
+    """A query's row is its own running max, sum and products over keys taken in the same 256-key
+    steps from key 0, so it is the same bits computed in one chunk of a prompt or in any later
+    chunk of it (over the same keys), and on 1, 2 or 3 threads — what lets a prompt cut anywhere
+    give the same attention outputs."""
+    q, k, v = _qkv(700, 700, seed=31)
+    before = torch.get_num_threads()
+    runs = {}
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            runs[n] = cpu_kernel.chunk_attention(q, k, v, 0.125)
+        torch.set_num_threads(2)
+        tails = {cut: cpu_kernel.chunk_attention(q[cut:], k, v, 0.125) for cut in (1, 255, 256, 300, 691, 699)}
+        heads = {end: cpu_kernel.chunk_attention(q[:end], k[:end], v[:end], 0.125) for end in (1, 9, 257, 512)}
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(runs[1], runs[2]) and torch.equal(runs[1], runs[3])
+    for cut, got in tails.items():
+        assert torch.equal(got, runs[2][cut:]), cut
+    for end, got in heads.items():
+        assert torch.equal(got, runs[2][:end]), end
+
+
+def test_the_cpu_path_attends_through_the_pass_in_fp32_only(monkeypatch):
+    """``cpu_ops.chunk_attention`` takes the compiled pass for fp32 queries with whole-vector heads
+    and the fused torch op for float64 (the oracle's dtype), bf16 and other widths."""
+    from ninfer.native.model.attention import paged_attention
+    calls = []
+    real = cpu_kernel.chunk_attention
+    monkeypatch.setattr(cpu_kernel, "chunk_attention", lambda *a: calls.append(a[0].dtype) or real(*a))
+    for dt, d, taken in ((torch.float32, 64, True), (torch.float64, 64, False), (torch.bfloat16, 64, False),
+                         (torch.float32, 40, False)):
+        calls.clear()
+        gen = torch.Generator().manual_seed(d)
+        k_cache, v_cache = (torch.randn(4, 64, 2, d, generator=gen).to(dt) for _ in range(2))
+        pages = torch.tensor([2, 0, 3])
+        q = torch.randn(30, 4, d, generator=gen).to(dt)
+        got = cpu_ops.chunk_attention(q, k_cache, v_cache, pages, 100, d ** -0.5)
+        assert calls == ([dt] if taken else [])
+        ref = paged_attention(q.double(), k_cache.double(), v_cache.double(), pages, 100, d ** -0.5)
+        assert (got.double() - ref).abs().max() < (2e-6 if dt == torch.float32 else 2e-2)
+
+
+def test_the_attention_pass_refuses_what_it_cannot_take():
+    q, k, v = _qkv(10, 20)
+    for bad in [(q.double(), k, v), (q, k[:, :, :48], v), (q, k, v[:19]), (q[:, :3], k, v), (q, k[:9], v[:9]),
+                (torch.randn(10, 4, 40), torch.randn(20, 2, 40), torch.randn(20, 2, 40))]:
+        with pytest.raises(ValueError):
+            cpu_kernel.chunk_attention(*bad, 0.125)
