@@ -17,6 +17,8 @@ ALLOWED_PRIVATE = {
     ("ninfer.actors.ray_actors", "os._exit"),                     # the standard library's exit without cleanup
     ("ninfer.benchmarks.speed_vllm", "os._exit"),                 # (vLLM's engine core outlives a normal exit)
     ("ninfer.native.model.fp8", "torch._scaled_mm"),              # torch's FP8 matmul has no public name
+    ("ninfer.native.model.cpu_ops", "w.gate_up._version"),        # a tensor's in-place version counter (autograd's):
+    ("ninfer.native.model.cpu_ops", "w.down._version"),           # no public name; keys a derived weight layout
     ("ninfer.native.kernels.compile_check", "compiler._seen"),    # triton's compiler internals (the check's subject)
     ("ninfer.native.kernels.compile_check", "driver._active"),
     ("ninfer.frontend.server", "refusal._replace"),               # NamedTuple's public API spells it so
