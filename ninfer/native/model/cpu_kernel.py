@@ -411,7 +411,8 @@ int gated_norm_f32(int64_t T, int64_t H, int64_t E, const float *x, int64_t xt, 
         }
     return 0;
 }
-/* ---- a MoE's routed experts over a chunk's tokens (fp32) ---- */
+
+/* ---- a register-blocked product, and a MoE's routed experts over a chunk's tokens (fp32) ---- */
 
 #define MR 8       /* a block's rows (token, expert) pairs */
 

@@ -192,7 +192,9 @@ def _shared_side_by_side(w: MoeWeights, dtype: torch.dtype) -> torch.Tensor:
 def grouped_moe(x: torch.Tensor, w: MoeWeights) -> torch.Tensor:
     """``sparse_moe``'s contract for many rows (a chunk), with fewer passes over [T k, H]
     temporaries: the same routing and grouping (one stable sort of the (token, slot) pairs by
-    expert); in fp32 every expert's rows at once in two batched products (``_experts_padded``),
+    expert). In fp32 the routed experts take the compiled pass where it is built
+    (``cpu_kernel.moe_routed``, ``routed_kernel_fits``; also without a shared expert, over a zero
+    base), else every expert's rows at once in two batched products (``_experts_padded``);
     otherwise a loop in which each expert's routing weights scale its [n, I] activations before
     the down projection (not its [n, H] output after) and each expert writes its rows of one
     buffer (no concatenation); the shared expert's three projections are one matmul, and the
@@ -248,7 +250,8 @@ def routed_kernel_fits(x: torch.Tensor, w: MoeWeights) -> bool:
 def _routed_transposed(w: MoeWeights) -> tuple[torch.Tensor, torch.Tensor]:
     """The experts' gate_up [E, H, 2I] and down [E, I, H] transposed, contiguous: the kernel's
     layout (built once per layer, kept on ``w``; built again when either weight is another tensor
-    or was changed in place — its version counter moved)."""
+    or was changed in place — its version counter moved). A second copy of the routed experts'
+    weights, on a CPU fp32 model only (the tiny model's: 0.8 MB a layer)."""
     key = (w.gate_up.data_ptr(), w.gate_up._version, w.down.data_ptr(), w.down._version)
     t = w.routed_t
     if t is None or t[0] != key:
