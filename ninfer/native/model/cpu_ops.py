@@ -203,12 +203,12 @@ def grouped_moe(x: torch.Tensor, w: MoeWeights) -> torch.Tensor:
     kernel = routed_kernel_fits(x, w)
     if (w.shared_gate_proj is None and not kernel) or x.shape[0] == 0:
         return sparse_moe(x, w)
-    e, two_i, hidden = w.gate_up.shape
-    inter, k = two_i // 2, w.top_k
     top_w, top_i = route(x, w)
     if kernel:           # fp32: the routed experts in one compiled pass, added into the shared expert's output
         base = _shared_expert(x, w) if w.shared_gate_proj is not None else torch.zeros_like(x)
         return cpu_kernel.moe_routed(x, top_i, top_w, *_routed_transposed(w), base)
+    e, two_i, hidden = w.gate_up.shape
+    inter, k = two_i // 2, w.top_k
     flat = top_i.view(-1)
     order = torch.argsort(flat, stable=True)
     tok = order // k
